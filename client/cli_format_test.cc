@@ -1,0 +1,286 @@
+#include "client/cli_format.h"
+
+#include <gmock/gmock.h>
+#include <google/protobuf/util/json_util.h>
+#include <google/protobuf/util/message_differencer.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+
+namespace rollout {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// ---- ParseTokenIds --------------------------------------------------------------------------
+
+TEST(ParseTokenIdsTest, AcceptsCommaSeparatedIds) {
+  absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds("1,2,3");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ElementsAre(1, 2, 3));
+}
+
+TEST(ParseTokenIdsTest, AcceptsWhitespaceSeparatedIds) {
+  absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds("10 20\t30\n40");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ElementsAre(10, 20, 30, 40));
+}
+
+TEST(ParseTokenIdsTest, AcceptsSpacesAroundCommasAndAtTheEnds) {
+  absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds("  7, 8 ,9  ");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ElementsAre(7, 8, 9));
+}
+
+TEST(ParseTokenIdsTest, KeepsOrderAndDuplicates) {
+  absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds("5,5,0,5");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ElementsAre(5, 5, 0, 5));
+}
+
+TEST(ParseTokenIdsTest, AcceptsTheLargestUint32) {
+  absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds("4294967295");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ElementsAre(4294967295u));
+}
+
+TEST(ParseTokenIdsTest, RejectsEmptyAndBlankInput) {
+  for (const char* text : {"", "   ", "\t\n"}) {
+    absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds(text);
+    EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << "'" << text << "'";
+    EXPECT_THAT(ids.status().message(), HasSubstr("empty")) << "'" << text << "'";
+  }
+}
+
+TEST(ParseTokenIdsTest, RejectsEmptyEntriesBetweenOrAfterCommas) {
+  for (const char* text : {"1,,2", "1,", ",1", "1, ,2"}) {
+    absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds(text);
+    EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_THAT(ids.status().message(), HasSubstr("empty entry")) << text;
+  }
+}
+
+TEST(ParseTokenIdsTest, RejectsNegativeIdsSayingSo) {
+  absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds("1,-2,3");
+  EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ids.status().message(), HasSubstr("'-2'"));
+  EXPECT_THAT(ids.status().message(), HasSubstr("negative"));
+}
+
+TEST(ParseTokenIdsTest, RejectsNonNumbersNamingTheEntry) {
+  for (const char* bad : {"abc", "1.5", "+3", "0x10", "1e3", "3-"}) {
+    absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds(std::string("1,") + bad);
+    EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(ids.status().message(), HasSubstr(std::string("'") + bad + "'")) << bad;
+    EXPECT_THAT(ids.status().message(), HasSubstr("not a number")) << bad;
+  }
+}
+
+TEST(ParseTokenIdsTest, RejectsIdsAboveUint32Max) {
+  absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds("4294967296");
+  EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ids.status().message(), HasSubstr("out of range"));
+}
+
+// ---- FormatCompletionTable ------------------------------------------------------------------
+
+rollout::v1::Completion MakeCompletion(uint32_t rollout_index, uint32_t sample_index) {
+  rollout::v1::Completion c;
+  c.set_rollout_index(rollout_index);
+  c.set_sample_index(sample_index);
+  c.set_finish_reason(rollout::v1::FINISH_REASON_LENGTH);
+  c.set_weight_version("w-42");
+  c.set_cached_prompt_tokens(16);
+  c.set_sample_seed(1234567890123ull);
+  return c;
+}
+
+TEST(FormatCompletionTableTest, MatchesGoldenLayoutForOneSample) {
+  rollout::v1::Completion c = MakeCompletion(0, 0);
+  c.set_finish_reason(rollout::v1::FINISH_REASON_STOP);
+  c.add_token_ids(17);
+  c.add_logprobs(-0.5f);
+  c.add_token_ids(151645);
+  c.add_logprobs(-12.25f);
+  GenerateResult result;
+  result.completions = {{c}};
+
+  EXPECT_EQ(FormatCompletionTable(result),
+            "rollout 0 sample 0: finish=STOP seed=1234567890123 weight_version=w-42 "
+            "cached_prompt_tokens=16 tokens=2\n"
+            "  pos |  token |    logprob\n"
+            "    0 |     17 |  -0.500000\n"
+            "    1 | 151645 | -12.250000\n");
+}
+
+TEST(FormatCompletionTableTest, ListsEverySampleOfEveryRolloutInOrder) {
+  GenerateResult result;
+  result.completions = {{MakeCompletion(0, 0), MakeCompletion(0, 1)}, {MakeCompletion(1, 0)}};
+  const std::string table = FormatCompletionTable(result);
+  const size_t a = table.find("rollout 0 sample 0:");
+  const size_t b = table.find("rollout 0 sample 1:");
+  const size_t c = table.find("rollout 1 sample 0:");
+  ASSERT_NE(a, std::string::npos) << table;
+  ASSERT_NE(b, std::string::npos) << table;
+  ASSERT_NE(c, std::string::npos) << table;
+  EXPECT_LT(a, b);
+  EXPECT_LT(b, c);
+  EXPECT_THAT(table, HasSubstr("finish=LENGTH"));
+}
+
+TEST(FormatCompletionTableTest, AddsTopLogprobsColumnOnlyWhenPresent) {
+  rollout::v1::Completion plain = MakeCompletion(0, 0);
+  plain.add_token_ids(3);
+  plain.add_logprobs(-1.0f);
+  GenerateResult without_top;
+  without_top.completions = {{plain}};
+  EXPECT_THAT(FormatCompletionTable(without_top), Not(HasSubstr("top")));
+
+  rollout::v1::Completion with = plain;
+  rollout::v1::TopLogprobs* top = with.add_top_logprobs();
+  rollout::v1::TopLogprob* e = top->add_entries();
+  e->set_token_id(3);
+  e->set_logprob(-1.0f);
+  e = top->add_entries();
+  e->set_token_id(9);
+  e->set_logprob(-2.5f);
+  GenerateResult with_top;
+  with_top.completions = {{with}};
+  const std::string table = FormatCompletionTable(with_top);
+  EXPECT_THAT(table, HasSubstr("| top\n"));
+  EXPECT_THAT(table, HasSubstr("| 3:-1.000000 9:-2.500000\n"));
+}
+
+TEST(FormatCompletionTableTest, ShowsMissingLogprobsInsteadOfHidingThem) {
+  rollout::v1::Completion c = MakeCompletion(0, 0);
+  c.add_token_ids(1);
+  c.add_token_ids(2);
+  c.add_logprobs(-0.25f);  // one short
+  GenerateResult result;
+  result.completions = {{c}};
+  std::vector<std::string> lines = absl::StrSplit(FormatCompletionTable(result), '\n');
+  ASSERT_GE(lines.size(), 4u);
+  EXPECT_THAT(lines[2], ::testing::EndsWith("| -0.250000"));
+  EXPECT_THAT(lines[3], ::testing::MatchesRegex(" +1 \\| +2 \\| +\\?"));
+}
+
+TEST(FormatCompletionTableTest, SaysSoWhenASampleHasNoTokens) {
+  GenerateResult result;
+  result.completions = {{MakeCompletion(0, 0)}};
+  const std::string table = FormatCompletionTable(result);
+  EXPECT_THAT(table, HasSubstr("tokens=0"));
+  EXPECT_THAT(table, HasSubstr("(no tokens)"));
+}
+
+TEST(FormatCompletionTableTest, SaysSoWhenThereAreNoCompletions) {
+  EXPECT_EQ(FormatCompletionTable(GenerateResult()), "(no completions)\n");
+}
+
+// ---- FormatJson -----------------------------------------------------------------------------
+
+TEST(FormatJsonTest, IsOneLineWithProtoFieldNamesAndZeroPrimitives) {
+  rollout::v1::GenerateResponse response;
+  *response.mutable_completion() = MakeCompletion(2, 0);
+  response.mutable_completion()->set_cached_prompt_tokens(0);
+  const std::string json = FormatJson(response);
+  EXPECT_THAT(json, Not(HasSubstr("\n")));
+  EXPECT_THAT(json, HasSubstr("\"completion\""));
+  EXPECT_THAT(json, HasSubstr("\"rollout_index\":2"));
+  EXPECT_THAT(json, HasSubstr("\"sample_index\":0"));
+  EXPECT_THAT(json, HasSubstr("\"cached_prompt_tokens\":0"));
+  EXPECT_THAT(json, HasSubstr("\"finish_reason\":\"FINISH_REASON_LENGTH\""));
+  EXPECT_THAT(json, Not(HasSubstr("\"chunk\"")));
+}
+
+TEST(FormatJsonTest, RoundTripsLogprobsExactly) {
+  rollout::v1::GenerateResponse response;
+  rollout::v1::TokenChunk* chunk = response.mutable_chunk();
+  chunk->set_rollout_index(1);
+  chunk->add_token_ids(99);
+  // Values with no short decimal form: determinism checks compare logprobs bit for bit.
+  chunk->add_logprobs(-0.1f);
+  chunk->add_logprobs(-1.0f / 3.0f);
+  chunk->add_logprobs(-1.17549435e-38f);
+  rollout::v1::GenerateResponse parsed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(FormatJson(response), &parsed).ok());
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(parsed, response))
+      << parsed.DebugString();
+}
+
+// ---- FormatServerInfoTable ------------------------------------------------------------------
+
+rollout::v1::ServerInfo MakeServerInfo() {
+  rollout::v1::ServerInfo info;
+  info.set_server_version("0.1.0");
+  info.set_backend("cpu");
+  info.set_weight_version("sha-abc");
+  rollout::v1::ModelInfo* model = info.mutable_model();
+  model->set_architecture("Qwen3ForCausalLM");
+  model->set_num_layers(28);
+  model->set_vocab_size(151936);
+  model->add_eos_token_ids(151645);
+  model->add_eos_token_ids(151643);
+  model->set_source("/models/qwen3");
+  info.mutable_limits()->set_kv_block_size(16);
+  return info;
+}
+
+TEST(FormatServerInfoTableTest, ShowsTopLevelAndNestedValues) {
+  const std::string table = FormatServerInfoTable(MakeServerInfo());
+  for (const char* expected :
+       {"server_version", "0.1.0", "backend", "cpu", "sha-abc", "Qwen3ForCausalLM", "151936",
+        "/models/qwen3", "kv_block_size", "max_running_samples", "151645,151643"}) {
+    EXPECT_THAT(table, HasSubstr(expected)) << table;
+  }
+}
+
+TEST(FormatServerInfoTableTest, PrintsZeroCountersRatherThanOmittingThem) {
+  rollout::v1::ServerInfo info = MakeServerInfo();
+  info.mutable_counters()->set_kv_blocks_total(100);
+  const std::string table = FormatServerInfoTable(info);
+  std::vector<std::string> lines = absl::StrSplit(table, '\n');
+  bool found = false;
+  for (const std::string& line : lines) {
+    if (line.find("running_samples") != std::string::npos &&
+        line.find("max_running_samples") == std::string::npos) {
+      found = true;
+      EXPECT_EQ(line.back(), '0') << line;
+    }
+  }
+  EXPECT_TRUE(found) << table;
+}
+
+TEST(FormatServerInfoTableTest, MarksSectionsTheServerDidNotSend) {
+  const std::string table = FormatServerInfoTable(MakeServerInfo());  // no counters
+  const size_t counters = table.find("counters\n");
+  ASSERT_NE(counters, std::string::npos) << table;
+  EXPECT_EQ(table.find("(not reported)"), table.find("\n", counters) + 3) << table;
+}
+
+TEST(FormatServerInfoTableTest, AlignsAllValuesInOneColumn) {
+  std::vector<std::string> lines =
+      absl::StrSplit(FormatServerInfoTable(MakeServerInfo()), '\n', absl::SkipEmpty());
+  // Rows are "<key><spaces><value>" with at least two spaces before the value; headings have
+  // no value. Every value must start in the same column.
+  size_t column = std::string::npos;
+  int rows = 0;
+  for (const std::string& line : lines) {
+    const size_t gap = line.find("  ", line.find_first_not_of(' '));
+    if (gap == std::string::npos) continue;  // a heading
+    const size_t value = line.find_first_not_of(' ', gap);
+    if (line.find("(not reported)") != std::string::npos) continue;
+    ASSERT_NE(value, std::string::npos) << line;
+    if (column == std::string::npos) column = value;
+    EXPECT_EQ(value, column) << line;
+    ++rows;
+  }
+  EXPECT_GT(rows, 10);
+}
+
+}  // namespace
+}  // namespace rollout

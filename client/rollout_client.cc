@@ -1,0 +1,188 @@
+#include "client/rollout_client.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace rollout {
+namespace {
+
+using rollout::v1::GenerateRequest;
+using rollout::v1::GenerateResponse;
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open TLS root cert file ", path));
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read TLS root cert file ", path));
+  return contents.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(
+    const ClientOptions& options) {
+  if (!options.tls_root_cert_path.has_value()) return grpc::InsecureChannelCredentials();
+  absl::StatusOr<std::string> pem = ReadFile(*options.tls_root_cert_path);
+  if (!pem.ok()) return pem.status();
+  // An empty PEM would make gRPC silently fall back to its default roots, which is not what a
+  // caller naming a file asked for.
+  if (pem->empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TLS root cert file ", *options.tls_root_cert_path, " is empty"));
+  }
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = *std::move(pem);
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<RolloutClient>> RolloutClient::Connect(
+    const std::string& target, const ClientOptions& options) {
+  if (target.empty()) return absl::InvalidArgumentError("empty server address");
+  if (options.connect_timeout.count() <= 0) {
+    return absl::InvalidArgumentError("connect_timeout must be positive");
+  }
+  if (options.call_timeout.has_value() && options.call_timeout->count() <= 0) {
+    return absl::InvalidArgumentError("call_timeout must be positive when set");
+  }
+  // -1 is gRPC's "unlimited"; 0 would reject every message.
+  if (options.max_receive_message_bytes == 0 || options.max_receive_message_bytes < -1) {
+    return absl::InvalidArgumentError("max_receive_message_bytes must be positive or -1");
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = MakeCredentials(options);
+  if (!credentials.ok()) return credentials.status();
+
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target, *credentials, args);
+  // Without this wait a wrong address only shows up as a vague failure of the first call.
+  const auto deadline = std::chrono::system_clock::now() + options.connect_timeout;
+  if (!channel->WaitForConnected(deadline)) {
+    return absl::UnavailableError(
+        absl::StrFormat("could not connect to %s within %g s", target,
+                        std::chrono::duration<double>(options.connect_timeout).count()));
+  }
+  return std::unique_ptr<RolloutClient>(new RolloutClient(target, options, std::move(channel)));
+}
+
+RolloutClient::RolloutClient(std::string target, ClientOptions options,
+                             std::shared_ptr<grpc::Channel> channel)
+    : target_(std::move(target)),
+      options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(rollout::v1::RolloutService::NewStub(channel_)) {}
+
+void RolloutClient::PrepareContext(grpc::ClientContext* context) const {
+  if (options_.call_timeout.has_value()) {
+    context->set_deadline(std::chrono::system_clock::now() + *options_.call_timeout);
+  }
+  if (options_.bearer_token.has_value()) {
+    // Plain metadata rather than grpc::AccessTokenCredentials: call credentials are refused on
+    // insecure channels, and a loopback deployment may still want the token checked.
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", *options_.bearer_token));
+  }
+}
+
+absl::Status RolloutClient::Generate(
+    const GenerateRequest& request,
+    const std::function<void(const GenerateResponse&)>& on_response) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  std::unique_ptr<grpc::ClientReader<GenerateResponse>> reader = stub_->Generate(&context, request);
+  GenerateResponse response;
+  while (reader->Read(&response)) {
+    on_response(response);
+  }
+  return FromGrpcStatus(reader->Finish());
+}
+
+absl::StatusOr<GenerateResult> RolloutClient::GenerateAll(const GenerateRequest& request) {
+  GenerateResult result;
+  // The shape the server must fill: num_samples 0 means 1.
+  result.completions.resize(request.rollouts_size());
+  std::vector<std::vector<bool>> done(request.rollouts_size());
+  for (int r = 0; r < request.rollouts_size(); ++r) {
+    const uint32_t n = std::max<uint32_t>(1, request.rollouts(r).num_samples());
+    result.completions[r].resize(n);
+    done[r].assign(n, false);
+  }
+  auto in_range = [&](uint32_t rollout_index, uint32_t sample_index) {
+    return rollout_index < done.size() && sample_index < done[rollout_index].size();
+  };
+
+  // The first protocol violation is kept and the rest of the stream drained, so that a server
+  // error status (the likelier root cause) still wins over it.
+  absl::Status violation;
+  absl::Status stream_status = Generate(request, [&](const GenerateResponse& response) {
+    if (!violation.ok()) return;
+    switch (response.item_case()) {
+      case GenerateResponse::kChunk: {
+        const rollout::v1::TokenChunk& chunk = response.chunk();
+        if (!in_range(chunk.rollout_index(), chunk.sample_index())) {
+          violation = absl::InternalError(
+              absl::StrFormat("chunk for rollout %d sample %d, outside the request",
+                              chunk.rollout_index(), chunk.sample_index()));
+        } else if (done[chunk.rollout_index()][chunk.sample_index()]) {
+          violation = absl::InternalError(
+              absl::StrFormat("chunk for rollout %d sample %d after its completion",
+                              chunk.rollout_index(), chunk.sample_index()));
+        } else {
+          result.chunks.push_back(chunk);
+        }
+        return;
+      }
+      case GenerateResponse::kCompletion: {
+        const rollout::v1::Completion& completion = response.completion();
+        const uint32_t r = completion.rollout_index();
+        const uint32_t s = completion.sample_index();
+        if (!in_range(r, s)) {
+          violation = absl::InternalError(
+              absl::StrFormat("completion for rollout %d sample %d, outside the request", r, s));
+        } else if (done[r][s]) {
+          violation = absl::InternalError(
+              absl::StrFormat("second completion for rollout %d sample %d", r, s));
+        } else {
+          done[r][s] = true;
+          result.completions[r][s] = completion;
+        }
+        return;
+      }
+      case GenerateResponse::ITEM_NOT_SET:
+        // A kind of item added to the API after this client was built: skipping it keeps old
+        // clients working against newer servers.
+        return;
+    }
+  });
+  if (!stream_status.ok()) return stream_status;
+  if (!violation.ok()) return violation;
+  for (size_t r = 0; r < done.size(); ++r) {
+    for (size_t s = 0; s < done[r].size(); ++s) {
+      if (!done[r][s]) {
+        return absl::InternalError(
+            absl::StrFormat("stream ended OK without a completion for rollout %d sample %d", r, s));
+      }
+    }
+  }
+  return result;
+}
+
+absl::StatusOr<rollout::v1::ServerInfo> RolloutClient::GetServerInfo() {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  rollout::v1::ServerInfo info;
+  grpc::Status status = stub_->GetServerInfo(&context, rollout::v1::GetServerInfoRequest(), &info);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return info;
+}
+
+}  // namespace rollout

@@ -1,0 +1,86 @@
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "rollout/v1/rollout.grpc.pb.h"
+#include "rollout/v1/rollout.pb.h"
+
+namespace rollout {
+
+inline constexpr int kDefaultMaxReceiveMessageBytes = 256 * 1024 * 1024;
+
+struct ClientOptions {
+  // Connect() blocks until the channel is ready or this elapses, so that a wrong address fails
+  // at once with a clear message instead of on the first call.
+  std::chrono::milliseconds connect_timeout{10'000};
+  // Deadline of every RPC, measured from its start; unset = no deadline. Long generations can
+  // legitimately take minutes, so there is none by default.
+  std::optional<std::chrono::milliseconds> call_timeout;
+  // A Generate stream carries one sample's chunk per message, but a Completion with many
+  // top-logprobs can be large; gRPC's 4 MiB default is too small for that.
+  int max_receive_message_bytes = kDefaultMaxReceiveMessageBytes;
+  // Sent as "authorization: Bearer <token>" metadata on every call when set.
+  std::optional<std::string> bearer_token;
+  // PEM file of the root certificates to trust; when set the channel uses TLS, else plaintext.
+  std::optional<std::string> tls_root_cert_path;
+};
+
+// Everything a Generate stream delivered, arranged by sample.
+struct GenerateResult {
+  // completions[rollout_index][sample_index]; every sample of the request has exactly one.
+  std::vector<std::vector<rollout::v1::Completion>> completions;
+  // Every chunk in arrival order.
+  std::vector<rollout::v1::TokenChunk> chunks;
+};
+
+// Same code, same message: gRPC and Abseil share the canonical status code numbering.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// A client of rollout.v1.RolloutService. Thread-safe: the channel and stub are, and every call
+// uses its own ClientContext.
+class RolloutClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<RolloutClient>> Connect(const std::string& target,
+                                                                const ClientOptions& options);
+
+  RolloutClient(const RolloutClient&) = delete;
+  RolloutClient& operator=(const RolloutClient&) = delete;
+
+  // Calls on_response for every streamed message, in order, on the calling thread; returns the
+  // final status of the stream with the server's code and message intact.
+  absl::Status Generate(
+      const rollout::v1::GenerateRequest& request,
+      const std::function<void(const rollout::v1::GenerateResponse&)>& on_response);
+
+  // Runs Generate to the end and arranges what came back. INTERNAL when the stream broke the
+  // protocol: a sample with no or several completions, an index outside the request, or a
+  // chunk after its sample's completion. Messages of an unknown kind are skipped.
+  absl::StatusOr<GenerateResult> GenerateAll(const rollout::v1::GenerateRequest& request);
+
+  absl::StatusOr<rollout::v1::ServerInfo> GetServerInfo();
+
+  const std::string& target() const { return target_; }
+
+ private:
+  RolloutClient(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+
+  // Applies the per-call deadline and the bearer token.
+  void PrepareContext(grpc::ClientContext* context) const;
+
+  const std::string target_;
+  const ClientOptions options_;
+  const std::shared_ptr<grpc::Channel> channel_;
+  const std::unique_ptr<rollout::v1::RolloutService::Stub> stub_;
+};
+
+}  // namespace rollout

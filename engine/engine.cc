@@ -1,0 +1,322 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "glog/logging.h"
+
+namespace rollout {
+namespace {
+
+constexpr int32_t kMaxTopLogprobs = 20;
+
+bool IsStop(const Sequence& seq, int32_t token, const ModelConfig& config) {
+  const SamplingParams& p = seq.params;
+  if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
+      p.stop_token_ids.end()) {
+    return true;
+  }
+  return !p.ignore_eos && std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(),
+                                    token) != config.eos_token_ids.end();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<ModelRunner> runner,
+                                                       const EngineOptions& options) {
+  if (options.max_running_samples < 1) {
+    return absl::InvalidArgumentError("max running samples must be >= 1");
+  }
+  if (options.max_batch_tokens < runner->attention_split_size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max batch tokens (%d) must be at least the attention split size (%d), so that every "
+        "prefill chunk can end on a split boundary",
+        options.max_batch_tokens, runner->attention_split_size()));
+  }
+  if (options.max_batch_tokens < options.max_running_samples) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max batch tokens (%d) must be at least max running samples (%d): every running "
+        "sample decodes one token per step",
+        options.max_batch_tokens, options.max_running_samples));
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(runner), options));
+}
+
+Engine::Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options)
+    : options_(options),
+      config_(runner->config()),
+      backend_name_(runner->backend_name()),
+      kv_block_size_(runner->kv_block_size()),
+      split_size_(runner->attention_split_size()),
+      num_kv_blocks_(runner->num_kv_blocks()),
+      runner_(std::move(runner)),
+      blocks_(num_kv_blocks_, kv_block_size_),
+      scheduler_(SchedulerOptions{options.max_running_samples, options.max_batch_tokens,
+                                  split_size_},
+                 &blocks_) {
+  PublishCounters();
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+int64_t Engine::max_context() const {
+  return std::min<int64_t>(config_.max_position_embeddings,
+                           static_cast<int64_t>(num_kv_blocks_) * kv_block_size_);
+}
+
+absl::Status Engine::Validate(const SampleSpec& spec) const {
+  const SamplingParams& p = spec.params;
+  const int32_t vocab = config_.vocab_size;
+  if (spec.prompt.empty()) {
+    return absl::InvalidArgumentError("prompt_token_ids is empty; give at least one token");
+  }
+  for (size_t i = 0; i < spec.prompt.size(); ++i) {
+    if (spec.prompt[i] < 0 || spec.prompt[i] >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("prompt_token_ids[%d] = %d is outside the vocabulary [0, %d)", i,
+                          spec.prompt[i], vocab));
+    }
+  }
+  if (p.max_new_tokens < 1) {
+    return absl::InvalidArgumentError("sampling.max_new_tokens must be >= 1");
+  }
+  const int64_t total = static_cast<int64_t>(spec.prompt.size()) + p.max_new_tokens;
+  if (total > max_context()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "prompt (%d tokens) + sampling.max_new_tokens (%d) = %d exceeds the maximum context "
+        "of %d tokens",
+        spec.prompt.size(), p.max_new_tokens, total, max_context()));
+  }
+  if (!std::isfinite(p.temperature) || p.temperature < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sampling.temperature = %g; it must be finite and >= 0 (0 = greedy)", p.temperature));
+  }
+  if (p.top_k < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sampling.top_k = %d; it must be >= 0 (0 = off)", p.top_k));
+  }
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sampling.top_p = %g; it must be in (0, 1]", p.top_p));
+  }
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sampling.min_p = %g; it must be in [0, 1]", p.min_p));
+  }
+  for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
+    if (p.stop_token_ids[i] < 0 || p.stop_token_ids[i] >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("sampling.stop_token_ids[%d] = %d is outside the vocabulary [0, %d)",
+                          i, p.stop_token_ids[i], vocab));
+    }
+  }
+  if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sampling.top_logprobs = %d; at most %d are returned", p.top_logprobs, kMaxTopLogprobs));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Engine::Submit(std::vector<SampleSpec> samples, EventSink sink) {
+  if (samples.empty()) return absl::InvalidArgumentError("no samples to generate");
+  for (const SampleSpec& spec : samples) {
+    if (absl::Status s = Validate(spec); !s.ok()) return s;
+  }
+  uint64_t job_id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return absl::UnavailableError("the engine is shutting down");
+    job_id = next_job_id_++;
+    inbox_.push_back(Submission{job_id, std::move(samples), std::move(sink)});
+  }
+  cv_.notify_all();
+  return job_id;
+}
+
+void Engine::Abort(uint64_t job_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborts_.push_back(job_id);
+  }
+  cv_.notify_all();
+}
+
+EngineCounters Engine::counters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return counters_;
+}
+
+void Engine::PublishCounters() {
+  EngineCounters c;
+  c.running = static_cast<int32_t>(scheduler_.num_running());
+  c.waiting = static_cast<int32_t>(scheduler_.num_waiting());
+  c.kv_blocks_free = blocks_.num_free();
+  c.kv_blocks_total = blocks_.num_total();
+  c.generated_tokens = generated_tokens_;
+  c.prefilled_tokens = prefilled_tokens_;
+  c.steps = steps_;
+  c.preemptions = scheduler_.num_preemptions();
+  std::lock_guard<std::mutex> lock(mu_);
+  counters_ = c;
+}
+
+void Engine::Loop() {
+  for (;;) {
+    std::vector<Submission> submissions;
+    std::vector<uint64_t> aborts;
+    bool stop;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      const bool busy = !scheduler_.idle();
+      cv_.wait(lock, [&] { return stop_ || busy || !inbox_.empty() || !aborts_.empty(); });
+      submissions.swap(inbox_);
+      aborts.swap(aborts_);
+      stop = stop_;
+    }
+    std::map<uint64_t, std::vector<SampleEvent>> events;  // by job id, so delivery is ordered
+    for (Submission& s : submissions) Admit(std::move(s));
+    for (uint64_t job_id : aborts) AbortJob(job_id, &events);
+    if (stop) {
+      while (!jobs_.empty()) AbortJob(jobs_.begin()->first, &events);
+      Deliver(&events);
+      PublishCounters();
+      return;
+    }
+    if (!scheduler_.idle()) Step(&events);
+    Deliver(&events);
+    PublishCounters();
+  }
+}
+
+void Engine::Admit(Submission submission) {
+  Job& job = jobs_[submission.job_id];
+  job.sink = std::move(submission.sink);
+  for (SampleSpec& spec : submission.samples) {
+    auto seq = std::make_unique<Sequence>();
+    seq->arrival = next_arrival_++;
+    seq->job_id = submission.job_id;
+    seq->rollout_index = spec.rollout_index;
+    seq->sample_index = spec.sample_index;
+    seq->params = std::move(spec.params);
+    seq->sample_seed = spec.sample_seed;
+    seq->prompt_len = static_cast<int64_t>(spec.prompt.size());
+    seq->tokens = std::move(spec.prompt);
+    scheduler_.Add(seq.get());
+    job.sequences.push_back(std::move(seq));
+  }
+  job.num_unfinished = job.sequences.size();
+}
+
+void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
+  std::vector<ScheduledChunk> chunks = scheduler_.Schedule();
+  if (chunks.empty()) return;
+  ForwardBatch batch;
+  std::vector<const ScheduledChunk*> sampled;  // chunks whose last row gives logits
+  for (const ScheduledChunk& chunk : chunks) {
+    const int32_t seq_index = static_cast<int32_t>(batch.block_tables.size());
+    batch.block_tables.push_back(chunk.seq->block_table);
+    for (int64_t pos = chunk.begin; pos < chunk.end; ++pos) {
+      batch.token_ids.push_back(chunk.seq->tokens[pos]);
+      batch.positions.push_back(static_cast<int32_t>(pos));
+      batch.token_seq.push_back(seq_index);
+    }
+    const bool decode = chunk.end - chunk.begin == 1 && chunk.seq->num_generated() > 0;
+    if (!decode) prefilled_tokens_ += chunk.end - chunk.begin;
+    if (chunk.wants_logits()) {
+      batch.logit_rows.push_back(static_cast<int32_t>(batch.num_tokens() - 1));
+      sampled.push_back(&chunk);
+    }
+  }
+  ++steps_;
+  if (absl::Status s = runner_->Forward(batch, &logits_); !s.ok()) {
+    // Not reachable with validated input; fail the step's samples rather than the process.
+    LOG(ERROR) << "forward pass failed, aborting its samples: " << s;
+    for (const ScheduledChunk& chunk : chunks) {
+      if (!chunk.seq->finished) Report(chunk.seq, FinishReason::kAbort, events);
+    }
+    return;
+  }
+  for (const ScheduledChunk& chunk : chunks) chunk.seq->num_computed = chunk.end;
+  const int64_t vocab = config_.vocab_size;
+  for (size_t r = 0; r < sampled.size(); ++r) {
+    Sequence* seq = sampled[r]->seq;
+    const int64_t position = seq->num_tokens();  // absolute position of the new token
+    SampleResult result = SampleToken(&logits_[r * vocab], static_cast<int32_t>(vocab),
+                                      seq->params, seq->sample_seed, position, &sampler_scratch_);
+    seq->tokens.push_back(result.token);
+    seq->logprobs.push_back(result.logprob);
+    if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result.top));
+    ++generated_tokens_;
+    std::optional<FinishReason> reason;
+    if (IsStop(*seq, result.token, config_)) {
+      reason = FinishReason::kStop;
+    } else if (seq->num_generated() >= seq->params.max_new_tokens ||
+               seq->num_tokens() >= max_context()) {
+      reason = FinishReason::kLength;
+    }
+    Report(seq, reason, events);
+  }
+}
+
+void Engine::Report(Sequence* seq, std::optional<FinishReason> reason,
+                    std::map<uint64_t, std::vector<SampleEvent>>* events) {
+  SampleEvent event;
+  event.rollout_index = seq->rollout_index;
+  event.sample_index = seq->sample_index;
+  const int64_t from = seq->num_reported;
+  const int64_t to = seq->num_generated();
+  event.new_token_ids.assign(seq->tokens.begin() + seq->prompt_len + from, seq->tokens.end());
+  event.new_logprobs.assign(seq->logprobs.begin() + from, seq->logprobs.end());
+  if (seq->params.top_logprobs > 0) {
+    event.new_top_logprobs.assign(seq->top_logprobs.begin() + from, seq->top_logprobs.end());
+  }
+  seq->num_reported = to;
+  if (reason.has_value()) {
+    seq->finished = true;
+    scheduler_.Remove(seq);
+    SampleCompletion c;
+    c.finish_reason = *reason;
+    c.token_ids.assign(seq->tokens.begin() + seq->prompt_len, seq->tokens.end());
+    c.logprobs = std::move(seq->logprobs);
+    c.top_logprobs = std::move(seq->top_logprobs);
+    c.sample_seed = seq->sample_seed;
+    c.cached_prompt_tokens = 0;
+    c.weight_version = options_.weight_version;
+    event.completion = std::move(c);
+    Job& job = jobs_.at(seq->job_id);
+    --job.num_unfinished;
+  }
+  if (event.new_token_ids.empty() && !event.completion.has_value()) return;
+  (*events)[seq->job_id].push_back(std::move(event));
+}
+
+void Engine::AbortJob(uint64_t job_id, std::map<uint64_t, std::vector<SampleEvent>>* events) {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  for (auto& seq : it->second.sequences) {
+    if (seq->finished) continue;
+    Report(seq.get(), FinishReason::kAbort, events);
+  }
+}
+
+void Engine::Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events) {
+  for (auto& [job_id, job_events] : *events) {
+    auto it = jobs_.find(job_id);
+    CHECK(it != jobs_.end());
+    it->second.sink(std::move(job_events));
+    if (it->second.num_unfinished == 0) jobs_.erase(it);
+  }
+  events->clear();
+}
+
+}  // namespace rollout

@@ -1,0 +1,164 @@
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/kv_block_manager.h"
+#include "engine/model_runner.h"
+#include "engine/scheduler.h"
+#include "engine/sequence.h"
+
+namespace rollout {
+
+struct EngineOptions {
+  int32_t max_running_samples = 64;
+  int32_t max_batch_tokens = 512;
+  std::string weight_version = "0";
+};
+
+// One sample to generate.
+struct SampleSpec {
+  int32_t rollout_index = 0;  // echoed back in events
+  int32_t sample_index = 0;
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+  uint64_t sample_seed = 0;
+};
+
+// The end of a sample: everything it generated.
+struct SampleCompletion {
+  FinishReason finish_reason = FinishReason::kAbort;
+  std::vector<int32_t> token_ids;
+  std::vector<float> logprobs;
+  std::vector<std::vector<TokenLogprob>> top_logprobs;  // empty unless asked
+  uint64_t sample_seed = 0;
+  int32_t cached_prompt_tokens = 0;
+  std::string weight_version;
+};
+
+// What happened to one sample in one engine step: tokens generated since its last event, and
+// on its last event the completion.
+struct SampleEvent {
+  int32_t rollout_index = 0;
+  int32_t sample_index = 0;
+  std::vector<int32_t> new_token_ids;
+  std::vector<float> new_logprobs;
+  std::vector<std::vector<TokenLogprob>> new_top_logprobs;
+  std::optional<SampleCompletion> completion;
+};
+
+// Receives a job's events, once per engine step in which any of its samples changed, on the
+// engine thread. Must not block. Every sample gets exactly one event with a completion, the
+// job's last call carrying the last one.
+using EventSink = std::function<void(std::vector<SampleEvent> events)>;
+
+struct EngineCounters {
+  int32_t running = 0;
+  int32_t waiting = 0;
+  int32_t kv_blocks_free = 0;
+  int32_t kv_blocks_total = 0;
+  uint64_t generated_tokens = 0;
+  uint64_t prefilled_tokens = 0;
+  uint64_t steps = 0;
+  uint64_t preemptions = 0;
+};
+
+// The inference engine: one thread owns the scheduler, the KV blocks and the model runner and
+// loops schedule -> forward -> sample -> report. Every public method is thread-safe; callers
+// talk to the engine thread through a queue and never wait for a step.
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<ModelRunner> runner,
+                                                         const EngineOptions& options);
+  // Aborts whatever is in flight (each sample still gets its completion) and joins the thread.
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const ModelConfig& model_config() const { return config_; }
+  const EngineOptions& options() const { return options_; }
+  const char* backend_name() const { return backend_name_; }
+  int32_t kv_block_size() const { return kv_block_size_; }
+  int32_t attention_split_size() const { return split_size_; }
+  // Longest prompt + generation of one sample: the model's context, bounded by the KV cache.
+  int64_t max_context() const;
+
+  // Checks one sample against the model and limits; the message names the field and the
+  // bound, for the caller to prefix with where the sample came from.
+  absl::Status Validate(const SampleSpec& spec) const;
+
+  // Validates every sample, then queues them all (in order) as one job. Returns the job id.
+  absl::StatusOr<uint64_t> Submit(std::vector<SampleSpec> samples, EventSink sink);
+
+  // Ends every unfinished sample of the job with FinishReason::kAbort. Unknown or finished jobs
+  // are ignored.
+  void Abort(uint64_t job_id);
+
+  EngineCounters counters() const;
+
+ private:
+  struct Job {
+    EventSink sink;
+    std::vector<std::unique_ptr<Sequence>> sequences;
+    size_t num_unfinished = 0;
+  };
+  struct Submission {
+    uint64_t job_id;
+    std::vector<SampleSpec> samples;
+    EventSink sink;
+  };
+
+  Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options);
+  void Loop();
+  void Admit(Submission submission);
+  void Step(std::map<uint64_t, std::vector<SampleEvent>>* events);
+  // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
+  void Report(Sequence* seq, std::optional<FinishReason> reason,
+              std::map<uint64_t, std::vector<SampleEvent>>* events);
+  void AbortJob(uint64_t job_id, std::map<uint64_t, std::vector<SampleEvent>>* events);
+  void Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events);
+  void PublishCounters();
+
+  // Constant after construction.
+  const EngineOptions options_;
+  const ModelConfig config_;
+  const char* const backend_name_;
+  const int32_t kv_block_size_;
+  const int32_t split_size_;
+  const int32_t num_kv_blocks_;
+
+  // Engine thread only.
+  std::unique_ptr<ModelRunner> runner_;
+  KvBlockManager blocks_;
+  Scheduler scheduler_;
+  std::map<uint64_t, Job> jobs_;
+  uint64_t next_arrival_ = 0;
+  uint64_t generated_tokens_ = 0;
+  uint64_t prefilled_tokens_ = 0;
+  uint64_t steps_ = 0;
+  std::vector<float> logits_;
+  std::vector<float> sampler_scratch_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  // Protected by mu_.
+  std::vector<Submission> inbox_;
+  std::vector<uint64_t> aborts_;
+  uint64_t next_job_id_ = 1;
+  bool stop_ = false;
+  EngineCounters counters_;
+
+  std::thread thread_;  // last: starts after everything above is built
+};
+
+}  // namespace rollout

@@ -1,0 +1,44 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/model_config.h"
+
+namespace rollout {
+
+// One engine step's tokens, flattened: prefill chunks and decode tokens of many sequences.
+struct ForwardBatch {
+  std::vector<int32_t> token_ids;   // [num_tokens]
+  std::vector<int32_t> positions;   // [num_tokens] absolute position in its sequence
+  std::vector<int32_t> token_seq;   // [num_tokens] index into block_tables
+  std::vector<std::vector<int32_t>> block_tables;  // per sequence: KV block ids
+  std::vector<int32_t> logit_rows;  // tokens whose next-token logits are wanted, ascending
+
+  int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
+};
+
+// A backend's forward pass with its KV cache. Owned and called by the engine thread only.
+// Contract: the logits of a row are a pure function of the weights and the tokens at positions
+// [0, position] of its sequence -- bitwise, whatever the rest of the batch, the chunking, or
+// where the cached KV came from.
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  virtual const char* backend_name() const = 0;
+  virtual int32_t num_kv_blocks() const = 0;
+  virtual int32_t kv_block_size() const = 0;
+  // Prefill chunks are cut at multiples of this (absolute positions).
+  virtual int32_t attention_split_size() const = 0;
+
+  // Writes the K/V of every token into its block slot, then returns the fp32 logits of
+  // batch.logit_rows: [logit_rows.size(), vocab_size] in `logits`.
+  // REQUIRES: every block table covers its tokens' positions.
+  virtual absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) = 0;
+};
+
+}  // namespace rollout

@@ -1,0 +1,107 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace rollout {
+
+enum class DType { kF32, kF16, kBF16 };
+
+// "F32", "F16", "BF16" as written in safetensors headers.
+const char* DTypeName(DType dtype);
+size_t DTypeSize(DType dtype);
+// The inverse of DTypeName; anything else (e.g. "I64") is INVALID_ARGUMENT naming it.
+absl::StatusOr<DType> ParseDType(std::string_view name);
+// "[a, b]", as used in error messages.
+std::string ShapeToString(const std::vector<int64_t>& shape);
+
+// A tensor inside a mapped checkpoint file. Borrowed: valid while its Checkpoint lives.
+struct TensorView {
+  DType dtype;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;  // little-endian, row-major
+  size_t nbytes = 0;
+};
+
+// A Hugging Face checkpoint directory: config.json plus either model.safetensors or
+// model.safetensors.index.json with its shards. Files are memory-mapped read-only.
+// Immutable after Open; safe to read from any thread.
+class Checkpoint {
+ public:
+  // Opens `dir`. Corrupt headers, offsets outside the file, overlapping tensors, unknown
+  // dtypes, byte counts that disagree with shape x dtype, a missing shard, or a tensor named in
+  // the index but absent from its shard are errors naming the file and tensor.
+  static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
+
+  ~Checkpoint();
+  Checkpoint(const Checkpoint&) = delete;
+  Checkpoint& operator=(const Checkpoint&) = delete;
+
+  const std::string& dir() const { return dir_; }
+  const std::string& config_json() const { return config_json_; }
+  // nullptr when absent.
+  const TensorView* Find(const std::string& name) const;
+  std::vector<std::string> TensorNames() const;  // sorted
+
+  // Converts the named tensor to fp32, checking that it exists and has `shape`.
+  // NOT_FOUND / INVALID_ARGUMENT name the tensor and the expected vs actual shape.
+  absl::StatusOr<std::vector<float>> ReadF32(const std::string& name,
+                                             const std::vector<int64_t>& shape) const;
+
+ private:
+  struct MappedFile;
+  Checkpoint() = default;
+
+  std::string dir_;
+  std::string config_json_;
+  std::vector<std::unique_ptr<MappedFile>> files_;
+  std::map<std::string, TensorView> tensors_;
+};
+
+// A tensor to write, held in host memory.
+struct HostTensor {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;  // exactly prod(shape) * DTypeSize(dtype)
+};
+
+// Writes one .safetensors file (header sorted by name, 8-byte aligned data). The file appears
+// atomically (temp file + rename).
+absl::Status WriteSafetensors(const std::string& path, const std::vector<HostTensor>& tensors);
+
+// A tensor's header entry, for writers that produce the bytes on the fly.
+struct TensorMeta {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+};
+
+// Receives the next `size` bytes of the tensor being written.
+using ByteSink = std::function<absl::Status(const uint8_t* data, size_t size)>;
+// Writes all prod(shape) * DTypeSize(dtype) bytes of `tensor` into `sink`, in any number of
+// calls. Called once per tensor, in name order.
+using TensorProducer = std::function<absl::Status(const TensorMeta& tensor, const ByteSink& sink)>;
+
+// WriteSafetensors without holding the tensors in memory (multi-GB checkpoints): the header is
+// written from `tensors`, then `produce` streams each tensor's bytes. Also writes to a temp file
+// and renames it, so an error or crash never leaves a partial `path`.
+absl::Status WriteSafetensorsStreaming(const std::string& path, std::vector<TensorMeta> tensors,
+                                       const TensorProducer& produce);
+
+// fp32 <-> bf16 (round to nearest even) and fp16 conversions.
+uint16_t F32ToBF16(float x);
+float BF16ToF32(uint16_t x);
+uint16_t F32ToF16(float x);
+float F16ToF32(uint16_t x);
+
+}  // namespace rollout

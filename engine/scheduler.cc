@@ -1,0 +1,102 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+#include "glog/logging.h"
+
+namespace rollout {
+
+Scheduler::Scheduler(const SchedulerOptions& options, KvBlockManager* blocks)
+    : options_(options), blocks_(blocks) {
+  CHECK_GT(options.split_size, 0);
+  CHECK_GE(options.max_batch_tokens, options.split_size);
+}
+
+void Scheduler::InsertByArrival(Sequence* seq, std::vector<Sequence*>* list) {
+  auto it = std::upper_bound(list->begin(), list->end(), seq,
+                             [](Sequence* a, Sequence* b) { return a->arrival < b->arrival; });
+  list->insert(it, seq);
+}
+
+void Scheduler::Add(Sequence* seq) { InsertByArrival(seq, &waiting_); }
+
+void Scheduler::Remove(Sequence* seq) {
+  for (auto* list : {&running_, &waiting_}) {
+    auto it = std::find(list->begin(), list->end(), seq);
+    if (it != list->end()) list->erase(it);
+  }
+  blocks_->Release(&seq->block_table);
+}
+
+void Scheduler::Preempt(Sequence* seq) {
+  auto it = std::find(running_.begin(), running_.end(), seq);
+  CHECK(it != running_.end());
+  running_.erase(it);
+  blocks_->Release(&seq->block_table);
+  seq->num_computed = 0;
+  InsertByArrival(seq, &waiting_);
+  ++num_preemptions_;
+}
+
+Sequence* Scheduler::LatestUnscheduled(const std::vector<ScheduledChunk>& chunks) const {
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    bool scheduled = false;
+    for (const ScheduledChunk& c : chunks) scheduled |= c.seq == *it;
+    if (!scheduled) return *it;
+  }
+  LOG(FATAL) << "no unscheduled running sequence to preempt";
+}
+
+int64_t Scheduler::ChunkEnd(const Sequence& seq, int64_t budget) const {
+  const int64_t remaining = seq.num_tokens() - seq.num_computed;
+  if (remaining <= budget) return seq.num_tokens();
+  const int64_t split = options_.split_size;
+  return (seq.num_computed + budget) / split * split;
+}
+
+std::vector<ScheduledChunk> Scheduler::Schedule() {
+  std::vector<ScheduledChunk> chunks;
+  int64_t budget = options_.max_batch_tokens;
+  // Two passes over the running set: decoders (one token each) before prefills, so that long
+  // prompts cannot stall the streams of sequences already generating.
+  for (bool decode_pass : {true, false}) {
+    for (size_t i = 0; i < running_.size() && budget > 0;) {
+      Sequence* seq = running_[i];
+      const bool decoding = seq->num_computed == seq->num_tokens() - 1;
+      if (decoding != decode_pass) {
+        ++i;
+        continue;
+      }
+      const int64_t end = ChunkEnd(*seq, budget);
+      if (end <= seq->num_computed) {
+        ++i;
+        continue;
+      }
+      if (!blocks_->Grow(end, &seq->block_table)) {
+        // The latest arrival not already in this step gives way; since everything before
+        // index i is scheduled or skipped, that is seq itself or one behind it.
+        Preempt(LatestUnscheduled(chunks));
+        continue;  // retry running_[i]: seq again, or its successor if seq was the victim
+      }
+      chunks.push_back({seq, seq->num_computed, end});
+      budget -= end - seq->num_computed;
+      ++i;
+    }
+  }
+  while (!waiting_.empty() && budget > 0 &&
+         static_cast<int32_t>(running_.size()) < options_.max_running) {
+    Sequence* seq = waiting_.front();
+    const int64_t end = ChunkEnd(*seq, budget);
+    if (end <= seq->num_computed) break;
+    // Reserve KV for the whole known sequence up front, so an admitted prefill never waits on
+    // blocks midway.
+    if (!blocks_->Grow(seq->num_tokens(), &seq->block_table)) break;
+    waiting_.erase(waiting_.begin());
+    InsertByArrival(seq, &running_);
+    chunks.push_back({seq, seq->num_computed, end});
+    budget -= end - seq->num_computed;
+  }
+  return chunks;
+}
+
+}  // namespace rollout

@@ -1,0 +1,63 @@
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/kv_block_manager.h"
+#include "engine/sequence.h"
+
+namespace rollout {
+
+struct SchedulerOptions {
+  int32_t max_running = 64;       // sequences holding KV and taking part in steps
+  int32_t max_batch_tokens = 512; // tokens computed in one step (decode + prefill chunks)
+  int32_t split_size = 64;        // prefill chunks end at multiples of this, or at the prompt end
+};
+
+// Tokens [begin, end) of one sequence to run this step.
+struct ScheduledChunk {
+  Sequence* seq;
+  int64_t begin;
+  int64_t end;
+  bool wants_logits() const { return end == seq->num_tokens(); }
+};
+
+// Continuous batching with chunked prefill, FCFS by arrival; engine thread only. The schedule
+// is a pure function of the arrival order and the outputs, so it is reproducible; no result
+// bit depends on it (the model runner's rows are batch invariant).
+class Scheduler {
+ public:
+  // `blocks` is borrowed and must outlive the scheduler.
+  Scheduler(const SchedulerOptions& options, KvBlockManager* blocks);
+
+  // Queues a sequence (it may be partly generated: its KV is recomputed).
+  void Add(Sequence* seq);
+  // Forgets a sequence wherever it is and releases its KV blocks.
+  void Remove(Sequence* seq);
+
+  // Picks this step's work. Running decoders first (oldest first), then running prefills, then
+  // new admissions in arrival order while the head of the queue fits (strict FCFS). When a
+  // running sequence needs a KV block and none is free, the latest arrival is preempted: its
+  // blocks are freed and it goes back to the queue, to be recomputed later.
+  std::vector<ScheduledChunk> Schedule();
+
+  size_t num_running() const { return running_.size(); }
+  size_t num_waiting() const { return waiting_.size(); }
+  bool idle() const { return running_.empty() && waiting_.empty(); }
+  uint64_t num_preemptions() const { return num_preemptions_; }
+
+ private:
+  // End of the next chunk of `seq` within `budget` tokens; <= num_computed when none fits.
+  int64_t ChunkEnd(const Sequence& seq, int64_t budget) const;
+  void Preempt(Sequence* seq);
+  Sequence* LatestUnscheduled(const std::vector<ScheduledChunk>& chunks) const;
+  static void InsertByArrival(Sequence* seq, std::vector<Sequence*>* list);
+
+  const SchedulerOptions options_;
+  KvBlockManager* const blocks_;
+  std::vector<Sequence*> running_;  // ascending arrival
+  std::vector<Sequence*> waiting_;  // ascending arrival
+  uint64_t num_preemptions_ = 0;
+};
+
+}  // namespace rollout

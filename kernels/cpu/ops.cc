@@ -1,0 +1,317 @@
+#include "kernels/cpu/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+// Bitwise contract of this file: wherever a product feeds a sum, the code says so explicitly with
+// a fused multiply-add (one rounding). GCC contracts a * b + c into an FMA at its own discretion
+// in C++ (-ffp-contract=fast is its default even with -std=c++17), so spelling the FMA out is what
+// pins the arithmetic: the vectorised MatMul tile performs, per lane, exactly Dot's FMAs in Dot's
+// order, and a build without FMA hardware (ROLLOUT_CPU_ARCH=x86-64) computes the same bits, only
+// slower. ops_test checks Dot bitwise against a scalar transcription of this order.
+namespace rollout::cpu {
+namespace {
+
+constexpr int kLanes = 16;
+
+// Eight fp32 lanes: one AVX register on x86-64-v3, two SSE registers elsewhere.
+typedef float Float8 __attribute__((vector_size(32)));
+typedef float Float4 __attribute__((vector_size(16)));
+
+inline __attribute__((always_inline)) Float8 Load8(const float* p) {
+  Float8 v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned load; results never depend on alignment
+  return v;
+}
+
+// a * b + c per lane, rounded once.
+inline __attribute__((always_inline)) Float8 Fma8(Float8 a, Float8 b, Float8 c) {
+#if defined(__FMA__)
+  return reinterpret_cast<Float8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
+                                                  reinterpret_cast<__m256>(b),
+                                                  reinterpret_cast<__m256>(c)));
+#else
+  Float8 r;
+  for (int l = 0; l < 8; ++l) r[l] = std::fma(a[l], b[l], c[l]);
+  return r;
+#endif
+}
+
+// The end of every dot product, given its lanes 0-7 and 8-15: elements [begin, n) (fewer than
+// 16) go into lane i % 16 in increasing i, then the 16 lanes are combined by the fixed tree
+// acc[l] += acc[l + 8] (l < 8), acc[l] += acc[l + 4] (l < 4), acc[l] += acc[l + 2] (l < 2),
+// acc[0] + acc[1] -- written with vector halves, which are exactly those lane-wise adds.
+inline __attribute__((always_inline)) float FinishDot(Float8 lo, Float8 hi, const float* a,
+                                                      const float* b, int64_t begin, int64_t n) {
+  if (begin < n) {
+    float acc[kLanes];
+    std::memcpy(acc, &lo, sizeof(lo));
+    std::memcpy(acc + 8, &hi, sizeof(hi));
+    for (int64_t i = begin; i < n; ++i) {
+      acc[i % kLanes] = std::fma(a[i], b[i], acc[i % kLanes]);
+    }
+    std::memcpy(&lo, acc, sizeof(lo));
+    std::memcpy(&hi, acc + 8, sizeof(hi));
+  }
+  const Float8 s8 = lo + hi;
+  Float4 s8_lo, s8_hi;
+  std::memcpy(&s8_lo, &s8, sizeof(Float4));
+  std::memcpy(&s8_hi, reinterpret_cast<const char*>(&s8) + sizeof(Float4), sizeof(Float4));
+  const Float4 s4 = s8_lo + s8_hi;
+  const float s2_0 = s4[0] + s4[2];
+  const float s2_1 = s4[1] + s4[3];
+  return s2_0 + s2_1;
+}
+
+// y[r, c] = Dot(x[r], w[c], k) (+ bias[c]) for MR rows of x and NR rows of w: MR * NR dot
+// products share each load. Lanes 0-7 and 8-15 of a dot product never interact before the final
+// tree, so the two halves run as separate passes over k: one 8-wide accumulator per dot keeps the
+// whole tile in registers. Per lane, the FMAs are exactly Dot's, in Dot's order.
+template <int MR, int NR>
+void DotTile(const float* x, const float* w, int64_t k, const float* bias, float* y,
+             int64_t ldy) {
+  const int64_t k_full = k / kLanes * kLanes;
+  Float8 lanes_lo[MR][NR];  // lanes 0-7 of each dot, parked while lanes 8-15 run
+  for (int half = 0; half < 2; ++half) {
+    Float8 sum[MR][NR];
+    for (int r = 0; r < MR; ++r) {
+      for (int c = 0; c < NR; ++c) sum[r][c] = Float8{};
+    }
+    for (int64_t i = half * 8; i < k_full; i += kLanes) {
+      Float8 wv[NR];
+      for (int c = 0; c < NR; ++c) wv[c] = Load8(w + c * k + i);
+      for (int r = 0; r < MR; ++r) {
+        const Float8 xv = Load8(x + r * k + i);
+        for (int c = 0; c < NR; ++c) sum[r][c] = Fma8(xv, wv[c], sum[r][c]);
+      }
+    }
+    if (half == 0) {
+      for (int r = 0; r < MR; ++r) {
+        for (int c = 0; c < NR; ++c) lanes_lo[r][c] = sum[r][c];
+      }
+      continue;
+    }
+    for (int r = 0; r < MR; ++r) {
+      for (int c = 0; c < NR; ++c) {
+        float d = FinishDot(lanes_lo[r][c], sum[r][c], x + r * k, w + c * k, k_full, k);
+        if (bias != nullptr) d += bias[c];
+        y[r * ldy + c] = d;
+      }
+    }
+  }
+}
+
+// The register tile: 4 x 3 = 12 accumulators + 3 weight vectors + 1 product = 16 AVX registers.
+constexpr int kTileRows = 4;
+constexpr int kTileCols = 3;
+
+using DotTileFn = void (*)(const float*, const float*, int64_t, const float*, float*, int64_t);
+
+// kTileFns[mr - 1][nr - 1] handles the edge tiles of a matrix whose sides are not multiples of
+// the tile.
+constexpr DotTileFn kTileFns[kTileRows][kTileCols] = {
+    {DotTile<1, 1>, DotTile<1, 2>, DotTile<1, 3>},
+    {DotTile<2, 1>, DotTile<2, 2>, DotTile<2, 3>},
+    {DotTile<3, 1>, DotTile<3, 2>, DotTile<3, 3>},
+    {DotTile<4, 1>, DotTile<4, 2>, DotTile<4, 3>},
+};
+
+// Columns of one cache panel: its weight rows (about 128 KiB) stay in L2 while every row block
+// of x walks across them, and each row block stays in L1 while it does.
+constexpr int64_t kPanelBytes = 128 * 1024;
+// Smallest work (multiply-adds) worth handing to another thread.
+constexpr int64_t kMinChunkMacs = 32 * 1024;
+
+// Columns [col_begin, col_end) of y for all m rows.
+void MatMulColumns(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
+                   const float* bias, float* y, int64_t col_begin, int64_t col_end) {
+  const int64_t row_bytes = std::max<int64_t>(k, 1) * static_cast<int64_t>(sizeof(float));
+  const int64_t panel =
+      std::max<int64_t>(kTileCols, kPanelBytes / row_bytes / kTileCols * kTileCols);
+  for (int64_t p0 = col_begin; p0 < col_end; p0 += panel) {
+    const int64_t p1 = std::min(col_end, p0 + panel);
+    for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+      const int64_t mr = std::min<int64_t>(kTileRows, m - r0);
+      for (int64_t c0 = p0; c0 < p1; c0 += kTileCols) {
+        const int64_t nr = std::min<int64_t>(kTileCols, p1 - c0);
+        kTileFns[mr - 1][nr - 1](x + r0 * k, w + c0 * k, k, bias == nullptr ? nullptr : bias + c0,
+                                 y + r0 * n + c0, n);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+float Dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  const int64_t n_full = n / kLanes * kLanes;
+  for (int64_t i = 0; i < n_full; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(a[i + l], b[i + l], acc[l]);
+  }
+  Float8 lo, hi;
+  std::memcpy(&lo, acc, sizeof(lo));
+  std::memcpy(&hi, acc + 8, sizeof(hi));
+  return FinishDot(lo, hi, a, b, n_full, n);
+}
+
+void MatMul(ThreadPool* pool, const float* x, int64_t m, int64_t k, const float* w, int64_t n,
+            const float* bias, float* y) {
+  if (m <= 0 || n <= 0) return;
+  // Threads split output columns in whole tile widths; every element's arithmetic is fixed by
+  // DotTile, so neither the split nor m can change a bit.
+  const int64_t num_groups = (n + kTileCols - 1) / kTileCols;
+  const int64_t macs_per_group = std::max<int64_t>(1, m * k * kTileCols);
+  const int64_t grain = std::max<int64_t>(1, kMinChunkMacs / macs_per_group);
+  auto columns = [&](int64_t g0, int64_t g1) {
+    MatMulColumns(x, m, k, w, n, bias, y, g0 * kTileCols, std::min(n, g1 * kTileCols));
+  };
+  if (pool == nullptr) {
+    columns(0, num_groups);
+  } else {
+    pool->ParallelFor(num_groups, grain, columns);
+  }
+}
+
+void RmsNorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float* yr = y + r * dim;
+    const float mean = Dot(xr, xr, dim) / static_cast<float>(dim);
+    const float inv_rms = 1.0f / std::sqrt(mean + eps);
+    for (int64_t i = 0; i < dim; ++i) {
+      const float scaled = xr[i] * inv_rms;
+      yr[i] = scaled * weight[i];
+    }
+  }
+}
+
+void ApplyRope(float* x, const int32_t* positions, int64_t num_tokens, int64_t num_heads,
+               int64_t head_dim, float theta) {
+  const int64_t half = head_dim / 2;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const double pos = static_cast<double>(positions[t]);
+    float* xt = x + t * num_heads * head_dim;  // [num_heads, head_dim]
+    for (int64_t i = 0; i < half; ++i) {
+      const double inv_freq =
+          std::pow(static_cast<double>(theta), -(2.0 * static_cast<double>(i)) / head_dim);
+      const double angle = pos * inv_freq;
+      const float cos_a = static_cast<float>(std::cos(angle));
+      const float sin_a = static_cast<float>(std::sin(angle));
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* xh = xt + h * head_dim;
+        const float x1 = xh[i];
+        const float x2 = xh[i + half];
+        // The second product is rounded, the first fused into the sum: written out so the
+        // compiler cannot pick a different contraction.
+        xh[i] = std::fma(x1, cos_a, -(x2 * sin_a));
+        xh[i + half] = std::fma(x2, cos_a, x1 * sin_a);
+      }
+    }
+  }
+}
+
+void SiluMul(const float* gate_up, int64_t rows, int64_t dim, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gate_up + r * 2 * dim;
+    const float* up = gate + dim;
+    float* o = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) {
+      const float g = gate[i];
+      const float silu = g / (1.0f + std::exp(-g));
+      o[i] = silu * up[i];
+    }
+  }
+}
+
+void Add(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+namespace {
+
+// Offset in floats of (position, kv head) in one of the cache's [num_blocks, block_size,
+// num_kv_heads, head_dim] arrays, for a sequence with block table `table`.
+inline int64_t SlotOffset(const KvCacheLayer& cache, const int32_t* table, int64_t position,
+                          int64_t kv_head) {
+  const int64_t block = table[position / cache.block_size];
+  const int64_t slot = block * cache.block_size + position % cache.block_size;
+  return (slot * cache.num_kv_heads + kv_head) * cache.head_dim;
+}
+
+// Below this many multiply-adds a whole attention call runs on the calling thread.
+constexpr int64_t kMinParallelAttentionMacs = 16 * 1024;
+
+}  // namespace
+
+void WriteKv(const float* k, const float* v, const TokenSlots& slots, KvCacheLayer cache) {
+  const int64_t row = cache.num_kv_heads * cache.head_dim;  // floats per token
+  for (int64_t t = 0; t < slots.num_tokens; ++t) {
+    const int64_t offset = SlotOffset(cache, slots.block_tables[t], slots.positions[t], 0);
+    std::memcpy(cache.k + offset, k + t * row, row * sizeof(float));
+    std::memcpy(cache.v + offset, v + t * row, row * sizeof(float));
+  }
+}
+
+void PagedAttention(ThreadPool* pool, const float* q, const TokenSlots& slots, int64_t num_heads,
+                    KvCacheLayer cache, float scale, float* out) {
+  const int64_t head_dim = cache.head_dim;
+  const int64_t group = num_heads / cache.num_kv_heads;  // query heads per kv head
+  const int64_t num_rows = slots.num_tokens * num_heads;
+  if (num_rows <= 0) return;
+
+  // One (token, head) row per index: rows are independent, so any split gives the same bits.
+  auto rows = [&](int64_t row_begin, int64_t row_end) {
+    int64_t max_len = 0;
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      max_len = std::max<int64_t>(max_len, slots.positions[r / num_heads] + 1);
+    }
+    std::vector<float> weights(max_len);  // per-chunk scratch: s_j, then w_j
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      const int64_t t = r / num_heads;
+      const int64_t kv_head = (r % num_heads) / group;
+      const int64_t len = static_cast<int64_t>(slots.positions[t]) + 1;
+      const int32_t* table = slots.block_tables[t];
+      const float* qr = q + r * head_dim;  // [head_dim]
+      float* o = out + r * head_dim;       // [head_dim]
+
+      float max_score = -INFINITY;
+      for (int64_t j = 0; j < len; ++j) {
+        const float s = Dot(qr, cache.k + SlotOffset(cache, table, j, kv_head), head_dim) * scale;
+        weights[j] = s;
+        max_score = std::max(max_score, s);
+      }
+      float denom = 0.0f;
+      for (int64_t j = 0; j < len; ++j) {
+        const float wj = std::exp(weights[j] - max_score);
+        weights[j] = wj;
+        denom += wj;
+      }
+      std::fill(o, o + head_dim, 0.0f);
+      for (int64_t j = 0; j < len; ++j) {
+        const float wj = weights[j];
+        const float* vj = cache.v + SlotOffset(cache, table, j, kv_head);
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = std::fma(wj, vj[d], o[d]);
+      }
+      for (int64_t d = 0; d < head_dim; ++d) o[d] /= denom;
+    }
+  };
+
+  int64_t total_macs = 0;
+  for (int64_t t = 0; t < slots.num_tokens; ++t) {
+    total_macs += (static_cast<int64_t>(slots.positions[t]) + 1) * num_heads * head_dim * 2;
+  }
+  if (pool == nullptr || total_macs < kMinParallelAttentionMacs) {
+    rows(0, num_rows);
+  } else {
+    pool->ParallelFor(num_rows, 1, rows);
+  }
+}
+
+}  // namespace rollout::cpu

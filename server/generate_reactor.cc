@@ -1,0 +1,113 @@
+#include "server/generate_reactor.h"
+
+#include <utility>
+
+#include "glog/logging.h"
+#include "server/proto_convert.h"
+#include "server/status_util.h"
+
+namespace rollout {
+
+GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request)
+    : service_(service), stream_(std::make_shared<Stream>()) {
+  stream_->reactor = this;
+  // Until Submit, no other thread knows this call, so errors finish without the lock.
+  absl::StatusOr<std::vector<SampleSpec>> specs = ToSampleSpecs(*request, *service_->engine());
+  absl::Status status = specs.status();
+  std::vector<std::string> ids;
+  if (status.ok()) {
+    for (const v1::RolloutRequest& r : request->rollouts()) {
+      if (!r.request_id().empty()) ids.push_back(r.request_id());
+    }
+    status = service_->ClaimRequestIds(ids);
+  }
+  if (!status.ok()) {
+    stream_->finished = true;
+    Finish(ToGrpcStatus(status));
+    return;
+  }
+  request_ids_ = std::move(ids);
+  stream_->completions_left = specs->size();
+  // The sink holds the stream, not the reactor: the reactor may be gone when an event comes.
+  std::shared_ptr<Stream> stream = stream_;
+  absl::StatusOr<uint64_t> job;
+  {
+    // Held across Submit so that OnCancel sees the job id and events wait for it.
+    std::lock_guard<std::mutex> lock(stream_->mu);
+    job = service_->engine()->Submit(*std::move(specs), [stream](std::vector<SampleEvent> events) {
+      std::lock_guard<std::mutex> lock(stream->mu);
+      if (stream->reactor == nullptr) return;
+      stream->reactor->OnEvents(std::move(events));
+    });
+    if (job.ok()) {
+      job_id_ = *job;
+      submitted_ = true;
+      return;
+    }
+    stream_->finished = true;
+  }
+  Finish(ToGrpcStatus(job.status()));
+}
+
+void GenerateReactor::OnEvents(std::vector<SampleEvent> events) {
+  // Called with stream_->mu held, on the engine thread.
+  Stream& s = *stream_;
+  if (s.finished || s.cancelled) return;
+  std::vector<v1::GenerateResponse> responses;
+  for (SampleEvent& event : events) {
+    if (event.completion.has_value()) --s.completions_left;
+    AppendResponses(std::move(event), &responses);
+  }
+  for (v1::GenerateResponse& r : responses) s.queue.push_back(std::move(r));
+  if (!s.writing && !s.queue.empty()) {
+    s.writing = true;
+    StartWrite(&s.queue.front());
+  }
+}
+
+void GenerateReactor::OnWriteDone(bool ok) {
+  std::lock_guard<std::mutex> lock(stream_->mu);
+  Stream& s = *stream_;
+  s.queue.pop_front();
+  s.writing = false;
+  if (!ok || s.cancelled) {
+    // The client is gone; nothing more can be delivered.
+    s.cancelled = true;
+    if (submitted_) service_->engine()->Abort(job_id_);
+    FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+    return;
+  }
+  if (!s.queue.empty()) {
+    s.writing = true;
+    StartWrite(&s.queue.front());
+  } else if (s.completions_left == 0) {
+    FinishLocked(grpc::Status::OK);
+  }
+}
+
+void GenerateReactor::OnCancel() {
+  std::lock_guard<std::mutex> lock(stream_->mu);
+  Stream& s = *stream_;
+  s.cancelled = true;
+  if (submitted_) service_->engine()->Abort(job_id_);
+  if (!s.writing) FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+}
+
+void GenerateReactor::FinishLocked(const grpc::Status& status) {
+  if (stream_->finished) return;
+  stream_->finished = true;
+  Finish(status);
+}
+
+void GenerateReactor::OnDone() {
+  {
+    std::lock_guard<std::mutex> lock(stream_->mu);
+    stream_->reactor = nullptr;
+    // A call that ended early (write failure) must not leave samples running.
+    if (submitted_ && stream_->completions_left > 0) service_->engine()->Abort(job_id_);
+  }
+  service_->ReleaseRequestIds(request_ids_);
+  delete this;
+}
+
+}  // namespace rollout

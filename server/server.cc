@@ -1,0 +1,141 @@
+#include "server/server.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "engine/cpu_model_runner.h"
+#include "engine/random_model.h"
+#include "engine/safetensors.h"
+#include "glog/logging.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/server_builder.h"
+
+namespace rollout {
+namespace {
+
+constexpr char kDefaultPreset[] = "small";
+constexpr uint64_t kDefaultSeed = 0;
+
+std::string CacheRoot() {
+  if (const char* dir = std::getenv("ROLLOUT_CACHE_DIR"); dir != nullptr && *dir != '\0') {
+    return dir;
+  }
+  if (const char* dir = std::getenv("XDG_CACHE_HOME"); dir != nullptr && *dir != '\0') {
+    return absl::StrCat(dir, "/rollout");
+  }
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    return absl::StrCat(home, "/.cache/rollout");
+  }
+  return "/tmp/rollout-cache";
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> EnsureDefaultModel() {
+  namespace fs = std::filesystem;
+  const std::string dir = absl::StrCat(CacheRoot(), "/", kDefaultPreset, "-seed", kDefaultSeed);
+  std::error_code ec;
+  if (fs::exists(fs::path(dir) / "config.json", ec)) return dir;
+  fs::create_directories(CacheRoot(), ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", CacheRoot(), ": ", ec.message()));
+  // Written beside and renamed into place, so concurrent starts never see half a model.
+  const std::string tmp = absl::StrCat(dir, ".tmp.", getpid());
+  RandomModelOptions options;
+  options.preset = kDefaultPreset;
+  options.seed = kDefaultSeed;
+  LOG(INFO) << "writing the embedded default model (preset " << kDefaultPreset << ", seed "
+            << kDefaultSeed << ") to " << dir;
+  if (absl::Status s = WriteRandomModel(options, tmp); !s.ok()) return s;
+  fs::rename(tmp, dir, ec);
+  if (ec) {
+    fs::remove_all(tmp, ec);  // another process won the race; its copy is identical
+    if (!fs::exists(fs::path(dir) / "config.json")) {
+      return absl::InternalError(absl::StrCat("cannot move the default model into ", dir));
+    }
+  }
+  return dir;
+}
+
+absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const ServerOptions& options) {
+  auto server = std::unique_ptr<RolloutServer>(new RolloutServer());
+  if (options.model_dir.empty()) {
+    absl::StatusOr<std::string> dir = EnsureDefaultModel();
+    if (!dir.ok()) return dir.status();
+    server->model_dir_ = *dir;
+  } else {
+    server->model_dir_ = options.model_dir;
+  }
+  if (options.backend != "cpu") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "backend '%s' is not available in this build (available: cpu)", options.backend));
+  }
+  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(server->model_dir_);
+  if (!checkpoint.ok()) return checkpoint.status();
+  CpuRunnerOptions runner_options;
+  runner_options.kv_cache_bytes = options.kv_cache_bytes;
+  runner_options.kv_block_size = options.kv_block_size;
+  runner_options.attention_split_size = options.attention_split_size;
+  runner_options.num_threads = options.num_threads;
+  absl::StatusOr<std::unique_ptr<CpuModelRunner>> runner =
+      CpuModelRunner::Create(**checkpoint, runner_options);
+  if (!runner.ok()) return runner.status();
+  const ModelConfig& c = (*runner)->config();
+  LOG(INFO) << absl::StrFormat(
+      "loaded %s from %s: %d layers, hidden %d, %d/%d heads x %d, vocab %d; KV cache %d blocks "
+      "x %d tokens (%.1f MiB) on the %s backend",
+      c.architecture, server->model_dir_, c.num_layers, c.hidden_size, c.num_attention_heads,
+      c.num_key_value_heads, c.head_dim, c.vocab_size, (*runner)->num_kv_blocks(),
+      (*runner)->kv_block_size(), options.kv_cache_bytes / 1048576.0, (*runner)->backend_name());
+  EngineOptions engine_options;
+  engine_options.max_running_samples = options.max_running_samples;
+  engine_options.max_batch_tokens = options.max_batch_tokens;
+  engine_options.weight_version = options.weight_version;
+  absl::StatusOr<std::unique_ptr<Engine>> engine =
+      Engine::Create(*std::move(runner), engine_options);
+  if (!engine.ok()) return engine.status();
+  server->engine_ = *std::move(engine);
+  server->service_ = std::make_unique<RolloutServiceImpl>(server->engine_.get(),
+                                                          ServedModel{server->model_dir_});
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.RegisterService(server->service_.get());
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxSendMessageSize(256 << 20);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrFormat(
+        "cannot listen on %s (address in use or not a valid host:port)", options.address));
+  }
+  server->server_->GetHealthCheckService()->SetServingStatus(true);
+  LOG(INFO) << "rollout server listening on port " << server->port_ << " (" << options.address
+            << ")";
+  return server;
+}
+
+void RolloutServer::Wait() { server_->Wait(); }
+
+void RolloutServer::Shutdown() {
+  if (server_ == nullptr) return;
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  // In-flight streams are cancelled at the deadline; their reactors abort their samples.
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+}
+
+RolloutServer::~RolloutServer() {
+  Shutdown();
+  if (server_ != nullptr) server_->Wait();
+  server_.reset();
+  engine_.reset();
+  service_.reset();
+}
+
+}  // namespace rollout

@@ -1,0 +1,58 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/engine.h"
+#include "grpcpp/server.h"
+#include "server/rollout_service.h"
+
+namespace rollout {
+
+struct ServerOptions {
+  std::string address = "127.0.0.1:50051";  // port 0 picks a free port
+  std::string model_dir;                    // empty: the embedded default model
+  std::string backend = "cpu";
+  int64_t kv_cache_bytes = 256ll << 20;
+  int32_t kv_block_size = 16;
+  int32_t attention_split_size = 64;
+  int32_t max_running_samples = 64;
+  int32_t max_batch_tokens = 512;
+  int32_t num_threads = 0;  // CPU backend: 0 = all cores
+  std::string weight_version = "0";
+};
+
+// The embedded default model: the "small" preset with seed 0, written once (atomically) under
+// $ROLLOUT_CACHE_DIR, else $XDG_CACHE_HOME/rollout, else ~/.cache/rollout, and loaded through
+// the same checkpoint loader as any Hugging Face model. Returns its directory.
+absl::StatusOr<std::string> EnsureDefaultModel();
+
+// A running server: engine, service and gRPC server (with grpc.health.v1). Thread-safe.
+class RolloutServer {
+ public:
+  // Loads the model, starts the engine and listens. Errors name what failed (model path,
+  // address in use, ...).
+  static absl::StatusOr<std::unique_ptr<RolloutServer>> Start(const ServerOptions& options);
+  // Shuts down: stops accepting, aborts in-flight samples, waits for calls to finish.
+  ~RolloutServer();
+
+  int port() const { return port_; }
+  const std::string& model_dir() const { return model_dir_; }
+  Engine* engine() const { return engine_.get(); }
+  // Blocks until Shutdown() is called from another thread.
+  void Wait();
+  void Shutdown();
+
+ private:
+  RolloutServer() = default;
+
+  std::string model_dir_;
+  int port_ = 0;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<RolloutServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+}  // namespace rollout

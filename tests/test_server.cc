@@ -1,0 +1,81 @@
+#include "tests/test_server.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+
+namespace rollout::testing {
+
+std::unique_ptr<TestServer> StartTestServer(ServerOptions options) {
+  // One model cache per test binary, so tests never depend on the user's cache.
+  static const bool cache_set = [] {
+    setenv("ROLLOUT_CACHE_DIR", (::testing::TempDir() + "rollout-test-cache").c_str(), 1);
+    return true;
+  }();
+  (void)cache_set;
+  if (options.address == ServerOptions().address) options.address = "127.0.0.1:0";
+  auto t = std::make_unique<TestServer>();
+  absl::StatusOr<std::unique_ptr<RolloutServer>> server = RolloutServer::Start(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return nullptr;
+  t->server = *std::move(server);
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  t->channel = grpc::CreateCustomChannel(t->address(), grpc::InsecureChannelCredentials(), args);
+  t->stub = v1::RolloutService::NewStub(t->channel);
+  return t;
+}
+
+GenerateOutcome RunGenerate(v1::RolloutService::Stub* stub, const v1::GenerateRequest& request) {
+  GenerateOutcome out;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+  auto reader = stub->Generate(&context, request);
+  v1::GenerateResponse response;
+  out.completions.resize(request.rollouts_size());
+  for (int i = 0; i < request.rollouts_size(); ++i) {
+    out.completions[i].resize(std::max<uint32_t>(1, request.rollouts(i).num_samples()));
+  }
+  while (reader->Read(&response)) {
+    if (response.has_completion()) {
+      const v1::Completion& c = response.completion();
+      EXPECT_LT(c.rollout_index(), out.completions.size());
+      if (c.rollout_index() < out.completions.size() &&
+          c.sample_index() < out.completions[c.rollout_index()].size()) {
+        out.completions[c.rollout_index()][c.sample_index()] = c;
+      }
+    }
+    out.responses.push_back(response);
+  }
+  out.status = reader->Finish();
+  return out;
+}
+
+v1::RolloutRequest MakeRollout(const std::vector<uint32_t>& prompt, uint64_t seed,
+                               uint32_t max_new_tokens, float temperature, std::string id) {
+  v1::RolloutRequest r;
+  r.set_request_id(std::move(id));
+  for (uint32_t t : prompt) r.add_prompt_token_ids(t);
+  r.set_seed(seed);
+  r.mutable_sampling()->set_max_new_tokens(max_new_tokens);
+  r.mutable_sampling()->set_temperature(temperature);
+  return r;
+}
+
+std::string Fingerprint(const v1::Completion& completion) {
+  std::string out;
+  for (uint32_t t : completion.token_ids()) absl::StrAppend(&out, t, ",");
+  absl::StrAppend(&out, "|");
+  for (float lp : completion.logprobs()) {
+    uint32_t bits;
+    std::memcpy(&bits, &lp, sizeof(bits));
+    absl::StrAppend(&out, absl::Hex(bits), ",");
+  }
+  absl::StrAppend(&out, "|", completion.finish_reason());
+  return out;
+}
+
+}  // namespace rollout::testing
