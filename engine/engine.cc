@@ -187,14 +187,15 @@ void Engine::Loop() {
     for (Submission& s : submissions) Admit(std::move(s));
     for (uint64_t job_id : aborts) AbortJob(job_id, &events);
     if (stop) {
-      while (!jobs_.empty()) AbortJob(jobs_.begin()->first, &events);
-      Deliver(&events);
+      for (const auto& [job_id, job] : jobs_) AbortJob(job_id, &events);
       PublishCounters();
+      Deliver(&events);
       return;
     }
     if (!scheduler_.idle()) Step(&events);
-    Deliver(&events);
+    // Counters first: a caller that has seen an event sees the state that produced it.
     PublishCounters();
+    Deliver(&events);
   }
 }
 

@@ -63,12 +63,21 @@ int Run() {
   const int64_t params = rollout::ParameterCount(*config);
   const uint64_t total_bytes = static_cast<uint64_t>(params) * rollout::DTypeSize(options.dtype);
   if (total_bytes >= kProgressBytes) {
+    // Tensors arrive in name order, so a layer's tensors are contiguous: report each group
+    // (layer, or lone tensor) once it is complete.
     std::string group;
-    options.progress = [&group](const std::string& tensor, uint64_t done, uint64_t total) {
+    uint64_t group_done = 0;
+    options.progress = [&](const std::string& tensor, uint64_t done, uint64_t total) {
       const std::string next = ProgressGroup(tensor);
-      if (next == group && done != total) return;
+      if (next != group && !group.empty()) {
+        std::fprintf(stderr, "  %-28s %7.2f / %.2f GB\n", group.c_str(), group_done / 1e9,
+                     total / 1e9);
+      }
       group = next;
-      std::fprintf(stderr, "  %-28s %7.2f / %.2f GB\n", group.c_str(), done / 1e9, total / 1e9);
+      group_done = done;
+      if (done == total) {
+        std::fprintf(stderr, "  %-28s %7.2f / %.2f GB\n", group.c_str(), done / 1e9, total / 1e9);
+      }
     };
     std::fprintf(stderr, "writing %.2f GB to %s ...\n", total_bytes / 1e9, out.c_str());
   }

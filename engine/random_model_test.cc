@@ -284,7 +284,9 @@ TEST(RandomModelTest, Qwen2ConfigGetsBiasesThatLoad) {
 }
 
 TEST(RandomModelTest, UnknownPresetListsTheKnownNames) {
-  absl::Status s = WriteRandomModel(RandomModelOptions{"huge"}, TestDir());
+  RandomModelOptions options;
+  options.preset = "huge";
+  absl::Status s = WriteRandomModel(options, TestDir());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("'huge'"));
   for (const std::string& name : PresetNames()) EXPECT_THAT(s.message(), HasSubstr(name));

@@ -1,0 +1,228 @@
+#include "engine/engine.h"
+
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cpu_model_runner.h"
+#include "engine/random_model.h"
+#include "engine/sampler.h"
+#include "gtest/gtest.h"
+
+namespace rollout {
+namespace {
+
+const std::string& TinyModelDir() {
+  static const std::string dir = [] {
+    std::string d = ::testing::TempDir() + "engine-test-tiny";
+    RandomModelOptions options;
+    options.preset = "tiny";
+    options.seed = 3;
+    absl::Status s = WriteRandomModel(options, d);
+    EXPECT_TRUE(s.ok()) << s;
+    return d;
+  }();
+  return dir;
+}
+
+std::unique_ptr<Engine> MakeEngine(CpuRunnerOptions runner_options, EngineOptions options = {}) {
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(TinyModelDir());
+  EXPECT_TRUE(ck.ok()) << ck.status();
+  absl::StatusOr<std::unique_ptr<CpuModelRunner>> runner =
+      CpuModelRunner::Create(**ck, runner_options);
+  EXPECT_TRUE(runner.ok()) << runner.status();
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*std::move(runner), options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return *std::move(engine);
+}
+
+// Collects one job's completions and waits for all of them.
+class Collector {
+ public:
+  explicit Collector(size_t n) : completions_(n) {}
+  EventSink Sink() {
+    return [this](std::vector<SampleEvent> events) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (SampleEvent& e : events) {
+        streamed_[e.sample_index].insert(streamed_[e.sample_index].end(),
+                                         e.new_token_ids.begin(), e.new_token_ids.end());
+        if (e.completion.has_value()) {
+          completions_[e.sample_index] = *std::move(e.completion);
+          ++done_;
+        }
+      }
+      cv_.notify_all();
+    };
+  }
+  std::vector<SampleCompletion> Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_ == completions_.size(); });
+    return completions_;
+  }
+  std::vector<int32_t> streamed(int i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return streamed_[i];
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<SampleCompletion> completions_;
+  std::map<int, std::vector<int32_t>> streamed_;
+  size_t done_ = 0;
+};
+
+std::string Bits(const SampleCompletion& c) {
+  std::string out;
+  for (int32_t t : c.token_ids) absl::StrAppend(&out, t, ",");
+  for (float lp : c.logprobs) {
+    uint32_t b;
+    std::memcpy(&b, &lp, 4);
+    absl::StrAppend(&out, b, ";");
+  }
+  absl::StrAppend(&out, static_cast<int>(c.finish_reason));
+  return out;
+}
+
+// A fixed mix of prompts (short, page-crossing, multi-chunk) and sampling settings.
+std::vector<SampleSpec> Workload() {
+  std::vector<SampleSpec> specs;
+  const std::vector<int> lengths = {1, 5, 17, 40, 90, 130};
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    SampleSpec s;
+    s.sample_index = static_cast<int32_t>(i);
+    for (int t = 0; t < lengths[i]; ++t) s.prompt.push_back((t * 31 + i * 7 + 3) % 256);
+    s.params.temperature = i % 2 == 0 ? 0.0f : 0.8f;
+    s.params.top_p = i % 3 == 0 ? 0.9f : 1.0f;
+    s.params.max_new_tokens = 20 + static_cast<int32_t>(i);
+    s.params.ignore_eos = true;
+    s.sample_seed = DeriveSampleSeed(99, static_cast<uint32_t>(i));
+    specs.push_back(s);
+  }
+  return specs;
+}
+
+std::vector<std::string> RunWorkload(Engine* engine, std::vector<SampleSpec> specs) {
+  Collector collector(specs.size());
+  EXPECT_TRUE(engine->Submit(specs, collector.Sink()).ok());
+  std::vector<std::string> bits;
+  for (const SampleCompletion& c : collector.Wait()) bits.push_back(Bits(c));
+  return bits;
+}
+
+TEST(EngineTest, ChunkSizeSplitSizeAndBudgetDoNotChangeAnyBit) {
+  const std::vector<std::string> reference = RunWorkload(MakeEngine({}).get(), Workload());
+  struct Config {
+    int32_t split, budget, running;
+  };
+  for (Config c : {Config{16, 16, 4}, Config{32, 48, 8}, Config{64, 64, 64}, Config{16, 200, 2}}) {
+    CpuRunnerOptions runner;
+    runner.attention_split_size = c.split;
+    runner.num_threads = 1 + c.split % 3;
+    EngineOptions options;
+    options.max_batch_tokens = c.budget;
+    options.max_running_samples = c.running;
+    EXPECT_EQ(RunWorkload(MakeEngine(runner, options).get(), Workload()), reference)
+        << "split " << c.split << " budget " << c.budget << " running " << c.running;
+  }
+}
+
+TEST(EngineTest, EachSampleAloneEqualsTheMixedBatch) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  const std::vector<SampleSpec> specs = Workload();
+  const std::vector<std::string> together = RunWorkload(engine.get(), specs);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(RunWorkload(engine.get(), {specs[i]})[0], together[i]) << "sample " << i;
+  }
+}
+
+TEST(EngineTest, PreemptionUnderKvPressureGivesTheSameBits) {
+  const std::vector<std::string> reference = RunWorkload(MakeEngine({}).get(), Workload());
+  CpuRunnerOptions small;
+  // Room for about 12 blocks of 16 tokens: the workload needs many more at once.
+  small.kv_cache_bytes = 12ll * 16 * 2 * 2 * 2 * 16 * sizeof(float);
+  std::unique_ptr<Engine> engine = MakeEngine(small);
+  ASSERT_LT(engine->counters().kv_blocks_total, 20);
+  EXPECT_EQ(RunWorkload(engine.get(), Workload()), reference);
+  EXPECT_GT(engine->counters().preemptions, 0u);
+  EXPECT_EQ(engine->counters().kv_blocks_free, engine->counters().kv_blocks_total);
+}
+
+TEST(EngineTest, StreamedTokensEqualTheCompletion) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  std::vector<SampleSpec> specs = Workload();
+  Collector collector(specs.size());
+  ASSERT_TRUE(engine->Submit(specs, collector.Sink()).ok());
+  std::vector<SampleCompletion> done = collector.Wait();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(collector.streamed(static_cast<int>(i)), done[i].token_ids);
+    EXPECT_EQ(done[i].token_ids.size(), done[i].logprobs.size());
+    EXPECT_EQ(done[i].finish_reason, FinishReason::kLength);
+    EXPECT_EQ(static_cast<int32_t>(done[i].token_ids.size()), specs[i].params.max_new_tokens);
+  }
+}
+
+TEST(EngineTest, AbortEndsSamplesWithTheirTokensSoFarAndFreesKv) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  SampleSpec spec = Workload()[2];
+  spec.params.max_new_tokens = 400;
+  Collector collector(1);
+  absl::StatusOr<uint64_t> job = engine->Submit({spec}, collector.Sink());
+  ASSERT_TRUE(job.ok());
+  while (collector.streamed(0).size() < 3) std::this_thread::yield();
+  engine->Abort(*job);
+  SampleCompletion c = collector.Wait()[0];
+  EXPECT_EQ(c.finish_reason, FinishReason::kAbort);
+  EXPECT_GE(c.token_ids.size(), 3u);
+  EXPECT_LT(c.token_ids.size(), 400u);
+  EXPECT_EQ(c.token_ids, collector.streamed(0));
+  for (int i = 0; i < 100 && engine->counters().running > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(engine->counters().kv_blocks_free, engine->counters().kv_blocks_total);
+}
+
+TEST(EngineTest, DestroyingTheEngineCompletesEverySampleWithAbort) {
+  Collector collector(3);
+  {
+    std::unique_ptr<Engine> engine = MakeEngine({});
+    std::vector<SampleSpec> specs(3, Workload()[1]);
+    for (int i = 0; i < 3; ++i) {
+      specs[i].sample_index = i;
+      specs[i].params.max_new_tokens = 400;
+    }
+    ASSERT_TRUE(engine->Submit(specs, collector.Sink()).ok());
+  }
+  for (const SampleCompletion& c : collector.Wait()) {
+    EXPECT_EQ(c.finish_reason, FinishReason::kAbort);
+  }
+}
+
+TEST(EngineTest, SubmitRejectsInvalidSamplesWithAnActionableMessage) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  SampleSpec spec = Workload()[0];
+  spec.prompt.push_back(256);
+  absl::StatusOr<uint64_t> job = engine->Submit({spec}, [](std::vector<SampleEvent>) {});
+  ASSERT_FALSE(job.ok());
+  EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(job.status().message().find("outside the vocabulary [0, 256)"), std::string::npos)
+      << job.status();
+}
+
+TEST(EngineTest, CreateRejectsABudgetSmallerThanTheSplitSize) {
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(TinyModelDir());
+  ASSERT_TRUE(ck.ok());
+  auto runner = CpuModelRunner::Create(**ck, {});
+  ASSERT_TRUE(runner.ok());
+  EngineOptions options;
+  options.max_batch_tokens = 32;  // split size is 64
+  options.max_running_samples = 8;
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*std::move(runner), options);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("split size"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace rollout

@@ -1,0 +1,105 @@
+#include "engine/scheduler.h"
+
+#include <memory>
+
+#include "gtest/gtest.h"
+
+namespace rollout {
+namespace {
+
+std::unique_ptr<Sequence> MakeSeq(uint64_t arrival, int64_t prompt_len) {
+  auto seq = std::make_unique<Sequence>();
+  seq->arrival = arrival;
+  seq->prompt_len = prompt_len;
+  seq->tokens.assign(prompt_len, 1);
+  return seq;
+}
+
+// Applies a schedule as the engine would: computed tokens advance; a finished prefill or a
+// decode step appends one generated token.
+void Apply(const std::vector<ScheduledChunk>& chunks) {
+  for (const ScheduledChunk& c : chunks) {
+    const bool logits = c.wants_logits();
+    c.seq->num_computed = c.end;
+    if (logits) c.seq->tokens.push_back(2);
+  }
+}
+
+TEST(SchedulerTest, PrefillChunksEndOnSplitBoundariesWithinTheBudget) {
+  KvBlockManager blocks(100, 16);
+  Scheduler scheduler({/*max_running=*/8, /*max_batch_tokens=*/100, /*split_size=*/32}, &blocks);
+  auto seq = MakeSeq(0, 150);
+  scheduler.Add(seq.get());
+  std::vector<int64_t> ends;
+  while (seq->num_computed < 150) {
+    std::vector<ScheduledChunk> chunks = scheduler.Schedule();
+    ASSERT_EQ(chunks.size(), 1u);
+    ends.push_back(chunks[0].end);
+    Apply(chunks);
+  }
+  // 100 tokens of budget -> 96 (3 splits), then 96..150 fits.
+  EXPECT_EQ(ends, (std::vector<int64_t>{96, 150}));
+  EXPECT_EQ(seq->num_tokens(), 151);
+}
+
+TEST(SchedulerTest, DecodersRunBeforePrefillsAndAdmissionIsFcfs) {
+  KvBlockManager blocks(100, 16);
+  Scheduler scheduler({8, 64, 32}, &blocks);
+  auto a = MakeSeq(0, 10), b = MakeSeq(1, 200), c = MakeSeq(2, 5);
+  scheduler.Add(c.get());
+  scheduler.Add(b.get());
+  scheduler.Add(a.get());  // added last, arrived first
+  std::vector<ScheduledChunk> first = scheduler.Schedule();
+  ASSERT_GE(first.size(), 2u);
+  EXPECT_EQ(first[0].seq, a.get());
+  EXPECT_EQ(first[1].seq, b.get());
+  EXPECT_EQ(first[1].end, 32);  // 64 - 10 = 54 left -> one split
+  Apply(first);
+  std::vector<ScheduledChunk> second = scheduler.Schedule();
+  ASSERT_FALSE(second.empty());
+  EXPECT_EQ(second[0].seq, a.get()) << "the decoder goes first";
+  EXPECT_EQ(second[0].end - second[0].begin, 1);
+}
+
+TEST(SchedulerTest, KvPressurePreemptsTheLatestArrivalAndItResumesLater) {
+  KvBlockManager blocks(4, 4);  // 16 tokens of KV in all
+  Scheduler scheduler({8, 32, 4}, &blocks);
+  auto old_seq = MakeSeq(0, 6), new_seq = MakeSeq(1, 6);
+  scheduler.Add(old_seq.get());
+  scheduler.Add(new_seq.get());
+  int steps = 0;
+  bool saw_preemption = false;
+  while (old_seq->num_generated() < 8 && steps++ < 100) {
+    Apply(scheduler.Schedule());
+    saw_preemption |= scheduler.num_preemptions() > 0;
+    EXPECT_GE(blocks.num_free(), 0);
+  }
+  EXPECT_TRUE(saw_preemption);
+  EXPECT_EQ(old_seq->num_generated(), 8) << "the oldest sequence always makes progress";
+  EXPECT_EQ(new_seq->num_computed, 0) << "the preempted one waits, its KV dropped";
+  scheduler.Remove(old_seq.get());
+  EXPECT_EQ(blocks.num_free(), 4);
+  // With room again, the preempted sequence is readmitted and recomputes everything.
+  std::vector<ScheduledChunk> chunks = scheduler.Schedule();
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_EQ(chunks[0].seq, new_seq.get());
+  EXPECT_EQ(chunks[0].begin, 0);
+}
+
+TEST(SchedulerTest, RemoveReleasesBlocksOfRunningAndWaiting) {
+  KvBlockManager blocks(10, 4);
+  Scheduler scheduler({1, 64, 4}, &blocks);
+  auto a = MakeSeq(0, 8), b = MakeSeq(1, 8);
+  scheduler.Add(a.get());
+  scheduler.Add(b.get());
+  Apply(scheduler.Schedule());
+  EXPECT_EQ(scheduler.num_running(), 1u);
+  EXPECT_EQ(scheduler.num_waiting(), 1u);
+  scheduler.Remove(a.get());
+  scheduler.Remove(b.get());
+  EXPECT_TRUE(scheduler.idle());
+  EXPECT_EQ(blocks.num_free(), 10);
+}
+
+}  // namespace
+}  // namespace rollout
