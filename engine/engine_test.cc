@@ -56,6 +56,7 @@ class Collector {
       cv_.notify_all();
     };
   }
+  // REQUIRES: every sample_index of the job is < n.
   std::vector<SampleCompletion> Wait() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return done_ == completions_.size(); });
@@ -134,17 +135,20 @@ TEST(EngineTest, EachSampleAloneEqualsTheMixedBatch) {
   const std::vector<SampleSpec> specs = Workload();
   const std::vector<std::string> together = RunWorkload(engine.get(), specs);
   for (size_t i = 0; i < specs.size(); ++i) {
-    EXPECT_EQ(RunWorkload(engine.get(), {specs[i]})[0], together[i]) << "sample " << i;
+    SampleSpec alone = specs[i];
+    alone.sample_index = 0;  // the Collector indexes a job's samples from 0
+    EXPECT_EQ(RunWorkload(engine.get(), {alone})[0], together[i]) << "sample " << i;
   }
 }
 
 TEST(EngineTest, PreemptionUnderKvPressureGivesTheSameBits) {
   const std::vector<std::string> reference = RunWorkload(MakeEngine({}).get(), Workload());
   CpuRunnerOptions small;
-  // Room for about 12 blocks of 16 tokens: the workload needs many more at once.
-  small.kv_cache_bytes = 12ll * 16 * 2 * 2 * 2 * 16 * sizeof(float);
+  // 10 blocks of 16 tokens (K and V, 2 layers, 2 KV heads of 16 floats): just enough for the
+  // longest sample alone, far less than the workload needs at once.
+  small.kv_cache_bytes = 10ll * (2 * 2 * 16 * 2 * 16 * sizeof(float));
   std::unique_ptr<Engine> engine = MakeEngine(small);
-  ASSERT_LT(engine->counters().kv_blocks_total, 20);
+  ASSERT_EQ(engine->counters().kv_blocks_total, 10);
   EXPECT_EQ(RunWorkload(engine.get(), Workload()), reference);
   EXPECT_GT(engine->counters().preemptions, 0u);
   EXPECT_EQ(engine->counters().kv_blocks_free, engine->counters().kv_blocks_total);
@@ -167,6 +171,7 @@ TEST(EngineTest, StreamedTokensEqualTheCompletion) {
 TEST(EngineTest, AbortEndsSamplesWithTheirTokensSoFarAndFreesKv) {
   std::unique_ptr<Engine> engine = MakeEngine({});
   SampleSpec spec = Workload()[2];
+  spec.sample_index = 0;
   spec.params.max_new_tokens = 400;
   Collector collector(1);
   absl::StatusOr<uint64_t> job = engine->Submit({spec}, collector.Sink());

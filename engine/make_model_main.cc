@@ -4,13 +4,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "engine/random_model.h"
 
 ABSL_FLAG(std::string, preset, "small", "model shape: tiny, small or qwen3-8b");
@@ -98,9 +98,9 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      absl::StrCat("writes a seeded random checkpoint in the Hugging Face layout.\nUsage: ",
-                   argv[0], " --out DIR [--preset small] [--seed 0] [--dtype bf16] [--shards 1]"));
+  absl::SetProgramUsageMessage(absl::StrCat(
+      "writes a seeded random checkpoint in the Hugging Face layout.\nUsage: ", argv[0],
+      " --out DIR [--preset small] [--seed 0] [--dtype bf16] [--shards 1]"));
   absl::ParseCommandLine(argc, argv);
   return Run();
 }

@@ -34,7 +34,8 @@ constexpr ArchitectureInfo kArchitectures[] = {
 bool IsNull(const json& j, const char* field) { return !j.contains(field) || j[field].is_null(); }
 
 absl::Status FieldError(const char* field, std::string_view problem) {
-  return absl::InvalidArgumentError(absl::StrCat("config.json: field '", field, "' ", std::string(problem)));
+  return absl::InvalidArgumentError(
+      absl::StrCat("config.json: field '", field, "' ", std::string(problem)));
 }
 
 // Reads an int32 field: a missing (or null) field takes `fallback` when given, else is an error.
@@ -49,9 +50,9 @@ absl::Status GetInt(const json& j, const char* field, std::optional<int32_t> fal
   constexpr int64_t kMin = std::numeric_limits<int32_t>::min();
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
   const bool in_range =
-      v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(kMax)
-                             : v.is_number_integer() && v.get<int64_t>() >= kMin &&
-                                   v.get<int64_t>() <= kMax;
+      v.is_number_unsigned()
+          ? v.get<uint64_t>() <= static_cast<uint64_t>(kMax)
+          : v.is_number_integer() && v.get<int64_t>() >= kMin && v.get<int64_t>() <= kMax;
   if (!in_range) return FieldError(field, absl::StrCat("must be a 32-bit integer, got ", v.dump()));
   *out = static_cast<int32_t>(v.get<int64_t>());
   return absl::OkStatus();
@@ -62,8 +63,8 @@ absl::Status GetFloat(const json& j, const char* field, float fallback, float* o
     *out = fallback;
     return absl::OkStatus();
   }
-  if (!j[field].is_number()) return FieldError(field, absl::StrCat("must be a number, got ",
-                                                                   j[field].dump()));
+  if (!j[field].is_number())
+    return FieldError(field, absl::StrCat("must be a number, got ", j[field].dump()));
   *out = static_cast<float>(j[field].get<double>());
   return absl::OkStatus();
 }
@@ -73,8 +74,8 @@ absl::Status GetBool(const json& j, const char* field, bool fallback, bool* out)
     *out = fallback;
     return absl::OkStatus();
   }
-  if (!j[field].is_boolean()) return FieldError(field, absl::StrCat("must be true or false, got ",
-                                                                    j[field].dump()));
+  if (!j[field].is_boolean())
+    return FieldError(field, absl::StrCat("must be true or false, got ", j[field].dump()));
   *out = j[field].get<bool>();
   return absl::OkStatus();
 }
@@ -116,8 +117,7 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
   ModelConfig c;
   std::string name;
   bool by_model_type = false;
-  if (j.contains("architectures") && j["architectures"].is_array() &&
-      !j["architectures"].empty()) {
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty()) {
     if (!j["architectures"][0].is_string()) {
       return FieldError("architectures", "must be a list of strings");
     }
@@ -160,20 +160,19 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
     const char* field;
     int32_t value;
   };
-  for (const Positive& p : {Positive{"num_hidden_layers", c.num_layers},
-                            Positive{"hidden_size", c.hidden_size},
-                            Positive{"intermediate_size", c.intermediate_size},
-                            Positive{"num_attention_heads", c.num_attention_heads},
-                            Positive{"num_key_value_heads", c.num_key_value_heads},
-                            Positive{"vocab_size", c.vocab_size},
-                            Positive{"max_position_embeddings", c.max_position_embeddings}}) {
+  for (const Positive& p :
+       {Positive{"num_hidden_layers", c.num_layers}, Positive{"hidden_size", c.hidden_size},
+        Positive{"intermediate_size", c.intermediate_size},
+        Positive{"num_attention_heads", c.num_attention_heads},
+        Positive{"num_key_value_heads", c.num_key_value_heads},
+        Positive{"vocab_size", c.vocab_size},
+        Positive{"max_position_embeddings", c.max_position_embeddings}}) {
     if (p.value <= 0) return FieldError(p.field, absl::StrCat("must be positive, got ", p.value));
   }
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
-    return FieldError("num_key_value_heads",
-                      absl::StrCat("(", c.num_key_value_heads,
-                                   ") must divide num_attention_heads (", c.num_attention_heads,
-                                   ")"));
+    return FieldError("num_key_value_heads", absl::StrCat("(", c.num_key_value_heads,
+                                                          ") must divide num_attention_heads (",
+                                                          c.num_attention_heads, ")"));
   }
   if (IsNull(j, "head_dim") && c.hidden_size % c.num_attention_heads != 0) {
     return FieldError("head_dim", absl::StrCat("is missing and hidden_size (", c.hidden_size,
@@ -184,7 +183,8 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
   if (!s.ok()) return s;
   if (c.head_dim <= 0 || c.head_dim % 2 != 0) {
     return FieldError("head_dim", absl::StrCat("must be positive and even (RoPE rotates pairs), "
-                                               "got ", c.head_dim));
+                                               "got ",
+                                               c.head_dim));
   }
   if (!(c.rms_norm_eps > 0.0f)) return FieldError("rms_norm_eps", "must be positive");
   if (!(c.rope_theta > 0.0f)) return FieldError("rope_theta", "must be positive");
@@ -192,8 +192,8 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
   // Features the engine does not implement are refused rather than silently ignored: the model
   // would load and produce wrong tokens.
   if (!IsNull(j, "rope_scaling")) {
-    return FieldError("rope_scaling", absl::StrCat("is not supported, got ",
-                                                   j["rope_scaling"].dump()));
+    return FieldError("rope_scaling",
+                      absl::StrCat("is not supported, got ", j["rope_scaling"].dump()));
   }
   bool flag = false;
   check(GetBool(j, "use_sliding_window", false, &flag));
@@ -233,8 +233,8 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
       c.qkv_bias = false;
       if (j.contains("sliding_window") && j["sliding_window"].is_number_integer() &&
           j["sliding_window"].get<int64_t>() < c.max_position_embeddings) {
-        return FieldError("sliding_window", absl::StrCat("(", j["sliding_window"].dump(),
-                                                         ") is not supported"));
+        return FieldError("sliding_window",
+                          absl::StrCat("(", j["sliding_window"].dump(), ") is not supported"));
       }
       break;
   }

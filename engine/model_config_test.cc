@@ -213,9 +213,9 @@ TEST(ModelConfigTest, EachMissingRequiredFieldIsNamed) {
 }
 
 TEST(ModelConfigTest, NonPositiveOrMistypedSizesAreNamed) {
-  for (const char* field : {"num_hidden_layers", "hidden_size", "intermediate_size",
-                            "num_attention_heads", "num_key_value_heads", "vocab_size",
-                            "max_position_embeddings", "head_dim"}) {
+  for (const char* field :
+       {"num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim"}) {
     json j = MinimalConfig();
     j[field] = 0;
     absl::Status s = ParseStatus(j);

@@ -1,5 +1,7 @@
 #include "engine/random_model.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -7,7 +9,6 @@
 #include <cstring>
 #include <filesystem>
 #include <string_view>
-#include <unistd.h>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -25,7 +26,6 @@ namespace {
 constexpr double kLogitStd = 3.0;
 constexpr double kBiasStd = 0.02;
 constexpr size_t kChunkElements = 1 << 16;
-
 
 ModelConfig Qwen3Base() {
   ModelConfig c;
@@ -204,8 +204,8 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
     c.rope_theta = 1000000.0f;
     c.tie_word_embeddings = false;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("unknown preset '", preset, "' (presets: ",
-                                                   absl::StrJoin(PresetNames(), ", "), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown preset '", preset, "' (presets: ", absl::StrJoin(PresetNames(), ", "), ")"));
   }
   return c;
 }
@@ -245,8 +245,8 @@ absl::Status WriteRandomModelForConfig(const ModelConfig& config_in,
             [](const TensorMeta& a, const TensorMeta& b) { return a.name < b.name; });
   if (options.num_shards < 1 || options.num_shards > 99999 ||
       static_cast<size_t>(options.num_shards) > tensors.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("num_shards must be in [1, ", tensors.size(),
-                                                   "], got ", options.num_shards));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_shards must be in [1, ", tensors.size(), "], got ", options.num_shards));
   }
 
   std::error_code ec;

@@ -43,8 +43,7 @@ absl::Status WriteRandomModel(const RandomModelOptions& options, const std::stri
 
 // WriteRandomModel for any config (e.g. Qwen2 with qkv biases, which no preset has).
 // `options.preset` and `options.tie_word_embeddings` are ignored: `config` decides.
-absl::Status WriteRandomModelForConfig(const ModelConfig& config,
-                                       const RandomModelOptions& options,
+absl::Status WriteRandomModelForConfig(const ModelConfig& config, const RandomModelOptions& options,
                                        const std::string& out_dir);
 
 }  // namespace rollout

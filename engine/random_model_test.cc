@@ -159,9 +159,9 @@ TEST(RandomModelTest, ShardedWriteOpensToTheSameTensorsAsSingleFile) {
   options.num_shards = 3;
   ASSERT_TRUE(WriteRandomModel(options, sharded).ok());
   EXPECT_FALSE(fs::exists(sharded + "/model.safetensors"));
-  for (const char* shard : {"/model-00001-of-00003.safetensors",
-                            "/model-00002-of-00003.safetensors",
-                            "/model-00003-of-00003.safetensors"}) {
+  for (const char* shard :
+       {"/model-00001-of-00003.safetensors", "/model-00002-of-00003.safetensors",
+        "/model-00003-of-00003.safetensors"}) {
     EXPECT_TRUE(fs::exists(sharded + shard)) << shard;
   }
   const nlohmann::json index =
@@ -276,7 +276,8 @@ TEST(RandomModelTest, Qwen2ConfigGetsBiasesThatLoad) {
   std::unique_ptr<Checkpoint> c = OpenOrDie(dir);
   ASSERT_TRUE(c);
   EXPECT_EQ(ParseModelConfig(c->config_json())->family, ModelFamily::kQwen2);
-  absl::StatusOr<std::vector<float>> bias = c->ReadF32("model.layers.1.self_attn.k_proj.bias", {32});
+  absl::StatusOr<std::vector<float>> bias =
+      c->ReadF32("model.layers.1.self_attn.k_proj.bias", {32});
   ASSERT_TRUE(bias.ok()) << bias.status();
   EXPECT_LT(Std(*bias), 0.05);
   EXPECT_GT(Std(*bias), 0.005);

@@ -66,8 +66,8 @@ absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size
   uint64_t header_len;
   std::memcpy(&header_len, data, sizeof(header_len));
   if (header_len > size - 8 || header_len > kMaxHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": header length ", header_len,
-                                                   " exceeds the file size ", size));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": header length ", header_len, " exceeds the file size ", size));
   }
   const uint8_t* buffer = data + 8 + header_len;
   const uint64_t buffer_size = size - 8 - header_len;
@@ -85,8 +85,7 @@ absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size
   const char* text = reinterpret_cast<const char*>(data + 8);
   json header = json::parse(text, text + header_len, on_event, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": header is not a valid JSON object"));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": header is not a valid JSON object"));
   }
   if (!duplicate.empty()) {
     return absl::InvalidArgumentError(
@@ -102,8 +101,8 @@ absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size
     if (name == "__metadata__") continue;
     const std::string where = absl::StrCat(path, ": tensor '", name, "'");
     if (!entry.is_object() || !entry.contains("dtype") || !entry["dtype"].is_string() ||
-        !entry.contains("shape") || !entry["shape"].is_array() ||
-        !entry.contains("data_offsets") || !entry["data_offsets"].is_array()) {
+        !entry.contains("shape") || !entry["shape"].is_array() || !entry.contains("data_offsets") ||
+        !entry["data_offsets"].is_array()) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": entry needs a string \"dtype\", an array \"shape\" and \"data_offsets\""));
     }
@@ -135,8 +134,8 @@ absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size
     }
     if (end > buffer_size) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets [", begin, ", ", end,
-                                                     "] run past the data buffer of ",
-                                                     buffer_size, " bytes"));
+                                                     "] run past the data buffer of ", buffer_size,
+                                                     " bytes"));
     }
     if (end - begin != expected_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -156,10 +155,10 @@ absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size
   for (const Range& range : ranges) {
     if (range.begin == range.end) continue;  // empty ranges cannot overlap anything
     if (previous != nullptr && range.begin < previous->end) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": tensor '", *range.name, "' bytes [", range.begin, ", ", range.end,
-          ") overlap tensor '", *previous->name, "' bytes [", previous->begin, ", ",
-          previous->end, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor '", *range.name, "' bytes [", range.begin, ", ", range.end,
+                       ") overlap tensor '", *previous->name, "' bytes [", previous->begin, ", ",
+                       previous->end, ")"));
     }
     previous = &range;
   }
@@ -262,15 +261,15 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
       if (!file.is_string() || file.get<std::string>().empty() ||
           file.get<std::string>()[0] == '/' ||
           file.get<std::string>().find("..") != std::string::npos) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            index_path, ": tensor '", name, "' maps to ", file.dump(),
-            ", not a file name inside the checkpoint directory"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path, ": tensor '", name, "' maps to ", file.dump(),
+                         ", not a file name inside the checkpoint directory"));
       }
       shards.emplace(file.get<std::string>(), name);
     }
   } else {
-    return absl::NotFoundError(absl::StrCat("no weights in ", dir, ": looked for ", single_path,
-                                            " and ", index_path));
+    return absl::NotFoundError(
+        absl::StrCat("no weights in ", dir, ": looked for ", single_path, " and ", index_path));
   }
 
   for (const auto& [file_name, example_tensor] : shards) {
@@ -289,8 +288,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     if (!parsed.ok()) return parsed;
     for (auto& [name, view] : tensors) {
       if (checkpoint->tensors_.count(name) != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            path, ": tensor '", name, "' also appears in another shard of ", dir));
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": tensor '", name, "' also appears in another shard of ", dir));
       }
       checkpoint->tensors_.emplace(name, std::move(view));
     }
@@ -299,8 +298,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
 
   for (const auto& [name, file] : weight_map.items()) {
     if (checkpoint->tensors_.count(name) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(index_path, " places tensor '", name,
-                                                     "' in ", dir, "/", file.get<std::string>(),
+      return absl::InvalidArgumentError(absl::StrCat(index_path, " places tensor '", name, "' in ",
+                                                     dir, "/", file.get<std::string>(),
                                                      ", which does not contain it"));
     }
   }
@@ -323,8 +322,7 @@ absl::StatusOr<std::vector<float>> Checkpoint::ReadF32(const std::string& name,
                                                        const std::vector<int64_t>& shape) const {
   const TensorView* view = Find(name);
   if (view == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("tensor ", name, ": not in the checkpoint at ", dir_));
+    return absl::NotFoundError(absl::StrCat("tensor ", name, ": not in the checkpoint at ", dir_));
   }
   if (view->shape != shape) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": expected shape ",
@@ -392,8 +390,7 @@ absl::Status WriteSafetensorsStreaming(const std::string& path, std::vector<Tens
   uint64_t offset = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorMeta& t = tensors[i];
-    if (t.name.empty() || t.name == "__metadata__" ||
-        (i > 0 && t.name == tensors[i - 1].name)) {
+    if (t.name.empty() || t.name == "__metadata__" || (i > 0 && t.name == tensors[i - 1].name)) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": tensor name '", t.name, "' is empty, reserved or repeated"));
     }
@@ -444,9 +441,9 @@ absl::Status WriteSafetensorsStreaming(const std::string& path, std::vector<Tens
     absl::Status status = produce(tensors[i], sink);
     if (!status.ok()) return fail(status);
     if (written != sizes[i]) {
-      return fail(absl::InternalError(absl::StrCat("tensor '", tensors[i].name,
-                                                   "': producer wrote ", written,
-                                                   " bytes, expected ", sizes[i])));
+      return fail(
+          absl::InternalError(absl::StrCat("tensor '", tensors[i].name, "': producer wrote ",
+                                           written, " bytes, expected ", sizes[i])));
     }
   }
   if (std::fflush(f) != 0 || ::fsync(::fileno(f)) != 0) return fail(write_error());
@@ -510,7 +507,7 @@ uint16_t F32ToF16(float x) {
   }
   if (exponent < -25) return sign;  // below half the smallest subnormal: rounds to zero
   // Subnormal f16: value = m * 2^-24 with m = full_mantissa * 2^(exponent - 23 + 24).
-  mantissa |= 0x800000u;  // implicit leading one
+  mantissa |= 0x800000u;            // implicit leading one
   const int shift = -exponent - 1;  // 14..24: bits dropped from the 24-bit significand
   uint32_t half = mantissa >> shift;
   const uint32_t rest = mantissa & ((1u << shift) - 1);

@@ -232,7 +232,8 @@ TEST(SafetensorsTest, MalformedEntriesAreInvalidArgumentNamingFileAndTensor) {
       {R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0]}})", "data_offsets"},
       {R"({"w": {"dtype": "F32", "shape": [1]}})", "data_offsets"},
       {R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-           "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", "twice"},
+           "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+       "twice"},
   };
   const std::string dir = TestDir();
   const std::string path = SingleFileCheckpoint(dir);
@@ -345,8 +346,8 @@ TEST(SafetensorsTest, FailedWriteLeavesNoFileBehind) {
   EXPECT_THAT(s.message(), HasSubstr("'w'"));
   EXPECT_TRUE(fs::is_empty(dir)) << "a partial or temp file was left";
 
-  absl::Status duplicate =
-      WriteSafetensors(dir + "/m.safetensors", {F32Tensor("w", {1}, {1}), F32Tensor("w", {1}, {2})});
+  absl::Status duplicate = WriteSafetensors(dir + "/m.safetensors",
+                                            {F32Tensor("w", {1}, {1}), F32Tensor("w", {1}, {2})});
   EXPECT_EQ(duplicate.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(fs::is_empty(dir));
 }
@@ -420,14 +421,14 @@ TEST(F16Test, ConvertsNormalsSubnormalsAndSpecials) {
   EXPECT_EQ(F32ToF16(65520.0f), 0x7c00);  // the tie past the largest finite value
   EXPECT_EQ(F32ToF16(1e9f), 0x7c00);
   EXPECT_EQ(F32ToF16(-inf), 0xfc00);
-  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -14)), 0x0400);          // smallest normal
-  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -24)), 0x0001);          // smallest subnormal
-  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -25)), 0x0000);          // tie to even: zero
-  EXPECT_EQ(F32ToF16(std::ldexp(1.5f, -25)), 0x0001);          // above the tie
-  EXPECT_EQ(F32ToF16(std::ldexp(3.0f, -25)), 0x0002);          // tie 1.5 ulp -> even 2
+  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -14)), 0x0400);  // smallest normal
+  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -25)), 0x0000);  // tie to even: zero
+  EXPECT_EQ(F32ToF16(std::ldexp(1.5f, -25)), 0x0001);  // above the tie
+  EXPECT_EQ(F32ToF16(std::ldexp(3.0f, -25)), 0x0002);  // tie 1.5 ulp -> even 2
   EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -30)), 0x0000);
   EXPECT_EQ(F32ToF16(-std::ldexp(1.0f, -30)), 0x8000);
-  EXPECT_EQ(F32ToF16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);  // tie, even stays
+  EXPECT_EQ(F32ToF16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);      // tie, even stays
   EXPECT_EQ(F32ToF16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);  // tie, odd rounds up
   EXPECT_TRUE(std::isnan(F16ToF32(F32ToF16(std::nanf("")))));
   EXPECT_EQ(F16ToF32(0x7c00), inf);

@@ -41,9 +41,7 @@ std::vector<int32_t>& OrderScratch() {
 // LogSoftmax never writes NaN.
 struct ByLogprobDesc {
   const float* lp;
-  bool operator()(int32_t a, int32_t b) const {
-    return lp[a] > lp[b] || (lp[a] == lp[b] && a < b);
-  }
+  bool operator()(int32_t a, int32_t b) const { return lp[a] > lp[b] || (lp[a] == lp[b] && a < b); }
 };
 
 int32_t GreedyToken(const float* logits, int32_t vocab_size) {
@@ -176,12 +174,11 @@ SampleResult SampleToken(const float* logits, int32_t vocab_size, const Sampling
       }
     }
     // min-p: p_i >= min_p * p_max, i.e. lp_i >= log(min_p) + lp_max; off at min_p = 0.
-    const float min_lp =
-        params.min_p > 0.0f ? std::log(params.min_p) + lp[top_token] : -INFINITY;
+    const float min_lp = params.min_p > 0.0f ? std::log(params.min_p) + lp[top_token] : -INFINITY;
 
     int32_t best = top_token;
-    float best_key = ScaledLogit(logits[top_token], t) +
-                     Gumbel(UniformNoise(sample_seed, position, top_token));
+    float best_key =
+        ScaledLogit(logits[top_token], t) + Gumbel(UniformNoise(sample_seed, position, top_token));
     auto consider = [&](int32_t i) {
       if (lp[i] < min_lp) return;
       const float x = ScaledLogit(logits[i], t);

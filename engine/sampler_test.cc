@@ -16,8 +16,8 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-SamplingParams Params(float temperature, int32_t top_k = 0, float top_p = 1.0f,
-                      float min_p = 0.0f, int32_t top_logprobs = 0) {
+SamplingParams Params(float temperature, int32_t top_k = 0, float top_p = 1.0f, float min_p = 0.0f,
+                      int32_t top_logprobs = 0) {
   SamplingParams p;
   p.temperature = temperature;
   p.top_k = top_k;
@@ -139,6 +139,20 @@ TEST(UniformNoiseTest, DeterministicStrictlyInsideUnitIntervalAndUniform) {
   EXPECT_LT(stat, 42.58);
 }
 
+TEST(UniformNoiseTest, FollowsDocumentedFormula) {
+  for (uint64_t seed : {0ULL, 5ULL, 0xDEADBEEFCAFEF00DULL}) {
+    for (int64_t position : {0LL, 1LL, 4096LL, -1LL}) {
+      for (int32_t token : {0, 1, 151935, -1}) {
+        const uint64_t t = SplitMix64(static_cast<uint32_t>(token));
+        const uint64_t h = SplitMix64(
+            seed ^ SplitMix64((static_cast<uint64_t>(position) * 0xD1B54A32D192ED03ULL) ^ t));
+        const double want = (static_cast<double>(h >> 41) + 0.5) / 8388608.0;
+        EXPECT_EQ(static_cast<double>(UniformNoise(seed, position, token)), want);
+      }
+    }
+  }
+}
+
 TEST(UniformNoiseTest, ExtremeBitsGiveFiniteGumbel) {
   // The formula's extremes, (0 + 0.5) / 2^23 and (2^23 - 0.5) / 2^23, are exact floats.
   const float u_min = 0.5f * 0x1p-23f;
@@ -184,6 +198,23 @@ TEST(LogSoftmaxTest, MatchesDoubleReferenceWithNegInfEntries) {
       }
     }
   }
+}
+
+TEST(LogSoftmaxTest, ScalesByDividingByTemperatureBitwise) {
+  std::mt19937 rng(6);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<float> logits(257), divided(257);
+  int differs_from_reciprocal = 0;
+  for (int i = 0; i < 257; ++i) {
+    logits[i] = dist(rng);
+    divided[i] = logits[i] / 0.7f;
+    differs_from_reciprocal += divided[i] != logits[i] * (1.0f / 0.7f);
+  }
+  ASSERT_GT(differs_from_reciprocal, 0);  // otherwise this test could not tell them apart
+  std::vector<float> a(257), b(257);
+  LogSoftmax(logits.data(), 257, 0.7f, a.data());
+  LogSoftmax(divided.data(), 257, 1.0f, b.data());
+  EXPECT_EQ(a, b);
 }
 
 TEST(LogSoftmaxTest, NonPositiveTemperatureMeansOneBitwise) {
@@ -341,8 +372,8 @@ TEST(SampleTokenTest, TopLogprobsAreSortedWithTiesToLowerIdAndMatchLogSoftmax) {
   const std::vector<float> logits = {0.5f, 2.0f, kNegInf, 2.0f, -1.0f, 0.5f, 3.0f};
   std::vector<float> lp(7), scratch;
   LogSoftmax(logits.data(), 7, 0.7f, lp.data());
-  const SampleResult r = SampleToken(logits.data(), 7, Params(0.7f, 0, 1.0f, 0.0f, 5), 1, 2,
-                                     &scratch);
+  const SampleResult r =
+      SampleToken(logits.data(), 7, Params(0.7f, 0, 1.0f, 0.0f, 5), 1, 2, &scratch);
   const std::vector<int32_t> want_ids = {6, 1, 3, 0, 5};
   ASSERT_EQ(r.top.size(), 5u);
   for (int j = 0; j < 5; ++j) {
@@ -350,8 +381,8 @@ TEST(SampleTokenTest, TopLogprobsAreSortedWithTiesToLowerIdAndMatchLogSoftmax) {
     EXPECT_EQ(r.top[j].logprob, lp[want_ids[j]]);
   }
   // More requested than the vocabulary holds: all of it, -inf last.
-  const SampleResult all = SampleToken(logits.data(), 7, Params(0.0f, 0, 1.0f, 0.0f, 20), 1, 2,
-                                       &scratch);
+  const SampleResult all =
+      SampleToken(logits.data(), 7, Params(0.0f, 0, 1.0f, 0.0f, 20), 1, 2, &scratch);
   ASSERT_EQ(all.top.size(), 7u);
   EXPECT_EQ(all.top.back().token, 2);
   EXPECT_EQ(all.top.back().logprob, kNegInf);
@@ -412,8 +443,7 @@ TEST(SampleTokenTest, MatchesNaiveDefinitionOnRandomRows) {
           Params(2.0f, 300, 0.99f), Params(0.8f, 0, 1.0f, 0.01f), Params(1.5f, 7, 0.5f, 0.2f)}) {
       for (uint64_t seed = 0; seed < 40; ++seed) {
         const int64_t position = static_cast<int64_t>(seed) * 31;
-        const SampleResult r =
-            SampleToken(logits.data(), vocab, params, seed, position, &scratch);
+        const SampleResult r = SampleToken(logits.data(), vocab, params, seed, position, &scratch);
         ASSERT_EQ(r.token, NaiveSample(logits, params, seed, position))
             << "vocab " << vocab << " seed " << seed << " T " << params.temperature;
         ++checked;

@@ -20,6 +20,9 @@ namespace {
 
 constexpr int kLanes = 16;
 
+// Float8 never crosses a translation unit, so GCC's note that its ABI differs without AVX is moot.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 // Eight fp32 lanes: one AVX register on x86-64-v3, two SSE registers elsewhere.
 typedef float Float8 __attribute__((vector_size(32)));
 typedef float Float4 __attribute__((vector_size(16)));
@@ -31,11 +34,11 @@ inline __attribute__((always_inline)) Float8 Load8(const float* p) {
 }
 
 // a * b + c per lane, rounded once.
-inline __attribute__((always_inline)) Float8 Fma8(Float8 a, Float8 b, Float8 c) {
+inline __attribute__((always_inline)) Float8 Fma8(const Float8& a, const Float8& b,
+                                                  const Float8& c) {
 #if defined(__FMA__)
-  return reinterpret_cast<Float8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
-                                                  reinterpret_cast<__m256>(b),
-                                                  reinterpret_cast<__m256>(c)));
+  return reinterpret_cast<Float8>(_mm256_fmadd_ps(
+      reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b), reinterpret_cast<__m256>(c)));
 #else
   Float8 r;
   for (int l = 0; l < 8; ++l) r[l] = std::fma(a[l], b[l], c[l]);
@@ -47,8 +50,10 @@ inline __attribute__((always_inline)) Float8 Fma8(Float8 a, Float8 b, Float8 c) 
 // 16) go into lane i % 16 in increasing i, then the 16 lanes are combined by the fixed tree
 // acc[l] += acc[l + 8] (l < 8), acc[l] += acc[l + 4] (l < 4), acc[l] += acc[l + 2] (l < 2),
 // acc[0] + acc[1] -- written with vector halves, which are exactly those lane-wise adds.
-inline __attribute__((always_inline)) float FinishDot(Float8 lo, Float8 hi, const float* a,
+inline __attribute__((always_inline)) float FinishDot(const Float8& lanes_lo,
+                                                      const Float8& lanes_hi, const float* a,
                                                       const float* b, int64_t begin, int64_t n) {
+  Float8 lo = lanes_lo, hi = lanes_hi;
   if (begin < n) {
     float acc[kLanes];
     std::memcpy(acc, &lo, sizeof(lo));
@@ -74,8 +79,7 @@ inline __attribute__((always_inline)) float FinishDot(Float8 lo, Float8 hi, cons
 // tree, so the two halves run as separate passes over k: one 8-wide accumulator per dot keeps the
 // whole tile in registers. Per lane, the FMAs are exactly Dot's, in Dot's order.
 template <int MR, int NR>
-void DotTile(const float* x, const float* w, int64_t k, const float* bias, float* y,
-             int64_t ldy) {
+void DotTile(const float* x, const float* w, int64_t k, const float* bias, float* y, int64_t ldy) {
   const int64_t k_full = k / kLanes * kLanes;
   Float8 lanes_lo[MR][NR];  // lanes 0-7 of each dot, parked while lanes 8-15 run
   for (int half = 0; half < 2; ++half) {
@@ -107,7 +111,9 @@ void DotTile(const float* x, const float* w, int64_t k, const float* bias, float
   }
 }
 
-// The register tile: 4 x 3 = 12 accumulators + 3 weight vectors + 1 product = 16 AVX registers.
+// The register tile: 12 accumulators plus the loaded x and w vectors fill the 16 AVX registers.
+// Measured on Zen 5 (k = 256, n = 4096, one thread): 4x3 and 3x3 ~70 GFLOP/s, 3x4, 5x2 and 6x2
+// ~62, 4x2 and 2x4 slower; 4x3 shares each load most.
 constexpr int kTileRows = 4;
 constexpr int kTileCols = 3;
 

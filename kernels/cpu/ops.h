@@ -12,11 +12,16 @@
 namespace rollout::cpu {
 
 // Dot product of two fp32 vectors of length n in a fixed lane order (16 partial sums, combined
-// by a fixed tree). Every reduction over a hidden dimension goes through this.
+// by a fixed tree). Every reduction over a hidden dimension goes through this. Exactly:
+// acc[0..16) = +0; for i in increasing order acc[i % 16] = fma(a[i], b[i], acc[i % 16]) (one
+// rounding, spelled out so no compiler contraction choice can change it); then
+// acc[l] += acc[l + 8] (l < 8), acc[l] += acc[l + 4] (l < 4), acc[l] += acc[l + 2] (l < 2),
+// result acc[0] + acc[1]. Independent of alignment and of the build's -march.
 float Dot(const float* a, const float* b, int64_t n);
 
 // y[m, n] = sum_k x[m, k] * w[n, k]   (w in the Hugging Face [out_features, in_features] layout)
 // x: [m, k], w: [n, k], y: [m, n]. bias (optional, [n]) is added after the dot product.
+// Every y[r, c] is bitwise Dot(x[r], w[c], k) (+ bias[c]), whatever m, n or the thread count.
 void MatMul(ThreadPool* pool, const float* x, int64_t m, int64_t k, const float* w, int64_t n,
             const float* bias, float* y);
 
@@ -25,7 +30,8 @@ void RmsNorm(const float* x, const float* weight, int64_t rows, int64_t dim, flo
 
 // Rotary embedding in the Hugging Face "rotate_half" layout, in place.
 // x: [num_tokens, num_heads, head_dim]; positions: [num_tokens]. The angle of pair i at
-// position p is p * theta^(-2i / head_dim), computed in double then rounded to float.
+// position p is p * theta^(-2i / head_dim), computed in double, with cos and sin in double then
+// rounded to float: out[i] = fma(x1, cos, -(x2 * sin)), out[i + d/2] = fma(x2, cos, x1 * sin).
 void ApplyRope(float* x, const int32_t* positions, int64_t num_tokens, int64_t num_heads,
                int64_t head_dim, float theta);
 
@@ -61,8 +67,10 @@ void WriteKv(const float* k, const float* v, const TokenSlots& slots, KvCacheLay
 // the cache (write the batch's own K/V first). q, out: [num_tokens, num_heads, head_dim]; query
 // head h reads kv head h / (num_heads / num_kv_heads). Per row: scores s_j = Dot(q, k_j) *
 // scale in increasing j, m = max_j s_j, w_j = exp(s_j - m), l = sum_j w_j in increasing j,
-// out = (sum_j w_j * v_j in increasing j) / l. A row's bits depend only on its q and the cached
-// K/V of its positions -- not on the batch, the chunk it came in, or where its KV came from.
+// out = (sum_j w_j * v_j in increasing j, as acc = fma(w_j, v_j[d], acc)) / l (expf, float
+// throughout). A row's bits depend only on its q and the cached K/V of its positions -- not on
+// the batch, the chunk it came in, or where its KV came from. Parallel over (token, head) rows;
+// allocates one scratch vector per chunk of rows.
 void PagedAttention(ThreadPool* pool, const float* q, const TokenSlots& slots, int64_t num_heads,
                     KvCacheLayer cache, float scale, float* out);
 

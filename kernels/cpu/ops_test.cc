@@ -214,7 +214,8 @@ TEST(ApplyRopeTest, CloseToDoublePrecisionRotateHalfReference) {
       const float* in = &x0[(t * num_heads + h) * head_dim];
       const float* out = &x[(t * num_heads + h) * head_dim];
       for (int64_t i = 0; i < half; ++i) {
-        const double angle = positions[t] * std::pow(static_cast<double>(theta), -2.0 * i / head_dim);
+        const double angle =
+            positions[t] * std::pow(static_cast<double>(theta), -2.0 * i / head_dim);
         const double c = static_cast<float>(std::cos(angle));
         const double s = static_cast<float>(std::sin(angle));
         const double want1 = in[i] * c - in[i + half] * s;
@@ -279,8 +280,8 @@ struct AttentionWorld {
   static constexpr int64_t kRow = kNumKvHeads * kHeadDim;
 
   std::vector<int64_t> lengths = {13, 7, 1};
-  std::vector<std::vector<float>> k, v;             // per sequence: [length, kv heads, head_dim]
-  std::vector<std::vector<int32_t>> tables;         // per sequence
+  std::vector<std::vector<float>> k, v;      // per sequence: [length, kv heads, head_dim]
+  std::vector<std::vector<int32_t>> tables;  // per sequence
   std::vector<float> k_cache, v_cache;
 
   // `permute` picks other physical blocks for the same logical content.
@@ -363,8 +364,8 @@ TEST(PagedAttentionTest, CloseToDoublePrecisionCausalReference) {
       std::vector<double> scores(pos + 1);
       double m = -INFINITY;
       for (int32_t j = 0; j <= pos; ++j) {
-        scores[j] = DoubleDot(qr, &world.k[s][(j * AttentionWorld::kNumKvHeads + kvh) * hd], hd) *
-                    scale;
+        scores[j] =
+            DoubleDot(qr, &world.k[s][(j * AttentionWorld::kNumKvHeads + kvh) * hd], hd) * scale;
         m = std::max(m, scores[j]);
       }
       double l = 0.0;
@@ -418,8 +419,7 @@ TEST(PagedAttentionTest, BitwiseIndependentOfThreadCount) {
   const std::vector<float> want = world.Run(nullptr, tokens, q);
   for (int threads : {1, 2, 3}) {
     ThreadPool pool(threads);
-    EXPECT_EQ(FirstBitwiseMismatch(world.Run(&pool, tokens, q), want), -1)
-        << "threads=" << threads;
+    EXPECT_EQ(FirstBitwiseMismatch(world.Run(&pool, tokens, q), want), -1) << "threads=" << threads;
   }
 }
 
