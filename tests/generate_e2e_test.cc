@@ -58,7 +58,9 @@ TEST_F(GenerateE2eTest, StreamedChunksConcatenateToTheCompletion) {
     EXPECT_EQ(c.top_logprobs_size(), c.token_ids_size());
     EXPECT_FALSE(c.weight_version().empty());
     EXPECT_NE(c.finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
-    if (c.finish_reason() == v1::FINISH_REASON_LENGTH) EXPECT_EQ(c.token_ids_size(), 24);
+    if (c.finish_reason() == v1::FINISH_REASON_LENGTH) {
+      EXPECT_EQ(c.token_ids_size(), 24);
+    }
   }
 }
 
