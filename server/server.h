@@ -22,6 +22,9 @@ struct ServerOptions {
   int32_t max_batch_tokens = 512;
   int32_t num_threads = 0;  // CPU backend: 0 = all cores
   std::string weight_version = "0";
+  // Negative control for the determinism suite: makes one reduction (the final RMSNorm's sum)
+  // depend on the batch size, so batch invariance breaks. Never set it outside tests.
+  bool batch_variant_for_testing = false;
 };
 
 // The embedded default model: the "small" preset with seed 0, written once (atomically) under
