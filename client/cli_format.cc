@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -62,6 +63,32 @@ std::string FormatTopLogprobs(const rollout::v1::TopLogprobs& top) {
       });
 }
 
+// One row of a per-token table. Cells are formatted before any is printed so the columns can
+// be sized to their widest entry.
+struct TokenRow {
+  std::string pos, token, logprob, top;
+};
+
+// The rows under a header row, right-aligned, with the top column only when has_top.
+void AppendTokenRows(const std::vector<TokenRow>& rows, bool has_top, std::string* out) {
+  const TokenRow header{"pos", "token", "logprob", "top"};
+  size_t pos_w = header.pos.size(), token_w = header.token.size(),
+         logprob_w = header.logprob.size();
+  for (const TokenRow& row : rows) {
+    pos_w = std::max(pos_w, row.pos.size());
+    token_w = std::max(token_w, row.token.size());
+    logprob_w = std::max(logprob_w, row.logprob.size());
+  }
+  auto append_row = [&](const TokenRow& row) {
+    absl::StrAppendFormat(out, "  %*s | %*s | %*s", pos_w, row.pos, token_w, row.token, logprob_w,
+                          row.logprob);
+    if (has_top) absl::StrAppend(out, " | ", row.top);
+    absl::StrAppend(out, "\n");
+  };
+  append_row(header);
+  for (const TokenRow& row : rows) append_row(row);
+}
+
 void AppendCompletion(const rollout::v1::Completion& c, std::string* out) {
   absl::StrAppendFormat(
       out,
@@ -74,15 +101,11 @@ void AppendCompletion(const rollout::v1::Completion& c, std::string* out) {
     absl::StrAppend(out, "  (no tokens)\n");
     return;
   }
-  // Cells are formatted first so the columns can be sized to their widest entry.
-  struct Row {
-    std::string pos, token, logprob, top;
-  };
-  std::vector<Row> rows;
+  std::vector<TokenRow> rows;
   rows.reserve(c.token_ids_size());
   const bool has_top = c.top_logprobs_size() > 0;
   for (int i = 0; i < c.token_ids_size(); ++i) {
-    Row row;
+    TokenRow row;
     row.pos = absl::StrCat(i);
     row.token = absl::StrCat(c.token_ids(i));
     // A server that sends fewer logprobs than tokens is buggy; show the gap, don't hide it.
@@ -90,22 +113,78 @@ void AppendCompletion(const rollout::v1::Completion& c, std::string* out) {
     if (has_top) row.top = i < c.top_logprobs_size() ? FormatTopLogprobs(c.top_logprobs(i)) : "?";
     rows.push_back(std::move(row));
   }
-  Row header{"pos", "token", "logprob", "top"};
-  size_t pos_w = header.pos.size(), token_w = header.token.size(),
-         logprob_w = header.logprob.size();
-  for (const Row& row : rows) {
-    pos_w = std::max(pos_w, row.pos.size());
-    token_w = std::max(token_w, row.token.size());
-    logprob_w = std::max(logprob_w, row.logprob.size());
+  AppendTokenRows(rows, has_top, out);
+}
+
+// One sequence of a Score call; either side may be missing when the server answered with a
+// different number of results than sequences were sent, which is shown rather than hidden.
+void AppendScoredSequence(int index, const rollout::v1::ScoreSequence* sequence,
+                          const rollout::v1::ScoredSequence* result, std::string* out) {
+  absl::StrAppend(out, "sequence ", index, ":");
+  if (sequence == nullptr) {
+    absl::StrAppend(out, " (not in the request)");
+  } else {
+    absl::StrAppend(out, " start=", sequence->start(), " temperature=",
+                    sequence->has_temperature() ? absl::StrCat(sequence->temperature())
+                                                : std::string("default"));
   }
-  auto append_row = [&](const Row& row) {
-    absl::StrAppendFormat(out, "  %*s | %*s | %*s", pos_w, row.pos, token_w, row.token, logprob_w,
-                          row.logprob);
-    if (has_top) absl::StrAppend(out, " | ", row.top);
-    absl::StrAppend(out, "\n");
-  };
-  append_row(header);
-  for (const Row& row : rows) append_row(row);
+  if (result == nullptr) {
+    absl::StrAppend(out, "\n  (no result from the server)\n");
+    return;
+  }
+  absl::StrAppend(
+      out,
+      " weight_version=", result->weight_version().empty() ? "(none)" : result->weight_version(),
+      " cached_tokens=", result->cached_tokens(), " scored=", result->logprobs_size(), "\n");
+
+  // Tokens the request asked to score; the response should have exactly one logprob for each.
+  const int start = sequence == nullptr ? 0 : static_cast<int>(sequence->start());
+  const int expected = sequence == nullptr ? 0 : std::max(0, sequence->token_ids_size() - start);
+  const int n = std::max({expected, result->logprobs_size(), result->top_logprobs_size()});
+  if (n == 0) {
+    absl::StrAppend(out, "  (no tokens scored)\n");
+    return;
+  }
+  const bool has_top = result->top_logprobs_size() > 0;
+  std::vector<TokenRow> rows;
+  rows.reserve(n);
+  for (int j = 0; j < n; ++j) {
+    TokenRow row;
+    // Positions index the request's token_ids, so a row reads "token_ids[pos] had this logprob".
+    row.pos = sequence == nullptr ? "?" : absl::StrCat(start + j);
+    row.token = j < expected ? absl::StrCat(sequence->token_ids(start + j)) : "?";
+    row.logprob = j < result->logprobs_size() ? FormatLogprob(result->logprobs(j)) : "?";
+    if (has_top) {
+      row.top = j < result->top_logprobs_size() ? FormatTopLogprobs(result->top_logprobs(j)) : "?";
+    }
+    rows.push_back(std::move(row));
+  }
+  AppendTokenRows(rows, has_top, out);
+}
+
+// "key  value" lines with every value in one column; a row with an empty value is a heading.
+std::string FormatKeyValueRows(const std::vector<std::pair<std::string, std::string>>& rows) {
+  size_t key_w = 0;
+  for (const auto& [key, value] : rows) {
+    if (!value.empty()) key_w = std::max(key_w, key.size());
+  }
+  std::string out;
+  for (const auto& [key, value] : rows) {
+    if (value.empty()) {
+      absl::StrAppend(&out, key, "\n");
+    } else {
+      absl::StrAppendFormat(&out, "%-*s  %s\n", key_w, key, value);
+    }
+  }
+  return out;
+}
+
+// Share of admitted prompt tokens served from the prefix cache; "n/a" before any prompt, where
+// 0% would wrongly suggest the cache is missing.
+std::string CacheHitRate(const rollout::v1::EngineCounters& counters) {
+  if (counters.prompt_tokens() == 0) return "n/a";
+  return absl::StrFormat("%.1f%%", 100.0 * static_cast<double>(counters.cache_hit_tokens()) /
+                                       static_cast<double>(counters.prompt_tokens()));
 }
 
 // One value of a scalar field, or of one element of a repeated scalar field when index >= 0.
@@ -179,6 +258,12 @@ void CollectRows(const Message& message, int depth,
       rows->emplace_back(key, value.empty() ? "(none)" : std::move(value));
     }
   }
+  // Derived values go at the end of the section they derive from. Matched by type, not by
+  // position, so they follow EngineCounters wherever it sits in ServerInfo.
+  if (const auto* counters =
+          google::protobuf::DynamicCastToGenerated<rollout::v1::EngineCounters>(&message)) {
+    rows->emplace_back(indent + "cache_hit_rate", CacheHitRate(*counters));
+  }
 }
 
 }  // namespace
@@ -204,6 +289,28 @@ absl::StatusOr<std::vector<uint32_t>> ParseTokenIds(std::string_view std_text) {
       if (!id.ok()) return id.status();
       ids.push_back(*id);
     }
+  }
+  return ids;
+}
+
+absl::StatusOr<std::vector<std::string>> ParseRequestIds(std::string_view std_text) {
+  const absl::string_view text(std_text.data(), std_text.size());
+  if (absl::StripAsciiWhitespace(text).empty()) {
+    return absl::InvalidArgumentError("empty request id list");
+  }
+  std::vector<std::string> ids;
+  absl::flat_hash_set<std::string> seen;
+  int entry_number = 0;
+  for (absl::string_view piece : absl::StrSplit(text, ',')) {
+    ++entry_number;
+    // As for token ids: a doubled or trailing comma more likely lost an id than meant nothing.
+    const absl::string_view id = absl::StripAsciiWhitespace(piece);
+    if (id.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("empty entry ", entry_number, " in request id list '", text, "'"));
+    }
+    // A repeat would make "aborted N of M named" count one rollout twice.
+    if (seen.insert(std::string(id)).second) ids.emplace_back(id);
   }
   return ids;
 }
@@ -239,19 +346,46 @@ std::string FormatJson(const google::protobuf::Message& message) {
 std::string FormatServerInfoTable(const rollout::v1::ServerInfo& info) {
   std::vector<std::pair<std::string, std::string>> rows;
   CollectRows(info, 0, &rows);
-  size_t key_w = 0;
-  for (const auto& [key, value] : rows) {
-    if (!value.empty()) key_w = std::max(key_w, key.size());
-  }
+  return FormatKeyValueRows(rows);
+}
+
+std::string FormatScoreTable(const rollout::v1::ScoreRequest& request,
+                             const rollout::v1::ScoreResponse& response) {
+  const int n = std::max(request.sequences_size(), response.results_size());
+  if (n == 0) return "(no sequences)\n";
   std::string out;
-  for (const auto& [key, value] : rows) {
-    if (value.empty()) {
-      absl::StrAppend(&out, key, "\n");
-    } else {
-      absl::StrAppendFormat(&out, "%-*s  %s\n", key_w, key, value);
-    }
+  for (int i = 0; i < n; ++i) {
+    if (i > 0) absl::StrAppend(&out, "\n");
+    AppendScoredSequence(i, i < request.sequences_size() ? &request.sequences(i) : nullptr,
+                         i < response.results_size() ? &response.results(i) : nullptr, &out);
   }
   return out;
+}
+
+std::string FormatAbortResult(const rollout::v1::AbortRequest& request,
+                              const rollout::v1::AbortResponse& response) {
+  std::string aborted = absl::StrCat(response.aborted_rollouts());
+  if (request.all()) {
+    absl::StrAppend(&aborted, " (all in flight)");
+  } else {
+    const absl::flat_hash_set<std::string> named(request.request_ids().begin(),
+                                                 request.request_ids().end());
+    absl::StrAppend(&aborted, " of ", request.request_ids_size(), " named");
+  }
+  const std::string unknown = response.unknown_request_ids().empty()
+                                  ? "(none)"
+                                  : absl::StrJoin(response.unknown_request_ids(), ",");
+  return FormatKeyValueRows({{"aborted_rollouts", aborted}, {"unknown_request_ids", unknown}});
+}
+
+std::string FormatFlushCacheResult(const rollout::v1::FlushCacheResponse& response) {
+  std::string detached = absl::StrCat(response.detached_blocks());
+  // Otherwise "detached" reads as leaked; the note is noise when there are none.
+  if (response.detached_blocks() > 0) {
+    absl::StrAppend(&detached, " (freed when the samples using them end)");
+  }
+  return FormatKeyValueRows(
+      {{"freed_blocks", absl::StrCat(response.freed_blocks())}, {"detached_blocks", detached}});
 }
 
 }  // namespace rollout

@@ -87,6 +87,33 @@ TEST(ParseTokenIdsTest, RejectsIdsAboveUint32Max) {
   EXPECT_THAT(ids.status().message(), HasSubstr("out of range"));
 }
 
+// ---- ParseRequestIds ------------------------------------------------------------------------
+
+TEST(ParseRequestIdsTest, SplitsOnCommasAndTrimsWhitespace) {
+  absl::StatusOr<std::vector<std::string>> ids = ParseRequestIds(" cli-1-2 ,b, c\t");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ElementsAre("cli-1-2", "b", "c"));
+}
+
+TEST(ParseRequestIdsTest, KeepsRepeatedIdsOnceInFirstSeenOrder) {
+  absl::StatusOr<std::vector<std::string>> ids = ParseRequestIds("b,a,b,c,a");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ElementsAre("b", "a", "c"));
+}
+
+TEST(ParseRequestIdsTest, RejectsEmptyListsAndEmptyEntries) {
+  for (const char* text : {"", "  "}) {
+    absl::StatusOr<std::vector<std::string>> ids = ParseRequestIds(text);
+    EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << "'" << text << "'";
+    EXPECT_THAT(ids.status().message(), HasSubstr("empty request id list")) << text;
+  }
+  for (const char* text : {"a,,b", "a,", ",a", "a, ,b"}) {
+    absl::StatusOr<std::vector<std::string>> ids = ParseRequestIds(text);
+    EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_THAT(ids.status().message(), HasSubstr("empty entry")) << text;
+  }
+}
+
 // ---- FormatCompletionTable ------------------------------------------------------------------
 
 rollout::v1::Completion MakeCompletion(uint32_t rollout_index, uint32_t sample_index) {
@@ -280,6 +307,202 @@ TEST(FormatServerInfoTableTest, AlignsAllValuesInOneColumn) {
     ++rows;
   }
   EXPECT_GT(rows, 10);
+}
+
+TEST(FormatServerInfoTableTest, ShowsTheCacheAndScoreCountersByName) {
+  rollout::v1::ServerInfo info = MakeServerInfo();
+  rollout::v1::EngineCounters* counters = info.mutable_counters();
+  counters->set_preemptions(11);
+  counters->set_kv_blocks_cached(22);
+  counters->set_prompt_tokens(33);
+  counters->set_cache_hit_tokens(4);
+  counters->set_scored_tokens(55);
+  const std::string table = FormatServerInfoTable(info);
+  for (const char* row : {"preemptions +11\n", "kv_blocks_cached +22\n", "\n +prompt_tokens +33\n",
+                          "cache_hit_tokens +4\n", "scored_tokens +55\n"}) {
+    EXPECT_THAT(table, ::testing::ContainsRegex(row)) << table;
+  }
+}
+
+// The rate's row, or "" when there is none.
+std::string CacheHitRateRow(const rollout::v1::ServerInfo& info) {
+  const std::vector<std::string> lines = absl::StrSplit(FormatServerInfoTable(info), '\n');
+  for (const std::string& line : lines) {
+    if (line.find("cache_hit_rate") != std::string::npos) return line;
+  }
+  return "";
+}
+
+TEST(FormatServerInfoTableTest, DerivesTheCacheHitRateFromPromptAndHitTokens) {
+  rollout::v1::ServerInfo info = MakeServerInfo();
+  info.mutable_counters()->set_prompt_tokens(800);
+  info.mutable_counters()->set_cache_hit_tokens(300);
+  EXPECT_THAT(CacheHitRateRow(info), ::testing::MatchesRegex("  cache_hit_rate +37\\.5%"));
+  info.mutable_counters()->set_prompt_tokens(3);
+  info.mutable_counters()->set_cache_hit_tokens(1);
+  EXPECT_THAT(CacheHitRateRow(info), ::testing::EndsWith(" 33.3%"));
+}
+
+TEST(FormatServerInfoTableTest, SaysNotApplicableForTheHitRateBeforeAnyPrompt) {
+  rollout::v1::ServerInfo info = MakeServerInfo();
+  // Hits without prompts only come from a buggy server, but must not divide by zero either.
+  info.mutable_counters()->set_cache_hit_tokens(5);
+  EXPECT_THAT(CacheHitRateRow(info), ::testing::EndsWith(" n/a"));
+}
+
+TEST(FormatServerInfoTableTest, PutsTheHitRateInTheCountersSection) {
+  rollout::v1::ServerInfo info = MakeServerInfo();
+  info.mutable_counters()->set_prompt_tokens(10);
+  const std::string table = FormatServerInfoTable(info);
+  const size_t counters = table.find("\ncounters\n");
+  const size_t rate = table.find("\n  cache_hit_rate ");
+  ASSERT_NE(counters, std::string::npos) << table;
+  ASSERT_NE(rate, std::string::npos) << table;
+  ASSERT_GT(rate, counters) << table;
+  // Every line from the counters heading to the rate is in that section: indented.
+  const std::string between = table.substr(counters + 1, rate - counters);
+  std::vector<std::string> lines = absl::StrSplit(between, '\n', absl::SkipEmpty());
+  ASSERT_FALSE(lines.empty());
+  EXPECT_EQ(lines[0], "counters");
+  for (size_t i = 1; i < lines.size(); ++i) {
+    EXPECT_THAT(lines[i], ::testing::StartsWith("  ")) << table;
+  }
+}
+
+TEST(FormatServerInfoTableTest, OmitsTheHitRateWhenCountersAreNotReported) {
+  EXPECT_EQ(CacheHitRateRow(MakeServerInfo()), "");
+}
+
+// ---- FormatScoreTable -----------------------------------------------------------------------
+
+rollout::v1::ScoreRequest MakeScoreRequest(std::vector<uint32_t> tokens, uint32_t start) {
+  rollout::v1::ScoreRequest request;
+  rollout::v1::ScoreSequence* sequence = request.add_sequences();
+  sequence->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  sequence->set_start(start);
+  return request;
+}
+
+rollout::v1::ScoredSequence MakeScored(std::vector<float> logprobs) {
+  rollout::v1::ScoredSequence scored;
+  scored.mutable_logprobs()->Add(logprobs.begin(), logprobs.end());
+  scored.set_weight_version("w-42");
+  scored.set_cached_tokens(1);
+  return scored;
+}
+
+TEST(FormatScoreTableTest, MatchesGoldenLayoutWithPositionsIndexingTheRequestTokens) {
+  rollout::v1::ScoreResponse response;
+  *response.add_results() = MakeScored({-0.5f, -12.25f});
+  EXPECT_EQ(FormatScoreTable(MakeScoreRequest({1, 2, 3, 151645}, 2), response),
+            "sequence 0: start=2 temperature=default weight_version=w-42 cached_tokens=1 "
+            "scored=2\n"
+            "  pos |  token |    logprob\n"
+            "    2 |      3 |  -0.500000\n"
+            "    3 | 151645 | -12.250000\n");
+}
+
+TEST(FormatScoreTableTest, ShowsTheRequestedTemperature) {
+  rollout::v1::ScoreRequest request = MakeScoreRequest({1, 2}, 1);
+  request.mutable_sequences(0)->set_temperature(0.7f);
+  rollout::v1::ScoreResponse response;
+  *response.add_results() = MakeScored({-1.0f});
+  EXPECT_THAT(FormatScoreTable(request, response), HasSubstr(" temperature=0.7 "));
+}
+
+TEST(FormatScoreTableTest, AddsTopLogprobsColumnOnlyWhenPresent) {
+  const rollout::v1::ScoreRequest request = MakeScoreRequest({1, 2, 3}, 1);
+  rollout::v1::ScoreResponse response;
+  *response.add_results() = MakeScored({-1.0f, -2.0f});
+  EXPECT_THAT(FormatScoreTable(request, response), Not(HasSubstr("top")));
+
+  for (int pos = 0; pos < 2; ++pos) {
+    rollout::v1::TopLogprob* e = response.mutable_results(0)->add_top_logprobs()->add_entries();
+    e->set_token_id(7 + pos);
+    e->set_logprob(-0.25f);
+  }
+  const std::string table = FormatScoreTable(request, response);
+  EXPECT_THAT(table, HasSubstr("| top\n"));
+  EXPECT_THAT(table, HasSubstr("    1 |     2 | -1.000000 | 7:-0.250000\n"));
+  EXPECT_THAT(table, HasSubstr("    2 |     3 | -2.000000 | 8:-0.250000\n"));
+}
+
+TEST(FormatScoreTableTest, ShowsMissingAndSurplusLogprobsInsteadOfHidingThem) {
+  rollout::v1::ScoreResponse short_response;
+  *short_response.add_results() = MakeScored({-1.0f});
+  std::vector<std::string> lines = absl::StrSplit(
+      FormatScoreTable(MakeScoreRequest({1, 2, 3}, 1), short_response), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_THAT(lines[3], ::testing::MatchesRegex(" +2 \\| +3 \\| +\\?"));
+
+  rollout::v1::ScoreResponse long_response;
+  *long_response.add_results() = MakeScored({-1.0f, -2.0f});
+  lines = absl::StrSplit(FormatScoreTable(MakeScoreRequest({1, 2}, 1), long_response), '\n',
+                         absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_THAT(lines[3], ::testing::MatchesRegex(" +2 \\| +\\? \\| -2\\.000000"));
+}
+
+TEST(FormatScoreTableTest, ShowsSequencesAndResultsWithoutACounterpart) {
+  rollout::v1::ScoreRequest request = MakeScoreRequest({1, 2}, 1);
+  *request.add_sequences() = request.sequences(0);
+  rollout::v1::ScoreResponse one_result;
+  *one_result.add_results() = MakeScored({-1.0f});
+  EXPECT_THAT(FormatScoreTable(request, one_result),
+              HasSubstr("\nsequence 1: start=1 temperature=default\n  (no result from the "
+                        "server)\n"));
+
+  rollout::v1::ScoreResponse two_results = one_result;
+  *two_results.add_results() = MakeScored({-3.0f});
+  const std::string table = FormatScoreTable(MakeScoreRequest({1, 2}, 1), two_results);
+  EXPECT_THAT(table, HasSubstr("sequence 1: (not in the request) weight_version=w-42"));
+  EXPECT_THAT(table, ::testing::ContainsRegex("\\? \\| +\\? \\| -3\\.000000\n$"));
+}
+
+TEST(FormatScoreTableTest, SaysSoWhenThereIsNothingToShow) {
+  EXPECT_EQ(FormatScoreTable(rollout::v1::ScoreRequest(), rollout::v1::ScoreResponse()),
+            "(no sequences)\n");
+  rollout::v1::ScoreResponse empty;
+  *empty.add_results() = MakeScored({});
+  EXPECT_THAT(FormatScoreTable(MakeScoreRequest({1, 2}, 2), empty),
+              HasSubstr("scored=0\n  (no tokens scored)\n"));
+}
+
+// ---- FormatAbortResult / FormatFlushCacheResult ---------------------------------------------
+
+TEST(FormatAbortResultTest, CountsDistinctNamedIdsAndListsUnknownOnes) {
+  rollout::v1::AbortRequest request;
+  for (const char* id : {"a", "b", "c", "a"}) request.add_request_ids(id);
+  rollout::v1::AbortResponse response;
+  response.set_aborted_rollouts(1);
+  response.add_unknown_request_ids("b");
+  response.add_unknown_request_ids("c");
+  EXPECT_EQ(FormatAbortResult(request, response),
+            "aborted_rollouts     1 of 3 named\n"
+            "unknown_request_ids  b,c\n");
+}
+
+TEST(FormatAbortResultTest, SaysAllAndNoneWhenEverythingWasAborted) {
+  rollout::v1::AbortRequest request;
+  request.set_all(true);
+  rollout::v1::AbortResponse response;
+  response.set_aborted_rollouts(5);
+  EXPECT_EQ(FormatAbortResult(request, response),
+            "aborted_rollouts     5 (all in flight)\n"
+            "unknown_request_ids  (none)\n");
+}
+
+TEST(FormatFlushCacheResultTest, ShowsFreedAndDetachedBlocks) {
+  rollout::v1::FlushCacheResponse response;
+  response.set_freed_blocks(12);
+  response.set_detached_blocks(3);
+  EXPECT_EQ(FormatFlushCacheResult(response),
+            "freed_blocks     12\n"
+            "detached_blocks  3 (freed when the samples using them end)\n");
+  response.set_detached_blocks(0);
+  EXPECT_EQ(FormatFlushCacheResult(response),
+            "freed_blocks     12\n"
+            "detached_blocks  0\n");
 }
 
 }  // namespace

@@ -1,6 +1,9 @@
-// rollout-cli: send one Generate request or ask for ServerInfo from the command line.
+// rollout-cli: call the rollout service from the command line.
 //
 //   rollout-cli --prompt "1,2,3" --samples 2 --seed 7 generate
+//   rollout-cli --tokens 1,2,3,4 --start 2 --top_logprobs 3 score
+//   rollout-cli --request_ids cli-1-2,cli-1-3 abort      (or: rollout-cli --all abort)
+//   rollout-cli flush
 //   rollout-cli --json info
 
 #include <unistd.h>
@@ -9,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -31,17 +35,26 @@ ABSL_FLAG(uint64_t, seed, 0, "Seed of the rollout; sample j derives its seed fro
 // Sampling knobs are optional so that, when not given, the field stays unset and the server's
 // default applies instead of a second copy of it living here.
 ABSL_FLAG(std::optional<float>, temperature, std::nullopt,
-          "Sampling temperature; 0 = greedy. Server default: 1.0.");
+          "Temperature. generate: sampling, 0 = greedy; score: the logprobs' temperature, "
+          "0 = 1. Server default: 1.0.");
 ABSL_FLAG(std::optional<int32_t>, top_k, std::nullopt, "Top-k; 0 = off. Server default: off.");
 ABSL_FLAG(std::optional<float>, top_p, std::nullopt, "Top-p in (0, 1]. Server default: 1.0.");
 ABSL_FLAG(std::optional<float>, min_p, std::nullopt, "Min-p in [0, 1]. Server default: 0.");
 ABSL_FLAG(uint32_t, max_new_tokens, 16, "Most tokens to generate per sample.");
 ABSL_FLAG(std::string, stop, "", "Stop token ids, \"1,2\" or \"1 2\".");
 ABSL_FLAG(bool, ignore_eos, false, "Keep generating past EOS tokens.");
-ABSL_FLAG(uint32_t, top_logprobs, 0, "Top-N logprobs per generated position; 0 = none.");
-ABSL_FLAG(std::string, request_id, "", "Request id; default cli-<pid>-<unix ms>.");
+ABSL_FLAG(uint32_t, top_logprobs, 0,
+          "Top-N logprobs per generated (generate) or scored (score) position; 0 = none.");
+ABSL_FLAG(std::string, request_id, "", "Request id (generate); default cli-<pid>-<unix ms>.");
+ABSL_FLAG(std::string, tokens, "", "Token ids of the sequence to score, \"1,2,3\" or \"1 2 3\".");
+ABSL_FLAG(uint32_t, start, 1,
+          "score: index of the first token of --tokens to score (>= 1); each is scored given "
+          "the tokens before it.");
+ABSL_FLAG(std::string, request_ids, "", "abort: request ids of the rollouts to abort, \"a,b\".");
+ABSL_FLAG(bool, all, false, "abort: abort every in-flight rollout instead of --request_ids.");
 ABSL_FLAG(bool, json, false,
-          "Print every streamed response (or ServerInfo) as one JSON line instead of a table.");
+          "Print the response (every streamed one for generate) as one JSON line instead of a "
+          "table.");
 ABSL_FLAG(std::string, token, "", "Bearer token sent as authorization metadata.");
 ABSL_FLAG(std::optional<double>, timeout_s, std::nullopt, "Deadline of the call in seconds.");
 ABSL_FLAG(double, connect_timeout_s, 10.0, "How long to wait for the server to be reachable.");
@@ -143,15 +156,96 @@ void RunGenerate() {
   std::cout << FormatCompletionTable(*result);
 }
 
+rollout::v1::ScoreRequest ScoreRequestFromFlags() {
+  const std::string tokens = absl::GetFlag(FLAGS_tokens);
+  if (tokens.empty()) {
+    // --token (singular) is the bearer token; a dropped "s" would otherwise fail confusingly.
+    Fail(
+        absl::InvalidArgumentError("--tokens is required for score (--token is the bearer token)"));
+  }
+  absl::StatusOr<std::vector<uint32_t>> token_ids = ParseTokenIds(tokens);
+  if (!token_ids.ok()) {
+    Fail(absl::InvalidArgumentError(absl::StrCat("--tokens: ", token_ids.status().message())));
+  }
+  // The server checks this too; checking here fails a typo without a round trip, and a start at
+  // or past the end would score nothing, which no one asks for on purpose.
+  if (token_ids->size() < 2) {
+    Fail(absl::InvalidArgumentError(
+        "--tokens needs at least 2 tokens: the first has no context to be scored in"));
+  }
+  const uint32_t start = absl::GetFlag(FLAGS_start);
+  if (start < 1 || start >= token_ids->size()) {
+    Fail(absl::InvalidArgumentError(absl::StrCat("--start must be in [1, ", token_ids->size() - 1,
+                                                 "] for ", token_ids->size(), " tokens")));
+  }
+
+  rollout::v1::ScoreRequest request;
+  rollout::v1::ScoreSequence* sequence = request.add_sequences();
+  sequence->mutable_token_ids()->Add(token_ids->begin(), token_ids->end());
+  sequence->set_start(start);
+  if (auto v = absl::GetFlag(FLAGS_temperature)) sequence->set_temperature(*v);
+  sequence->set_top_logprobs(absl::GetFlag(FLAGS_top_logprobs));
+  return request;
+}
+
+rollout::v1::AbortRequest AbortRequestFromFlags() {
+  const std::string request_ids = absl::GetFlag(FLAGS_request_ids);
+  const bool all = absl::GetFlag(FLAGS_all);
+  // Both set is ambiguous (all would silently win on the server), neither is a no-op.
+  if (all == !request_ids.empty()) {
+    Fail(absl::InvalidArgumentError("abort needs exactly one of --request_ids or --all"));
+  }
+  rollout::v1::AbortRequest request;
+  if (all) {
+    request.set_all(true);
+    return request;
+  }
+  absl::StatusOr<std::vector<std::string>> ids = ParseRequestIds(request_ids);
+  if (!ids.ok()) {
+    Fail(absl::InvalidArgumentError(absl::StrCat("--request_ids: ", ids.status().message())));
+  }
+  request.mutable_request_ids()->Add(ids->begin(), ids->end());
+  return request;
+}
+
+// Prints a unary call's response as JSON or with the command's formatter.
+template <typename Response>
+void PrintResponse(const absl::StatusOr<Response>& response,
+                   const std::function<std::string(const Response&)>& format) {
+  CheckOk(response.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << FormatJson(*response) << std::endl;
+  } else {
+    std::cout << format(*response);
+  }
+}
+
+void RunScore() {
+  const rollout::v1::ScoreRequest request = ScoreRequestFromFlags();
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  PrintResponse<rollout::v1::ScoreResponse>(client->Score(request),
+                                            [&](const rollout::v1::ScoreResponse& response) {
+                                              return FormatScoreTable(request, response);
+                                            });
+}
+
+void RunAbort() {
+  const rollout::v1::AbortRequest request = AbortRequestFromFlags();
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  PrintResponse<rollout::v1::AbortResponse>(client->Abort(request),
+                                            [&](const rollout::v1::AbortResponse& response) {
+                                              return FormatAbortResult(request, response);
+                                            });
+}
+
+void RunFlush() {
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  PrintResponse<rollout::v1::FlushCacheResponse>(client->FlushCache(), FormatFlushCacheResult);
+}
+
 void RunInfo() {
   std::unique_ptr<RolloutClient> client = ConnectFromFlags();
-  absl::StatusOr<rollout::v1::ServerInfo> info = client->GetServerInfo();
-  CheckOk(info.status());
-  if (absl::GetFlag(FLAGS_json)) {
-    std::cout << FormatJson(*info) << std::endl;
-  } else {
-    std::cout << FormatServerInfoTable(*info);
-  }
+  PrintResponse<rollout::v1::ServerInfo>(client->GetServerInfo(), FormatServerInfoTable);
 }
 
 }  // namespace
@@ -160,9 +254,13 @@ void RunInfo() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Talks to a rollout server.\n"
-      "Usage: rollout-cli [flags] generate|info\n"
+      "Usage: rollout-cli [flags] generate|score|abort|flush|info\n"
       "  generate  stream one rollout of --prompt (table at the end, or JSON lines with --json)\n"
-      "  info      print the server's model, limits and counters");
+      "  score     logprobs of --tokens from --start on, teacher-forced [--temperature, "
+      "--top_logprobs]\n"
+      "  abort     end the rollouts of --request_ids a,b (or --all) in flight\n"
+      "  flush     empty the server's prefix cache\n"
+      "  info      print the server's model, limits, counters and cache hit rate");
   // --help lists only flags of files named after the binary; ours live in cli_main.cc.
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view path) {
@@ -171,18 +269,25 @@ int main(int argc, char** argv) {
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  constexpr char kCommands[] = "generate, score, abort, flush or info";
   if (args.size() != 2) {
-    rollout::Fail(
-        absl::InvalidArgumentError("expected exactly one command: generate or info (see --help)"));
+    rollout::Fail(absl::InvalidArgumentError(
+        absl::StrCat("expected exactly one command: ", kCommands, " (see --help)")));
   }
   const std::string command = args[1];
   if (command == "generate") {
     rollout::RunGenerate();
+  } else if (command == "score") {
+    rollout::RunScore();
+  } else if (command == "abort") {
+    rollout::RunAbort();
+  } else if (command == "flush") {
+    rollout::RunFlush();
   } else if (command == "info") {
     rollout::RunInfo();
   } else {
     rollout::Fail(absl::InvalidArgumentError(
-        absl::StrCat("unknown command '", command, "'; expected generate or info")));
+        absl::StrCat("unknown command '", command, "'; expected ", kCommands)));
   }
   return 0;
 }

@@ -176,13 +176,37 @@ absl::StatusOr<GenerateResult> RolloutClient::GenerateAll(const GenerateRequest&
   return result;
 }
 
-absl::StatusOr<rollout::v1::ServerInfo> RolloutClient::GetServerInfo() {
+template <typename Request, typename Response>
+absl::StatusOr<Response> RolloutClient::CallUnary(
+    grpc::Status (rollout::v1::RolloutService::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                              Response*),
+    const Request& request) {
   grpc::ClientContext context;
   PrepareContext(&context);
-  rollout::v1::ServerInfo info;
-  grpc::Status status = stub_->GetServerInfo(&context, rollout::v1::GetServerInfoRequest(), &info);
+  Response response;
+  grpc::Status status = (stub_.get()->*method)(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
-  return info;
+  return response;
+}
+
+absl::StatusOr<rollout::v1::ServerInfo> RolloutClient::GetServerInfo() {
+  return CallUnary(&rollout::v1::RolloutService::Stub::GetServerInfo,
+                   rollout::v1::GetServerInfoRequest());
+}
+
+absl::StatusOr<rollout::v1::ScoreResponse> RolloutClient::Score(
+    const rollout::v1::ScoreRequest& request) {
+  return CallUnary(&rollout::v1::RolloutService::Stub::Score, request);
+}
+
+absl::StatusOr<rollout::v1::AbortResponse> RolloutClient::Abort(
+    const rollout::v1::AbortRequest& request) {
+  return CallUnary(&rollout::v1::RolloutService::Stub::Abort, request);
+}
+
+absl::StatusOr<rollout::v1::FlushCacheResponse> RolloutClient::FlushCache() {
+  return CallUnary(&rollout::v1::RolloutService::Stub::FlushCache,
+                   rollout::v1::FlushCacheRequest());
 }
 
 }  // namespace rollout

@@ -69,6 +69,18 @@ class RolloutClient {
 
   absl::StatusOr<rollout::v1::ServerInfo> GetServerInfo();
 
+  // The unary calls below return the server's status unchanged, UNIMPLEMENTED included (what a
+  // server predating them answers), so callers can tell "not supported" from a real failure.
+
+  // Teacher-forced logprobs of given sequences.
+  absl::StatusOr<rollout::v1::ScoreResponse> Score(const rollout::v1::ScoreRequest& request);
+
+  // Ends in-flight rollouts; their Generate streams get FINISH_REASON_ABORT completions.
+  absl::StatusOr<rollout::v1::AbortResponse> Abort(const rollout::v1::AbortRequest& request);
+
+  // Empties the server's prefix cache.
+  absl::StatusOr<rollout::v1::FlushCacheResponse> FlushCache();
+
   const std::string& target() const { return target_; }
 
  private:
@@ -76,6 +88,13 @@ class RolloutClient {
 
   // Applies the per-call deadline and the bearer token.
   void PrepareContext(grpc::ClientContext* context) const;
+
+  // One unary RPC through a stub method with a fresh, prepared context, so that every unary
+  // call gets the same deadline, token and status handling.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> CallUnary(grpc::Status (rollout::v1::RolloutService::Stub::*method)(
+                                         grpc::ClientContext*, const Request&, Response*),
+                                     const Request& request);
 
   const std::string target_;
   const ClientOptions options_;

@@ -15,6 +15,22 @@ std::string LayerName(int i, const char* suffix) {
   return absl::StrCat("model.layers.", i, ".", suffix);
 }
 
+// The negative control's RMSNorm: the sum of squares runs forwards or backwards depending on
+// how many rows the batch has -- exactly the kind of batch dependence the contract forbids.
+void BatchVariantRmsNorm(float* x, const float* weight, int64_t rows, int64_t dim, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * dim;
+    float ss = 0.0f;
+    if (rows % 2 == 0) {
+      for (int64_t i = 0; i < dim; ++i) ss += row[i] * row[i];
+    } else {
+      for (int64_t i = dim - 1; i >= 0; --i) ss += row[i] * row[i];
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) row[i] = row[i] * inv * weight[i];
+  }
+}
+
 }  // namespace
 
 CpuModelRunner::CpuModelRunner(ModelConfig config, CpuRunnerOptions options)
@@ -182,7 +198,11 @@ absl::Status CpuModelRunner::Forward(const ForwardBatch& batch, std::vector<floa
     std::memcpy(&rows[i * h], &x[static_cast<int64_t>(batch.logit_rows[i]) * h],
                 h * sizeof(float));
   }
-  cpu::RmsNorm(rows.data(), final_norm_.data(), r, h, c.rms_norm_eps, rows.data());
+  if (options_.batch_variant_for_testing) {
+    BatchVariantRmsNorm(rows.data(), final_norm_.data(), r, h, c.rms_norm_eps);
+  } else {
+    cpu::RmsNorm(rows.data(), final_norm_.data(), r, h, c.rms_norm_eps, rows.data());
+  }
   logits->resize(r * vocab);
   const float* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
   cpu::MatMul(pool_.get(), rows.data(), r, h, head, vocab, nullptr, logits->data());

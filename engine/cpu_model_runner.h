@@ -17,6 +17,9 @@ struct CpuRunnerOptions {
   int32_t kv_block_size = 16;
   int32_t attention_split_size = 64;
   int32_t num_threads = 0;  // 0 = all cores
+  // Negative control for the determinism suites only: the final RMSNorm sums a row in an order
+  // chosen by the number of rows in the batch, so batch invariance breaks on purpose.
+  bool batch_variant_for_testing = false;
 };
 
 // The CPU reference backend: fp32 weights and KV, kernels/cpu ops. Engine thread only.

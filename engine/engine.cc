@@ -53,9 +53,10 @@ Engine::Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options
       num_kv_blocks_(runner->num_kv_blocks()),
       runner_(std::move(runner)),
       blocks_(num_kv_blocks_, kv_block_size_),
+      cache_(&blocks_, options.prefix_cache),
       scheduler_(SchedulerOptions{options.max_running_samples, options.max_batch_tokens,
                                   split_size_},
-                 &blocks_) {
+                 &blocks_, &cache_, options.weight_version) {
   PublishCounters();
   thread_ = std::thread([this] { Loop(); });
 }
@@ -87,10 +88,22 @@ absl::Status Engine::Validate(const SampleSpec& spec) const {
                           spec.prompt[i], vocab));
     }
   }
-  if (p.max_new_tokens < 1) {
+  if (spec.score_start != 0) {
+    const int64_t n = static_cast<int64_t>(spec.prompt.size());
+    if (spec.score_start < 1 || spec.score_start >= n) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "start = %d; it must be in [1, %d): at least one token precedes and one is scored",
+          spec.score_start, n));
+    }
+    if (n > max_context()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "token_ids has %d tokens, beyond the maximum context of %d", n, max_context()));
+    }
+  } else if (p.max_new_tokens < 1) {
     return absl::InvalidArgumentError("sampling.max_new_tokens must be >= 1");
   }
-  const int64_t total = static_cast<int64_t>(spec.prompt.size()) + p.max_new_tokens;
+  const int64_t total =
+      static_cast<int64_t>(spec.prompt.size()) + (spec.score_start != 0 ? 0 : p.max_new_tokens);
   if (total > max_context()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "prompt (%d tokens) + sampling.max_new_tokens (%d) = %d exceeds the maximum context "
@@ -143,10 +156,26 @@ absl::StatusOr<uint64_t> Engine::Submit(std::vector<SampleSpec> samples, EventSi
   return job_id;
 }
 
-void Engine::Abort(uint64_t job_id) {
+void Engine::Abort(uint64_t job_id, std::optional<int32_t> rollout_index) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    aborts_.push_back(job_id);
+    aborts_.push_back(AbortOrder{job_id, rollout_index});
+  }
+  cv_.notify_all();
+}
+
+void Engine::AbortAll() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborts_.push_back(AbortOrder{});
+  }
+  cv_.notify_all();
+}
+
+void Engine::FlushCache(std::function<void(FlushResult)> done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    flushes_.push_back(std::move(done));
   }
   cv_.notify_all();
 }
@@ -166,6 +195,10 @@ void Engine::PublishCounters() {
   c.prefilled_tokens = prefilled_tokens_;
   c.steps = steps_;
   c.preemptions = scheduler_.num_preemptions();
+  c.kv_blocks_cached = cache_.num_cached_blocks();
+  c.prompt_tokens = scheduler_.num_prompt_tokens();
+  c.cache_hit_tokens = scheduler_.num_cache_hit_tokens();
+  c.scored_tokens = scored_tokens_;
   std::lock_guard<std::mutex> lock(mu_);
   counters_ = c;
 }
@@ -173,21 +206,35 @@ void Engine::PublishCounters() {
 void Engine::Loop() {
   for (;;) {
     std::vector<Submission> submissions;
-    std::vector<uint64_t> aborts;
+    std::vector<AbortOrder> aborts;
+    std::vector<std::function<void(FlushResult)>> flushes;
     bool stop;
     {
       std::unique_lock<std::mutex> lock(mu_);
       const bool busy = !scheduler_.idle();
-      cv_.wait(lock, [&] { return stop_ || busy || !inbox_.empty() || !aborts_.empty(); });
+      cv_.wait(lock, [&] {
+        return stop_ || busy || !inbox_.empty() || !aborts_.empty() || !flushes_.empty();
+      });
       submissions.swap(inbox_);
       aborts.swap(aborts_);
+      flushes.swap(flushes_);
       stop = stop_;
     }
     std::map<uint64_t, std::vector<SampleEvent>> events;  // by job id, so delivery is ordered
     for (Submission& s : submissions) Admit(std::move(s));
-    for (uint64_t job_id : aborts) AbortJob(job_id, &events);
+    for (const AbortOrder& order : aborts) {
+      if (order.job_id.has_value()) {
+        AbortJob(*order.job_id, order.rollout_index, &events);
+      } else {
+        for (const auto& [job_id, job] : jobs_) AbortJob(job_id, std::nullopt, &events);
+      }
+    }
+    for (auto& done : flushes) {
+      const PrefixCache::FlushResult r = cache_.Flush();
+      done(FlushResult{r.freed_blocks, r.detached_blocks});
+    }
     if (stop) {
-      for (const auto& [job_id, job] : jobs_) AbortJob(job_id, &events);
+      for (const auto& [job_id, job] : jobs_) AbortJob(job_id, std::nullopt, &events);
       PublishCounters();
       Deliver(&events);
       return;
@@ -212,6 +259,7 @@ void Engine::Admit(Submission submission) {
     seq->sample_seed = spec.sample_seed;
     seq->prompt_len = static_cast<int64_t>(spec.prompt.size());
     seq->tokens = std::move(spec.prompt);
+    seq->score_start = spec.score_start;
     scheduler_.Add(seq.get());
     job.sequences.push_back(std::move(seq));
   }
@@ -222,20 +270,38 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
   std::vector<ScheduledChunk> chunks = scheduler_.Schedule();
   if (chunks.empty()) return;
   ForwardBatch batch;
-  std::vector<const ScheduledChunk*> sampled;  // chunks whose last row gives logits
-  for (const ScheduledChunk& chunk : chunks) {
+  // Per chunk, the logits rows it asked for: [first_row, first_row + num_rows) of the output,
+  // for positions starting at first_position.
+  struct Rows {
+    int64_t first_row = 0;
+    int64_t num_rows = 0;
+    int64_t first_position = 0;
+  };
+  std::vector<Rows> rows(chunks.size());
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const ScheduledChunk& chunk = chunks[c];
+    Sequence* seq = chunk.seq;
     const int32_t seq_index = static_cast<int32_t>(batch.block_tables.size());
-    batch.block_tables.push_back(chunk.seq->block_table);
+    batch.block_tables.push_back(seq->block_table);
+    const bool decode = chunk.end - chunk.begin == 1 && seq->num_generated() > 0;
+    if (!decode) prefilled_tokens_ += chunk.end - chunk.begin;
+    const int64_t first_token = batch.num_tokens();
     for (int64_t pos = chunk.begin; pos < chunk.end; ++pos) {
-      batch.token_ids.push_back(chunk.seq->tokens[pos]);
+      batch.token_ids.push_back(seq->tokens[pos]);
       batch.positions.push_back(static_cast<int32_t>(pos));
       batch.token_seq.push_back(seq_index);
     }
-    const bool decode = chunk.end - chunk.begin == 1 && chunk.seq->num_generated() > 0;
-    if (!decode) prefilled_tokens_ += chunk.end - chunk.begin;
-    if (chunk.wants_logits()) {
-      batch.logit_rows.push_back(static_cast<int32_t>(batch.num_tokens() - 1));
-      sampled.push_back(&chunk);
+    // A scoring sequence wants the rows that predict each scored token; a generating one the
+    // row of its last token, once its prefill is complete.
+    int64_t from = chunk.end - 1, to = chunk.wants_logits() ? chunk.end : from;
+    if (seq->is_score()) {
+      from = std::max(chunk.begin, seq->score_start - 1);
+      to = std::min(chunk.end, seq->num_tokens() - 1);
+    }
+    rows[c] = Rows{static_cast<int64_t>(batch.logit_rows.size()), std::max<int64_t>(0, to - from),
+                   from};
+    for (int64_t pos = from; pos < to; ++pos) {
+      batch.logit_rows.push_back(static_cast<int32_t>(first_token + pos - chunk.begin));
     }
   }
   ++steps_;
@@ -247,13 +313,21 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
     }
     return;
   }
-  for (const ScheduledChunk& chunk : chunks) chunk.seq->num_computed = chunk.end;
   const int64_t vocab = config_.vocab_size;
-  for (size_t r = 0; r < sampled.size(); ++r) {
-    Sequence* seq = sampled[r]->seq;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    Sequence* seq = chunks[c].seq;
+    seq->num_computed = chunks[c].end;
+    scheduler_.CachePages(seq);
+    const float* first_row = &logits_[rows[c].first_row * vocab];
+    if (seq->is_score()) {
+      ScoreRows(seq, rows[c].first_position, rows[c].num_rows, first_row);
+      if (seq->num_computed == seq->num_tokens()) Report(seq, FinishReason::kLength, events);
+      continue;
+    }
+    if (rows[c].num_rows == 0) continue;
     const int64_t position = seq->num_tokens();  // absolute position of the new token
-    SampleResult result = SampleToken(&logits_[r * vocab], static_cast<int32_t>(vocab),
-                                      seq->params, seq->sample_seed, position, &sampler_scratch_);
+    SampleResult result = SampleToken(first_row, static_cast<int32_t>(vocab), seq->params,
+                                      seq->sample_seed, position, &sampler_scratch_);
     seq->tokens.push_back(result.token);
     seq->logprobs.push_back(result.logprob);
     if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result.top));
@@ -266,6 +340,24 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
       reason = FinishReason::kLength;
     }
     Report(seq, reason, events);
+  }
+}
+
+void Engine::ScoreRows(Sequence* seq, int64_t first_position, int64_t num_rows,
+                       const float* logits) {
+  const int32_t vocab = config_.vocab_size;
+  // Same definition as sampling: T = 0 scores like greedy generation, at T = 1.
+  const float t = seq->params.temperature > 0.0f ? seq->params.temperature : 1.0f;
+  sampler_scratch_.resize(vocab);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int32_t next = seq->tokens[first_position + r + 1];
+    LogSoftmax(logits + r * vocab, vocab, t, sampler_scratch_.data());
+    seq->logprobs.push_back(sampler_scratch_[next]);
+    if (seq->params.top_logprobs > 0) {
+      seq->top_logprobs.push_back(
+          TopLogprobs(sampler_scratch_.data(), vocab, seq->params.top_logprobs));
+    }
+    ++scored_tokens_;
   }
 }
 
@@ -291,7 +383,7 @@ void Engine::Report(Sequence* seq, std::optional<FinishReason> reason,
     c.logprobs = std::move(seq->logprobs);
     c.top_logprobs = std::move(seq->top_logprobs);
     c.sample_seed = seq->sample_seed;
-    c.cached_prompt_tokens = 0;
+    c.cached_prompt_tokens = static_cast<int32_t>(seq->cached_prompt_tokens.value_or(0));
     c.weight_version = options_.weight_version;
     event.completion = std::move(c);
     Job& job = jobs_.at(seq->job_id);
@@ -301,11 +393,13 @@ void Engine::Report(Sequence* seq, std::optional<FinishReason> reason,
   (*events)[seq->job_id].push_back(std::move(event));
 }
 
-void Engine::AbortJob(uint64_t job_id, std::map<uint64_t, std::vector<SampleEvent>>* events) {
+void Engine::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
+                      std::map<uint64_t, std::vector<SampleEvent>>* events) {
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
   for (auto& seq : it->second.sequences) {
     if (seq->finished) continue;
+    if (rollout_index.has_value() && seq->rollout_index != *rollout_index) continue;
     Report(seq.get(), FinishReason::kAbort, events);
   }
 }

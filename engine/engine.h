@@ -24,6 +24,7 @@ struct EngineOptions {
   int32_t max_running_samples = 64;
   int32_t max_batch_tokens = 512;
   std::string weight_version = "0";
+  bool prefix_cache = true;
 };
 
 // One sample to generate.
@@ -33,6 +34,10 @@ struct SampleSpec {
   std::vector<int32_t> prompt;
   SamplingParams params;
   uint64_t sample_seed = 0;
+  // > 0 makes this a scoring job: `prompt` is the whole sequence, and the completion carries
+  // the logprobs of prompt[score_start..] at params.temperature (0 means 1) with
+  // params.top_logprobs; nothing is generated and max_new_tokens is ignored.
+  int32_t score_start = 0;
 };
 
 // The end of a sample: everything it generated.
@@ -71,6 +76,15 @@ struct EngineCounters {
   uint64_t prefilled_tokens = 0;
   uint64_t steps = 0;
   uint64_t preemptions = 0;
+  int32_t kv_blocks_cached = 0;
+  uint64_t prompt_tokens = 0;
+  uint64_t cache_hit_tokens = 0;
+  uint64_t scored_tokens = 0;
+};
+
+struct FlushResult {
+  int32_t freed_blocks = 0;
+  int32_t detached_blocks = 0;
 };
 
 // The inference engine: one thread owns the scheduler, the KV blocks and the model runner and
@@ -100,9 +114,15 @@ class Engine {
   // Validates every sample, then queues them all (in order) as one job. Returns the job id.
   absl::StatusOr<uint64_t> Submit(std::vector<SampleSpec> samples, EventSink sink);
 
-  // Ends every unfinished sample of the job with FinishReason::kAbort. Unknown or finished jobs
-  // are ignored.
-  void Abort(uint64_t job_id);
+  // Ends every unfinished sample of the job (or only those of `rollout_index`) with
+  // FinishReason::kAbort. Unknown or finished jobs are ignored.
+  void Abort(uint64_t job_id, std::optional<int32_t> rollout_index = std::nullopt);
+  // Aborts every job.
+  void AbortAll();
+
+  // Empties the prefix cache between two steps, then calls `done` on the engine thread (it
+  // must not block). Running samples keep the KV they hold.
+  void FlushCache(std::function<void(FlushResult)> done);
 
   EngineCounters counters() const;
 
@@ -117,6 +137,10 @@ class Engine {
     std::vector<SampleSpec> samples;
     EventSink sink;
   };
+  struct AbortOrder {
+    std::optional<uint64_t> job_id;        // none: every job
+    std::optional<int32_t> rollout_index;  // none: every rollout of the job
+  };
 
   Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options);
   void Loop();
@@ -125,7 +149,10 @@ class Engine {
   // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
   void Report(Sequence* seq, std::optional<FinishReason> reason,
               std::map<uint64_t, std::vector<SampleEvent>>* events);
-  void AbortJob(uint64_t job_id, std::map<uint64_t, std::vector<SampleEvent>>* events);
+  void AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
+                std::map<uint64_t, std::vector<SampleEvent>>* events);
+  // Appends the logprobs of the scored positions in `logits` rows to a scoring sequence.
+  void ScoreRows(Sequence* seq, int64_t first_position, int64_t num_rows, const float* logits);
   void Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events);
   void PublishCounters();
 
@@ -140,12 +167,14 @@ class Engine {
   // Engine thread only.
   std::unique_ptr<ModelRunner> runner_;
   KvBlockManager blocks_;
+  PrefixCache cache_;
   Scheduler scheduler_;
   std::map<uint64_t, Job> jobs_;
   uint64_t next_arrival_ = 0;
   uint64_t generated_tokens_ = 0;
   uint64_t prefilled_tokens_ = 0;
   uint64_t steps_ = 0;
+  uint64_t scored_tokens_ = 0;
   std::vector<float> logits_;
   std::vector<float> sampler_scratch_;
 
@@ -153,7 +182,8 @@ class Engine {
   std::condition_variable cv_;
   // Protected by mu_.
   std::vector<Submission> inbox_;
-  std::vector<uint64_t> aborts_;
+  std::vector<AbortOrder> aborts_;
+  std::vector<std::function<void(FlushResult)>> flushes_;
   uint64_t next_job_id_ = 1;
   bool stop_ = false;
   EngineCounters counters_;

@@ -129,6 +129,19 @@ void LogSoftmax(const float* logits, int32_t vocab_size, float temperature, floa
   for (int32_t i = 0; i < vocab_size; ++i) out[i] = (out[i] - max_x) - log_sum;
 }
 
+std::vector<TokenLogprob> TopLogprobs(const float* lp, int32_t vocab_size, int32_t n) {
+  std::vector<TokenLogprob> top;
+  const int32_t num_top = std::min(n, vocab_size);
+  if (num_top <= 0) return top;
+  std::vector<int32_t>& order = OrderScratch();
+  order.resize(vocab_size);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + num_top, order.end(), ByLogprobDesc{lp});
+  top.reserve(num_top);
+  for (int32_t j = 0; j < num_top; ++j) top.push_back({order[j], lp[order[j]]});
+  return top;
+}
+
 SampleResult SampleToken(const float* logits, int32_t vocab_size, const SamplingParams& params,
                          uint64_t sample_seed, int64_t position, std::vector<float>* scratch) {
   SampleResult result;
@@ -198,14 +211,7 @@ SampleResult SampleToken(const float* logits, int32_t vocab_size, const Sampling
   }
   result.logprob = lp[result.token];
 
-  const int32_t num_top = std::min(params.top_logprobs, vocab_size);
-  if (num_top > 0) {
-    order.resize(vocab_size);
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + num_top, order.end(), by_logprob);
-    result.top.reserve(num_top);
-    for (int32_t j = 0; j < num_top; ++j) result.top.push_back({order[j], lp[order[j]]});
-  }
+  result.top = TopLogprobs(lp, vocab_size, params.top_logprobs);
   return result;
 }
 

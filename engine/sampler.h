@@ -62,6 +62,10 @@ struct SampleResult {
 SampleResult SampleToken(const float* logits, int32_t vocab_size, const SamplingParams& params,
                          uint64_t sample_seed, int64_t position, std::vector<float>* scratch);
 
+// The n largest of a row of logprobs [vocab], ordered by (logprob descending, id ascending):
+// the top-N entries that Generate and Score return.
+std::vector<TokenLogprob> TopLogprobs(const float* logprobs, int32_t vocab_size, int32_t n);
+
 // log_softmax(logits / T)[i] for the whole row, written to `out` [vocab]. T <= 0 means T = 1.
 // x_i = logits[i] / T (a division, not a multiplication by 1 / T; NaN -> -inf, +inf -> FLT_MAX),
 // m = max_i x_i, s = sum_i expf(x_i - m) accumulated in 16 lanes (lane i % 16, increasing i)

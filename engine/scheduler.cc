@@ -1,13 +1,15 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "glog/logging.h"
 
 namespace rollout {
 
-Scheduler::Scheduler(const SchedulerOptions& options, KvBlockManager* blocks)
-    : options_(options), blocks_(blocks) {
+Scheduler::Scheduler(const SchedulerOptions& options, KvBlockManager* blocks, PrefixCache* cache,
+                     std::string cache_version)
+    : options_(options), blocks_(blocks), cache_(cache), cache_version_(std::move(cache_version)) {
   CHECK_GT(options.split_size, 0);
   CHECK_GE(options.max_batch_tokens, options.split_size);
 }
@@ -25,14 +27,66 @@ void Scheduler::Remove(Sequence* seq) {
     auto it = std::find(list->begin(), list->end(), seq);
     if (it != list->end()) list->erase(it);
   }
-  blocks_->Release(&seq->block_table);
+  ReleaseKv(seq);
+}
+
+void Scheduler::ReleaseKv(Sequence* seq) {
+  std::vector<int32_t> own;
+  for (size_t i = 0; i < seq->block_table.size(); ++i) {
+    if (!PrefixCache::OwnsBlock(seq->cache_path, i, seq->block_table[i])) {
+      own.push_back(seq->block_table[i]);
+    }
+  }
+  blocks_->Release(&own);
+  seq->block_table.clear();
+  cache_->Unlock(&seq->cache_path);
+}
+
+bool Scheduler::Reserve(int64_t num_tokens, Sequence* seq) {
+  const int64_t need =
+      blocks_->BlocksFor(num_tokens) - static_cast<int64_t>(seq->block_table.size());
+  if (need > blocks_->num_free()) {
+    cache_->Evict(static_cast<int32_t>(need - blocks_->num_free()));
+  }
+  return blocks_->Grow(num_tokens, &seq->block_table);
+}
+
+void Scheduler::CachePages(Sequence* seq) {
+  const int64_t page = blocks_->block_size();
+  while (static_cast<int64_t>(seq->cache_path.size() + 1) * page <= seq->num_computed) {
+    const size_t before = seq->cache_path.size();
+    cache_->Extend(cache_version_, seq->tokens, seq->block_table[before], &seq->cache_path);
+    if (seq->cache_path.size() == before) break;  // cache off, or the path was flushed
+  }
+}
+
+bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>* chunks) {
+  const int64_t page = blocks_->block_size();
+  seq->cache_path = cache_->Match(cache_version_, seq->tokens, seq->max_prefix_tokens() / page,
+                                  &seq->block_table);
+  seq->num_computed = static_cast<int64_t>(seq->cache_path.size()) * page;
+  const int64_t end = ChunkEnd(*seq, budget);
+  // Reserve KV for the whole known sequence up front, so an admitted prefill never waits on
+  // blocks midway.
+  if (end <= seq->num_computed || !Reserve(seq->num_tokens(), seq)) {
+    ReleaseKv(seq);
+    seq->num_computed = 0;
+    return false;
+  }
+  if (!seq->cached_prompt_tokens.has_value()) {
+    seq->cached_prompt_tokens = std::min(seq->num_computed, seq->prompt_len);
+    num_prompt_tokens_ += seq->prompt_len;
+    num_cache_hit_tokens_ += *seq->cached_prompt_tokens;
+  }
+  chunks->push_back({seq, seq->num_computed, end});
+  return true;
 }
 
 void Scheduler::Preempt(Sequence* seq) {
   auto it = std::find(running_.begin(), running_.end(), seq);
   CHECK(it != running_.end());
   running_.erase(it);
-  blocks_->Release(&seq->block_table);
+  ReleaseKv(seq);
   seq->num_computed = 0;
   InsertByArrival(seq, &waiting_);
   ++num_preemptions_;
@@ -72,7 +126,7 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
         ++i;
         continue;
       }
-      if (!blocks_->Grow(end, &seq->block_table)) {
+      if (!Reserve(end, seq)) {
         // The latest arrival not already in this step gives way; since everything before
         // index i is scheduled or skipped, that is seq itself or one behind it.
         Preempt(LatestUnscheduled(chunks));
@@ -86,15 +140,10 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
   while (!waiting_.empty() && budget > 0 &&
          static_cast<int32_t>(running_.size()) < options_.max_running) {
     Sequence* seq = waiting_.front();
-    const int64_t end = ChunkEnd(*seq, budget);
-    if (end <= seq->num_computed) break;
-    // Reserve KV for the whole known sequence up front, so an admitted prefill never waits on
-    // blocks midway.
-    if (!blocks_->Grow(seq->num_tokens(), &seq->block_table)) break;
+    if (!Admit(seq, budget, &chunks)) break;
     waiting_.erase(waiting_.begin());
     InsertByArrival(seq, &running_);
-    chunks.push_back({seq, seq->num_computed, end});
-    budget -= end - seq->num_computed;
+    budget -= chunks.back().end - chunks.back().begin;
   }
   return chunks;
 }

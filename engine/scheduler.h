@@ -3,7 +3,10 @@
 #include <cstdint>
 #include <vector>
 
+#include <string>
+
 #include "engine/kv_block_manager.h"
+#include "engine/prefix_cache.h"
 #include "engine/sequence.h"
 
 namespace rollout {
@@ -27,37 +30,57 @@ struct ScheduledChunk {
 // bit depends on it (the model runner's rows are batch invariant).
 class Scheduler {
  public:
-  // `blocks` is borrowed and must outlive the scheduler.
-  Scheduler(const SchedulerOptions& options, KvBlockManager* blocks);
+  // `blocks` and `cache` are borrowed and must outlive the scheduler. `cache_version` keys
+  // the prefix cache (the weight version).
+  Scheduler(const SchedulerOptions& options, KvBlockManager* blocks, PrefixCache* cache,
+            std::string cache_version);
 
   // Queues a sequence (it may be partly generated: its KV is recomputed).
   void Add(Sequence* seq);
   // Forgets a sequence wherever it is and releases its KV blocks.
   void Remove(Sequence* seq);
 
+  // Adds the sequence's newly computed whole pages to the prefix cache (after a step).
+  void CachePages(Sequence* seq);
+
   // Picks this step's work. Running decoders first (oldest first), then running prefills, then
-  // new admissions in arrival order while the head of the queue fits (strict FCFS). When a
-  // running sequence needs a KV block and none is free, the latest arrival is preempted: its
-  // blocks are freed and it goes back to the queue, to be recomputed later.
+  // new admissions in arrival order while the head of the queue fits (strict FCFS); an
+  // admission first takes the longest cached prefix. When a block is needed and none is free,
+  // unlocked cached pages are evicted (LRU); if that is not enough for a running sequence, the
+  // latest arrival is preempted: its blocks are freed (its computed pages stay cached) and it
+  // goes back to the queue, to be recomputed later.
   std::vector<ScheduledChunk> Schedule();
 
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
   bool idle() const { return running_.empty() && waiting_.empty(); }
   uint64_t num_preemptions() const { return num_preemptions_; }
+  uint64_t num_prompt_tokens() const { return num_prompt_tokens_; }
+  uint64_t num_cache_hit_tokens() const { return num_cache_hit_tokens_; }
 
  private:
   // End of the next chunk of `seq` within `budget` tokens; <= num_computed when none fits.
   int64_t ChunkEnd(const Sequence& seq, int64_t budget) const;
   void Preempt(Sequence* seq);
+  // Frees the sequence's private blocks and unlocks its cached pages.
+  void ReleaseKv(Sequence* seq);
+  // Grows the block table to hold `num_tokens`, evicting cached pages if needed.
+  bool Reserve(int64_t num_tokens, Sequence* seq);
+  // Takes the head of the queue into the running set with its cached prefix and a chunk
+  // within `budget`; false (and no change) if it does not fit.
+  bool Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>* chunks);
   Sequence* LatestUnscheduled(const std::vector<ScheduledChunk>& chunks) const;
   static void InsertByArrival(Sequence* seq, std::vector<Sequence*>* list);
 
   const SchedulerOptions options_;
   KvBlockManager* const blocks_;
+  PrefixCache* const cache_;
+  const std::string cache_version_;
   std::vector<Sequence*> running_;  // ascending arrival
   std::vector<Sequence*> waiting_;  // ascending arrival
   uint64_t num_preemptions_ = 0;
+  uint64_t num_prompt_tokens_ = 0;     // at first admission
+  uint64_t num_cache_hit_tokens_ = 0;  // of those, served from the cache
 };
 
 }  // namespace rollout

@@ -27,7 +27,9 @@ void Apply(const std::vector<ScheduledChunk>& chunks) {
 
 TEST(SchedulerTest, PrefillChunksEndOnSplitBoundariesWithinTheBudget) {
   KvBlockManager blocks(100, 16);
-  Scheduler scheduler({/*max_running=*/8, /*max_batch_tokens=*/100, /*split_size=*/32}, &blocks);
+  PrefixCache cache(&blocks);
+  Scheduler scheduler({/*max_running=*/8, /*max_batch_tokens=*/100, /*split_size=*/32}, &blocks,
+                      &cache, "v");
   auto seq = MakeSeq(0, 150);
   scheduler.Add(seq.get());
   std::vector<int64_t> ends;
@@ -44,7 +46,8 @@ TEST(SchedulerTest, PrefillChunksEndOnSplitBoundariesWithinTheBudget) {
 
 TEST(SchedulerTest, DecodersRunBeforePrefillsAndAdmissionIsFcfs) {
   KvBlockManager blocks(100, 16);
-  Scheduler scheduler({8, 64, 32}, &blocks);
+  PrefixCache cache(&blocks);
+  Scheduler scheduler({8, 64, 32}, &blocks, &cache, "v");
   auto a = MakeSeq(0, 10), b = MakeSeq(1, 200), c = MakeSeq(2, 5);
   scheduler.Add(c.get());
   scheduler.Add(b.get());
@@ -63,7 +66,8 @@ TEST(SchedulerTest, DecodersRunBeforePrefillsAndAdmissionIsFcfs) {
 
 TEST(SchedulerTest, KvPressurePreemptsTheLatestArrivalAndItResumesLater) {
   KvBlockManager blocks(4, 4);  // 16 tokens of KV in all
-  Scheduler scheduler({8, 32, 4}, &blocks);
+  PrefixCache cache(&blocks, /*enabled=*/false);
+  Scheduler scheduler({8, 32, 4}, &blocks, &cache, "v");
   auto old_seq = MakeSeq(0, 6), new_seq = MakeSeq(1, 6);
   scheduler.Add(old_seq.get());
   scheduler.Add(new_seq.get());
@@ -88,7 +92,8 @@ TEST(SchedulerTest, KvPressurePreemptsTheLatestArrivalAndItResumesLater) {
 
 TEST(SchedulerTest, RemoveReleasesBlocksOfRunningAndWaiting) {
   KvBlockManager blocks(10, 4);
-  Scheduler scheduler({1, 64, 4}, &blocks);
+  PrefixCache cache(&blocks);
+  Scheduler scheduler({1, 64, 4}, &blocks, &cache, "v");
   auto a = MakeSeq(0, 8), b = MakeSeq(1, 8);
   scheduler.Add(a.get());
   scheduler.Add(b.get());

@@ -1,9 +1,12 @@
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "engine/prefix_cache.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
 
@@ -27,9 +30,22 @@ struct Sequence {
   std::vector<int32_t> block_table;
   int64_t num_reported = 0;     // generated tokens already sent to the caller
   bool finished = false;        // its completion has been reported
+  // Leading pages found in or added to the prefix cache, locked while this sequence lives.
+  std::vector<PrefixCache::Node*> cache_path;
+  std::optional<int64_t> cached_prompt_tokens;  // prefix-cache hit at first admission
+  // Score jobs: > 0 means teacher-forced scoring of tokens[score_start..]; nothing is sampled.
+  int64_t score_start = 0;
+
+  bool is_score() const { return score_start > 0; }
 
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  // Leading tokens whose KV may come from the prefix cache: at least the last token is always
+  // computed (its logits are needed), and for scoring every scored position's logits too.
+  int64_t max_prefix_tokens() const {
+    const int64_t last = num_tokens() - 1;
+    return is_score() ? std::min(last, score_start - 1) : last;
+  }
 };
 
 }  // namespace rollout

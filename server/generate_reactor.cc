@@ -11,34 +11,27 @@ namespace rollout {
 GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request)
     : service_(service), stream_(std::make_shared<Stream>()) {
   stream_->reactor = this;
-  // Until Submit, no other thread knows this call, so errors finish without the lock.
   absl::StatusOr<std::vector<SampleSpec>> specs = ToSampleSpecs(*request, *service_->engine());
-  absl::Status status = specs.status();
-  std::vector<std::string> ids;
-  if (status.ok()) {
-    for (const v1::RolloutRequest& r : request->rollouts()) {
-      if (!r.request_id().empty()) ids.push_back(r.request_id());
-    }
-    status = service_->ClaimRequestIds(ids);
-  }
-  if (!status.ok()) {
+  if (!specs.ok()) {
+    // No other thread knows this call yet.
     stream_->finished = true;
-    Finish(ToGrpcStatus(status));
+    Finish(ToGrpcStatus(specs.status()));
     return;
   }
-  request_ids_ = std::move(ids);
+  for (const v1::RolloutRequest& r : request->rollouts()) request_ids_.push_back(r.request_id());
   stream_->completions_left = specs->size();
   // The sink holds the stream, not the reactor: the reactor may be gone when an event comes.
   std::shared_ptr<Stream> stream = stream_;
   absl::StatusOr<uint64_t> job;
   {
-    // Held across Submit so that OnCancel sees the job id and events wait for it.
+    // Held across the submission so that OnCancel sees the job id and events wait for it.
     std::lock_guard<std::mutex> lock(stream_->mu);
-    job = service_->engine()->Submit(*std::move(specs), [stream](std::vector<SampleEvent> events) {
-      std::lock_guard<std::mutex> lock(stream->mu);
-      if (stream->reactor == nullptr) return;
-      stream->reactor->OnEvents(std::move(events));
-    });
+    job = service_->StartGenerate(request_ids_, *std::move(specs),
+                                  [stream](std::vector<SampleEvent> events) {
+                                    std::lock_guard<std::mutex> lock(stream->mu);
+                                    if (stream->reactor == nullptr) return;
+                                    stream->reactor->OnEvents(std::move(events));
+                                  });
     if (job.ok()) {
       job_id_ = *job;
       submitted_ = true;
@@ -106,7 +99,7 @@ void GenerateReactor::OnDone() {
     // A call that ended early (write failure) must not leave samples running.
     if (submitted_ && stream_->completions_left > 0) service_->engine()->Abort(job_id_);
   }
-  service_->ReleaseRequestIds(request_ids_);
+  if (submitted_) service_->EndGenerate(job_id_, request_ids_);
   delete this;
 }
 

@@ -43,7 +43,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
 
   RolloutServiceImpl* const service_;
   std::shared_ptr<Stream> stream_;
-  std::vector<std::string> request_ids_;  // claimed; released in OnDone
+  std::vector<std::string> request_ids_;  // per rollout; released in OnDone
   uint64_t job_id_ = 0;
   bool submitted_ = false;
 };

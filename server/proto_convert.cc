@@ -1,5 +1,6 @@
 #include "server/proto_convert.h"
 
+#include <cmath>
 #include <limits>
 #include <set>
 #include <string>
@@ -110,6 +111,54 @@ absl::StatusOr<std::vector<SampleSpec>> ToSampleSpecs(const v1::GenerateRequest&
       sample.sample_seed = DeriveSampleSeed(r.seed(), j);
       specs.push_back(std::move(sample));
     }
+  }
+  return specs;
+}
+
+absl::StatusOr<std::vector<SampleSpec>> ToScoreSpecs(const v1::ScoreRequest& request,
+                                                     const Engine& engine) {
+  if (request.sequences().empty()) {
+    return absl::InvalidArgumentError("sequences is empty; send at least one ScoreSequence");
+  }
+  if (static_cast<size_t>(request.sequences_size()) > kMaxSamplesPerRequest) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the request has more than %d sequences; split it", kMaxSamplesPerRequest));
+  }
+  const uint32_t vocab = static_cast<uint32_t>(engine.model_config().vocab_size);
+  std::vector<SampleSpec> specs;
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    const v1::ScoreSequence& seq = request.sequences(i);
+    for (int t = 0; t < seq.token_ids_size(); ++t) {
+      if (seq.token_ids(t) >= vocab) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "sequences[%d].token_ids[%d] = %d is outside the vocabulary [0, %d)", i, t,
+            seq.token_ids(t), vocab));
+      }
+    }
+    if (seq.start() == 0 || seq.start() >= static_cast<uint32_t>(seq.token_ids_size())) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "sequences[%d].start = %d; it must be in [1, %d) (token_ids has %d tokens)", i,
+          seq.start(), seq.token_ids_size(), seq.token_ids_size()));
+    }
+    if (seq.has_temperature() && !(seq.temperature() >= 0.0f && std::isfinite(seq.temperature()))) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "sequences[%d].temperature = %g; it must be finite and >= 0 (0 scores as 1)", i,
+          seq.temperature()));
+    }
+    if (seq.top_logprobs() > 1024) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("sequences[%d].top_logprobs = %d is out of range", i, seq.top_logprobs()));
+    }
+    SampleSpec spec;
+    spec.rollout_index = i;
+    spec.prompt.assign(seq.token_ids().begin(), seq.token_ids().end());
+    spec.score_start = static_cast<int32_t>(seq.start());
+    spec.params.temperature = seq.has_temperature() ? seq.temperature() : 1.0f;
+    spec.params.top_logprobs = static_cast<int32_t>(seq.top_logprobs());
+    if (absl::Status st = engine.Validate(spec); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("sequences[", i, "].", st.message()));
+    }
+    specs.push_back(std::move(spec));
   }
   return specs;
 }

@@ -18,6 +18,11 @@ inline constexpr size_t kMaxSamplesPerRequest = 16384;
 absl::StatusOr<std::vector<SampleSpec>> ToSampleSpecs(const v1::GenerateRequest& request,
                                                       const Engine& engine);
 
+// Turns a ScoreRequest into scoring jobs (sequence i is "rollout" i), validating up front.
+// Errors are INVALID_ARGUMENT naming the sequence and field, e.g. "sequences[1].start = 0; ...".
+absl::StatusOr<std::vector<SampleSpec>> ToScoreSpecs(const v1::ScoreRequest& request,
+                                                     const Engine& engine);
+
 v1::FinishReason ToProto(FinishReason reason);
 
 // Appends the responses for one engine event: a TokenChunk if it carries new tokens, then the

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_format.h"
 #include "server/generate_reactor.h"
+#include "server/score_reactor.h"
 
 namespace rollout {
 
@@ -13,6 +14,12 @@ RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model)
 grpc::ServerWriteReactor<v1::GenerateResponse>* RolloutServiceImpl::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
   return new GenerateReactor(this, request);
+}
+
+grpc::ServerUnaryReactor* RolloutServiceImpl::Score(grpc::CallbackServerContext* context,
+                                                    const v1::ScoreRequest* request,
+                                                    v1::ScoreResponse* response) {
+  return new ScoreReactor(this, request, response);
 }
 
 grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(
@@ -47,29 +54,92 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(
   k->set_generated_tokens(counters.generated_tokens);
   k->set_prefilled_tokens(counters.prefilled_tokens);
   k->set_engine_steps(counters.steps);
+  k->set_preemptions(counters.preemptions);
+  k->set_kv_blocks_cached(static_cast<uint32_t>(counters.kv_blocks_cached));
+  k->set_prompt_tokens(counters.prompt_tokens);
+  k->set_cache_hit_tokens(counters.cache_hit_tokens);
+  k->set_scored_tokens(counters.scored_tokens);
   response->set_server_version(ROLLOUT_VERSION);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 
-absl::Status RolloutServiceImpl::ClaimRequestIds(const std::vector<std::string>& ids) {
+absl::StatusOr<uint64_t> RolloutServiceImpl::StartGenerate(
+    const std::vector<std::string>& request_ids, std::vector<SampleSpec> samples,
+    EventSink sink) {
+  // One lock over check, submit and record, so two calls cannot both claim an id and an Abort
+  // never sees an id without its job.
   std::lock_guard<std::mutex> lock(mu_);
-  for (const std::string& id : ids) {
-    if (in_flight_ids_.count(id) != 0) {
+  for (const std::string& id : request_ids) {
+    if (!id.empty() && in_flight_ids_.count(id) != 0) {
       return absl::AlreadyExistsError(absl::StrFormat(
           "request_id '%s' is already in flight; request ids must be unique among running "
           "requests",
           id));
     }
   }
-  in_flight_ids_.insert(ids.begin(), ids.end());
-  return absl::OkStatus();
+  absl::StatusOr<uint64_t> job = engine_->Submit(std::move(samples), std::move(sink));
+  if (!job.ok()) return job.status();
+  for (size_t i = 0; i < request_ids.size(); ++i) {
+    if (!request_ids[i].empty()) {
+      in_flight_ids_[request_ids[i]] = InFlight{*job, static_cast<int32_t>(i)};
+    }
+  }
+  in_flight_jobs_[*job] = static_cast<int32_t>(request_ids.size());
+  return job;
 }
 
-void RolloutServiceImpl::ReleaseRequestIds(const std::vector<std::string>& ids) {
+void RolloutServiceImpl::EndGenerate(uint64_t job_id, const std::vector<std::string>& request_ids) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (const std::string& id : ids) in_flight_ids_.erase(id);
+  for (const std::string& id : request_ids) {
+    auto it = in_flight_ids_.find(id);
+    if (it != in_flight_ids_.end() && it->second.job_id == job_id) in_flight_ids_.erase(it);
+  }
+  in_flight_jobs_.erase(job_id);
+}
+
+grpc::ServerUnaryReactor* RolloutServiceImpl::Abort(grpc::CallbackServerContext* context,
+                                                    const v1::AbortRequest* request,
+                                                    v1::AbortResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (request->all() == !request->request_ids().empty()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                 "name the rollouts to abort in request_ids, or set all (not both)"));
+    return reactor;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (request->all()) {
+    int32_t rollouts = 0;
+    for (const auto& [job, n] : in_flight_jobs_) rollouts += n;
+    response->set_aborted_rollouts(static_cast<uint32_t>(rollouts));
+    engine_->AbortAll();
+  } else {
+    for (const std::string& id : request->request_ids()) {
+      auto it = in_flight_ids_.find(id);
+      if (it == in_flight_ids_.end()) {
+        response->add_unknown_request_ids(id);
+        continue;
+      }
+      engine_->Abort(it->second.job_id, it->second.rollout_index);
+      response->set_aborted_rollouts(response->aborted_rollouts() + 1);
+    }
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RolloutServiceImpl::FlushCache(grpc::CallbackServerContext* context,
+                                                         const v1::FlushCacheRequest* request,
+                                                         v1::FlushCacheResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Runs between two engine steps; the response lives until Finish.
+  engine_->FlushCache([reactor, response](FlushResult result) {
+    response->set_freed_blocks(static_cast<uint32_t>(result.freed_blocks));
+    response->set_detached_blocks(static_cast<uint32_t>(result.detached_blocks));
+    reactor->Finish(grpc::Status::OK);
+  });
+  return reactor;
 }
 
 }  // namespace rollout

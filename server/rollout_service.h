@@ -1,7 +1,7 @@
 #pragma once
 
+#include <map>
 #include <mutex>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -27,19 +27,38 @@ class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
                                           v1::ServerInfo* response) override;
+  grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* context,
+                                  const v1::ScoreRequest* request,
+                                  v1::ScoreResponse* response) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
+                                  const v1::AbortRequest* request,
+                                  v1::AbortResponse* response) override;
+  grpc::ServerUnaryReactor* FlushCache(grpc::CallbackServerContext* context,
+                                       const v1::FlushCacheRequest* request,
+                                       v1::FlushCacheResponse* response) override;
 
-  // Claims the request ids of a call; ALREADY_EXISTS if one is in flight already. Empty ids
-  // are not tracked.
-  absl::Status ClaimRequestIds(const std::vector<std::string>& ids);
-  void ReleaseRequestIds(const std::vector<std::string>& ids);
+  // Submits a Generate call's samples as one engine job and records its rollouts' request ids
+  // (request_ids[i] belongs to rollout i; empty ids are not tracked). ALREADY_EXISTS, with
+  // nothing submitted, if an id is in flight already.
+  absl::StatusOr<uint64_t> StartGenerate(const std::vector<std::string>& request_ids,
+                                         std::vector<SampleSpec> samples, EventSink sink);
+  // Forgets a finished call's job and request ids.
+  void EndGenerate(uint64_t job_id, const std::vector<std::string>& request_ids);
 
   Engine* engine() const { return engine_; }
 
  private:
+  struct InFlight {
+    uint64_t job_id;
+    int32_t rollout_index;
+  };
+
   Engine* const engine_;
   const ServedModel model_;
   std::mutex mu_;
-  std::set<std::string> in_flight_ids_;  // guarded by mu_
+  // Guarded by mu_.
+  std::map<std::string, InFlight> in_flight_ids_;
+  std::map<uint64_t, int32_t> in_flight_jobs_;  // job id -> number of rollouts
 };
 
 }  // namespace rollout

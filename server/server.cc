@@ -83,6 +83,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   runner_options.kv_block_size = options.kv_block_size;
   runner_options.attention_split_size = options.attention_split_size;
   runner_options.num_threads = options.num_threads;
+  runner_options.batch_variant_for_testing = options.batch_variant_for_testing;
   absl::StatusOr<std::unique_ptr<CpuModelRunner>> runner =
       CpuModelRunner::Create(**checkpoint, runner_options);
   if (!runner.ok()) return runner.status();
@@ -97,6 +98,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   engine_options.max_running_samples = options.max_running_samples;
   engine_options.max_batch_tokens = options.max_batch_tokens;
   engine_options.weight_version = options.weight_version;
+  engine_options.prefix_cache = options.prefix_cache;
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(*std::move(runner), engine_options);
   if (!engine.ok()) return engine.status();

@@ -22,6 +22,7 @@ struct ServerOptions {
   int32_t max_batch_tokens = 512;
   int32_t num_threads = 0;  // CPU backend: 0 = all cores
   std::string weight_version = "0";
+  bool prefix_cache = true;
   // Negative control for the determinism suite: makes one reduction (the final RMSNorm's sum)
   // depend on the batch size, so batch invariance breaks. Never set it outside tests.
   bool batch_variant_for_testing = false;

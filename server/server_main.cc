@@ -25,6 +25,7 @@ ABSL_FLAG(int32_t, max_running_samples, 64, "samples decoded together in one ste
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "token budget of one engine step");
 ABSL_FLAG(int32_t, threads, 0, "CPU backend worker threads; 0 = all cores");
 ABSL_FLAG(std::string, weight_version, "0", "version string reported with every completion");
+ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of shared prefixes across requests");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Serves deterministic rollouts over gRPC (rollout.v1).");
@@ -50,6 +51,7 @@ int main(int argc, char** argv) {
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.weight_version = absl::GetFlag(FLAGS_weight_version);
+  options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   absl::StatusOr<std::unique_ptr<rollout::RolloutServer>> server =
       rollout::RolloutServer::Start(options);
   if (!server.ok()) {

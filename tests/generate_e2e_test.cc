@@ -292,11 +292,13 @@ v1::ServerInfo Info(v1::RolloutService::Stub* stub) {
   return info;
 }
 
-// Waits until every KV block is back in the pool, or gives up after 30 s.
+// Waits until every KV block is back in the pool (free, or held by the prefix cache where
+// any request can reuse it), or gives up after 30 s.
 bool AllKvBlocksReturn(v1::RolloutService::Stub* stub) {
   for (int i = 0; i < 300; ++i) {
     v1::ServerInfo info = Info(stub);
-    if (info.counters().kv_blocks_free() == info.counters().kv_blocks_total() &&
+    if (info.counters().kv_blocks_free() + info.counters().kv_blocks_cached() ==
+            info.counters().kv_blocks_total() &&
         info.counters().running_samples() == 0 && info.counters().waiting_samples() == 0) {
       return true;
     }
