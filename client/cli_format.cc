@@ -370,7 +370,7 @@ std::string FormatAbortResult(const rollout::v1::AbortRequest& request,
   } else {
     const absl::flat_hash_set<std::string> named(request.request_ids().begin(),
                                                  request.request_ids().end());
-    absl::StrAppend(&aborted, " of ", request.request_ids_size(), " named");
+    absl::StrAppend(&aborted, " of ", named.size(), " named");
   }
   const std::string unknown = response.unknown_request_ids().empty()
                                   ? "(none)"

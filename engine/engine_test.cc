@@ -233,3 +233,142 @@ TEST(EngineTest, CreateRejectsABudgetSmallerThanTheSplitSize) {
 
 }  // namespace
 }  // namespace rollout
+
+namespace rollout {
+namespace {
+
+TEST(EngineCacheTest, PrefixCacheHitsGiveTheBitsOfMissesAndAreCounted) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  const std::vector<std::string> cold = RunWorkload(engine.get(), Workload());
+  const uint64_t hits_before = engine->counters().cache_hit_tokens;
+  const std::vector<std::string> warm = RunWorkload(engine.get(), Workload());
+  EXPECT_EQ(warm, cold);
+  EXPECT_GT(engine->counters().cache_hit_tokens, hits_before) << "the second run must hit";
+  EXPECT_GT(engine->counters().kv_blocks_cached, 0);
+
+  CpuRunnerOptions runner;
+  EngineOptions no_cache;
+  no_cache.prefix_cache = false;
+  std::unique_ptr<Engine> uncached = MakeEngine(runner, no_cache);
+  EXPECT_EQ(RunWorkload(uncached.get(), Workload()), cold);
+  EXPECT_EQ(uncached->counters().cache_hit_tokens, 0u);
+}
+
+TEST(EngineCacheTest, AMultiTurnPromptHitsOnTheGeneratedTokens) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  SampleSpec first = Workload()[3];  // 40 prompt tokens
+  first.sample_index = 0;
+  first.params.max_new_tokens = 30;
+  Collector c1(1);
+  ASSERT_TRUE(engine->Submit({first}, c1.Sink()).ok());
+  const SampleCompletion done = c1.Wait()[0];
+  SampleSpec second = first;
+  second.prompt.insert(second.prompt.end(), done.token_ids.begin(), done.token_ids.end());
+  second.prompt.push_back(7);  // the next user turn
+  Collector c2(1);
+  ASSERT_TRUE(engine->Submit({second}, c2.Sink()).ok());
+  const SampleCompletion hit = c2.Wait()[0];
+  // 40 + 30 = 70 tokens were computed before; whole pages of 16 of them are reusable.
+  EXPECT_EQ(hit.cached_prompt_tokens, 64);
+
+  std::unique_ptr<Engine> fresh = MakeEngine({});
+  Collector c3(1);
+  ASSERT_TRUE(fresh->Submit({second}, c3.Sink()).ok());
+  const SampleCompletion miss = c3.Wait()[0];
+  EXPECT_EQ(miss.cached_prompt_tokens, 0);
+  EXPECT_EQ(Bits(hit), Bits(miss));
+}
+
+TEST(EngineCacheTest, FlushWhileRunningLeavesRunningSamplesUndisturbed) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  const std::vector<std::string> reference = RunWorkload(engine.get(), Workload());
+  std::vector<SampleSpec> specs = Workload();
+  Collector collector(specs.size());
+  ASSERT_TRUE(engine->Submit(specs, collector.Sink()).ok());
+  std::mutex mu;
+  std::condition_variable cv;
+  int flushes = 0;
+  for (int i = 0; i < 5; ++i) {
+    engine->FlushCache([&](FlushResult) {
+      std::lock_guard<std::mutex> lock(mu);
+      ++flushes;
+      cv.notify_all();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::vector<std::string> bits;
+  for (const SampleCompletion& c : collector.Wait()) bits.push_back(Bits(c));
+  EXPECT_EQ(bits, reference);
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return flushes == 5; });
+  const EngineCounters counters = engine->counters();
+  EXPECT_EQ(counters.kv_blocks_free + counters.kv_blocks_cached, counters.kv_blocks_total);
+}
+
+TEST(EngineScoreTest, ScoreEqualsGenerationLogprobsBitwise) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  for (float temperature : {0.0f, 0.7f, 1.0f, 1.3f}) {
+    for (int prompt_len : {1, 15, 16, 17, 70}) {
+      SampleSpec gen;
+      for (int t = 0; t < prompt_len; ++t) gen.prompt.push_back((t * 13 + 5) % 256);
+      gen.params.temperature = temperature;
+      gen.params.max_new_tokens = 12;
+      gen.params.ignore_eos = true;
+      gen.params.top_logprobs = 3;
+      gen.sample_seed = 42;
+      Collector g(1);
+      ASSERT_TRUE(engine->Submit({gen}, g.Sink()).ok());
+      const SampleCompletion generated = g.Wait()[0];
+
+      SampleSpec score;
+      score.prompt = gen.prompt;
+      score.prompt.insert(score.prompt.end(), generated.token_ids.begin(),
+                          generated.token_ids.end());
+      score.score_start = prompt_len;
+      score.params.temperature = temperature;
+      score.params.top_logprobs = 3;
+      Collector s(1);
+      ASSERT_TRUE(engine->Submit({score}, s.Sink()).ok());
+      const SampleCompletion scored = s.Wait()[0];
+      ASSERT_EQ(scored.logprobs.size(), generated.logprobs.size());
+      for (size_t i = 0; i < scored.logprobs.size(); ++i) {
+        EXPECT_EQ(std::memcmp(&scored.logprobs[i], &generated.logprobs[i], 4), 0)
+            << "T=" << temperature << " prompt " << prompt_len << " token " << i;
+        ASSERT_EQ(scored.top_logprobs[i].size(), 3u);
+        EXPECT_EQ(scored.top_logprobs[i][0].token, generated.top_logprobs[i][0].token);
+      }
+    }
+  }
+  EXPECT_GT(engine->counters().scored_tokens, 0u);
+}
+
+TEST(EngineScoreTest, ScoreRejectsAStartOutsideTheSequence) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  SampleSpec score;
+  score.prompt = {1, 2, 3};
+  score.score_start = 3;
+  absl::StatusOr<uint64_t> job = engine->Submit({score}, [](std::vector<SampleEvent>) {});
+  ASSERT_FALSE(job.ok());
+  EXPECT_NE(job.status().message().find("start = 3"), std::string::npos) << job.status();
+}
+
+TEST(EngineTest, AbortOfOneRolloutLeavesTheOthersRunning) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  std::vector<SampleSpec> specs = Workload();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    specs[i].rollout_index = static_cast<int32_t>(i % 2);
+    specs[i].params.max_new_tokens = 200;
+  }
+  Collector collector(specs.size());
+  absl::StatusOr<uint64_t> job = engine->Submit(specs, collector.Sink());
+  ASSERT_TRUE(job.ok());
+  engine->Abort(*job, 1);
+  const std::vector<SampleCompletion> done = collector.Wait();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(done[i].finish_reason, i % 2 == 1 ? FinishReason::kAbort : FinishReason::kLength)
+        << "sample " << i;
+  }
+}
+
+}  // namespace
+}  // namespace rollout
