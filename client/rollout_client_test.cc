@@ -85,9 +85,7 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
       hang = hang_;
     }
     for (const GenerateResponse& response : responses) writer->Write(response);
-    while (hang && !context->IsCancelled()) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    if (hang) WaitForCancel(context);
     return status;
   }
 
@@ -116,6 +114,14 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
   }
 
  private:
+  // Bounded, so that a client that never cancels fails its test instead of hanging the suite.
+  static void WaitForCancel(grpc::ServerContext* context) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!context->IsCancelled() && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+
   void Record(grpc::ServerContext* context, const Message& request) {
     const auto& metadata = context->client_metadata();
     auto it = metadata.find("authorization");
@@ -144,9 +150,7 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
       status = unary_status_;
       hang = hang_;
     }
-    while (hang && !context->IsCancelled()) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    if (hang) WaitForCancel(context);
     if (!status.ok()) return status;
     // A test scripting the wrong type would otherwise pass garbage through unnoticed.
     if (type != response->GetTypeName() || !response->ParseFromString(bytes)) {

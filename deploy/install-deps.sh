@@ -7,6 +7,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgoogle-glog-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev
+  python3-grpcio python3-protobuf python3-numpy
 )
 missing=()
 for p in "${packages[@]}"; do

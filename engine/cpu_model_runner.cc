@@ -1,5 +1,6 @@
 #include "engine/cpu_model_runner.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -66,19 +67,51 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
           absl::StrCat(checkpoint.dir(), ": checkpoint lacks tensor ", spec.name));
     }
   }
-  auto read = [&](const std::string& name, std::vector<int64_t> shape,
-                  std::vector<float>* out) -> absl::Status {
-    absl::StatusOr<std::vector<float>> t = checkpoint.ReadF32(name, shape);
-    if (!t.ok()) return t.status();
-    *out = *std::move(t);
-    return absl::OkStatus();
-  };
   const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
                 nkv = c.num_key_value_heads, inter = c.intermediate_size;
-  if (auto s = read("model.embed_tokens.weight", {c.vocab_size, h}, &embed_); !s.ok()) return s;
-  if (auto s = read("model.norm.weight", {h}, &final_norm_); !s.ok()) return s;
-  if (!c.tie_word_embeddings) {
-    if (auto s = read("lm_head.weight", {c.vocab_size, h}, &lm_head_); !s.ok()) return s;
+  // Every tensor is bound to where it lives in fp32; weight updates write through the same
+  // bindings.
+  auto bind = [&](const std::string& name, std::vector<int64_t> shape, std::vector<float>* dest,
+                  int64_t offset) {
+    int64_t count = 1;
+    for (int64_t d : shape) count *= d;
+    if (dest->size() < static_cast<size_t>(offset + count)) dest->resize(offset + count);
+    bindings_[name] = Binding{dest, offset, count};
+    weight_specs_.push_back(WeightSpec{name, checkpoint.Find(name)->dtype, std::move(shape)});
+  };
+  bind("model.embed_tokens.weight", {c.vocab_size, h}, &embed_, 0);
+  bind("model.norm.weight", {h}, &final_norm_, 0);
+  if (!c.tie_word_embeddings) bind("lm_head.weight", {c.vocab_size, h}, &lm_head_, 0);
+  layers_.resize(c.num_layers);
+  for (int i = 0; i < c.num_layers; ++i) {
+    Layer& l = layers_[i];
+    bind(LayerName(i, "input_layernorm.weight"), {h}, &l.input_norm, 0);
+    bind(LayerName(i, "self_attn.q_proj.weight"), {nh * hd, h}, &l.q, 0);
+    bind(LayerName(i, "self_attn.k_proj.weight"), {nkv * hd, h}, &l.k, 0);
+    bind(LayerName(i, "self_attn.v_proj.weight"), {nkv * hd, h}, &l.v, 0);
+    bind(LayerName(i, "self_attn.o_proj.weight"), {h, nh * hd}, &l.o, 0);
+    bind(LayerName(i, "post_attention_layernorm.weight"), {h}, &l.post_norm, 0);
+    // One [2 * inter, hidden] matrix: the MLP's two input projections in one pass over x.
+    bind(LayerName(i, "mlp.gate_proj.weight"), {inter, h}, &l.gate_up, 0);
+    bind(LayerName(i, "mlp.up_proj.weight"), {inter, h}, &l.gate_up, inter * h);
+    bind(LayerName(i, "mlp.down_proj.weight"), {h, inter}, &l.down, 0);
+    if (c.qkv_bias) {
+      bind(LayerName(i, "self_attn.q_proj.bias"), {nh * hd}, &l.q_bias, 0);
+      bind(LayerName(i, "self_attn.k_proj.bias"), {nkv * hd}, &l.k_bias, 0);
+      bind(LayerName(i, "self_attn.v_proj.bias"), {nkv * hd}, &l.v_bias, 0);
+    }
+    if (c.qk_norm) {
+      bind(LayerName(i, "self_attn.q_norm.weight"), {hd}, &l.q_norm, 0);
+      bind(LayerName(i, "self_attn.k_norm.weight"), {hd}, &l.k_norm, 0);
+    }
+  }
+  std::sort(weight_specs_.begin(), weight_specs_.end(),
+            [](const WeightSpec& a, const WeightSpec& b) { return a.name < b.name; });
+  for (const WeightSpec& spec : weight_specs_) {
+    absl::StatusOr<std::vector<float>> t = checkpoint.ReadF32(spec.name, spec.shape);
+    if (!t.ok()) return t.status();
+    const Binding& b = bindings_.at(spec.name);
+    std::copy(t->begin(), t->end(), b.dest->begin() + b.offset);
   }
 
   const int64_t kv_bytes_per_block =
@@ -89,45 +122,51 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
         "KV cache of %d bytes holds no block of %d tokens (%d bytes each)",
         options_.kv_cache_bytes, options_.kv_block_size, kv_bytes_per_block));
   }
-  const int64_t cache_floats = static_cast<int64_t>(num_kv_blocks_) * options_.kv_block_size * nkv * hd;
-
-  layers_.resize(c.num_layers);
-  for (int i = 0; i < c.num_layers; ++i) {
-    Layer& l = layers_[i];
-    std::vector<float> gate, up;
-    for (auto [name, shape, out] : std::vector<std::tuple<std::string, std::vector<int64_t>,
-                                                          std::vector<float>*>>{
-             {"input_layernorm.weight", {h}, &l.input_norm},
-             {"self_attn.q_proj.weight", {nh * hd, h}, &l.q},
-             {"self_attn.k_proj.weight", {nkv * hd, h}, &l.k},
-             {"self_attn.v_proj.weight", {nkv * hd, h}, &l.v},
-             {"self_attn.o_proj.weight", {h, nh * hd}, &l.o},
-             {"post_attention_layernorm.weight", {h}, &l.post_norm},
-             {"mlp.gate_proj.weight", {inter, h}, &gate},
-             {"mlp.up_proj.weight", {inter, h}, &up},
-             {"mlp.down_proj.weight", {h, inter}, &l.down},
-         }) {
-      if (auto s = read(LayerName(i, name.c_str()), shape, out); !s.ok()) return s;
-    }
-    if (c.qkv_bias) {
-      if (auto s = read(LayerName(i, "self_attn.q_proj.bias"), {nh * hd}, &l.q_bias); !s.ok())
-        return s;
-      if (auto s = read(LayerName(i, "self_attn.k_proj.bias"), {nkv * hd}, &l.k_bias); !s.ok())
-        return s;
-      if (auto s = read(LayerName(i, "self_attn.v_proj.bias"), {nkv * hd}, &l.v_bias); !s.ok())
-        return s;
-    }
-    if (c.qk_norm) {
-      if (auto s = read(LayerName(i, "self_attn.q_norm.weight"), {hd}, &l.q_norm); !s.ok())
-        return s;
-      if (auto s = read(LayerName(i, "self_attn.k_norm.weight"), {hd}, &l.k_norm); !s.ok())
-        return s;
-    }
-    // One [2 * inter, hidden] matrix: the MLP's two input projections in one pass over x.
-    l.gate_up = std::move(gate);
-    l.gate_up.insert(l.gate_up.end(), up.begin(), up.end());
+  const int64_t cache_floats =
+      static_cast<int64_t>(num_kv_blocks_) * options_.kv_block_size * nkv * hd;
+  for (Layer& l : layers_) {
     l.k_cache.assign(cache_floats, 0.0f);
     l.v_cache.assign(cache_floats, 0.0f);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuModelRunner::UpdateWeights(const std::vector<HostTensor>& tensors) {
+  for (const HostTensor& t : tensors) {
+    if (absl::Status s = CheckTensorAgainstSpec(weight_specs_, t.name, t.dtype, t.shape);
+        !s.ok()) {
+      return s;
+    }
+    const Binding& b = bindings_.at(t.name);
+    if (t.bytes.size() != static_cast<size_t>(b.count) * DTypeSize(t.dtype)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tensor '%s': %d bytes given, expected %d", t.name, t.bytes.size(),
+          static_cast<size_t>(b.count) * DTypeSize(t.dtype)));
+    }
+  }
+  for (const HostTensor& t : tensors) {
+    const Binding& b = bindings_.at(t.name);
+    float* out = b.dest->data() + b.offset;
+    const uint8_t* in = t.bytes.data();
+    for (int64_t i = 0; i < b.count; ++i) {
+      switch (t.dtype) {
+        case DType::kF32:
+          std::memcpy(&out[i], in + 4 * i, 4);
+          break;
+        case DType::kBF16: {
+          uint16_t v;
+          std::memcpy(&v, in + 2 * i, 2);
+          out[i] = BF16ToF32(v);
+          break;
+        }
+        case DType::kF16: {
+          uint16_t v;
+          std::memcpy(&v, in + 2 * i, 2);
+          out[i] = F16ToF32(v);
+          break;
+        }
+      }
+    }
   }
   return absl::OkStatus();
 }

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,6 +38,8 @@ class CpuModelRunner final : public ModelRunner {
   int32_t attention_split_size() const override { return options_.attention_split_size; }
 
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
+  const std::vector<WeightSpec>& weight_specs() const override { return weight_specs_; }
+  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
 
  private:
   struct Layer {
@@ -54,6 +57,13 @@ class CpuModelRunner final : public ModelRunner {
   CpuModelRunner(ModelConfig config, CpuRunnerOptions options);
   absl::Status Load(const Checkpoint& checkpoint);
 
+  // Where a named checkpoint tensor lives: `count` floats of `dest` from `offset`.
+  struct Binding {
+    std::vector<float>* dest;
+    int64_t offset;
+    int64_t count;
+  };
+
   const ModelConfig config_;
   const CpuRunnerOptions options_;
   int32_t num_kv_blocks_ = 0;
@@ -62,6 +72,8 @@ class CpuModelRunner final : public ModelRunner {
   std::vector<float> lm_head_;  // [vocab, hidden]; empty when tied to embed_
   std::vector<float> final_norm_;
   std::vector<Layer> layers_;
+  std::vector<WeightSpec> weight_specs_;  // sorted by name
+  std::map<std::string, Binding> bindings_;
 };
 
 }  // namespace rollout

@@ -51,12 +51,15 @@ Engine::Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options
       kv_block_size_(runner->kv_block_size()),
       split_size_(runner->attention_split_size()),
       num_kv_blocks_(runner->num_kv_blocks()),
+      weight_specs_(runner->weight_specs()),
       runner_(std::move(runner)),
       blocks_(num_kv_blocks_, kv_block_size_),
       cache_(&blocks_, options.prefix_cache),
       scheduler_(SchedulerOptions{options.max_running_samples, options.max_batch_tokens,
                                   split_size_},
-                 &blocks_, &cache_, options.weight_version) {
+                 &blocks_, &cache_, options.weight_version),
+      version_(options.weight_version),
+      published_version_(options.weight_version) {
   PublishCounters();
   thread_ = std::thread([this] { Loop(); });
 }
@@ -180,6 +183,116 @@ void Engine::FlushCache(std::function<void(FlushResult)> done) {
   cv_.notify_all();
 }
 
+void Engine::UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    updates_.push_back(PendingUpdate{std::move(update), std::move(done)});
+  }
+  cv_.notify_all();
+}
+
+bool Engine::Pause(bool abort_in_flight) {
+  bool was;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    was = paused_;
+    paused_ = true;
+    if (abort_in_flight) aborts_.push_back(AbortOrder{});
+  }
+  cv_.notify_all();
+  return was;
+}
+
+bool Engine::Resume() {
+  bool was;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    was = paused_;
+    paused_ = false;
+  }
+  cv_.notify_all();
+  return was;
+}
+
+bool Engine::paused() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return paused_;
+}
+
+std::string Engine::weight_version() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return published_version_;
+}
+
+void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
+                            std::map<uint64_t, std::vector<SampleEvent>>* events) {
+  for (PendingUpdate& pending : updates) {
+    if (draining_.has_value()) {
+      pending.done(UpdateResult{absl::AbortedError(absl::StrFormat(
+          "weight update to '%s' is still draining; one update at a time",
+          draining_->update.version))});
+      continue;
+    }
+    switch (pending.update.policy) {
+      case UpdatePolicy::kAbort: {
+        int32_t aborted = 0;
+        for (const auto& [job_id, job] : jobs_) {
+          for (const auto& seq : job.sequences) aborted += !seq->finished;
+          AbortJob(job_id, std::nullopt, events);
+        }
+        ApplyUpdate(std::move(pending), aborted);
+        break;
+      }
+      case UpdatePolicy::kContinue:
+        ApplyUpdate(std::move(pending), 0);
+        break;
+      case UpdatePolicy::kDrain: {
+        bool paused;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          paused = paused_;
+        }
+        if (paused && !scheduler_.idle()) {
+          pending.done(UpdateResult{absl::FailedPreconditionError(absl::StrFormat(
+              "the server is paused with %d samples in flight, which DRAIN cannot finish; "
+              "resume first, or update with policy ABORT or CONTINUE",
+              scheduler_.num_running() + scheduler_.num_waiting()))});
+          break;
+        }
+        draining_ = std::move(pending);
+        break;
+      }
+    }
+  }
+  if (draining_.has_value() && scheduler_.idle()) {
+    PendingUpdate pending = *std::move(draining_);
+    draining_.reset();
+    ApplyUpdate(std::move(pending), 0);
+    std::vector<Submission> held;
+    held.swap(held_);
+    for (Submission& s : held) Admit(std::move(s));
+  }
+}
+
+void Engine::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
+  UpdateResult result;
+  result.previous_version = version_;
+  result.aborted_samples = aborted_samples;
+  result.status = runner_->UpdateWeights(pending.update.tensors);
+  if (result.status.ok()) {
+    version_ = pending.update.version;
+    scheduler_.set_cache_version(version_);
+    // KV of the old weights must never serve the new ones; pages still used by running
+    // samples (CONTINUE) are detached and freed when those end.
+    cache_.Flush();
+    std::lock_guard<std::mutex> lock(mu_);
+    published_version_ = version_;
+    LOG(INFO) << "weights updated: " << result.previous_version << " -> " << version_ << " ("
+              << pending.update.tensors.size() << " tensors)";
+  }
+  pending.done(std::move(result));
+}
+
 EngineCounters Engine::counters() const {
   std::lock_guard<std::mutex> lock(mu_);
   return counters_;
@@ -208,20 +321,33 @@ void Engine::Loop() {
     std::vector<Submission> submissions;
     std::vector<AbortOrder> aborts;
     std::vector<std::function<void(FlushResult)>> flushes;
-    bool stop;
+    std::vector<PendingUpdate> updates;
+    bool stop, paused;
     {
       std::unique_lock<std::mutex> lock(mu_);
       const bool busy = !scheduler_.idle();
       cv_.wait(lock, [&] {
-        return stop_ || busy || !inbox_.empty() || !aborts_.empty() || !flushes_.empty();
+        return stop_ || (busy && !paused_) || !inbox_.empty() || !aborts_.empty() ||
+               !flushes_.empty() || !updates_.empty();
       });
       submissions.swap(inbox_);
       aborts.swap(aborts_);
       flushes.swap(flushes_);
+      updates.swap(updates_);
       stop = stop_;
+      paused = paused_;
     }
     std::map<uint64_t, std::vector<SampleEvent>> events;  // by job id, so delivery is ordered
-    for (Submission& s : submissions) Admit(std::move(s));
+    // Updates first: a submission that raced an update into this iteration runs after it.
+    ProcessUpdates(std::move(updates), &events);
+    for (Submission& s : submissions) {
+      // While a DRAIN update waits, new work waits behind it, so it runs on the new weights.
+      if (draining_.has_value()) {
+        held_.push_back(std::move(s));
+      } else {
+        Admit(std::move(s));
+      }
+    }
     for (const AbortOrder& order : aborts) {
       if (order.job_id.has_value()) {
         AbortJob(*order.job_id, order.rollout_index, &events);
@@ -234,12 +360,20 @@ void Engine::Loop() {
       done(FlushResult{r.freed_blocks, r.detached_blocks});
     }
     if (stop) {
+      for (Submission& s : held_) Admit(std::move(s));
+      held_.clear();
+      if (draining_.has_value()) {
+        draining_->done(UpdateResult{absl::UnavailableError("the server is shutting down")});
+        draining_.reset();
+      }
       for (const auto& [job_id, job] : jobs_) AbortJob(job_id, std::nullopt, &events);
       PublishCounters();
       Deliver(&events);
       return;
     }
-    if (!scheduler_.idle()) Step(&events);
+    if (!paused && !scheduler_.idle()) Step(&events);
+    // A DRAIN update may have become ready in this step.
+    if (draining_.has_value() && scheduler_.idle()) ProcessUpdates({}, &events);
     // Counters first: a caller that has seen an event sees the state that produced it.
     PublishCounters();
     Deliver(&events);
@@ -331,6 +465,12 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
     seq->tokens.push_back(result.token);
     seq->logprobs.push_back(result.logprob);
     if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result.top));
+    const int32_t index = static_cast<int32_t>(seq->num_generated() - 1);
+    if (seq->version_spans.empty() || seq->version_spans.back().version != version_) {
+      seq->version_spans.push_back(VersionSpan{version_, index, index});
+    } else {
+      seq->version_spans.back().last_token = index;
+    }
     ++generated_tokens_;
     std::optional<FinishReason> reason;
     if (IsStop(*seq, result.token, config_)) {
@@ -384,7 +524,8 @@ void Engine::Report(Sequence* seq, std::optional<FinishReason> reason,
     c.top_logprobs = std::move(seq->top_logprobs);
     c.sample_seed = seq->sample_seed;
     c.cached_prompt_tokens = static_cast<int32_t>(seq->cached_prompt_tokens.value_or(0));
-    c.weight_version = options_.weight_version;
+    c.weight_version = version_;
+    c.version_spans = std::move(seq->version_spans);
     event.completion = std::move(c);
     Job& job = jobs_.at(seq->job_id);
     --job.num_unfinished;

@@ -48,7 +48,8 @@ struct SampleCompletion {
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // empty unless asked
   uint64_t sample_seed = 0;
   int32_t cached_prompt_tokens = 0;
-  std::string weight_version;
+  std::string weight_version;  // the version when the sample ended
+  std::vector<VersionSpan> version_spans;
 };
 
 // What happened to one sample in one engine step: tokens generated since its last event, and
@@ -80,6 +81,26 @@ struct EngineCounters {
   uint64_t prompt_tokens = 0;
   uint64_t cache_hit_tokens = 0;
   uint64_t scored_tokens = 0;
+};
+
+// What a weight update does to samples in flight.
+enum class UpdatePolicy {
+  kAbort,     // end them with FinishReason::kAbort, then swap
+  kDrain,     // finish them (and everything already submitted) on the old weights, then swap;
+              // submissions that arrive meanwhile wait
+  kContinue,  // swap between two steps; they go on with the new weights
+};
+
+struct WeightUpdate {
+  std::string version;
+  UpdatePolicy policy = UpdatePolicy::kDrain;
+  std::vector<HostTensor> tensors;  // complete; checked again by the runner
+};
+
+struct UpdateResult {
+  absl::Status status;
+  std::string previous_version;
+  int32_t aborted_samples = 0;
 };
 
 struct FlushResult {
@@ -124,6 +145,21 @@ class Engine {
   // must not block). Running samples keep the KV they hold.
   void FlushCache(std::function<void(FlushResult)> done);
 
+  // Queues a weight update; `done` runs on the engine thread (must not block) once the swap
+  // happened or failed. On failure the old weights keep serving, unchanged.
+  void UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done);
+
+  // Stops running steps (and so admissions); submissions are queued, not failed. With
+  // `abort_in_flight`, every job is aborted too. Returns whether it was paused already.
+  bool Pause(bool abort_in_flight);
+  // Returns whether it was paused.
+  bool Resume();
+  bool paused() const;
+
+  // The tensors an update may replace (constant; any thread).
+  const std::vector<WeightSpec>& weight_specs() const { return weight_specs_; }
+  std::string weight_version() const;
+
   EngineCounters counters() const;
 
  private:
@@ -136,6 +172,10 @@ class Engine {
     uint64_t job_id;
     std::vector<SampleSpec> samples;
     EventSink sink;
+  };
+  struct PendingUpdate {
+    WeightUpdate update;
+    std::function<void(UpdateResult)> done;
   };
   struct AbortOrder {
     std::optional<uint64_t> job_id;        // none: every job
@@ -155,6 +195,10 @@ class Engine {
   void ScoreRows(Sequence* seq, int64_t first_position, int64_t num_rows, const float* logits);
   void Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events);
   void PublishCounters();
+  // Takes updates off the inbox, applies those that can be applied now.
+  void ProcessUpdates(std::vector<PendingUpdate> updates,
+                      std::map<uint64_t, std::vector<SampleEvent>>* events);
+  void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
 
   // Constant after construction.
   const EngineOptions options_;
@@ -163,6 +207,7 @@ class Engine {
   const int32_t kv_block_size_;
   const int32_t split_size_;
   const int32_t num_kv_blocks_;
+  const std::vector<WeightSpec> weight_specs_;
 
   // Engine thread only.
   std::unique_ptr<ModelRunner> runner_;
@@ -175,6 +220,9 @@ class Engine {
   uint64_t prefilled_tokens_ = 0;
   uint64_t steps_ = 0;
   uint64_t scored_tokens_ = 0;
+  std::string version_;                    // the weights now in the runner
+  std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
+  std::vector<Submission> held_;           // submissions waiting for draining_
   std::vector<float> logits_;
   std::vector<float> sampler_scratch_;
 
@@ -184,6 +232,9 @@ class Engine {
   std::vector<Submission> inbox_;
   std::vector<AbortOrder> aborts_;
   std::vector<std::function<void(FlushResult)>> flushes_;
+  std::vector<PendingUpdate> updates_;
+  bool paused_ = false;
+  std::string published_version_;
   uint64_t next_job_id_ = 1;
   bool stop_ = false;
   EngineCounters counters_;

@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "engine/model_config.h"
+#include "engine/safetensors.h"
 
 namespace rollout {
 
@@ -19,6 +20,22 @@ struct ForwardBatch {
 
   int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
 };
+
+// A replaceable tensor of the served model, as its checkpoint had it.
+struct WeightSpec {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  size_t nbytes() const;
+};
+
+// The spec named `name` in `specs` (sorted by name), or nullptr.
+const WeightSpec* FindWeightSpec(const std::vector<WeightSpec>& specs, const std::string& name);
+
+// OK when `specs` has a tensor `name` with exactly this dtype and shape; otherwise
+// INVALID_ARGUMENT saying what was given and what is served.
+absl::Status CheckTensorAgainstSpec(const std::vector<WeightSpec>& specs, const std::string& name,
+                                    DType dtype, const std::vector<int64_t>& shape);
 
 // A backend's forward pass with its KV cache. Owned and called by the engine thread only.
 // Contract: the logits of a row are a pure function of the weights and the tokens at positions
@@ -39,6 +56,14 @@ class ModelRunner {
   // batch.logit_rows: [logit_rows.size(), vocab_size] in `logits`.
   // REQUIRES: every block table covers its tokens' positions.
   virtual absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) = 0;
+
+  // Every tensor a weight update may replace, sorted by name. Constant after construction.
+  virtual const std::vector<WeightSpec>& weight_specs() const = 0;
+
+  // Replaces the named tensors. All-or-nothing: validates every tensor (known name, dtype and
+  // shape as in weight_specs(), exact byte count) before changing anything. Host staging
+  // buffers are the only extra copy.
+  virtual absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) = 0;
 };
 
 }  // namespace rollout

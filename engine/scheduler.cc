@@ -52,6 +52,7 @@ bool Scheduler::Reserve(int64_t num_tokens, Sequence* seq) {
 }
 
 void Scheduler::CachePages(Sequence* seq) {
+  if (seq->kv_version != cache_version_) return;
   const int64_t page = blocks_->block_size();
   while (static_cast<int64_t>(seq->cache_path.size() + 1) * page <= seq->num_computed) {
     const size_t before = seq->cache_path.size();
@@ -65,6 +66,7 @@ bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>
   seq->cache_path = cache_->Match(cache_version_, seq->tokens, seq->max_prefix_tokens() / page,
                                   &seq->block_table);
   seq->num_computed = static_cast<int64_t>(seq->cache_path.size()) * page;
+  seq->kv_version = cache_version_;
   const int64_t end = ChunkEnd(*seq, budget);
   // Reserve KV for the whole known sequence up front, so an admitted prefill never waits on
   // blocks midway.

@@ -40,8 +40,12 @@ class Scheduler {
   // Forgets a sequence wherever it is and releases its KV blocks.
   void Remove(Sequence* seq);
 
-  // Adds the sequence's newly computed whole pages to the prefix cache (after a step).
+  // Adds the sequence's newly computed whole pages to the prefix cache (after a step), unless
+  // its KV was computed by other weights than the current ones.
   void CachePages(Sequence* seq);
+
+  // The weight version new KV is computed with from now on (the prefix cache's key).
+  void set_cache_version(std::string version) { cache_version_ = std::move(version); }
 
   // Picks this step's work. Running decoders first (oldest first), then running prefills, then
   // new admissions in arrival order while the head of the queue fits (strict FCFS); an
@@ -75,7 +79,7 @@ class Scheduler {
   const SchedulerOptions options_;
   KvBlockManager* const blocks_;
   PrefixCache* const cache_;
-  const std::string cache_version_;
+  std::string cache_version_;
   std::vector<Sequence*> running_;  // ascending arrival
   std::vector<Sequence*> waiting_;  // ascending arrival
   uint64_t num_preemptions_ = 0;

@@ -14,6 +14,13 @@ namespace rollout {
 
 enum class FinishReason { kStop, kLength, kAbort };
 
+// Generated tokens [first_token, last_token] (inclusive) came from weights `version`.
+struct VersionSpan {
+  std::string version;
+  int32_t first_token = 0;
+  int32_t last_token = 0;
+};
+
 // One sample being generated: the unit of scheduling. Owned by the engine; engine thread only.
 struct Sequence {
   uint64_t arrival = 0;  // FCFS order: the order the engine received it
@@ -35,6 +42,10 @@ struct Sequence {
   std::optional<int64_t> cached_prompt_tokens;  // prefix-cache hit at first admission
   // Score jobs: > 0 means teacher-forced scoring of tokens[score_start..]; nothing is sampled.
   int64_t score_start = 0;
+  std::vector<VersionSpan> version_spans;  // one per run of generated tokens of one version
+  // Weight version that computed the KV of tokens [0, num_computed); only pages of the current
+  // version may enter the prefix cache.
+  std::string kv_version;
 
   bool is_score() const { return score_start > 0; }
 

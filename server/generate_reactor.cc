@@ -8,10 +8,12 @@
 
 namespace rollout {
 
-GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request)
+GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request,
+                                 const absl::Status& access)
     : service_(service), stream_(std::make_shared<Stream>()) {
   stream_->reactor = this;
-  absl::StatusOr<std::vector<SampleSpec>> specs = ToSampleSpecs(*request, *service_->engine());
+  absl::StatusOr<std::vector<SampleSpec>> specs =
+      access.ok() ? ToSampleSpecs(*request, *service_->engine()) : access;
   if (!specs.ok()) {
     // No other thread knows this call yet.
     stream_->finished = true;

@@ -18,7 +18,9 @@ namespace rollout {
 // Deletes itself in OnDone.
 class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
-  GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request);
+  // `access`: the caller's access check; a failure finishes the call at once.
+  GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request,
+                  const absl::Status& access);
 
   void OnWriteDone(bool ok) override;
   void OnCancel() override;

@@ -196,6 +196,12 @@ void AppendResponses(SampleEvent event, std::vector<v1::GenerateResponse>* out) 
     done->set_cached_prompt_tokens(static_cast<uint32_t>(c.cached_prompt_tokens));
     done->set_sample_seed(c.sample_seed);
     for (const auto& top : c.top_logprobs) ToProto(top, done->add_top_logprobs());
+    for (const VersionSpan& span : c.version_spans) {
+      v1::VersionSpan* out = done->add_version_spans();
+      out->set_version(span.version);
+      out->set_first_token(static_cast<uint32_t>(span.first_token));
+      out->set_last_token(static_cast<uint32_t>(span.last_token));
+    }
   }
 }
 

@@ -1,30 +1,161 @@
 #include "server/rollout_service.h"
 
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_format.h"
 #include "server/generate_reactor.h"
 #include "server/score_reactor.h"
+#include "server/status_util.h"
+#include "server/update_weights_reactor.h"
+#include "server/weights_staging.h"
 
 namespace rollout {
 
-RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model)
-    : engine_(engine), model_(std::move(model)) {}
+RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access)
+    : engine_(engine), model_(std::move(model)), access_(std::move(access)) {}
+
+RolloutServiceImpl::~RolloutServiceImpl() {
+  std::vector<std::thread> loaders;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    loaders.swap(loaders_);
+  }
+  for (std::thread& t : loaders) t.join();
+}
+
+absl::Status RolloutServiceImpl::CheckAccess(const grpc::CallbackServerContext* context,
+                                             bool control) const {
+  if (access_.bearer_token.empty() || (!control && !access_.all_rpcs)) return absl::OkStatus();
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) {
+    return absl::UnauthenticatedError(
+        "this call needs 'authorization: Bearer <token>' metadata (the server was started with "
+        "a token)");
+  }
+  const std::string given(it->second.data(), it->second.size());
+  const std::string expected = "Bearer " + access_.bearer_token;
+  // Constant time in the token's content, so timing does not reveal a matching prefix.
+  unsigned char diff = given.size() == expected.size() ? 0 : 1;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    diff |= static_cast<unsigned char>(expected[i] ^ (i < given.size() ? given[i] : 0));
+  }
+  if (diff != 0) return absl::UnauthenticatedError("the bearer token is not valid");
+  return absl::OkStatus();
+}
+
+absl::Status RolloutServiceImpl::ClaimUpdateSlot() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (update_in_progress_) {
+    return absl::AbortedError(
+        "another weight update is in progress; one update at a time (retry when it ends)");
+  }
+  update_in_progress_ = true;
+  return absl::OkStatus();
+}
+
+void RolloutServiceImpl::ReleaseUpdateSlot() {
+  std::lock_guard<std::mutex> lock(mu_);
+  update_in_progress_ = false;
+}
+
+namespace {
+
+// A unary reactor finished at once with an access error, or nullptr when access is granted.
+grpc::ServerUnaryReactor* DenyUnless(const absl::Status& access,
+                                     grpc::CallbackServerContext* context) {
+  if (access.ok()) return nullptr;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(access));
+  return reactor;
+}
+
+}  // namespace
+
+grpc::ServerReadReactor<v1::WeightsChunk>* RolloutServiceImpl::UpdateWeights(
+    grpc::CallbackServerContext* context, v1::UpdateWeightsResponse* response) {
+  absl::Status admission = CheckAccess(context, /*control=*/true);
+  if (admission.ok()) admission = ClaimUpdateSlot();
+  return new UpdateWeightsReactor(this, response, admission);
+}
+
+grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
+    grpc::CallbackServerContext* context, const v1::UpdateWeightsFromPathRequest* request,
+    v1::UpdateWeightsResponse* response) {
+  absl::Status admission = CheckAccess(context, /*control=*/true);
+  if (admission.ok()) admission = ClaimUpdateSlot();
+  if (grpc::ServerUnaryReactor* denied = DenyUnless(admission, context)) return denied;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Reading a checkpoint can take minutes; it runs on its own thread, not a gRPC one.
+  std::lock_guard<std::mutex> lock(mu_);
+  loaders_.emplace_back([this, reactor, response, path = request->path(),
+                         version = request->version(), policy = request->policy()] {
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<WeightUpdate> update =
+        LoadUpdateFromCheckpoint(engine_->weight_specs(), path, version, FromProto(policy));
+    if (!update.ok()) {
+      ReleaseUpdateSlot();
+      reactor->Finish(ToGrpcStatus(update.status()));
+      return;
+    }
+    uint64_t bytes = 0;
+    for (const HostTensor& t : update->tensors) bytes += t.bytes.size();
+    response->set_version(update->version);
+    response->set_tensors_updated(static_cast<uint32_t>(update->tensors.size()));
+    response->set_bytes_received(bytes);
+    response->set_receive_seconds(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    const auto swap_start = std::chrono::steady_clock::now();
+    engine_->UpdateWeights(*std::move(update), [this, reactor, response,
+                                                swap_start](UpdateResult r) {
+      response->set_previous_version(r.previous_version);
+      response->set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
+      response->set_swap_seconds(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - swap_start).count());
+      ReleaseUpdateSlot();
+      reactor->Finish(ToGrpcStatus(r.status));
+    });
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RolloutServiceImpl::Pause(grpc::CallbackServerContext* context,
+                                                    const v1::PauseRequest* request,
+                                                    v1::PauseResponse* response) {
+  if (auto* denied = DenyUnless(CheckAccess(context, true), context)) return denied;
+  response->set_was_paused(engine_->Pause(request->abort_in_flight()));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RolloutServiceImpl::Resume(grpc::CallbackServerContext* context,
+                                                     const v1::ResumeRequest* request,
+                                                     v1::ResumeResponse* response) {
+  if (auto* denied = DenyUnless(CheckAccess(context, true), context)) return denied;
+  response->set_was_paused(engine_->Resume());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* RolloutServiceImpl::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  return new GenerateReactor(this, request);
+  return new GenerateReactor(this, request, CheckAccess(context, /*control=*/false));
 }
 
 grpc::ServerUnaryReactor* RolloutServiceImpl::Score(grpc::CallbackServerContext* context,
                                                     const v1::ScoreRequest* request,
                                                     v1::ScoreResponse* response) {
+  if (auto* denied = DenyUnless(CheckAccess(context, false), context)) return denied;
   return new ScoreReactor(this, request, response);
 }
 
 grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(
     grpc::CallbackServerContext* context, const v1::GetServerInfoRequest* request,
     v1::ServerInfo* response) {
+  if (auto* denied = DenyUnless(CheckAccess(context, false), context)) return denied;
   const ModelConfig& c = engine_->model_config();
   v1::ModelInfo* m = response->mutable_model();
   m->set_architecture(c.architecture);
@@ -38,7 +169,13 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(
   m->set_intermediate_size(c.intermediate_size);
   for (int32_t eos : c.eos_token_ids) m->add_eos_token_ids(static_cast<uint32_t>(eos));
   m->set_source(model_.source);
-  response->set_weight_version(engine_->options().weight_version);
+  response->set_weight_version(engine_->weight_version());
+  response->set_paused(engine_->paused());
+  response->set_auth_required_for_generate(!access_.bearer_token.empty() && access_.all_rpcs);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    response->set_weight_update_in_progress(update_in_progress_);
+  }
   response->set_backend(engine_->backend_name());
   v1::EngineLimits* l = response->mutable_limits();
   l->set_max_running_samples(engine_->options().max_running_samples);
@@ -102,6 +239,7 @@ void RolloutServiceImpl::EndGenerate(uint64_t job_id, const std::vector<std::str
 grpc::ServerUnaryReactor* RolloutServiceImpl::Abort(grpc::CallbackServerContext* context,
                                                     const v1::AbortRequest* request,
                                                     v1::AbortResponse* response) {
+  if (auto* denied = DenyUnless(CheckAccess(context, true), context)) return denied;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (request->all() == !request->request_ids().empty()) {
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -132,6 +270,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Abort(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* RolloutServiceImpl::FlushCache(grpc::CallbackServerContext* context,
                                                          const v1::FlushCacheRequest* request,
                                                          v1::FlushCacheResponse* response) {
+  if (auto* denied = DenyUnless(CheckAccess(context, true), context)) return denied;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // Runs between two engine steps; the response lives until Finish.
   engine_->FlushCache([reactor, response](FlushResult result) {

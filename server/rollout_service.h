@@ -3,6 +3,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/engine.h"
@@ -15,12 +16,20 @@ struct ServedModel {
   std::string source;  // checkpoint directory
 };
 
+// Who may call what. With a token, control RPCs (UpdateWeights*, Pause, Resume, Abort,
+// FlushCache) need "authorization: Bearer <token>" metadata; with `all_rpcs`, every RPC does.
+struct AccessPolicy {
+  std::string bearer_token;  // empty: no authentication
+  bool all_rpcs = false;
+};
+
 // The RolloutService over one engine, on gRPC's callback API: every handler returns at once;
 // work happens on the engine thread and results are written by reactors. Thread-safe.
 class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
  public:
   // `engine` is borrowed and must outlive the service and every call it started.
-  RolloutServiceImpl(Engine* engine, ServedModel model);
+  RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access = {});
+  ~RolloutServiceImpl() override;
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
@@ -36,6 +45,23 @@ class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
   grpc::ServerUnaryReactor* FlushCache(grpc::CallbackServerContext* context,
                                        const v1::FlushCacheRequest* request,
                                        v1::FlushCacheResponse* response) override;
+  grpc::ServerReadReactor<v1::WeightsChunk>* UpdateWeights(
+      grpc::CallbackServerContext* context, v1::UpdateWeightsResponse* response) override;
+  grpc::ServerUnaryReactor* UpdateWeightsFromPath(grpc::CallbackServerContext* context,
+                                                  const v1::UpdateWeightsFromPathRequest* request,
+                                                  v1::UpdateWeightsResponse* response) override;
+  grpc::ServerUnaryReactor* Pause(grpc::CallbackServerContext* context,
+                                  const v1::PauseRequest* request,
+                                  v1::PauseResponse* response) override;
+  grpc::ServerUnaryReactor* Resume(grpc::CallbackServerContext* context,
+                                   const v1::ResumeRequest* request,
+                                   v1::ResumeResponse* response) override;
+
+  // UNAUTHENTICATED unless the call carries the bearer token the policy asks for.
+  absl::Status CheckAccess(const grpc::CallbackServerContext* context, bool control) const;
+  // Takes the single weight-update slot; ABORTED if another update holds it.
+  absl::Status ClaimUpdateSlot();
+  void ReleaseUpdateSlot();
 
   // Submits a Generate call's samples as one engine job and records its rollouts' request ids
   // (request_ids[i] belongs to rollout i; empty ids are not tracked). ALREADY_EXISTS, with
@@ -55,7 +81,10 @@ class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
 
   Engine* const engine_;
   const ServedModel model_;
+  const AccessPolicy access_;
   std::mutex mu_;
+  bool update_in_progress_ = false;      // guarded by mu_
+  std::vector<std::thread> loaders_;     // UpdateWeightsFromPath workers; guarded by mu_
   // Guarded by mu_.
   std::map<std::string, InFlight> in_flight_ids_;
   std::map<uint64_t, int32_t> in_flight_jobs_;  // job id -> number of rollouts

@@ -3,18 +3,28 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "engine/cpu_model_runner.h"
+#ifdef ROLLOUT_HAVE_CUDA
+#include "engine/cuda/cuda_model_runner.h"
+#define ROLLOUT_CUDA_BACKEND_AVAILABLE true
+#else
+#define ROLLOUT_CUDA_BACKEND_AVAILABLE false
+#endif
 #include "engine/random_model.h"
 #include "engine/safetensors.h"
 #include "glog/logging.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 
 namespace rollout {
@@ -34,6 +44,40 @@ std::string CacheRoot() {
     return absl::StrCat(home, "/.cache/rollout");
   }
   return "/tmp/rollout-cache";
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read the ", what, " file ", path));
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const ServerOptions& options) {
+  if (options.tls_cert_file.empty() && options.tls_key_file.empty()) {
+    if (!options.tls_client_ca_file.empty()) {
+      return absl::InvalidArgumentError("a client CA needs TLS: give a certificate and key too");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (options.tls_cert_file.empty() || options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("TLS needs both a certificate and a key file");
+  }
+  absl::StatusOr<std::string> cert = ReadFile(options.tls_cert_file, "TLS certificate");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadFile(options.tls_key_file, "TLS key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!options.tls_client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadFile(options.tls_client_ca_file, "TLS client CA");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
 }
 
 }  // namespace
@@ -72,20 +116,36 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   } else {
     server->model_dir_ = options.model_dir;
   }
-  if (options.backend != "cpu") {
+  const bool cuda_backend = ROLLOUT_CUDA_BACKEND_AVAILABLE && options.backend == "cuda";
+  if (options.backend != "cpu" && !cuda_backend) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "backend '%s' is not available in this build (available: cpu)", options.backend));
+        "backend '%s' is not available in this build (available: cpu%s)", options.backend,
+        ROLLOUT_CUDA_BACKEND_AVAILABLE ? ", cuda" : ""));
   }
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(server->model_dir_);
   if (!checkpoint.ok()) return checkpoint.status();
-  CpuRunnerOptions runner_options;
-  runner_options.kv_cache_bytes = options.kv_cache_bytes;
-  runner_options.kv_block_size = options.kv_block_size;
-  runner_options.attention_split_size = options.attention_split_size;
-  runner_options.num_threads = options.num_threads;
-  runner_options.batch_variant_for_testing = options.batch_variant_for_testing;
-  absl::StatusOr<std::unique_ptr<CpuModelRunner>> runner =
-      CpuModelRunner::Create(**checkpoint, runner_options);
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runner;
+  if (!cuda_backend) {
+    CpuRunnerOptions runner_options;
+    runner_options.kv_cache_bytes = options.kv_cache_bytes;
+    runner_options.kv_block_size = options.kv_block_size;
+    runner_options.attention_split_size = options.attention_split_size;
+    runner_options.num_threads = options.num_threads;
+    runner_options.batch_variant_for_testing = options.batch_variant_for_testing;
+    runner = CpuModelRunner::Create(**checkpoint, runner_options);
+  }
+#ifdef ROLLOUT_HAVE_CUDA
+  // --- CUDA backend ---
+  if (cuda_backend) {
+    CudaRunnerOptions runner_options;
+    runner_options.kv_cache_bytes = options.kv_cache_bytes;
+    runner_options.kv_block_size = options.kv_block_size;
+    runner_options.attention_split_size = options.attention_split_size;
+    runner_options.max_batch_tokens = std::clamp(options.max_batch_tokens, 1, 8192);
+    runner = CudaModelRunner::Create(**checkpoint, runner_options);
+  }
+  // --- end CUDA backend ---
+#endif
   if (!runner.ok()) return runner.status();
   const ModelConfig& c = (*runner)->config();
   LOG(INFO) << absl::StrFormat(
@@ -103,12 +163,16 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
       Engine::Create(*std::move(runner), engine_options);
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
-  server->service_ = std::make_unique<RolloutServiceImpl>(server->engine_.get(),
-                                                          ServedModel{server->model_dir_});
+  server->service_ = std::make_unique<RolloutServiceImpl>(
+      server->engine_.get(), ServedModel{server->model_dir_},
+      AccessPolicy{options.auth_token, options.auth_all_rpcs});
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(options);
+  if (!credentials.ok()) return credentials.status();
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(options.address, *credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(256 << 20);

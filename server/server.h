@@ -23,6 +23,13 @@ struct ServerOptions {
   int32_t num_threads = 0;  // CPU backend: 0 = all cores
   std::string weight_version = "0";
   bool prefix_cache = true;
+  // Access control: a bearer token for control RPCs (and for all RPCs with auth_all_rpcs).
+  std::string auth_token;
+  bool auth_all_rpcs = false;
+  // TLS: PEM files. With tls_client_ca_file, clients must present a certificate it signed.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
   // Negative control for the determinism suite: makes one reduction (the final RMSNorm's sum)
   // depend on the batch size, so batch invariance breaks. Never set it outside tests.
   bool batch_variant_for_testing = false;

@@ -2,6 +2,8 @@
 //   rollout-server [--model DIR] [--port N] [--address HOST] ...   (--help lists all flags)
 #include <csignal>
 #include <cstdio>
+#include <fstream>
+#include <string>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -26,6 +28,16 @@ ABSL_FLAG(int32_t, max_batch_tokens, 512, "token budget of one engine step");
 ABSL_FLAG(int32_t, threads, 0, "CPU backend worker threads; 0 = all cores");
 ABSL_FLAG(std::string, weight_version, "0", "version string reported with every completion");
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of shared prefixes across requests");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file holding the bearer token that control RPCs (UpdateWeights*, Pause, Resume, "
+          "Abort, FlushCache) require");
+ABSL_FLAG(std::string, auth_token, "",
+          "the bearer token itself (visible in the process list; prefer --auth_token_file)");
+ABSL_FLAG(bool, auth_all_rpcs, false, "require the token for Generate, Score, GetServerInfo too");
+ABSL_FLAG(std::string, tls_cert, "", "TLS certificate chain (PEM); with --tls_key enables TLS");
+ABSL_FLAG(std::string, tls_key, "", "TLS private key (PEM)");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "CA (PEM) that client certificates must chain to: mutual TLS");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Serves deterministic rollouts over gRPC (rollout.v1).");
@@ -52,6 +64,22 @@ int main(int argc, char** argv) {
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.weight_version = absl::GetFlag(FLAGS_weight_version);
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
+  options.auth_token = absl::GetFlag(FLAGS_auth_token);
+  if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
+    std::ifstream in(file);
+    if (!in || !std::getline(in, options.auth_token) || options.auth_token.empty()) {
+      std::fprintf(stderr, "rollout-server: cannot read a token from %s\n", file.c_str());
+      return 1;
+    }
+  }
+  options.auth_all_rpcs = absl::GetFlag(FLAGS_auth_all_rpcs);
+  if (options.auth_all_rpcs && options.auth_token.empty()) {
+    std::fprintf(stderr, "rollout-server: --auth_all_rpcs needs --auth_token_file\n");
+    return 1;
+  }
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   absl::StatusOr<std::unique_ptr<rollout::RolloutServer>> server =
       rollout::RolloutServer::Start(options);
   if (!server.ok()) {

@@ -1,0 +1,544 @@
+// rollout-bench: the offline throughput benchmark of design.md section 5 on the CUDA backend.
+//
+//   rollout-bench [--num_requests=256 --input_len=1024 --output_len=1024]
+//
+// 1. Measures this GPU's ceilings: device-to-device copy bandwidth and a bf16 GEMM rate
+//    (8192^3, cuBLASLt with a workspace), and computes design.md's floor from them.
+// 2. Batch-1 decode ms/token vs its floor (weights read once per token).
+// 3. A per-kernel profile of one prefill step (8192 tokens) and one decode step (the whole batch
+//    at the mean decode context), CUDA events around every kernel.
+// 4. End to end through the Engine (synthetic Qwen3-8B weights generated on the GPU): random
+//    prompts, ignore_eos, fixed max_new_tokens; seconds, tokens/s, time in prefill and decode
+//    steps and on the host, and the ratio to the floor.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "engine/cuda/cuda_model_runner.h"
+#include "engine/engine.h"
+#include "engine/random_model.h"
+#include "kernels/cuda/device_buffer.h"
+
+ABSL_FLAG(int32_t, num_requests, 256, "requests in the end-to-end run");
+ABSL_FLAG(int32_t, input_len, 1024, "prompt tokens per request");
+ABSL_FLAG(int32_t, output_len, 1024, "generated tokens per request (ignore_eos)");
+ABSL_FLAG(float, temperature, 1.0f, "sampling temperature (0 = greedy)");
+ABSL_FLAG(int32_t, max_running, 256, "engine max_running_samples");
+ABSL_FLAG(int32_t, max_batch_tokens, 8192, "engine max_batch_tokens");
+ABSL_FLAG(std::string, preset, "qwen3-8b", "model shape (synthetic weights)");
+ABSL_FLAG(int32_t, num_layers, 0, "override the preset's layer count (0: keep)");
+ABSL_FLAG(int64_t, gemm_pin_m, 256, "m at which each weight shape's GEMM algorithm is pinned");
+ABSL_FLAG(bool, e2e, true, "run the end-to-end engine benchmark");
+ABSL_FLAG(int32_t, e2e_timeout_s, 0, "stop waiting for the end-to-end run after this long and "
+          "report what finished (0: wait for all)");
+ABSL_FLAG(bool, replay, true, "replay the workload's steps on the runner alone (no engine, "
+          "logits left on the GPU): the device time of the forward passes");
+ABSL_FLAG(int32_t, batch1_tokens, 128, "decode steps timed at batch 1 (0: skip)");
+
+namespace rollout {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+#define CHECK_CUDA(expr)                                                                  \
+  do {                                                                                    \
+    const cudaError_t _e = (expr);                                                        \
+    if (_e != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(_e));             \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+void Check(const absl::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "forward failed: %s\n", s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// Device-to-device copy, bytes read + written per second (how design.md's 4.3 TB/s is counted).
+double MeasureCopyBandwidth() {
+  const size_t bytes = size_t{4} << 30;
+  cuda::DeviceBuffer a, b;
+  CHECK_CUDA(a.Allocate(bytes));
+  CHECK_CUDA(b.Allocate(bytes));
+  CHECK_CUDA(cudaMemset(a.get(), 1, bytes));
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaMemcpy(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
+  const int reps = 10;
+  cudaEventRecord(start);
+  for (int i = 0; i < reps; ++i) cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice);
+  cudaEventRecord(stop);
+  cudaEventSynchronize(stop);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 2.0 * bytes * reps / (ms * 1e-3);
+}
+
+// bf16 GEMM 8192^3 (fp32 accumulation) with cuBLASLt's heuristic and a 64 MiB workspace: what
+// the tensor cores reach on random data, the FLOP rate of the floor.
+double MeasureGemmFlops() {
+  const int64_t n = 8192;
+  cuda::DeviceBuffer a, b, c, ws;
+  CHECK_CUDA(a.Allocate(n * n * 2));
+  CHECK_CUDA(b.Allocate(n * n * 2));
+  CHECK_CUDA(c.Allocate(n * n * 2));
+  CHECK_CUDA(ws.Allocate(64 << 20));
+  // Random bits in [-1, 1)-ish bf16: fill bytes with a pattern that gives finite values.
+  std::vector<uint16_t> host(n * n);
+  std::mt19937 rng(1);
+  for (auto& v : host) v = static_cast<uint16_t>(0x3c00 + (rng() % 0x300)) | ((rng() & 1) << 15);
+  CHECK_CUDA(cudaMemcpy(a.get(), host.data(), n * n * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(b.get(), host.data(), n * n * 2, cudaMemcpyHostToDevice));
+  cublasLtHandle_t lt;
+  cublasLtCreate(&lt);
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
+  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
+  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt));
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, n, n, n);
+  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, n, n, n);
+  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, n, n, n);
+  cublasLtMatmulPreference_t pref;
+  cublasLtMatmulPreferenceCreate(&pref);
+  const uint64_t wsb = 64 << 20;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb,
+                                       sizeof(wsb));
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &result, &found);
+  const float alpha = 1.0f, beta = 0.0f;
+  auto run = [&] {
+    cublasLtMatmul(lt, desc, &alpha, a.get(), la, b.get(), lb, &beta, c.get(), lc, c.get(), lc,
+                   found > 0 ? &result.algo : nullptr, ws.get(), wsb, nullptr);
+  };
+  for (int i = 0; i < 3; ++i) run();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  const int reps = 10;
+  cudaEventRecord(start);
+  for (int i = 0; i < reps; ++i) run();
+  cudaEventRecord(stop);
+  cudaEventSynchronize(stop);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(desc);
+  cublasLtDestroy(lt);
+  return 2.0 * n * n * n * reps / (ms * 1e-3);
+}
+
+// design.md section 5's floor, from the measured rates.
+struct Floor {
+  double prefill_s = 0, decode_gemm_s = 0, decode_kv_s = 0;
+  double total() const { return prefill_s + decode_gemm_s + decode_kv_s; }
+};
+
+int64_t GemmParams(const ModelConfig& c) {  // projections of all layers, without lm_head
+  const int64_t h = c.hidden_size, hd = c.head_dim;
+  const int64_t per_layer = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * hd +
+                            h * c.num_attention_heads * hd + 3 * h * c.intermediate_size;
+  return per_layer * c.num_layers;
+}
+
+int64_t KvBytesPerToken(const ModelConfig& c) {
+  return 2ll * c.num_layers * c.num_key_value_heads * c.head_dim * 2;
+}
+
+Floor ComputeFloor(const ModelConfig& c, int64_t requests, int64_t in, int64_t out,
+                   int64_t kv_capacity_tokens, double flops, double bw) {
+  Floor f;
+  const double p = GemmParams(c), lm = static_cast<double>(c.vocab_size) * c.hidden_size;
+  f.prefill_s = 2.0 * p * requests * in / flops;
+  // Requests run in waves of what fits in the KV cache.
+  const int64_t wave = std::max<int64_t>(1, std::min(requests, kv_capacity_tokens / (in + out)));
+  for (int64_t done = 0; done < requests; done += wave) {
+    const int64_t b = std::min(wave, requests - done);
+    for (int64_t s = 1; s <= out; ++s) {
+      f.decode_gemm_s += std::max(2.0 * (p + lm) / bw, 2.0 * (p + lm) * b / flops);
+      f.decode_kv_s += static_cast<double>(b) * (in + s) * KvBytesPerToken(c) / bw;
+    }
+  }
+  return f;
+}
+
+// Times every Forward the engine makes, split by whether the step holds prefill tokens.
+class TimedRunner final : public ModelRunner {
+ public:
+  explicit TimedRunner(CudaModelRunner* inner) : inner_(inner) {}
+  const ModelConfig& config() const override { return inner_->config(); }
+  const char* backend_name() const override { return inner_->backend_name(); }
+  int32_t num_kv_blocks() const override { return inner_->num_kv_blocks(); }
+  int32_t kv_block_size() const override { return inner_->kv_block_size(); }
+  int32_t attention_split_size() const override { return inner_->attention_split_size(); }
+  const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
+  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override {
+    return inner_->UpdateWeights(tensors);
+  }
+  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
+    const auto start = Clock::now();
+    absl::Status s = inner_->Forward(batch, logits);
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start)
+                           .count();
+    const bool decode_only = batch.num_tokens() == static_cast<int64_t>(batch.block_tables.size());
+    (decode_only ? decode_ns : prefill_ns).fetch_add(ns);
+    (decode_only ? decode_steps : prefill_steps).fetch_add(1);
+    if (!decode_only) prefill_tokens.fetch_add(batch.num_tokens());
+    return s;
+  }
+
+  double prefill_s() const { return prefill_ns.load() * 1e-9; }
+  double decode_s() const { return decode_ns.load() * 1e-9; }
+
+  std::atomic<int64_t> prefill_ns{0}, decode_ns{0};
+  std::atomic<int64_t> prefill_steps{0}, decode_steps{0}, prefill_tokens{0};
+
+ private:
+  CudaModelRunner* inner_;
+};
+
+std::vector<int32_t> RandomPrompt(int n, int vocab, std::mt19937_64* rng) {
+  std::vector<int32_t> t(n);
+  for (int32_t& x : t) x = static_cast<int32_t>((*rng)() % vocab);
+  return t;
+}
+
+// A batch of `seqs` sequences, each with blocks [i * per_seq, (i + 1) * per_seq), taking tokens
+// [begin, end) of each (same range for all).
+ForwardBatch SyntheticBatch(int seqs, int begin, int end, int block_size, int vocab,
+                            std::mt19937_64* rng) {
+  ForwardBatch b;
+  const int per_seq = (end + block_size - 1) / block_size;
+  for (int s = 0; s < seqs; ++s) {
+    std::vector<int32_t> table(per_seq);
+    for (int i = 0; i < per_seq; ++i) table[i] = s * per_seq + i;
+    b.block_tables.push_back(std::move(table));
+    for (int p = begin; p < end; ++p) {
+      b.token_ids.push_back(static_cast<int32_t>((*rng)() % vocab));
+      b.positions.push_back(p);
+      b.token_seq.push_back(s);
+    }
+    b.logit_rows.push_back(static_cast<int32_t>(b.token_ids.size()) - 1);
+  }
+  return b;
+}
+
+void PrintProfile(const char* title, const CudaForwardProfile& p, int64_t tokens) {
+  double total = 0;
+  for (double ms : p.ms) total += ms;
+  std::printf("\n%s: %.2f ms per step (%ld steps profiled, %ld tokens each)\n", title,
+              total / std::max<int64_t>(1, p.forwards), static_cast<long>(p.forwards),
+              static_cast<long>(tokens));
+  for (size_t i = 0; i < p.names.size(); ++i) {
+    if (p.ms[i] <= 0) continue;
+    std::printf("  %-24s %9.3f ms  %5.1f%%\n", p.names[i].c_str(),
+                p.ms[i] / std::max<int64_t>(1, p.forwards), 100.0 * p.ms[i] / total);
+  }
+}
+
+// The workload's forward passes without the engine: all prompts prefilled in chunks of
+// max_batch_tokens (cut at split multiples), then output_len - 1 decode steps of the whole batch.
+// Logits are computed but stay on the GPU. Returns the seconds, or -1 when the KV pool cannot
+// hold the batch.
+double ReplayDeviceOnly(CudaModelRunner* runner, int requests, int in, int out, int budget,
+                      std::mt19937_64* rng) {
+  const int bs = runner->kv_block_size(), split = runner->attention_split_size();
+  const int vocab = runner->config().vocab_size;
+  const int per_seq = (in + out + bs - 1) / bs;
+  if (static_cast<int64_t>(requests) * per_seq > runner->num_kv_blocks()) {
+    std::printf("\nreplay skipped: %d sequences x %d blocks exceed the pool\n", requests, per_seq);
+    return -1.0;
+  }
+  std::vector<std::vector<int32_t>> tables(requests), tokens(requests);
+  for (int r = 0; r < requests; ++r) {
+    for (int i = 0; i < per_seq; ++i) tables[r].push_back(r * per_seq + i);
+    tokens[r] = RandomPrompt(in + out, vocab, rng);
+  }
+  // Prefill: chunks [begin, end) of request r, packed into steps of at most `budget` tokens.
+  const auto t0 = Clock::now();
+  int prefill_steps = 0;
+  int r = 0, begin = 0;
+  while (r < requests) {
+    ForwardBatch b;
+    int room = budget;
+    while (r < requests && room > 0) {
+      int end = std::min(in, begin + room);
+      if (end < in) end = begin + (end - begin) / split * split;  // cut at a split multiple
+      if (end <= begin) break;
+      b.block_tables.push_back(tables[r]);
+      for (int p = begin; p < end; ++p) {
+        b.token_ids.push_back(tokens[r][p]);
+        b.positions.push_back(p);
+        b.token_seq.push_back(static_cast<int32_t>(b.block_tables.size()) - 1);
+      }
+      if (end == in) b.logit_rows.push_back(static_cast<int32_t>(b.token_ids.size()) - 1);
+      room -= end - begin;
+      begin = end;
+      if (begin == in) {
+        ++r;
+        begin = 0;
+      }
+    }
+    Check(runner->Forward(b, nullptr));
+    ++prefill_steps;
+  }
+  const auto t1 = Clock::now();
+  ForwardBatch d;
+  d.block_tables = tables;
+  for (int q = 0; q < requests; ++q) {
+    d.token_ids.push_back(0);
+    d.positions.push_back(0);
+    d.token_seq.push_back(q);
+    d.logit_rows.push_back(q);
+  }
+  double report_at = 10.0;
+  for (int k = 1; k < out; ++k) {
+    for (int q = 0; q < requests; ++q) {
+      d.token_ids[q] = tokens[q][in + k - 1];
+      d.positions[q] = in + k - 1;
+    }
+    Check(runner->Forward(d, nullptr));
+    if (Seconds(t1, Clock::now()) > report_at) {
+      std::printf("  replay: decode step %d/%d, %.1f s\n", k, out - 1, Seconds(t1, Clock::now()));
+      std::fflush(stdout);
+      report_at += 10.0;
+    }
+  }
+  const auto t2 = Clock::now();
+  std::printf("\nREPLAY device-only %d x %d/%d: %.2f s = prefill %.2f s (%d steps) + decode %.2f "
+              "s (%d steps, %.2f ms/step)\n",
+              requests, in, out, Seconds(t0, t2), Seconds(t0, t1), prefill_steps,
+              Seconds(t1, t2), out - 1, Seconds(t1, t2) / std::max(1, out - 1) * 1e3);
+  return Seconds(t0, t2);
+}
+
+int Main() {
+  const int32_t requests = absl::GetFlag(FLAGS_num_requests);
+  const int32_t in = absl::GetFlag(FLAGS_input_len), out = absl::GetFlag(FLAGS_output_len);
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, %.1f GiB\n", prop.name, prop.multiProcessorCount,
+              prop.totalGlobalMem / double(1 << 30));
+
+  const double bw = MeasureCopyBandwidth();
+  const double flops = MeasureGemmFlops();
+  std::printf("measured: device copy %.2f TB/s (read + write), bf16 GEMM 8192^3 %.0f TFLOP/s\n",
+              bw / 1e12, flops / 1e12);
+
+  ModelConfig config = *PresetConfig(absl::GetFlag(FLAGS_preset));
+  if (absl::GetFlag(FLAGS_num_layers) > 0) config.num_layers = absl::GetFlag(FLAGS_num_layers);
+  CudaRunnerOptions options;
+  options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.gemm_pin_m = absl::GetFlag(FLAGS_gemm_pin_m);
+  auto t0 = Clock::now();
+  auto created = CudaModelRunner::CreateSynthetic(config, 0, options);
+  if (!created.ok()) {
+    std::fprintf(stderr, "creating the runner: %s\n", created.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<CudaModelRunner> runner = *std::move(created);
+  std::printf("synthetic %s weights generated on the GPU in %.1f s: %.2f GB weights, KV pool "
+              "%.1f GB = %d blocks x %d tokens\n",
+              absl::GetFlag(FLAGS_preset).c_str(), Seconds(t0, Clock::now()),
+              runner->weight_bytes() / 1e9, runner->kv_cache_bytes() / 1e9,
+              runner->num_kv_blocks(), runner->kv_block_size());
+  for (const std::string& line : runner->gemm_descriptions()) {
+    std::printf("  pinned %s\n", line.c_str());
+  }
+  const int64_t kv_tokens = static_cast<int64_t>(runner->num_kv_blocks()) * runner->kv_block_size();
+  const Floor floor = ComputeFloor(config, requests, in, out, kv_tokens, flops, bw);
+  std::printf("floor (design.md section 5, measured rates): %.2f s = prefill GEMMs %.2f + decode "
+              "GEMMs %.2f + decode KV reads %.2f\n",
+              floor.total(), floor.prefill_s, floor.decode_gemm_s, floor.decode_kv_s);
+  const double batch1_floor_ms =
+      2.0 * (GemmParams(config) + double(config.vocab_size) * config.hidden_size) / bw * 1e3;
+
+  std::mt19937_64 rng(7);
+  const int bs = runner->kv_block_size();
+  const int vocab = config.vocab_size;
+  std::vector<float> logits;
+
+  // Batch-1 decode after a prompt of input_len tokens.
+  if (absl::GetFlag(FLAGS_batch1_tokens) > 0) {
+    const int steps = absl::GetFlag(FLAGS_batch1_tokens);
+    ForwardBatch prefill = SyntheticBatch(1, 0, in, bs, vocab, &rng);
+    prefill.block_tables[0].resize((in + steps + bs - 1) / bs);
+    for (int i = 0; i < static_cast<int>(prefill.block_tables[0].size()); ++i) {
+      prefill.block_tables[0][i] = i;
+    }
+    Check(runner->Forward(prefill, &logits));
+    ForwardBatch step = prefill;
+    double total = 0;
+    for (int s = 0; s < steps; ++s) {
+      step.token_ids = {static_cast<int32_t>(rng() % vocab)};
+      step.positions = {in + s};
+      step.token_seq = {0};
+      step.logit_rows = {0};
+      const auto a = Clock::now();
+      Check(runner->Forward(step, &logits));
+      if (s >= 8) total += Seconds(a, Clock::now());
+    }
+    const double ms = total / (steps - 8) * 1e3;
+    std::printf("\nbatch-1 decode at context %d: %.3f ms/token (floor %.3f ms: weights once at "
+                "the measured copy rate) = %.2fx the floor\n",
+                in, ms, batch1_floor_ms, ms / batch1_floor_ms);
+  }
+
+  // Per-kernel profiles: one full prefill step, one decode step of the whole batch.
+  {
+    runner->EnableProfiling(true);
+    const int per_step = std::max(1, options.max_batch_tokens / in);
+    ForwardBatch prefill = SyntheticBatch(per_step, 0, in, bs, vocab, &rng);
+    Check(runner->Forward(prefill, &logits));  // warm-up
+    runner->ResetProfile();
+    for (int i = 0; i < 3; ++i) Check(runner->Forward(prefill, &logits));
+    PrintProfile("prefill step profile", runner->profile(), prefill.num_tokens());
+    const int batch = std::min(requests, absl::GetFlag(FLAGS_max_running));
+    const int ctx = in + out / 2;
+    if (static_cast<int64_t>(batch) * ((ctx + bs) / bs + 1) <= runner->num_kv_blocks()) {
+      ForwardBatch decode = SyntheticBatch(batch, ctx, ctx + 1, bs, vocab, &rng);
+      Check(runner->Forward(decode, &logits));
+      runner->ResetProfile();
+      for (int i = 0; i < 5; ++i) Check(runner->Forward(decode, &logits));
+      PrintProfile("decode step profile (mean context)", runner->profile(), batch);
+      const double kv_ms = double(batch) * ctx * KvBytesPerToken(config) / bw * 1e3;
+      const double gemm_ms = std::max(2.0 * (GemmParams(config) + double(vocab) * config.hidden_size) / bw,
+                                      2.0 * (GemmParams(config) + double(vocab) * config.hidden_size) * batch / flops) * 1e3;
+      std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms = %.2f ms\n", gemm_ms,
+                  kv_ms, gemm_ms + kv_ms);
+      // The device work alone, without the logits copy to the host.
+      runner->ResetProfile();
+      for (int i = 0; i < 5; ++i) Check(runner->Forward(decode, nullptr));
+      PrintProfile("decode step profile, logits left on the GPU", runner->profile(), batch);
+    }
+    runner->EnableProfiling(false);
+  }
+
+  if (absl::GetFlag(FLAGS_replay)) {
+    const double replay_s =
+        ReplayDeviceOnly(runner.get(), requests, in, out, options.max_batch_tokens, &rng);
+    if (replay_s > 0) {
+      std::printf("  floor %.2f s -> device-only replay at %.2fx the floor\n", floor.total(),
+                  replay_s / floor.total());
+    }
+  }
+  if (!absl::GetFlag(FLAGS_e2e)) return 0;
+
+  // End to end through the engine.
+  auto timed = std::make_unique<TimedRunner>(runner.get());
+  TimedRunner* timer = timed.get();
+  // The engine owns a ModelRunner; keep ours alive by handing it the decorator and a deleter
+  // order that destroys the engine first.
+  EngineOptions engine_options;
+  engine_options.max_running_samples = absl::GetFlag(FLAGS_max_running);
+  engine_options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  auto engine = Engine::Create(std::move(timed), engine_options);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "engine: %s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<SampleSpec> samples;
+  for (int i = 0; i < requests; ++i) {
+    SampleSpec s;
+    s.rollout_index = i;
+    s.prompt = RandomPrompt(in, vocab, &rng);
+    s.params.temperature = absl::GetFlag(FLAGS_temperature);
+    s.params.max_new_tokens = out;
+    s.params.ignore_eos = true;
+    s.sample_seed = 1000 + i;
+    samples.push_back(std::move(s));
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  int finished = 0;
+  int64_t generated = 0;
+  const auto start = Clock::now();
+  auto job = (*engine)->Submit(std::move(samples), [&](std::vector<SampleEvent> events) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const SampleEvent& e : events) {
+      generated += static_cast<int64_t>(e.new_token_ids.size());
+      if (e.completion.has_value()) ++finished;
+    }
+    cv.notify_all();
+  });
+  if (!job.ok()) {
+    std::fprintf(stderr, "submit: %s\n", job.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("\nend to end: %d requests, %d prompt + %d generated tokens each, temperature %.2g, "
+              "max_running %d, max_batch_tokens %d\n",
+              requests, in, out, absl::GetFlag(FLAGS_temperature),
+              engine_options.max_running_samples, engine_options.max_batch_tokens);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    const int timeout_s = absl::GetFlag(FLAGS_e2e_timeout_s);
+    while (finished < requests) {
+      cv.wait_for(lock, std::chrono::seconds(10));
+      if (timeout_s > 0 && Seconds(start, Clock::now()) > timeout_s) {
+        std::printf("  TIMEOUT after %d s: %d/%d finished, %ld tokens generated; %ld decode-only "
+                    "steps so far\n",
+                    timeout_s, finished, requests, static_cast<long>(generated),
+                    static_cast<long>(timer->decode_steps.load()));
+        break;
+      }
+      std::printf("  %6.1f s: %d/%d finished, %ld tokens generated, prefill steps %.1f s, decode "
+                  "steps %.1f s\n",
+                  Seconds(start, Clock::now()), finished, requests,
+                  static_cast<long>(generated), timer->prefill_s(), timer->decode_s());
+      std::fflush(stdout);
+    }
+  }
+  const double e2e = Seconds(start, Clock::now());
+  const double forward = timer->prefill_s() + timer->decode_s();
+  std::printf("\nRESULT %s %d x %d/%d: %.2f s end to end, %.0f output tok/s, %.0f total tok/s\n",
+              absl::GetFlag(FLAGS_preset).c_str(), requests, in, out, e2e,
+              double(requests) * out / e2e, double(requests) * (in + out) / e2e);
+  std::printf("  steps with prefill: %ld, %.2f s (%ld tokens); decode-only steps: %ld, %.2f s; "
+              "host outside Forward (scheduling, sampling, events): %.2f s\n",
+              static_cast<long>(timer->prefill_steps.load()), timer->prefill_s(),
+              static_cast<long>(timer->prefill_tokens.load()),
+              static_cast<long>(timer->decode_steps.load()), timer->decode_s(),
+              e2e - forward);
+  std::printf("  floor %.2f s -> %.2fx the floor (published on H200: SGLang 30.85 s, SGLang "
+              "deterministic 43.99 s, floor ~23 s)\n",
+              floor.total(), e2e / floor.total());
+  engine->reset();  // joins the engine thread before `runner` goes
+  return 0;
+}
+
+}  // namespace
+}  // namespace rollout
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return rollout::Main();
+}

@@ -1,0 +1,36 @@
+"""Python client of the deterministic rollout service (rollout.v1 over gRPC).
+
+Run with Debian's system Python (/usr/bin/python3) and its packages python3-grpcio,
+python3-protobuf (and python3-numpy to convert arrays); the gRPC modules are generated from
+proto/rollout/v1/rollout.proto on first import (see rollout_client._proto).
+"""
+
+from .client import RolloutClient
+from .datatypes import (AbortResult, Completion, EngineCounters, EngineLimits, FlushCacheResult,
+                        ModelInfo, RolloutError, ScoreResult, ServerInfo, TokenChunk,
+                        UpdateWeightsResult, VersionSpan)
+from .safetensors import read_safetensors, write_safetensors
+from .weights import RawTensor, bf16_bits_to_f32, f32_to_bf16_bits
+
+
+def sample_seed(seed: int, j: int) -> int:
+    """The seed the server uses for sample j of a rollout with seed `seed` (docs/api.md)."""
+    if j == 0:
+        return seed & 0xFFFFFFFFFFFFFFFF
+    return _splitmix64((seed + j * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: int) -> int:
+    m = 0xFFFFFFFFFFFFFFFF
+    z = (x + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+__all__ = [
+    "RolloutClient", "RolloutError", "Completion", "TokenChunk", "VersionSpan", "ScoreResult",
+    "AbortResult", "FlushCacheResult", "UpdateWeightsResult", "ServerInfo", "ModelInfo",
+    "EngineLimits", "EngineCounters", "RawTensor", "read_safetensors", "write_safetensors",
+    "f32_to_bf16_bits", "bf16_bits_to_f32", "sample_seed",
+]

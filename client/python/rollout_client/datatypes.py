@@ -1,0 +1,175 @@
+"""Plain dataclasses returned by RolloutClient (no protobuf types leak out)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Tuple
+
+import grpc
+
+# Per generated (or scored) position: the top-N (token_id, logprob) pairs, most likely first
+# (ties: lower token id first).
+TopLogprobs = List[Tuple[int, float]]
+
+FINISH_REASONS = {0: "unspecified", 1: "stop", 2: "length", 3: "abort"}
+
+
+class RolloutError(Exception):
+    """A call failed. `code` is the gRPC status code name ("INVALID_ARGUMENT", "UNAVAILABLE",
+    ...), `message` the server's message unchanged (it names the rollout, field and bound)."""
+
+    def __init__(self, code: str, message: str, grpc_code: Optional[grpc.StatusCode] = None):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.grpc_code = grpc_code
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> "RolloutError":
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        code = code or grpc.StatusCode.UNKNOWN
+        return cls(code.name, details or "", code)
+
+
+@dataclass
+class VersionSpan:
+    version: str
+    first_token: int  # index into Completion.token_ids, inclusive
+    last_token: int   # inclusive
+
+
+@dataclass
+class TokenChunk:
+    """New tokens of one sample since its previous chunk (generate(stream=True) only)."""
+    prompt_index: int
+    sample_index: int
+    token_ids: List[int]
+    logprobs: List[float]
+    top_logprobs: List[TopLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """Everything one sample generated. `logprobs[i]` is log_softmax(logits / T)[token_ids[i]]
+    in fp32 (T = 1 when greedy), computed before top-k/top-p/min-p filtering."""
+    prompt_index: int
+    sample_index: int
+    token_ids: List[int]
+    logprobs: List[float]
+    finish_reason: str               # "stop", "length" or "abort"
+    weight_version: str
+    version_spans: List[VersionSpan]
+    sample_seed: int
+    cached_prompt_tokens: int
+    top_logprobs: List[TopLogprobs] = field(default_factory=list)
+    request_id: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ScoreResult:
+    logprobs: List[float]            # one per token_ids[start:]
+    top_logprobs: List[TopLogprobs]
+    weight_version: str
+    cached_tokens: int
+
+
+@dataclass
+class AbortResult:
+    aborted_rollouts: int
+    unknown_request_ids: List[str]
+
+
+@dataclass
+class FlushCacheResult:
+    freed_blocks: int
+    detached_blocks: int
+
+
+@dataclass
+class UpdateWeightsResult:
+    version: str
+    previous_version: str
+    tensors_updated: int
+    bytes_received: int
+    aborted_samples: int
+    receive_seconds: float
+    swap_seconds: float
+
+
+@dataclass
+class ModelInfo:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    eos_token_ids: List[int]
+    source: str
+
+
+@dataclass
+class EngineLimits:
+    max_running_samples: int
+    max_batch_tokens: int
+    kv_block_size: int
+    attention_split_size: int
+
+
+@dataclass
+class EngineCounters:
+    running_samples: int
+    waiting_samples: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    generated_tokens: int
+    prefilled_tokens: int
+    engine_steps: int
+    preemptions: int
+    kv_blocks_cached: int
+    prompt_tokens: int
+    cache_hit_tokens: int
+    scored_tokens: int
+
+
+@dataclass
+class ServerInfo:
+    model: ModelInfo
+    weight_version: str
+    backend: str
+    limits: EngineLimits
+    counters: EngineCounters
+    server_version: str
+    paused: bool
+    weight_update_in_progress: bool
+    auth_required_for_generate: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def message_to_dataclass(cls, message):
+    """Fills dataclass `cls` from a protobuf message by field name (nested dataclasses and
+    repeated scalars included). Fields the message lacks get their type's zero value."""
+    from dataclasses import fields, is_dataclass
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in fields(cls):
+        t = hints[f.name]
+        v = getattr(message, f.name, None)
+        if is_dataclass(t):
+            values[f.name] = message_to_dataclass(t, v)
+        elif typing.get_origin(t) in (list, List):
+            values[f.name] = list(v) if v is not None else []
+        else:
+            values[f.name] = v if v is not None else t()
+    return cls(**values)

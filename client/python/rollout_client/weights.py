@@ -1,0 +1,269 @@
+"""Tensor -> bytes conversion for UpdateWeights.
+
+Accepted tensor values (the `v` of each `(name, v)` pair):
+  * torch.Tensor (torch is used only if the caller passes one; it is never imported otherwise):
+    any of bfloat16 / float16 / float32 / float64, any device, any layout;
+  * numpy.ndarray: float32 / float16 / float64, ml_dtypes.bfloat16, or uint16 holding the raw
+    16-bit payload of the target dtype (BF16 bits from `bf16_tensor.view(torch.int16)` etc.);
+  * RawTensor(data, dtype, shape): bytes already in the served layout (row-major,
+    little-endian), sent unchanged with its own dtype;
+  * anything numpy.asarray turns into numbers (lists, scalars), read as float32.
+
+The target dtype ("BF16", "F16" or "F32", the served tensor's dtype) decides the conversion:
+float32 -> BF16 is round-to-nearest-even (NaN stays a quiet NaN with its sign; overflow gives
+inf), exactly what torch's `.to(torch.bfloat16)` and the server's own loader do; float32 -> F16
+is numpy's/torch's IEEE round-to-nearest-even; widening is exact; float64 goes through float32
+first (as torch does for bfloat16). With dtype=None a tensor is sent in its own dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+
+DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """Bytes already in the served layout: row-major, little-endian, `dtype` in DTYPE_SIZES."""
+    data: Union[bytes, bytearray, memoryview]
+    dtype: str
+    shape: Tuple[int, ...]
+
+    def __post_init__(self):
+        dtype = _norm_dtype(self.dtype)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        n = DTYPE_SIZES[dtype]
+        for d in self.shape:
+            n *= d
+        if memoryview(self.data).nbytes != n:
+            raise ValueError(f"RawTensor: {memoryview(self.data).nbytes} bytes for dtype {dtype} "
+                             f"and shape {list(self.shape)} (expected {n})")
+
+
+DTypeSpec = Union[None, str, Mapping[str, str], Callable[[str], Optional[str]]]
+
+
+def _norm_dtype(dtype: str) -> str:
+    d = str(dtype).upper()
+    aliases = {"BFLOAT16": "BF16", "FLOAT16": "F16", "HALF": "F16", "FP16": "F16",
+               "FLOAT32": "F32", "FLOAT": "F32", "FP32": "F32"}
+    d = aliases.get(d, d)
+    if d not in DTYPE_SIZES:
+        raise ValueError(f"unsupported dtype {dtype!r} (use 'BF16', 'F16' or 'F32')")
+    return d
+
+
+def target_dtype(spec: DTypeSpec, name: str) -> Optional[str]:
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return _norm_dtype(spec)
+    if isinstance(spec, Mapping):
+        d = spec.get(name)
+    else:
+        d = spec(name)
+    return None if d is None else _norm_dtype(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy conversions
+
+
+def _np():
+    try:
+        import numpy
+    except ImportError as e:  # pragma: no cover - Debian: apt-get install python3-numpy
+        raise ImportError("rollout_client: converting arrays needs numpy "
+                          "(apt-get install python3-numpy), or pass RawTensor bytes") from e
+    return numpy
+
+
+def f32_to_bf16_bits(a):
+    """float32 ndarray -> uint16 ndarray of BF16 bits, round to nearest even."""
+    np = _np()
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    u = a.view(np.uint32)
+    nan = np.isnan(a)
+    lsb = (u >> np.uint32(16)) & np.uint32(1)
+    # NaN inputs could wrap here; they are replaced below.
+    with np.errstate(over="ignore"):
+        out = ((u + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
+    if nan.any():
+        out[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return out
+
+
+def bf16_bits_to_f32(bits):
+    """uint16 ndarray of BF16 bits -> float32 ndarray (exact)."""
+    np = _np()
+    bits = np.ascontiguousarray(bits, dtype=np.uint16)
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _np_source_kind(a) -> str:
+    name = a.dtype.name
+    return {"float32": "F32", "float16": "F16", "float64": "F64", "bfloat16": "BF16",
+            "uint16": "U16", "int16": "U16"}.get(name, "")
+
+
+def _numpy_bytes(name: str, a, target: Optional[str]):
+    """Returns (dtype, shape, ndarray whose little-endian bytes are the payload)."""
+    np = _np()
+    kind = _np_source_kind(a)
+    if kind == "":
+        if a.dtype.kind in "iub":
+            a = a.astype(np.float32)
+            kind = "F32"
+        else:
+            raise TypeError(f"tensor '{name}': unsupported numpy dtype {a.dtype}")
+    if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big"):
+        a = a.astype(a.dtype.newbyteorder("<"))
+    shape = tuple(int(d) for d in a.shape)
+    if kind == "U16":
+        if target not in ("BF16", "F16"):
+            raise TypeError(f"tensor '{name}': a uint16/int16 array is read as raw BF16/F16 bits; "
+                            f"pass dtype='BF16' or 'F16' (got {target!r})")
+        return target, shape, np.ascontiguousarray(a).view(np.uint16)
+    if kind == "BF16":  # ml_dtypes.bfloat16
+        bits = np.ascontiguousarray(a).view(np.uint16)
+        if target in (None, "BF16"):
+            return "BF16", shape, bits
+        a, kind = bf16_bits_to_f32(bits).reshape(shape), "F32"
+    if kind == "F64":
+        a, kind = a.astype(np.float32), "F32"
+    if target is None:
+        target = kind
+    if target == kind:
+        return target, shape, np.ascontiguousarray(a)
+    if target == "F32":
+        return target, shape, np.ascontiguousarray(a, dtype=np.float32)
+    if target == "F16":
+        return target, shape, np.ascontiguousarray(a.astype(np.float16))
+    # target BF16 from F32 or F16
+    return target, shape, f32_to_bf16_bits(a.astype(np.float32)).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch (only touched when given a torch tensor)
+
+
+def _is_torch_tensor(v: Any) -> bool:
+    return type(v).__module__.startswith("torch") and hasattr(v, "detach") and hasattr(v, "dtype")
+
+
+def _torch_bytes(name: str, t, target: Optional[str]):
+    import torch
+
+    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    t = t.detach()
+    if t.dtype == torch.float64:
+        t = t.to(torch.float32)
+    src = names.get(t.dtype)
+    if src is None:
+        raise TypeError(f"tensor '{name}': unsupported torch dtype {t.dtype}")
+    dst = target or src
+    to_torch = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    t = t.to(device="cpu", dtype=to_torch[dst]).contiguous()
+    shape = tuple(int(d) for d in t.shape)
+    if sys.byteorder != "little":  # pragma: no cover
+        raise RuntimeError("rollout_client: big-endian hosts are not supported for torch tensors")
+    nbytes = t.numel() * t.element_size()
+    # A copy of the tensor's storage, no numpy needed.
+    data = ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
+    return dst, shape, data
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreparedTensor:
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    nbytes: int
+    _value: Any
+    _target: Optional[str]
+
+    def payload(self) -> memoryview:
+        """The bytes to send (converted now, so that only one tensor's copy is alive at once)."""
+        dtype, shape, data = to_bytes(self.name, self._value, self._target)
+        if hasattr(data, "dtype") and hasattr(data, "reshape"):  # numpy array
+            data = data.reshape(-1).view("uint8")
+        mv = memoryview(data)
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        if mv.nbytes != self.nbytes or dtype != self.dtype or shape != self.shape:
+            raise RuntimeError(f"tensor '{self.name}' changed while being sent")
+        return mv
+
+
+def to_bytes(name: str, value: Any, target: Optional[str]):
+    """(dtype, shape, bytes-like) of one tensor value converted to `target` (None: own dtype)."""
+    if isinstance(value, RawTensor):
+        return value.dtype, value.shape, value.data
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"tensor '{name}': wrap raw bytes as RawTensor(data, dtype, shape)")
+    if _is_torch_tensor(value):
+        return _torch_bytes(name, value, target)
+    np = _np()
+    a = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=np.float32)
+    return _numpy_bytes(name, a, target)
+
+
+def _expected_dtype_shape(name: str, value: Any, target: Optional[str]):
+    """dtype and shape of what to_bytes would produce, without converting anything."""
+    if isinstance(value, RawTensor):
+        return value.dtype, value.shape
+    if _is_torch_tensor(value):
+        import torch
+        names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+                 torch.float64: "F32"}
+        if value.dtype not in names:
+            raise TypeError(f"tensor '{name}': unsupported torch dtype {value.dtype}")
+        return target or names[value.dtype], tuple(int(d) for d in value.shape)
+    np = _np()
+    if isinstance(value, np.ndarray):
+        kind = _np_source_kind(value)
+        if kind == "" and value.dtype.kind not in "iub":
+            raise TypeError(f"tensor '{name}': unsupported numpy dtype {value.dtype}")
+        if kind == "U16" and target not in ("BF16", "F16"):
+            raise TypeError(f"tensor '{name}': a uint16/int16 array is read as raw BF16/F16 bits; "
+                            f"pass dtype='BF16' or 'F16' (got {target!r})")
+        own = {"F32": "F32", "F16": "F16", "F64": "F32", "BF16": "BF16", "U16": target,
+               "": "F32"}[kind]
+        return target or own, tuple(int(d) for d in value.shape)
+    dtype, shape, _ = to_bytes(name, value, target)
+    return dtype, shape
+
+
+def prepare(named_tensors, dtype: DTypeSpec) -> Sequence[PreparedTensor]:
+    """Checks every (name, value) and works out its declared dtype, shape and size."""
+    if isinstance(named_tensors, Mapping):
+        named_tensors = named_tensors.items()
+    out = []
+    seen = set()
+    for item in named_tensors:
+        try:
+            name, value = item
+        except (TypeError, ValueError):
+            raise TypeError("update_weights expects (name, tensor) pairs, e.g. "
+                            "model.state_dict().items()") from None
+        name = str(name)
+        if name in seen:
+            raise ValueError(f"tensor '{name}' given twice")
+        seen.add(name)
+        target = target_dtype(dtype, name)
+        d, shape = _expected_dtype_shape(name, value, target)
+        n = DTYPE_SIZES[d]
+        for s in shape:
+            n *= s
+        out.append(PreparedTensor(name, d, shape, n, value, target))
+    if not out:
+        raise ValueError("update_weights: no tensors given")
+    return out

@@ -1,0 +1,788 @@
+"""Tests of rollout_client against a real rollout-server (and a few fake in-process servers).
+
+Run with Debian's Python:  client/python/run_tests.sh [BIN_DIR]
+or:  ROLLOUT_BIN_DIR=build/bin /usr/bin/python3 -m unittest discover -s client/python/tests
+
+Servers are started with `--port 0` (the port is read from the "listening on port N" log line)
+and ROLLOUT_CACHE_DIR pointing at a temporary folder. Calls the server answers UNIMPLEMENTED
+(an older server) are skipped, unless ROLLOUT_PY_TESTS_STRICT=1.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import math
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PKG_ROOT = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(PKG_ROOT))
+sys.path.insert(0, PKG_ROOT)
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+
+import rollout_client  # noqa: E402
+from rollout_client import (RawTensor, RolloutClient, RolloutError, bf16_bits_to_f32,  # noqa: E402
+                            f32_to_bf16_bits, read_safetensors, sample_seed,
+                            write_safetensors)
+from rollout_client.client import pb2, pb2_grpc  # noqa: E402
+
+BIN_DIR = os.environ.get("ROLLOUT_BIN_DIR", os.path.join(REPO, "build", "bin"))
+STRICT = os.environ.get("ROLLOUT_PY_TESTS_STRICT") == "1"
+THREADS = os.environ.get("ROLLOUT_TEST_THREADS", "2")
+NORM = "model.norm.weight"
+PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [7, 7, 7, 7, 7, 7]]
+
+
+class Server:
+    """A rollout-server subprocess on a free port."""
+
+    def __init__(self, cache_dir: str, *args: str):
+        exe = os.path.join(BIN_DIR, "rollout-server")
+        if not os.path.exists(exe):
+            raise unittest.SkipTest(f"{exe} not built (set ROLLOUT_BIN_DIR)")
+        self.log_path = tempfile.mktemp(prefix="rollout-server-", suffix=".log")
+        env = dict(os.environ, ROLLOUT_CACHE_DIR=cache_dir)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([exe, "--port", "0", "--threads", THREADS, *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        self.port = None
+        while time.monotonic() < deadline:
+            with open(self.log_path, "rb") as f:
+                m = re.search(rb"listening on port (\d+)", f.read())
+            if m:
+                self.port = int(m.group(1))
+                break
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        if self.port is None:
+            self.stop()
+            raise RuntimeError(f"rollout-server did not start:\n{self.log()}")
+        self.target = f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-4000:]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+
+_cache_dir = None
+_server = None
+
+
+def cache_dir() -> str:
+    global _cache_dir
+    if _cache_dir is None:
+        _cache_dir = tempfile.mkdtemp(prefix="rollout-py-cache-")
+    return _cache_dir
+
+
+def shared_server() -> Server:
+    """The server of the tests that leave its state unchanged, started on first use."""
+    global _server
+    if _server is None:
+        _server = Server(cache_dir())
+    return _server
+
+
+def tearDownModule():
+    if _server is not None:
+        _server.stop()
+    if _cache_dir is not None:
+        shutil.rmtree(_cache_dir, ignore_errors=True)
+
+
+def needs_server_support(test):
+    """Skips a test the server answers UNIMPLEMENTED (not yet landed), unless strict."""
+    @functools.wraps(test)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return test(self, *args, **kwargs)
+        except RolloutError as e:
+            if e.code == "UNIMPLEMENTED" and not STRICT:
+                self.skipTest(f"server answers UNIMPLEMENTED: {e}")
+            raise
+    return wrapper
+
+
+def key(c):
+    """What determinism covers (cached_prompt_tokens depends on the prefix cache)."""
+    return (c.token_ids, c.logprobs, c.finish_reason, c.sample_seed, c.top_logprobs)
+
+
+def keys(groups):
+    return [[key(c) for c in g] for g in groups]
+
+
+def f32_to_bf16_reference(x: float) -> int:
+    """Pure-Python round-to-nearest-even float32 -> bf16 bits (the server's F32ToBF16)."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    if (bits & 0x7FFFFFFF) > 0x7F800000:
+        return (bits >> 16) | 0x0040
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def bits_to_f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class GenerateTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.client = RolloutClient(shared_server().target, timeout=120)
+        cls.info = cls.client.wait_ready(60)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+
+    def test_server_info(self):
+        info = self.client.server_info()
+        self.assertEqual(info.model.vocab_size, 4096)
+        self.assertEqual(info.model.eos_token_ids, [2])
+        self.assertEqual(info.weight_version, "0")
+        self.assertEqual(info.backend, "cpu")
+        self.assertGreater(info.limits.max_running_samples, 0)
+        self.assertTrue(os.path.isdir(info.model.source))
+        self.assertEqual(info.to_dict()["model"]["vocab_size"], 4096)
+
+    def test_shapes_and_fields(self):
+        groups = self.client.generate(PROMPTS, num_samples=[2, 1, 3], seed=[5, 6, 7],
+                                      temperature=0.8, max_new_tokens=6, top_logprobs=3,
+                                      request_ids=["a", "b", "c"])
+        self.assertEqual([len(g) for g in groups], [2, 1, 3])
+        for i, g in enumerate(groups):
+            for j, c in enumerate(g):
+                self.assertEqual((c.prompt_index, c.sample_index), (i, j))
+                self.assertEqual(c.request_id, "abc"[i])
+                self.assertTrue(1 <= len(c.token_ids) <= 6)
+                self.assertEqual(len(c.logprobs), len(c.token_ids))
+                self.assertEqual(len(c.top_logprobs), len(c.token_ids))
+                self.assertTrue(all(len(t) == 3 for t in c.top_logprobs))
+                self.assertIn(c.finish_reason, ("stop", "length"))
+                if c.finish_reason == "length":
+                    self.assertEqual(len(c.token_ids), 6)
+                else:
+                    self.assertEqual(c.token_ids[-1], 2)
+                self.assertEqual(c.weight_version, "0")
+                self.assertEqual(c.sample_seed, sample_seed([5, 6, 7][i], j))
+                self.assertTrue(all(isinstance(t, int) for t in c.token_ids))
+                self.assertTrue(all(lp <= 0 and math.isfinite(lp) for lp in c.logprobs))
+                for k, top in enumerate(c.top_logprobs):  # most likely first
+                    self.assertEqual([lp for _, lp in top], sorted((lp for _, lp in top),
+                                                                   reverse=True))
+                    self.assertGreaterEqual(top[0][1], c.logprobs[k])
+                if c.version_spans:
+                    self.assertEqual(c.version_spans[0].first_token, 0)
+                    self.assertEqual(c.version_spans[-1].last_token, len(c.token_ids) - 1)
+
+    def test_determinism(self):
+        args = dict(num_samples=4, seed=[11, 12, 13], temperature=1.0, max_new_tokens=12)
+        a = self.client.generate(PROMPTS, **args)
+        b = self.client.generate(PROMPTS, **args)
+        self.assertEqual(keys(a), keys(b))
+        for g in a:  # samples of one rollout get different seeds, so different tokens
+            self.assertEqual(len({tuple(c.token_ids) for c in g}), len(g))
+        self.assertNotEqual(keys(a), keys(self.client.generate(PROMPTS, **dict(args, seed=99))))
+
+    def test_num_samples_equal_single_rollouts_with_derived_seeds(self):
+        n = self.client.generate([PROMPTS[0]], num_samples=3, seed=42, max_new_tokens=8)[0]
+        singles = self.client.generate([PROMPTS[0]] * 3, seed=[sample_seed(42, j)
+                                                               for j in range(3)],
+                                       max_new_tokens=8)
+        self.assertEqual([key(c)[:3] for c in n], [key(g[0])[:3] for g in singles])
+
+    def test_array_inputs(self):
+        a = self.client.generate(np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int64),
+                                 seed=np.int64(3), num_samples=np.array([1, 2]),
+                                 max_new_tokens=4)
+        b = self.client.generate([[1, 2, 3], [4, 5, 6]], seed=3, num_samples=[1, 2],
+                                 max_new_tokens=4)
+        self.assertEqual(keys(a), keys(b))
+
+    def test_greedy(self):
+        a = self.client.generate([PROMPTS[1]], num_samples=2, seed=1, temperature=0,
+                                 max_new_tokens=8)[0]
+        self.assertEqual(a[0].token_ids, a[1].token_ids)
+
+    def test_stream_chunks_concatenate_to_completions(self):
+        args = dict(num_samples=2, seed=3, temperature=0.9, max_new_tokens=10, top_logprobs=2)
+        items = list(self.client.generate(PROMPTS, stream=True, **args))
+        chunks = [x for x in items if isinstance(x, rollout_client.TokenChunk)]
+        completions = [x for x in items if isinstance(x, rollout_client.Completion)]
+        self.assertEqual(len(completions), 6)
+        self.assertGreater(len(chunks), 0)
+        for c in completions:
+            mine = [x for x in chunks if (x.prompt_index, x.sample_index) ==
+                    (c.prompt_index, c.sample_index)]
+            self.assertEqual(sum((x.token_ids for x in mine), []), c.token_ids)
+            self.assertEqual(sum((x.logprobs for x in mine), []), c.logprobs)
+            self.assertEqual(sum((x.top_logprobs for x in mine), []), c.top_logprobs)
+        batch = self.client.generate(PROMPTS, **args)
+        self.assertEqual(sorted(key(c) for c in completions),
+                         sorted(key(c) for g in batch for c in g))
+
+    def test_stream_stopped_early_cancels(self):
+        stream = self.client.generate([PROMPTS[0]], max_new_tokens=2000, ignore_eos=True,
+                                      stream=True)
+        first = next(stream)
+        self.assertIsInstance(first, rollout_client.TokenChunk)
+        stream.close()  # cancels the call; the server aborts the sample
+        deadline = time.monotonic() + 30
+        while self.client.server_info().counters.running_samples and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(self.client.server_info().counters.running_samples, 0)
+
+    def test_score_equals_generate_exactly(self):
+        for temperature in (0.7, 1.0, 0.0, None):
+            groups = self.client.generate(PROMPTS, num_samples=2, seed=21,
+                                          temperature=temperature, max_new_tokens=10,
+                                          top_logprobs=4)
+            seqs, starts, expected, expected_top = [], [], [], []
+            for p, g in zip(PROMPTS, groups):
+                for c in g:
+                    seqs.append(p + c.token_ids)
+                    starts.append(len(p))
+                    expected.append(c.logprobs)
+                    expected_top.append(c.top_logprobs)
+            # Generate's logprobs at temperature 0 are those at T = 1.
+            t = None if temperature in (None, 0.0) else temperature
+            self.assertEqual(self.client.score(seqs, starts, temperature=t), expected,
+                             f"temperature {temperature}")
+            detailed = self.client.score(seqs, starts, temperature=t, top_logprobs=4,
+                                         details=True)
+            self.assertEqual([d.logprobs for d in detailed], expected)
+            self.assertEqual([d.top_logprobs for d in detailed], expected_top)
+            self.assertEqual({d.weight_version for d in detailed}, {"0"})
+
+    def test_score_per_sequence_temperatures(self):
+        seq = PROMPTS[0] + [100, 200, 300]
+        both = self.client.score([seq, seq], 4, temperature=[0.5, 2.0])
+        self.assertEqual(both[0], self.client.score([seq], 4, temperature=0.5)[0])
+        self.assertEqual(both[1], self.client.score([seq], 4, temperature=2.0)[0])
+        self.assertNotEqual(both[0], both[1])
+
+    def test_invalid_arguments_raise_rollout_error(self):
+        bad = [
+            lambda: self.client.generate(PROMPTS, max_new_tokens=0),
+            lambda: self.client.generate(PROMPTS, max_new_tokens=4, temperature=-1.0),
+            lambda: self.client.generate(PROMPTS, max_new_tokens=4, top_p=0.0),
+            lambda: self.client.generate(PROMPTS, max_new_tokens=4, top_logprobs=1000),
+            lambda: self.client.generate([[1, 4096]], max_new_tokens=4),
+            lambda: self.client.generate([[]], max_new_tokens=4),
+            lambda: self.client.generate([], max_new_tokens=4),
+            lambda: self.client.generate(PROMPTS, max_new_tokens=4, request_ids=["x", "x", "y"]),
+            lambda: self.client.generate([[1]], max_new_tokens=100000),
+            lambda: self.client.score([[1, 2, 3]], starts=0),
+            lambda: self.client.score([[1, 2, 3]], starts=1, temperature=-2.0),
+            lambda: self.client.abort(["x"], all=True),
+            lambda: self.client.abort(),
+        ]
+        for i, call in enumerate(bad):
+            with self.subTest(i=i):
+                with self.assertRaises(RolloutError) as cm:
+                    call()
+                self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+                self.assertEqual(cm.exception.grpc_code, grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertTrue(cm.exception.message)
+                self.assertTrue(str(cm.exception).startswith("INVALID_ARGUMENT: "))
+        with self.assertRaises(RolloutError) as cm:
+            self.client.generate(PROMPTS, max_new_tokens=0)
+        self.assertIn("max_new_tokens", cm.exception.message)
+
+    def test_python_argument_errors(self):
+        with self.assertRaises(TypeError):
+            self.client.generate([1, 2, 3], max_new_tokens=4)  # not wrapped in a list
+        with self.assertRaises(TypeError):
+            self.client.generate(PROMPTS)  # max_new_tokens missing
+        with self.assertRaises(ValueError):
+            self.client.generate(PROMPTS, seed=[1, 2], max_new_tokens=4)
+        with self.assertRaises(ValueError):
+            self.client.generate([[1, -2]], max_new_tokens=4)
+        with self.assertRaises(ValueError):
+            self.client.update_weights([], version="v")
+        with self.assertRaises(ValueError):
+            self.client.update_weights([("a", np.zeros(2, np.float32))], version="")
+        with self.assertRaises(ValueError):
+            self.client.update_weights([("a", np.zeros(2, np.float32))], version="v",
+                                       policy="later")
+
+    def test_abort_by_request_id(self):
+        stream = self.client.generate([PROMPTS[2]], max_new_tokens=3000, ignore_eos=True,
+                                      request_ids=["py-abort-me"], stream=True)
+        result = None
+        for item in stream:
+            if result is None:
+                result = self.client.abort(["py-abort-me", "py-unknown"])
+            if isinstance(item, rollout_client.Completion):
+                completion = item
+        self.assertEqual(result.aborted_rollouts, 1)
+        self.assertEqual(result.unknown_request_ids, ["py-unknown"])
+        self.assertEqual(completion.finish_reason, "abort")
+        self.assertEqual(completion.request_id, "py-abort-me")
+        self.assertLess(len(completion.token_ids), 3000)
+
+    def test_flush_cache(self):
+        self.client.generate(PROMPTS, max_new_tokens=2)
+        r = self.client.flush_cache()
+        self.assertIsInstance(r.freed_blocks, int)
+        self.assertEqual(self.client.server_info().counters.kv_blocks_cached, 0)
+
+    def test_unavailable_and_wait_ready_timeout(self):
+        with socket_port() as port:
+            with RolloutClient(f"127.0.0.1:{port}", timeout=5) as c:
+                with self.assertRaises(RolloutError) as cm:
+                    c.server_info()
+                self.assertEqual(cm.exception.code, "UNAVAILABLE")
+                t = time.monotonic()
+                with self.assertRaises(RolloutError) as cm:
+                    c.wait_ready(0.5)
+                self.assertEqual(cm.exception.code, "DEADLINE_EXCEEDED")
+                self.assertLess(time.monotonic() - t, 5)
+
+
+class socket_port:
+    """A port nothing listens on (bound, not listening, while in use)."""
+
+    def __enter__(self):
+        import socket
+        self.s = socket.socket()
+        self.s.bind(("127.0.0.1", 0))
+        return self.s.getsockname()[1]
+
+    def __exit__(self, *exc):
+        self.s.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake in-process servers: what exactly goes over the wire.
+
+
+class _Recorder(pb2_grpc.RolloutServiceServicer):
+    def __init__(self, token=None):
+        self.token = token
+        self.metadata = []
+        self.weights = []
+
+    def _check(self, context):
+        md = dict(context.invocation_metadata())
+        self.metadata.append(md)
+        if self.token and md.get("authorization") != f"Bearer {self.token}":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    def GetServerInfo(self, request, context):
+        self._check(context)
+        return pb2.ServerInfo(weight_version="fake", backend="none")
+
+    def Pause(self, request, context):
+        self._check(context)
+        return pb2.PauseResponse(was_paused=request.abort_in_flight)
+
+    def UpdateWeights(self, request_iterator, context):
+        self._check(context)
+        messages = list(request_iterator)
+        self.weights.append(messages)
+        header = messages[0].header
+        total = sum(len(m.data.data) for m in messages[1:])
+        return pb2.UpdateWeightsResponse(version=header.version, previous_version="fake",
+                                         tensors_updated=len(header.tensors),
+                                         bytes_received=total)
+
+
+class FakeServerTest(unittest.TestCase):
+    def setUp(self):
+        self.recorder = _Recorder(token="s3cret")
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+        pb2_grpc.add_RolloutServiceServicer_to_server(self.recorder, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.target = f"127.0.0.1:{port}"
+
+    def tearDown(self):
+        self.server.stop(None)
+
+    def test_bearer_token_on_every_call(self):
+        with RolloutClient(self.target, token="s3cret") as c:
+            self.assertEqual(c.server_info().weight_version, "fake")
+            self.assertTrue(c.pause(abort_in_flight=True))
+            c.update_weights([("w", np.ones(3, np.float32))], version="v")
+        self.assertEqual(len(self.recorder.metadata), 3)
+        for md in self.recorder.metadata:
+            self.assertEqual(md["authorization"], "Bearer s3cret")
+        with RolloutClient(self.target) as c:
+            with self.assertRaises(RolloutError) as cm:
+                c.server_info()
+            self.assertEqual(cm.exception.code, "UNAUTHENTICATED")
+            self.assertEqual(cm.exception.message, "missing or wrong bearer token")
+
+    def test_update_weights_stream_layout(self):
+        rng = np.random.default_rng(1)
+        a = rng.standard_normal((7, 33)).astype(np.float32)
+        b = rng.standard_normal(50).astype(np.float16)
+        raw = RawTensor(bytes(range(256)) * 2, "BF16", (16, 16))
+        with RolloutClient(self.target, token="s3cret") as c:
+            r = c.update_weights({"a": a, "b": b, "raw": raw}, version="v7", policy="continue",
+                                 dtype={"a": "BF16", "b": "F32"}.get, chunk_bytes=100)
+        self.assertEqual((r.version, r.previous_version, r.tensors_updated), ("v7", "fake", 3))
+        messages = self.recorder.weights[0]
+        header = messages[0].header
+        self.assertEqual(header.version, "v7")
+        self.assertEqual(header.policy, pb2.IN_FLIGHT_POLICY_CONTINUE)
+        self.assertEqual([(t.name, t.dtype, list(t.shape)) for t in header.tensors],
+                         [("a", "BF16", [7, 33]), ("b", "F32", [50]), ("raw", "BF16", [16, 16])])
+        got = {}
+        for m in messages[1:]:
+            self.assertEqual(m.WhichOneof("item"), "data")
+            self.assertLessEqual(len(m.data.data), 100)
+            buf = got.setdefault(m.data.name, bytearray())
+            self.assertEqual(m.data.offset, len(buf))  # in order, no gaps
+            buf += m.data.data
+        self.assertEqual(bytes(got["a"]), f32_to_bf16_bits(a).tobytes())
+        self.assertEqual(bytes(got["b"]), b.astype(np.float32).tobytes())
+        self.assertEqual(bytes(got["raw"]), raw.data)
+        self.assertEqual(r.bytes_received, 7 * 33 * 2 + 50 * 4 + 512)
+
+    def test_conversion_error_surfaces_as_itself(self):
+        with RolloutClient(self.target, token="s3cret") as c:
+            with self.assertRaises(TypeError):
+                c.update_weights([("u", np.zeros(4, np.uint16))], version="v", dtype=None)
+            with self.assertRaises(TypeError):
+                c.update_weights([("c", np.zeros(4, np.complex64))], version="v")
+            with self.assertRaises(TypeError):
+                c.update_weights([("r", b"\0\0")], version="v")
+
+
+class ConversionTest(unittest.TestCase):
+    def test_bf16_round_to_nearest_even(self):
+        cases = {
+            0x3F800000: 0x3F80,  # 1.0
+            0x3F808000: 0x3F80,  # tie, even stays
+            0x3F818000: 0x3F82,  # tie, odd rounds up
+            0x3F808001: 0x3F81,  # above the tie
+            0x3F807FFF: 0x3F80,  # below the tie
+            0xBF808001: 0xBF81,  # negative
+            0x7F7FFFFF: 0x7F80,  # max float overflows to inf
+            0x7F800000: 0x7F80,  # inf
+            0xFF800000: 0xFF80,  # -inf
+            0x00000001: 0x0000,  # denormal rounds to 0
+            0x80000000: 0x8000,  # -0
+        }
+        a = np.array(list(cases), dtype=np.uint32).view(np.float32)
+        self.assertEqual(f32_to_bf16_bits(a).tolist(), list(cases.values()))
+        nans = np.array([0x7FC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF],
+                        dtype=np.uint32).view(np.float32)
+        out = f32_to_bf16_bits(nans)
+        self.assertTrue(np.isnan(bf16_bits_to_f32(out)).all())
+        self.assertEqual(out.tolist(), [0x7FC0, 0x7FC0, 0xFFC0, 0x7FFF])
+
+    def test_bf16_matches_reference_on_random_bits(self):
+        bits = np.random.default_rng(0).integers(0, 2**32, 20000, dtype=np.uint64)
+        bits = bits.astype(np.uint32)
+        a = bits.view(np.float32)
+        out = f32_to_bf16_bits(a).tolist()
+        self.assertEqual(out, [f32_to_bf16_reference(float(x)) for x in a])
+
+    def test_bf16_round_trip_is_exact(self):
+        bits = np.arange(0, 65536, dtype=np.uint16)
+        finite = ~np.isnan(bf16_bits_to_f32(bits))
+        self.assertEqual(f32_to_bf16_bits(bf16_bits_to_f32(bits))[finite].tolist(),
+                         bits[finite].tolist())
+
+    def test_raw_tensor_checks_size(self):
+        with self.assertRaises(ValueError):
+            RawTensor(b"\0" * 6, "BF16", (2, 2))
+        with self.assertRaises(ValueError):
+            RawTensor(b"\0" * 8, "I8", (8,))
+        self.assertEqual(RawTensor(b"\0" * 16, "float32", [2, 2]).dtype, "F32")
+
+    def test_safetensors_round_trip(self):
+        d = tempfile.mkdtemp()
+        try:
+            t = {"x": RawTensor(b"\1\2" * 6, "BF16", (2, 3)),
+                 "y": RawTensor(struct.pack("<2f", 1.5, -2.0), "F32", (2,))}
+            write_safetensors(os.path.join(d, "model.safetensors"), t, {"format": "pt"})
+            self.assertEqual(read_safetensors(d), t)
+            self.assertEqual(read_safetensors(d, ["y"]), {"y": t["y"]})
+            with self.assertRaises(KeyError):
+                read_safetensors(d, ["z"])
+        finally:
+            shutil.rmtree(d)
+
+
+try:
+    import torch  # noqa: F401
+    HAVE_TORCH = True
+except ImportError:
+    HAVE_TORCH = False
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TorchConversionTest(unittest.TestCase):
+    def test_torch_matches_numpy(self):
+        import torch
+        from rollout_client.weights import to_bytes
+        x = torch.randn(5, 7)
+        for target in ("BF16", "F16", "F32"):
+            _, _, tb = to_bytes("x", x, target)
+            _, _, nb = to_bytes("x", x.numpy(), target)
+            self.assertEqual(bytes(tb), np.ascontiguousarray(nb).tobytes())
+        _, _, tb = to_bytes("x", x.to(torch.bfloat16), None)
+        self.assertEqual(bytes(tb), f32_to_bf16_bits(x.numpy()).tobytes())
+        # Non-contiguous views go row-major.
+        _, shape, tb = to_bytes("xt", x.t(), "F32")
+        self.assertEqual((shape, bytes(tb)), ((7, 5), x.t().contiguous().numpy().tobytes()))
+
+    def test_state_dict_items_as_is(self):
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4, bias=False))
+        model = model.to(torch.bfloat16)
+        fake = FakeServerTest("test_bearer_token_on_every_call")
+        fake.setUp()
+        try:
+            with RolloutClient(fake.target, token="s3cret") as c:
+                r = c.update_weights(model.state_dict().items(), version="t1", chunk_bytes=64)
+            self.assertEqual(r.tensors_updated, 3)
+            messages = fake.recorder.weights[0]
+            header = messages[0].header
+            sd = model.state_dict()
+            self.assertEqual([(t.name, t.dtype, tuple(t.shape)) for t in header.tensors],
+                             [(k, "BF16", tuple(v.shape)) for k, v in sd.items()])
+            got = {}
+            for m in messages[1:]:
+                got.setdefault(m.data.name, bytearray()).extend(m.data.data)
+            for k, v in sd.items():
+                self.assertEqual(bytes(got[k]), v.view(torch.int16).numpy().tobytes(), k)
+        finally:
+            fake.tearDown()
+
+    def test_torch_prompts(self):
+        import torch
+        from rollout_client.client import _sequences
+        self.assertEqual(_sequences(torch.tensor([[1, 2], [3, 4]]), "p"), [[1, 2], [3, 4]])
+        self.assertEqual(_sequences([torch.tensor([5, 6, 7])], "p"), [[5, 6, 7]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight updates and pause/resume against a real server (its own, since they change state).
+
+
+def nudge(original: RawTensor, step: int) -> np.ndarray:
+    f = bf16_bits_to_f32(np.frombuffer(original.data, np.uint16)).reshape(original.shape)
+    i = np.arange(f.size, dtype=np.float32).reshape(f.shape)
+    return f * (1 + 0.5 * np.sin(0.37 * i + step)).astype(np.float32)
+
+
+class WeightsTest(unittest.TestCase):
+    ARGS = dict(num_samples=3, seed=[1, 2, 3], temperature=1.0, max_new_tokens=12)
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server(cache_dir())
+        cls.client = RolloutClient(cls.server.target, timeout=120)
+        cls.info = cls.client.wait_ready(60)
+        cls.model_dir = cls.info.model.source
+        cls.original = read_safetensors(cls.model_dir, [NORM])[NORM]
+        cls.baseline = cls.client.generate(PROMPTS, **cls.ARGS)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def tearDown(self):
+        # Every test leaves the original weights and an unpaused server behind.
+        try:
+            self.client.resume()
+            self.client.update_weights([(NORM, self.original)], version="0")
+        except RolloutError as e:
+            if e.code != "UNIMPLEMENTED":
+                raise
+
+    def assert_baseline(self, groups, version):
+        self.assertEqual(keys(groups), keys(self.baseline))
+        self.assertEqual({c.weight_version for g in groups for c in g}, {version})
+
+    @needs_server_support
+    def test_update_round_trip(self):
+        self.assertEqual(self.original.dtype, "BF16")
+        r = self.client.update_weights([(NORM, nudge(self.original, 1))], version="v-mod")
+        self.assertEqual(r.version, "v-mod")
+        self.assertEqual(r.previous_version, "0")
+        self.assertEqual(r.tensors_updated, 1)
+        self.assertEqual(r.bytes_received, len(self.original.data))
+        self.assertEqual(self.client.server_info().weight_version, "v-mod")
+        changed = self.client.generate(PROMPTS, **self.ARGS)
+        self.assertEqual({c.weight_version for g in changed for c in g}, {"v-mod"})
+        self.assertNotEqual(keys(changed), keys(self.baseline))
+        for g in changed:
+            for c in g:
+                if c.version_spans:
+                    self.assertEqual(c.version_spans, [rollout_client.VersionSpan(
+                        "v-mod", 0, len(c.token_ids) - 1)])
+        # Same bytes again -> same outputs as before, bitwise.
+        r = self.client.update_weights([(NORM, self.original)], version="v-orig")
+        self.assertEqual(r.previous_version, "v-mod")
+        self.assert_baseline(self.client.generate(PROMPTS, **self.ARGS), "v-orig")
+
+    @needs_server_support
+    def test_float32_converted_to_bf16_gives_the_same_weights(self):
+        self.client.update_weights([(NORM, nudge(self.original, 2))], version="tmp")
+        f32 = bf16_bits_to_f32(np.frombuffer(self.original.data, np.uint16))
+        self.client.update_weights({NORM: f32.reshape(self.original.shape)}, version="f32",
+                                   chunk_bytes=100)
+        self.assert_baseline(self.client.generate(PROMPTS, **self.ARGS), "f32")
+        # ...and as raw uint16 bits.
+        self.client.update_weights([(NORM, nudge(self.original, 2))], version="tmp")
+        self.client.update_weights([(NORM, np.frombuffer(self.original.data, np.uint16)
+                                     .reshape(self.original.shape))], version="u16")
+        self.assert_baseline(self.client.generate(PROMPTS, **self.ARGS), "u16")
+
+    @needs_server_support
+    def test_invalid_updates(self):
+        self.client.update_weights([(NORM, self.original)], version="0")  # supported at all?
+        with self.assertRaises(RolloutError) as cm:  # served as BF16
+            self.client.update_weights([(NORM, nudge(self.original, 1))], version="x",
+                                       dtype="F32")
+        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("BF16", cm.exception.message)
+        with self.assertRaises(RolloutError) as cm:  # wrong shape
+            self.client.update_weights([(NORM, np.ones(7, np.float32))], version="x")
+        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+        with self.assertRaises(RolloutError) as cm:  # unknown tensor
+            self.client.update_weights([("model.nope.weight", np.ones(7, np.float32))],
+                                       version="x")
+        self.assertIn(cm.exception.code, ("INVALID_ARGUMENT", "NOT_FOUND"))
+        # Nothing changed.
+        self.assertEqual(self.client.server_info().weight_version, "0")
+        self.assert_baseline(self.client.generate(PROMPTS, **self.ARGS), "0")
+
+    @needs_server_support
+    def test_update_from_path(self):
+        streamed_version = "streamed"
+        self.client.update_weights([(NORM, nudge(self.original, 3))], version=streamed_version)
+        streamed = self.client.generate(PROMPTS, **self.ARGS)
+        # The original checkpoint folder -> the original outputs.
+        r = self.client.update_weights_from_path(self.model_dir, version="from-path")
+        self.assertEqual(r.version, "from-path")
+        self.assertEqual(r.previous_version, streamed_version)
+        self.assert_baseline(self.client.generate(PROMPTS, **self.ARGS), "from-path")
+        # A checkpoint holding the nudged tensor -> what streaming it gave.
+        d = tempfile.mkdtemp(prefix="rollout-py-ckpt-")
+        try:
+            shutil.copy(os.path.join(self.model_dir, "config.json"), d)
+            tensors = read_safetensors(self.model_dir)
+            bits = f32_to_bf16_bits(nudge(self.original, 3)).tobytes()
+            tensors[NORM] = RawTensor(bits, "BF16", self.original.shape)
+            write_safetensors(os.path.join(d, "model.safetensors"), tensors)
+            self.client.update_weights_from_path(d, version="from-path-2", policy="abort")
+            got = self.client.generate(PROMPTS, **self.ARGS)
+            self.assertEqual(keys(got), keys(streamed))
+        finally:
+            shutil.rmtree(d)
+        with self.assertRaises(RolloutError) as cm:
+            self.client.update_weights_from_path("/nonexistent/ckpt", version="x")
+        self.assertIn(cm.exception.code, ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"))
+
+    @needs_server_support
+    def test_pause_holds_requests_until_resume(self):
+        self.assertFalse(self.client.pause())
+        self.assertTrue(self.client.pause())
+        self.assertTrue(self.client.server_info().paused)
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(
+            "groups", self.client.generate(PROMPTS, **self.ARGS)))
+        t.start()
+        t.join(1.0)
+        self.assertTrue(t.is_alive(), "generate finished while paused")
+        self.assertTrue(self.client.resume())
+        t.join(60)
+        self.assertFalse(t.is_alive())
+        self.assert_baseline(out["groups"], "0")
+        self.assertFalse(self.client.resume())
+
+    def _long_stream(self, rid, max_new_tokens):
+        return self.client.generate([PROMPTS[0]], max_new_tokens=max_new_tokens,
+                                    ignore_eos=True, request_ids=[rid], stream=True)
+
+    @needs_server_support
+    def test_policy_continue_gives_two_version_spans(self):
+        completion, pushed = None, None
+        for item in self._long_stream("py-continue", 400):
+            if pushed is None:  # after the first chunk: the sample is running
+                pushed = self.client.update_weights([(NORM, nudge(self.original, 4))],
+                                                    version="v-cont", policy="continue")
+            if isinstance(item, rollout_client.Completion):
+                completion = item
+        spans = completion.version_spans
+        self.assertEqual([s.version for s in spans], ["0", "v-cont"])
+        self.assertEqual(spans[0].first_token, 0)
+        self.assertEqual(spans[1].first_token, spans[0].last_token + 1)
+        self.assertEqual(spans[1].last_token, len(completion.token_ids) - 1)
+
+    @needs_server_support
+    def test_policy_abort_ends_samples_in_flight(self):
+        completion, pushed = None, None
+        for item in self._long_stream("py-abort-policy", 1500):
+            if pushed is None:
+                pushed = self.client.update_weights([(NORM, nudge(self.original, 5))],
+                                                    version="v-abort", policy="abort")
+            if isinstance(item, rollout_client.Completion):
+                completion = item
+        self.assertGreaterEqual(pushed.aborted_samples, 1)
+        self.assertEqual(completion.finish_reason, "abort")
+        self.assertLess(len(completion.token_ids), 1500)
+
+
+class ExampleTest(unittest.TestCase):
+    def test_grpo_loop(self):
+        server = Server(cache_dir())
+        try:
+            cmd = [sys.executable, os.path.join(PKG_ROOT, "examples", "grpo_loop.py"),
+                   "--target", server.target, "--rounds", "3", "--prompts", "3",
+                   "--group-size", "4", "--max-new-tokens", "16"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if r.returncode != 0 and "UNIMPLEMENTED" in r.stderr and not STRICT:
+                self.skipTest("server answers UNIMPLEMENTED to UpdateWeights")
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("weights ['step-2']", r.stdout)
+            self.assertIn("OK:", r.stdout)
+            with RolloutClient(server.target) as c:
+                self.assertEqual(c.server_info().weight_version, "0")  # restored
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,97 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/model_runner.h"
+#include "engine/safetensors.h"
+
+namespace rollout {
+
+struct CudaRunnerOptions {
+  int device = 0;
+  // KV page size in tokens. Any positive size works; attention tiles are 32 keys.
+  int32_t kv_block_size = 32;
+  // Split-KV size S: a multiple of 32 and of kv_block_size. Prefill chunks end on multiples of
+  // it (the scheduler cuts them there).
+  int32_t attention_split_size = 256;
+  // Tokens per pass through the layers: the activation workspace is sized for this many.
+  // Larger batches run in consecutive slices (bitwise the same: rows are batch invariant).
+  int32_t max_batch_tokens = 8192;
+  // Logit rows per lm_head pass (bounds the fp32 logits buffer).
+  int32_t max_logit_rows = 512;
+  // KV pool: exactly this many bytes when > 0, else this fraction of the memory still free
+  // after weights and workspace.
+  int64_t kv_cache_bytes = 0;
+  double kv_cache_fraction = 0.90;
+  // The m for which cuBLASLt's heuristic picks each weight shape's one pinned algorithm.
+  int64_t gemm_pin_m = 256;
+};
+
+// Time spent per kernel family, summed over profiled Forward calls (CUDA events).
+struct CudaForwardProfile {
+  std::vector<std::string> names;
+  std::vector<double> ms;  // [names.size()]
+  int64_t forwards = 0;
+};
+
+// The CUDA backend: bf16 weights and KV cache, fp32 accumulation and residual stream, fp32
+// logits. Every row is batch invariant (kernels/cuda/ops.h, kernels/cuda/gemm.h): its logits
+// depend only on the weights and its sequence's tokens [0, position], bitwise. Owned and called
+// by one thread (the engine thread); uses one CUDA stream on `options.device`.
+class CudaModelRunner final : public ModelRunner {
+ public:
+  // Loads every tensor of `checkpoint` (bf16, f16 or f32; converted to bf16, norms to fp32),
+  // pins the GEMM algorithms and sizes the KV pool. Errors name the tensor or the CUDA call.
+  static absl::StatusOr<std::unique_ptr<CudaModelRunner>> Create(
+      const Checkpoint& checkpoint, const CudaRunnerOptions& options);
+  // The same model with seeded weights generated on the GPU: bitwise what
+  // WriteRandomModelForConfig(config, {seed, bf16}) writes, without touching the disk.
+  static absl::StatusOr<std::unique_ptr<CudaModelRunner>> CreateSynthetic(
+      const ModelConfig& config, uint64_t seed, const CudaRunnerOptions& options);
+  ~CudaModelRunner() override;
+
+  const ModelConfig& config() const override { return config_; }
+  const char* backend_name() const override { return "cuda"; }
+  int32_t num_kv_blocks() const override { return num_kv_blocks_; }
+  int32_t kv_block_size() const override { return options_.kv_block_size; }
+  int32_t attention_split_size() const override { return options_.attention_split_size; }
+
+  // As ModelRunner::Forward. `logits` may be nullptr: the logits are then computed on the GPU
+  // but not copied back (benchmarks of the device work alone).
+  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
+  // Weights as the checkpoint had them (bf16 for synthetic models); updates are converted to the
+  // device layout (bf16 matrices, fp32 norms and biases) on the host, then copied.
+  const std::vector<WeightSpec>& weight_specs() const override;
+  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
+
+  // Per-kernel-family timing of later Forward calls (adds one event per kernel; off by default).
+  void EnableProfiling(bool on);
+  CudaForwardProfile profile() const;
+  void ResetProfile();
+
+  // What was pinned per weight shape, one line each.
+  const std::vector<std::string>& gemm_descriptions() const;
+  int64_t weight_bytes() const;
+  int64_t kv_cache_bytes() const;
+
+ private:
+  struct State;
+  CudaModelRunner(ModelConfig config, CudaRunnerOptions options);
+  absl::Status Init();
+  absl::Status LoadCheckpoint(const Checkpoint& checkpoint);
+  absl::Status LoadSynthetic(uint64_t seed);
+  absl::Status Finish();
+  absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
+                            std::vector<float>* logits);
+
+  const ModelConfig config_;
+  const CudaRunnerOptions options_;
+  int32_t num_kv_blocks_ = 0;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace rollout

@@ -1,0 +1,240 @@
+// Weight updates and pause/resume, driven offline through the engine.
+#include <condition_variable>
+#include <cstring>
+#include <future>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cpu_model_runner.h"
+#include "engine/engine.h"
+#include "engine/random_model.h"
+#include "engine/sampler.h"
+#include "gtest/gtest.h"
+
+namespace rollout {
+namespace {
+
+constexpr char kTensor[] = "model.layers.0.mlp.down_proj.weight";
+
+const std::string& ModelDir() {
+  static const std::string dir = [] {
+    std::string d = ::testing::TempDir() + "engine-update-test-tiny";
+    RandomModelOptions options;
+    options.preset = "tiny";
+    options.seed = 5;
+    EXPECT_TRUE(WriteRandomModel(options, d).ok());
+    return d;
+  }();
+  return dir;
+}
+
+std::unique_ptr<Engine> MakeEngine() {
+  auto ck = Checkpoint::Open(ModelDir());
+  EXPECT_TRUE(ck.ok());
+  auto runner = CpuModelRunner::Create(**ck, {});
+  EXPECT_TRUE(runner.ok());
+  EngineOptions options;
+  options.weight_version = "v0";
+  auto engine = Engine::Create(*std::move(runner), options);
+  EXPECT_TRUE(engine.ok());
+  return *std::move(engine);
+}
+
+HostTensor OriginalTensor() {
+  auto ck = Checkpoint::Open(ModelDir());
+  const TensorView* view = (*ck)->Find(kTensor);
+  HostTensor t{kTensor, view->dtype, view->shape,
+               std::vector<uint8_t>(view->data, view->data + view->nbytes)};
+  return t;
+}
+
+HostTensor ScaledTensor(float scale) {
+  HostTensor t = OriginalTensor();
+  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
+    uint16_t v;
+    std::memcpy(&v, &t.bytes[i], 2);
+    v = F32ToBF16(BF16ToF32(v) * scale);
+    std::memcpy(&t.bytes[i], &v, 2);
+  }
+  return t;
+}
+
+SampleSpec Spec(int32_t max_new_tokens = 12) {
+  SampleSpec s;
+  s.prompt = {5, 17, 99, 3, 200, 41, 7};
+  s.params.temperature = 0.8f;
+  s.params.max_new_tokens = max_new_tokens;
+  s.params.ignore_eos = true;
+  s.sample_seed = 11;
+  return s;
+}
+
+// Runs one job to completion and returns its completions.
+std::vector<SampleCompletion> RunJob(Engine* engine, std::vector<SampleSpec> specs) {
+  auto promise = std::make_shared<std::promise<std::vector<SampleCompletion>>>();
+  auto done = std::make_shared<std::vector<SampleCompletion>>(specs.size());
+  auto left = std::make_shared<size_t>(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) specs[i].sample_index = static_cast<int32_t>(i);
+  auto future = promise->get_future();
+  EXPECT_TRUE(engine
+                  ->Submit(specs,
+                           [promise, done, left](std::vector<SampleEvent> events) {
+                             for (SampleEvent& e : events) {
+                               if (!e.completion) continue;
+                               (*done)[e.sample_index] = *std::move(e.completion);
+                               if (--*left == 0) promise->set_value(*done);
+                             }
+                           })
+                  .ok());
+  return future.get();
+}
+
+UpdateResult Update(Engine* engine, std::string version, UpdatePolicy policy,
+                    std::vector<HostTensor> tensors) {
+  std::promise<UpdateResult> promise;
+  auto future = promise.get_future();
+  engine->UpdateWeights(WeightUpdate{std::move(version), policy, std::move(tensors)},
+                        [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
+  return future.get();
+}
+
+std::string Bits(const SampleCompletion& c) {
+  std::string out;
+  for (int32_t t : c.token_ids) absl::StrAppend(&out, t, ",");
+  for (float lp : c.logprobs) {
+    uint32_t b;
+    std::memcpy(&b, &lp, 4);
+    absl::StrAppend(&out, b, ";");
+  }
+  return out;
+}
+
+TEST(EngineUpdateTest, NewWeightsChangeOutputsAndTheOriginalBytesRestoreThemBitwise) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  const SampleCompletion before = RunJob(engine.get(), {Spec()})[0];
+  EXPECT_EQ(before.weight_version, "v0");
+  UpdateResult r = Update(engine.get(), "v1", UpdatePolicy::kDrain, {ScaledTensor(3.0f)});
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(r.previous_version, "v0");
+  EXPECT_EQ(engine->weight_version(), "v1");
+  const SampleCompletion changed = RunJob(engine.get(), {Spec()})[0];
+  EXPECT_EQ(changed.weight_version, "v1");
+  EXPECT_NE(Bits(changed), Bits(before));
+  ASSERT_TRUE(Update(engine.get(), "v2", UpdatePolicy::kContinue, {OriginalTensor()}).status.ok());
+  const SampleCompletion restored = RunJob(engine.get(), {Spec()})[0];
+  EXPECT_EQ(Bits(restored), Bits(before));
+  EXPECT_EQ(restored.cached_prompt_tokens, 0) << "no KV of v0 or v1 may serve v2";
+}
+
+TEST(EngineUpdateTest, AnInvalidUpdateLeavesTheOldWeightsServingBitwise) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  const SampleCompletion before = RunJob(engine.get(), {Spec()})[0];
+  HostTensor wrong_shape = ScaledTensor(2.0f);
+  wrong_shape.shape[0] -= 1;
+  HostTensor unknown = ScaledTensor(2.0f);
+  unknown.name = "model.layers.0.mlp.nonexistent.weight";
+  HostTensor wrong_dtype = ScaledTensor(2.0f);
+  wrong_dtype.dtype = DType::kF16;
+  HostTensor short_bytes = ScaledTensor(2.0f);
+  short_bytes.bytes.resize(short_bytes.bytes.size() - 2);
+  for (const HostTensor& bad : {wrong_shape, unknown, wrong_dtype, short_bytes}) {
+    // A valid tensor beside the bad one must not be applied either: all or nothing.
+    UpdateResult r = Update(engine.get(), "bad", UpdatePolicy::kContinue,
+                            {ScaledTensor(5.0f), bad});
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_EQ(engine->weight_version(), "v0");
+    EXPECT_EQ(Bits(RunJob(engine.get(), {Spec()})[0]), Bits(before)) << r.status;
+  }
+}
+
+TEST(EngineUpdateTest, AbortPolicyEndsInFlightSamplesThenSwaps) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  auto long_run = std::async(std::launch::async,
+                             [&] { return RunJob(engine.get(), {Spec(400), Spec(400)}); });
+  while (engine->counters().generated_tokens < 4) std::this_thread::yield();
+  UpdateResult r = Update(engine.get(), "v1", UpdatePolicy::kAbort, {ScaledTensor(2.0f)});
+  ASSERT_TRUE(r.status.ok());
+  EXPECT_EQ(r.aborted_samples, 2);
+  for (const SampleCompletion& c : long_run.get()) {
+    EXPECT_EQ(c.finish_reason, FinishReason::kAbort);
+    EXPECT_LT(c.token_ids.size(), 400u);
+  }
+  EXPECT_EQ(RunJob(engine.get(), {Spec()})[0].weight_version, "v1");
+}
+
+TEST(EngineUpdateTest, DrainFinishesInFlightOnOldWeightsAndNewWorkRunsOnTheNew) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  const std::string old_bits = Bits(RunJob(engine.get(), {Spec(400)})[0]);
+  const uint64_t steps = engine->counters().steps;
+  auto in_flight =
+      std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(400)}); });
+  while (engine->counters().steps < steps + 3) std::this_thread::yield();
+  std::promise<UpdateResult> promise;
+  engine->UpdateWeights(WeightUpdate{"v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)}},
+                        [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
+  auto waiting = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(400)}); });
+  const SampleCompletion drained = in_flight.get()[0];
+  EXPECT_EQ(drained.finish_reason, FinishReason::kLength);
+  EXPECT_EQ(Bits(drained), old_bits) << "in-flight work finishes on the old weights";
+  EXPECT_EQ(drained.weight_version, "v0");
+  ASSERT_TRUE(promise.get_future().get().status.ok());
+  const SampleCompletion after = waiting.get()[0];
+  EXPECT_EQ(after.weight_version, "v1");
+  ASSERT_EQ(after.version_spans.size(), 1u);
+  EXPECT_EQ(after.version_spans[0].version, "v1");
+  EXPECT_NE(Bits(after), old_bits);
+}
+
+TEST(EngineUpdateTest, ContinueRecordsTheVersionOfEveryToken) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  auto in_flight = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(300)}); });
+  while (engine->counters().generated_tokens < 5) std::this_thread::yield();
+  ASSERT_TRUE(Update(engine.get(), "v1", UpdatePolicy::kContinue, {ScaledTensor(2.0f)}).status.ok());
+  const SampleCompletion c = in_flight.get()[0];
+  EXPECT_EQ(c.finish_reason, FinishReason::kLength);
+  EXPECT_EQ(c.weight_version, "v1");
+  ASSERT_EQ(c.version_spans.size(), 2u);
+  EXPECT_EQ(c.version_spans[0].version, "v0");
+  EXPECT_EQ(c.version_spans[0].first_token, 0);
+  EXPECT_EQ(c.version_spans[1].version, "v1");
+  EXPECT_EQ(c.version_spans[1].first_token, c.version_spans[0].last_token + 1);
+  EXPECT_EQ(c.version_spans[1].last_token, 299);
+}
+
+TEST(EngineUpdateTest, PauseHoldsRequestsAndResumeRunsThemUnchanged) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  const std::string expected = Bits(RunJob(engine.get(), {Spec()})[0]);
+  EXPECT_FALSE(engine->Pause(false));
+  EXPECT_TRUE(engine->paused());
+  auto held = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec()}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(held.wait_for(std::chrono::seconds(0)), std::future_status::timeout);
+  EXPECT_EQ(engine->counters().waiting, 1);
+  EXPECT_TRUE(engine->Resume());
+  EXPECT_EQ(Bits(held.get()[0]), expected);
+}
+
+TEST(EngineUpdateTest, DrainWhilePausedWithWorkInFlightIsRefusedWithAReason) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  engine->Pause(false);
+  auto held = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec()}); });
+  while (engine->counters().waiting == 0) std::this_thread::yield();
+  UpdateResult r = Update(engine.get(), "v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)});
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status.message().find("resume first"), std::string::npos);
+  EXPECT_EQ(engine->weight_version(), "v0");
+  engine->Resume();
+  EXPECT_EQ(held.get()[0].weight_version, "v0");
+}
+
+TEST(EngineUpdateTest, PauseWithAbortEndsWhatRuns) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  auto running = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(400)}); });
+  while (engine->counters().generated_tokens < 2) std::this_thread::yield();
+  engine->Pause(true);
+  EXPECT_EQ(running.get()[0].finish_reason, FinishReason::kAbort);
+  engine->Resume();
+}
+
+}  // namespace
+}  // namespace rollout

@@ -1,0 +1,106 @@
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+// Row-invariant GEMMs for the projections: y[m, n] = x[m, k] . w[n, k]^T, bf16 in, fp32
+// accumulation, one cuBLASLt algorithm per weight shape chosen once and used for every m.
+//
+// Why one algorithm: each output row must come out of the same sequence of operations whatever
+// m is (design.md section 3). cuBLAS promises nothing about m; its heuristics change kernels with
+// m, and a split-K kernel reduces K in an m-dependent way. A pinned algorithm with split-K 1 and
+// no reduction scheme walks K in one fixed order per output element; tests/gpu/gemm_test.cc
+// checks every row bitwise for m = 1..512 and larger powers of two on every weight shape.
+namespace rollout::cuda {
+
+enum class GemmOutput {
+  kBf16,           // y bf16, overwritten
+  kF32,            // y fp32, overwritten
+  kF32Accumulate,  // y fp32, y += x . w^T (the residual add, fused into the epilogue)
+};
+
+// Human-readable identity of a cuBLASLt algorithm configuration.
+struct GemmAlgoInfo {
+  int32_t id = 0;
+  uint32_t tile = 0;
+  uint32_t stages = 0;
+  int32_t split_k = 1;
+  uint32_t reduction = 0;
+  uint32_t swizzle = 0;
+  uint32_t custom = 0;
+  uint16_t cluster = 0;
+  std::string ToString() const;
+};
+GemmAlgoInfo DescribeAlgo(const cublasLtMatmulAlgo_t& algo);
+
+// A GEMM with a fixed weight shape [n, k] and its pinned algorithm. One thread at a time
+// (the runner's); the handle must outlive it. REQUIRES: pointers 256-byte aligned.
+class PinnedGemm {
+ public:
+  enum class Mode {
+    kPinned,                // one algorithm for every m
+    kHeuristicNoWorkspace,  // fallback: the no-workspace heuristic's pick per m (cached); what
+                            // design.md measured row-invariant through cublasGemmEx
+  };
+
+  // Asks cuBLASLt's heuristic (no workspace) for algorithms for m = pin_m and pins the first
+  // with split-K 1 and no reduction scheme that also passes cublasLtMatmulAlgoCheck, needing no
+  // workspace, for m in {1, 7, 64, 1000, 8192}. The choice is a pure function of (GPU model,
+  // cuBLAS version, shape, output, pin_m): restarts and replicas pin the same algorithm.
+  // `diagnostics` (optional) receives why each candidate was refused.
+  static cublasStatus_t Create(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output,
+                               int64_t pin_m, std::unique_ptr<PinnedGemm>* gemm,
+                               std::string* diagnostics = nullptr);
+  // The same with an explicit algorithm (benchmarks).
+  static cublasStatus_t CreateWithAlgo(cublasLtHandle_t handle, int64_t n, int64_t k,
+                                       GemmOutput output, const cublasLtMatmulAlgo_t& algo,
+                                       std::unique_ptr<PinnedGemm>* gemm,
+                                       std::string* diagnostics = nullptr);
+  // The kHeuristicNoWorkspace fallback.
+  static cublasStatus_t CreateHeuristic(cublasLtHandle_t handle, int64_t n, int64_t k,
+                                        GemmOutput output, std::unique_ptr<PinnedGemm>* gemm);
+  // Up to `max_results` heuristic algorithms for m that have split-K 1 and no reduction scheme.
+  static cublasStatus_t Candidates(cublasLtHandle_t handle, int64_t n, int64_t k,
+                                   GemmOutput output, int64_t m, int max_results,
+                                   std::vector<cublasLtMatmulAlgo_t>* algos,
+                                   std::string* diagnostics = nullptr);
+
+  ~PinnedGemm();
+  PinnedGemm(const PinnedGemm&) = delete;
+  PinnedGemm& operator=(const PinnedGemm&) = delete;
+
+  // x: [m, k] bf16; w: [n, k] bf16; y: [m, n] (bf16 or fp32 per output()).
+  cublasStatus_t Run(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, void* y,
+                     cudaStream_t stream);
+
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
+  GemmOutput output() const { return output_; }
+  Mode mode() const { return mode_; }
+  const cublasLtMatmulAlgo_t& algo() const { return algo_; }  // kPinned only
+  std::string Describe() const;
+
+ private:
+  PinnedGemm(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output)
+      : handle_(handle), n_(n), k_(k), output_(output) {}
+
+  const cublasLtHandle_t handle_;
+  const int64_t n_;
+  const int64_t k_;
+  const GemmOutput output_;
+  Mode mode_ = Mode::kPinned;
+  cublasLtMatmulDesc_t desc_ = nullptr;
+  cublasLtMatmulAlgo_t algo_{};
+  std::map<int64_t, cublasLtMatmulAlgo_t> per_m_;  // kHeuristicNoWorkspace: m -> its algorithm
+};
+
+const char* CublasStatusName(cublasStatus_t status);
+
+}  // namespace rollout::cuda

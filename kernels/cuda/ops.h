@@ -1,0 +1,126 @@
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+// CUDA kernels of the forward pass. Storage is bf16 (weights, KV cache, GEMM inputs), arithmetic
+// fp32. Batch invariance: every output row is produced by one block (or warp) whose launch shape
+// is a constant of the kernel, never derived from the batch, and every reduction runs in one
+// fixed order -- so a row's bits depend only on its own inputs. The library is compiled with
+// --fmad=false: a multiply feeds an add through one rounding only where the source says fmaf().
+//
+// Launchers take raw device pointers, sizes and a stream, allocate nothing (CUDA-graph friendly)
+// and return the launch's cudaError_t (cudaErrorInvalidValue for unsupported sizes).
+namespace rollout::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// Keys per attention tile: one warp's lanes, one key each.
+inline constexpr int kAttentionTile = 32;
+
+// One layer's paged KV cache: k, v: [num_blocks, block_size, num_kv_heads, head_dim] bf16.
+struct KvCacheView {
+  bf16* k = nullptr;
+  bf16* v = nullptr;
+  int32_t block_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+};
+
+// x[t, :] = float(embed[token_ids[t], :]).
+// token_ids: [num_tokens]; embed: [vocab, hidden] bf16; x: [num_tokens, hidden] fp32.
+// REQUIRES: hidden % 8 == 0.
+cudaError_t EmbeddingGather(const int32_t* token_ids, int64_t num_tokens, const bf16* embed,
+                            int64_t hidden, float* x, cudaStream_t stream);
+
+// y[r, :] = bf16((x[src, :] * inv_rms) * weight) with src = rows ? rows[r] : r and
+// inv_rms = 1 / sqrtf(sum_sq / dim + eps); sum_sq in a fixed order (per thread of a 256-thread
+// block: fmaf over its float4s in increasing index; then lanes by xor-butterfly; then warps in
+// increasing order). x: [*, dim] fp32; rows: [num_rows] or nullptr; weight: [dim] fp32;
+// y: [num_rows, dim] bf16. REQUIRES: dim % 4 == 0.
+cudaError_t RmsNorm(const float* x, const int32_t* rows, int64_t num_rows, int64_t dim,
+                    const float* weight, float eps, bf16* y, cudaStream_t stream);
+
+// The attention input stage of one layer, one warp per (token, head of q|k|v):
+//   + bias (if given); q and k: per-head RMSNorm (if norms given); RoPE (rotate_half, cos/sin
+//   from the tables); q -> q_out (fp32), k and v -> their cache slot (bf16).
+// qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] fp32 (q heads, k heads, v heads);
+// positions, kv_slots: [num_tokens] (slot = block * block_size + position % block_size);
+// q_bias/k_bias/v_bias: [heads * head_dim] fp32 or nullptr; q_norm/k_norm: [head_dim] or nullptr;
+// rope_cos/rope_sin: [max_position, head_dim / 2] fp32; q_out: [num_tokens, num_heads, head_dim].
+// RoPE is the CPU reference's: out[i] = fmaf(x1, c, -(x2 * s)), out[i + d/2] = fmaf(x2, c, x1*s).
+// REQUIRES: head_dim in {32, 64, 128}.
+struct QkvParams {
+  const float* qkv = nullptr;
+  int64_t num_tokens = 0;
+  const int32_t* positions = nullptr;
+  const int32_t* kv_slots = nullptr;
+  const float* q_bias = nullptr;
+  const float* k_bias = nullptr;
+  const float* v_bias = nullptr;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  float eps = 1e-6f;
+  const float* rope_cos = nullptr;
+  const float* rope_sin = nullptr;
+  int32_t num_heads = 0;
+  float* q_out = nullptr;
+};
+cudaError_t QkvNormRopeWriteKv(const QkvParams& params, KvCacheView cache, cudaStream_t stream);
+
+// Which block shape runs a list of attention work items. Both compute every row with the same
+// device function and the same per-row arithmetic; they differ only in how many rows share a
+// block (and so in speed).
+enum class AttentionBlockShape {
+  kOneToken,    // items of 1 token (decode): the GQA group of one token per block
+  kManyTokens,  // items of up to AttentionItemTokens(group) tokens of one sequence (prefill)
+};
+
+// Most tokens one kManyTokens item may hold for `group` query heads per kv head.
+int AttentionItemTokens(int group);
+
+// Paged causal attention over the cache (write the batch's K/V first). A work item is
+// (first token, number of tokens): consecutive tokens of one sequence, so one block table.
+// Per row (token at position p, head h, kv head h / group), exactly:
+//   keys [0, p] in splits [kS, (k+1)S), S = split_size; inside a split, tiles of 32 keys in
+//   increasing order; per tile, s_j = (sum_d fmaf(q_d, k_jd) in increasing d) * scale for j <= p,
+//   m' = max(m, max_j s_j), a = expf(m - m'), p_j = expf(s_j - m'), l = l * a + warp_sum(p_j),
+//   o = o * a then o = fmaf(p_j, v_j, o) in increasing j <= p; at the split's end (a multiple of
+//   S, or p's tile) the partial (m, l, o) is folded into (M, L, O) in increasing split order:
+//   M' = max(M, m), A = expf(M - M'), B = expf(m - M'), L = L*A + l*B, O = O*A + o*B;
+//   out = bf16(O / L). warp_sum is the xor-butterfly 16, 8, 4, 2, 1 over the tile's lanes.
+// q: [num_tokens, num_heads, head_dim] fp32; out: [num_tokens, num_heads, head_dim] bf16;
+// positions, table_offsets: [num_tokens]; tables: concatenated block tables, the token's at
+// tables + table_offsets[t]; items: [num_items] of (first token, count).
+// REQUIRES: head_dim in {32, 64, 128}; split_size % 32 == 0; items fit the block shape.
+struct AttentionParams {
+  const float* q = nullptr;
+  const int32_t* positions = nullptr;
+  const int32_t* table_offsets = nullptr;
+  const int32_t* tables = nullptr;
+  const int2* items = nullptr;
+  int32_t num_items = 0;
+  int32_t num_heads = 0;
+  int32_t split_size = 0;
+  float scale = 1.0f;
+  bf16* out = nullptr;
+};
+cudaError_t PagedAttention(const AttentionParams& params, AttentionBlockShape shape,
+                           KvCacheView cache, cudaStream_t stream);
+
+// out[r, i] = bf16(silu(gate) * up), silu(g) = g / (1 + expf(-g)), gate = gate_up[r, i],
+// up = gate_up[r, dim + i]. gate_up: [rows, 2 * dim] bf16; out: [rows, dim] bf16.
+// REQUIRES: dim % 8 == 0.
+cudaError_t SiluMul(const bf16* gate_up, int64_t rows, int64_t dim, bf16* out,
+                    cudaStream_t stream);
+
+// Seeded weights, bitwise the values WriteRandomModel (engine/random_model.cc) writes in bf16:
+// element i is RandomValue(key, i) rounded to bf16 (nearest even). kind: 0 = normal with
+// `scale` (Irwin-Hall of four 16-bit uniforms), 1 = norm weight (1 + k / 65536). Exactly one of
+// out_bf16 / out_f32 is set; out_f32 receives the bf16 value widened.
+cudaError_t FillRandomWeights(uint64_t key, double scale, int kind, int64_t count, bf16* out_bf16,
+                              float* out_f32, cudaStream_t stream);
+
+}  // namespace rollout::cuda

@@ -1,0 +1,171 @@
+// CudaModelRunner against an independent implementation: Hugging Face transformers in fp32 on
+// the same bf16 weights (tests/gpu/make_hf_reference.py writes the model and the reference).
+// Skipped unless ROLLOUT_HF_REFERENCE names that script's output directory.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/cuda/cuda_model_runner.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace rollout {
+namespace {
+
+struct Reference {
+  int64_t vocab = 0;
+  std::vector<std::vector<int32_t>> prompts, greedy;
+  std::vector<std::vector<float>> margins;
+  std::vector<std::vector<float>> logits;  // per prompt: [prompt + greedy, vocab]
+};
+
+class HfTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
+    const char* dir = std::getenv("ROLLOUT_HF_REFERENCE");
+    if (dir == nullptr) GTEST_SKIP() << "ROLLOUT_HF_REFERENCE is not set";
+    dir_ = dir;
+    std::ifstream in(dir_ + "/reference.json");
+    ASSERT_TRUE(in.good()) << dir_ << "/reference.json";
+    const nlohmann::json j = nlohmann::json::parse(in);
+    ref_.vocab = j["vocab"];
+    ref_.prompts = j["prompts"].get<std::vector<std::vector<int32_t>>>();
+    ref_.greedy = j["greedy"].get<std::vector<std::vector<int32_t>>>();
+    ref_.margins = j["margins"].get<std::vector<std::vector<float>>>();
+    for (size_t i = 0; i < ref_.prompts.size(); ++i) {
+      const size_t rows = ref_.prompts[i].size() + ref_.greedy[i].size();
+      std::vector<float> l(rows * ref_.vocab);
+      std::ifstream f(dir_ + "/" + j["logits_files"][i].get<std::string>(), std::ios::binary);
+      f.read(reinterpret_cast<char*>(l.data()), l.size() * sizeof(float));
+      ASSERT_TRUE(f.good()) << "reading logits of prompt " << i;
+      ref_.logits.push_back(std::move(l));
+    }
+    auto ckpt = Checkpoint::Open(dir_ + "/model");
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    CudaRunnerOptions o;
+    o.kv_cache_bytes = 256ll << 20;
+    o.max_batch_tokens = 1024;
+    auto runner = CudaModelRunner::Create(**ckpt, o);
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    runner_ = *std::move(runner);
+  }
+
+  // One sequence in blocks [0, n): KV of earlier steps stays where the table says.
+  ForwardBatch Batch(const std::vector<int32_t>& tokens, int begin, int end, bool all_logits) {
+    ForwardBatch b;
+    const int bs = runner_->kv_block_size();
+    std::vector<int32_t> table;
+    for (int i = 0; i * bs < end; ++i) table.push_back(i);
+    b.block_tables.push_back(table);
+    for (int p = begin; p < end; ++p) {
+      if (all_logits || p == end - 1) b.logit_rows.push_back(p - begin);
+      b.token_ids.push_back(tokens[p]);
+      b.positions.push_back(p);
+      b.token_seq.push_back(0);
+    }
+    return b;
+  }
+
+  std::string dir_;
+  Reference ref_;
+  std::unique_ptr<CudaModelRunner> runner_;
+};
+
+int32_t Argmax(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (row[i] > row[best]) best = i;
+  }
+  return static_cast<int32_t>(best);
+}
+
+// Teacher-forced logits of every position of prompt + reference continuation, and the largest
+// error seen (used below to tell near-ties from real divergence).
+double MaxLogitError(CudaModelRunner* runner, const Reference& ref,
+                     std::vector<double>* rms_out) {
+  double worst = 0.0;
+  for (size_t i = 0; i < ref.prompts.size(); ++i) {
+    std::vector<int32_t> seq = ref.prompts[i];
+    seq.insert(seq.end(), ref.greedy[i].begin(), ref.greedy[i].end());
+    ForwardBatch b;
+    std::vector<int32_t> table;
+    for (int k = 0; k * runner->kv_block_size() < static_cast<int>(seq.size()); ++k) {
+      table.push_back(k);
+    }
+    b.block_tables.push_back(table);
+    for (size_t p = 0; p < seq.size(); ++p) {
+      b.logit_rows.push_back(static_cast<int32_t>(p));
+      b.token_ids.push_back(seq[p]);
+      b.positions.push_back(static_cast<int32_t>(p));
+      b.token_seq.push_back(0);
+    }
+    std::vector<float> got;
+    EXPECT_TRUE(runner->Forward(b, &got).ok());
+    const std::vector<float>& want = ref.logits[i];
+    double sum_sq = 0.0, max_err = 0.0, sum_err = 0.0;
+    for (size_t k = 0; k < want.size(); ++k) {
+      sum_sq += double(want[k]) * want[k];
+      const double err = std::fabs(double(got[k]) - want[k]);
+      max_err = std::max(max_err, err);
+      sum_err += err;
+    }
+    const double rms = std::sqrt(sum_sq / want.size());
+    rms_out->push_back(rms);
+    std::printf("[ vs hf    ] prompt %zu (%zu + %zu tokens): logits rms %.3f, max |err| %.4f, "
+                "mean |err| %.5f\n",
+                i, ref.prompts[i].size(), ref.greedy[i].size(), rms, max_err,
+                sum_err / want.size());
+    EXPECT_LT(max_err, 0.1 * rms) << "prompt " << i;
+    EXPECT_LT(sum_err / want.size(), 0.01 * rms) << "prompt " << i;
+    worst = std::max(worst, max_err);
+  }
+  return worst;
+}
+
+TEST_F(HfTest, LogitsMatchTransformersAndGreedyContinuationsAgree) {
+  std::vector<double> rms;
+  const double max_err = MaxLogitError(runner_.get(), ref_, &rms);
+
+  int near_ties = 0;
+  for (size_t i = 0; i < ref_.prompts.size(); ++i) {
+    // Our own greedy loop: prefill the prompt, then one token per step.
+    std::vector<int32_t> seq = ref_.prompts[i];
+    const int n = static_cast<int>(seq.size());
+    const int steps = static_cast<int>(ref_.greedy[i].size());
+    std::vector<float> logits;
+    ASSERT_TRUE(runner_->Forward(Batch(seq, 0, n, false), &logits).ok());
+    for (int s = 0; s < steps; ++s) {
+      seq.push_back(Argmax(logits.data(), ref_.vocab));
+      if (s + 1 < steps) {
+        const int len = static_cast<int>(seq.size());
+        ASSERT_TRUE(runner_->Forward(Batch(seq, len - 1, len, false), &logits).ok());
+      }
+    }
+    int agree = 0;
+    while (agree < steps && seq[n + agree] == ref_.greedy[i][agree]) ++agree;
+    std::printf("[ greedy   ] prompt %zu: %d of %d tokens equal transformers'%s\n", i, agree,
+                steps,
+                agree < steps ? (" (reference top-1/top-2 margin there: " +
+                                 std::to_string(ref_.margins[i][agree]) + ")")
+                                    .c_str()
+                              : "");
+    if (agree < 32) {
+      // Only a near-tie in the reference (closer than our measured logit error) may flip.
+      const bool near_tie = ref_.margins[i][agree] <= 2.0 * max_err;
+      near_ties += near_tie;
+      EXPECT_TRUE(near_tie) << "prompt " << i << " diverges at token " << agree
+                            << " where the reference margin is " << ref_.margins[i][agree];
+    }
+  }
+  EXPECT_LE(near_ties, 1) << "more than one prompt diverged before 32 tokens at a near-tie";
+}
+
+}  // namespace
+}  // namespace rollout

@@ -1,0 +1,351 @@
+// Every CUDA kernel against the CPU reference (kernels/cpu/ops.h) within tolerance, and the
+// attention kernel's prefill and decode block shapes against each other, bitwise.
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/compare.h"
+#include "kernels/cuda/ops.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace rollout {
+namespace {
+
+using cuda::bf16;
+using gpu_test::AllClose;
+using gpu_test::Download;
+using gpu_test::Upload;
+
+class KernelsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_F(KernelsTest, EmbeddingGatherCopiesRowsExactly) {
+  const int64_t vocab = 1000, hidden = 264;
+  std::vector<bf16> embed;
+  std::vector<float> embed_f;
+  gpu_test::RandomBf16(vocab * hidden, 1, 1.0f, &embed, &embed_f);
+  const std::vector<int32_t> tokens = {5, 999, 0, 5, 123};
+  auto d_embed = Upload(embed);
+  auto d_tokens = Upload(tokens);
+  cuda::DeviceBuffer d_x;
+  ASSERT_CUDA_OK(d_x.Allocate(tokens.size() * hidden * 4));
+  ASSERT_CUDA_OK(cuda::EmbeddingGather(d_tokens.get<int32_t>(), tokens.size(), d_embed.get<bf16>(),
+                                       hidden, d_x.get<float>(), nullptr));
+  const std::vector<float> x = Download<float>(d_x, tokens.size() * hidden);
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    ASSERT_EQ(0, std::memcmp(&x[t * hidden], &embed_f[tokens[t] * hidden], hidden * 4)) << t;
+  }
+}
+
+TEST_F(KernelsTest, RmsNormMatchesCpuAndIgnoresOtherRows) {
+  for (int64_t dim : {256, 4096}) {
+    for (int64_t rows : {1, 3, 99}) {
+      const std::vector<float> x = gpu_test::RandomFloats(rows * dim, 2 + rows, 3.0f);
+      std::vector<float> weight = gpu_test::RandomFloats(dim, 7, 0.1f);
+      for (float& w : weight) w += 1.0f;
+      auto d_x = Upload(x);
+      auto d_w = Upload(weight);
+      cuda::DeviceBuffer d_y;
+      ASSERT_CUDA_OK(d_y.Allocate(rows * dim * 2));
+      ASSERT_CUDA_OK(cuda::RmsNorm(d_x.get<float>(), nullptr, rows, dim, d_w.get<float>(), 1e-6f,
+                                   d_y.get<bf16>(), nullptr));
+      std::vector<float> ref(rows * dim);
+      cpu::RmsNorm(x.data(), weight.data(), rows, dim, 1e-6f, ref.data());
+      const std::vector<float> got = gpu_test::Widen(Download<bf16>(d_y, rows * dim));
+      EXPECT_TRUE(AllClose(got, ref, 1e-5f, 1.0f / 128)) << "dim " << dim << " rows " << rows;
+
+      // The last row through a gather list alone: bitwise the row computed among all the rows.
+      const std::vector<int32_t> one_row = {static_cast<int32_t>(rows - 1)};
+      auto d_rows = Upload(one_row);
+      cuda::DeviceBuffer d_y1;
+      ASSERT_CUDA_OK(d_y1.Allocate(dim * 2));
+      ASSERT_CUDA_OK(cuda::RmsNorm(d_x.get<float>(), d_rows.get<int32_t>(), 1, dim,
+                                   d_w.get<float>(), 1e-6f, d_y1.get<bf16>(), nullptr));
+      const std::vector<bf16> alone = Download<bf16>(d_y1, dim);
+      const std::vector<bf16> all = Download<bf16>(d_y, rows * dim);
+      EXPECT_EQ(0, std::memcmp(alone.data(), &all[(rows - 1) * dim], dim * 2));
+    }
+  }
+}
+
+TEST_F(KernelsTest, SiluMulMatchesCpu) {
+  for (int64_t dim : {768, 12288}) {
+    const int64_t rows = 3;
+    std::vector<bf16> gu;
+    std::vector<float> gu_f;
+    gpu_test::RandomBf16(rows * 2 * dim, 11, 2.0f, &gu, &gu_f);
+    auto d_gu = Upload(gu);
+    cuda::DeviceBuffer d_out;
+    ASSERT_CUDA_OK(d_out.Allocate(rows * dim * 2));
+    ASSERT_CUDA_OK(cuda::SiluMul(d_gu.get<bf16>(), rows, dim, d_out.get<bf16>(), nullptr));
+    std::vector<float> ref(rows * dim);
+    cpu::SiluMul(gu_f.data(), rows, dim, ref.data());
+    EXPECT_TRUE(AllClose(gpu_test::Widen(Download<bf16>(d_out, rows * dim)), ref, 1e-6f,
+                         1.0f / 128));
+  }
+}
+
+// cos/sin tables as CudaModelRunner builds them.
+void RopeTables(int64_t max_pos, int64_t head_dim, float theta, std::vector<float>* cos_t,
+                std::vector<float>* sin_t) {
+  const int64_t half = head_dim / 2;
+  cos_t->resize(max_pos * half);
+  sin_t->resize(max_pos * half);
+  for (int64_t p = 0; p < max_pos; ++p) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double inv_freq =
+          std::pow(static_cast<double>(theta), -(2.0 * static_cast<double>(i)) / head_dim);
+      const double angle = static_cast<double>(p) * inv_freq;
+      (*cos_t)[p * half + i] = static_cast<float>(std::cos(angle));
+      (*sin_t)[p * half + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+}
+
+TEST_F(KernelsTest, QkvNormRopeMatchesCpuAndWritesCacheSlots) {
+  const int32_t nh = 8, nkv = 2, block_size = 16;
+  const std::vector<int32_t> positions = {0, 1, 17, 1000, 4095};
+  const std::vector<int32_t> slots = {3, 40, 7, 100, 64};
+  const int64_t t = positions.size(), num_blocks = 8;
+  for (int32_t hd : {32, 64, 128}) {
+    for (bool with_bias : {false, true}) {
+      const int64_t cols = (nh + 2 * nkv) * hd;
+      const std::vector<float> qkv = gpu_test::RandomFloats(t * cols, hd, 1.0f);
+      const std::vector<float> bias = gpu_test::RandomFloats(cols, 5, 0.1f);
+      std::vector<float> qn = gpu_test::RandomFloats(hd, 6, 0.1f), kn = gpu_test::RandomFloats(hd, 8, 0.1f);
+      for (float& w : qn) w += 1.0f;
+      for (float& w : kn) w += 1.0f;
+      std::vector<float> cos_t, sin_t;
+      RopeTables(4096, hd, 1e6f, &cos_t, &sin_t);
+      auto d_qkv = Upload(qkv), d_bias = Upload(bias), d_qn = Upload(qn), d_kn = Upload(kn);
+      auto d_pos = Upload(positions), d_slots = Upload(slots);
+      auto d_cos = Upload(cos_t), d_sin = Upload(sin_t);
+      cuda::DeviceBuffer d_q, d_k, d_v;
+      const int64_t cache_elems = num_blocks * block_size * nkv * hd;
+      ASSERT_CUDA_OK(d_q.Allocate(t * nh * hd * 4));
+      ASSERT_CUDA_OK(d_k.Allocate(cache_elems * 2));
+      ASSERT_CUDA_OK(d_v.Allocate(cache_elems * 2));
+      cuda::QkvParams p;
+      p.qkv = d_qkv.get<float>();
+      p.num_tokens = t;
+      p.positions = d_pos.get<int32_t>();
+      p.kv_slots = d_slots.get<int32_t>();
+      if (with_bias) {
+        p.q_bias = d_bias.get<float>();
+        p.k_bias = p.q_bias + nh * hd;
+        p.v_bias = p.q_bias + (nh + nkv) * hd;
+      } else {
+        p.q_norm = d_qn.get<float>();
+        p.k_norm = d_kn.get<float>();
+      }
+      p.rope_cos = d_cos.get<float>();
+      p.rope_sin = d_sin.get<float>();
+      p.num_heads = nh;
+      p.q_out = d_q.get<float>();
+      const cuda::KvCacheView cache{d_k.get<bf16>(), d_v.get<bf16>(), block_size, nkv, hd};
+      ASSERT_CUDA_OK(cuda::QkvNormRopeWriteKv(p, cache, nullptr));
+
+      // CPU: split, bias or norm, RoPE.
+      std::vector<float> q(t * nh * hd), k(t * nkv * hd), v(t * nkv * hd);
+      for (int64_t i = 0; i < t; ++i) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const float x = qkv[i * cols + c] + (with_bias ? bias[c] : 0.0f);
+          if (c < nh * hd) {
+            q[i * nh * hd + c] = x;
+          } else if (c < (nh + nkv) * hd) {
+            k[i * nkv * hd + c - nh * hd] = x;
+          } else {
+            v[i * nkv * hd + c - (nh + nkv) * hd] = x;
+          }
+        }
+      }
+      if (!with_bias) {
+        cpu::RmsNorm(q.data(), qn.data(), t * nh, hd, 1e-6f, q.data());
+        cpu::RmsNorm(k.data(), kn.data(), t * nkv, hd, 1e-6f, k.data());
+      }
+      cpu::ApplyRope(q.data(), positions.data(), t, nh, hd, 1e6f);
+      cpu::ApplyRope(k.data(), positions.data(), t, nkv, hd, 1e6f);
+      EXPECT_TRUE(AllClose(Download<float>(d_q, t * nh * hd), q, 1e-5f, 1e-5f)) << "hd " << hd;
+      const std::vector<float> k_cache = gpu_test::Widen(Download<bf16>(d_k, cache_elems));
+      const std::vector<float> v_cache = gpu_test::Widen(Download<bf16>(d_v, cache_elems));
+      std::vector<float> k_got(t * nkv * hd), v_got(t * nkv * hd);
+      for (int64_t i = 0; i < t; ++i) {
+        std::memcpy(&k_got[i * nkv * hd], &k_cache[slots[i] * nkv * hd], nkv * hd * 4);
+        std::memcpy(&v_got[i * nkv * hd], &v_cache[slots[i] * nkv * hd], nkv * hd * 4);
+      }
+      EXPECT_TRUE(AllClose(k_got, k, 1e-5f, 1.0f / 128)) << "hd " << hd;
+      EXPECT_TRUE(AllClose(v_got, v, 1e-5f, 1.0f / 256)) << "hd " << hd;
+    }
+  }
+}
+
+// A paged cache holding random K/V for a few sequences, with shuffled block tables.
+struct AttentionFixture {
+  int32_t nh, nkv, hd, block_size, split;
+  std::vector<int32_t> lengths;
+  std::vector<std::vector<int32_t>> tables;  // per sequence
+  std::vector<bf16> k, v;                    // [num_blocks, block_size, nkv, hd]
+  std::vector<float> k_f, v_f;
+  int64_t num_blocks = 0;
+  cuda::DeviceBuffer d_k, d_v;
+
+  AttentionFixture(int32_t nh_, int32_t nkv_, int32_t hd_, int32_t bs, int32_t split_,
+                   std::vector<int32_t> lengths_)
+      : nh(nh_), nkv(nkv_), hd(hd_), block_size(bs), split(split_), lengths(std::move(lengths_)) {
+    for (int32_t len : lengths) num_blocks += (len + bs - 1) / bs;
+    std::vector<int32_t> order(num_blocks);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937(42));
+    int64_t next = 0;
+    for (int32_t len : lengths) {
+      tables.emplace_back();
+      for (int32_t b = 0; b < (len + bs - 1) / bs; ++b) tables.back().push_back(order[next++]);
+    }
+    const int64_t elems = num_blocks * bs * nkv * hd;
+    gpu_test::RandomBf16(elems, 100 + hd, 1.0f, &k, &k_f);
+    gpu_test::RandomBf16(elems, 200 + hd, 1.0f, &v, &v_f);
+    d_k = Upload(k);
+    d_v = Upload(v);
+  }
+  cuda::KvCacheView view() const {
+    return {d_k.get<bf16>(), d_v.get<bf16>(), block_size, nkv, hd};
+  }
+};
+
+// Tokens (sequence, position) with q rows; runs the kernel over `items` in `shape`.
+struct AttentionRun {
+  std::vector<int32_t> token_seq, positions;
+  std::vector<float> q;  // [tokens, nh, hd]
+
+  std::vector<bf16> Run(const AttentionFixture& f, const std::vector<int32_t>& items,
+                        cuda::AttentionBlockShape shape) const {
+    const int64_t t = positions.size();
+    std::vector<int32_t> offsets(t), tables;
+    std::vector<int32_t> seq_offset(f.tables.size());
+    for (size_t s = 0; s < f.tables.size(); ++s) {
+      seq_offset[s] = tables.size();
+      tables.insert(tables.end(), f.tables[s].begin(), f.tables[s].end());
+    }
+    for (int64_t i = 0; i < t; ++i) offsets[i] = seq_offset[token_seq[i]];
+    auto d_q = Upload(q), d_pos = Upload(positions), d_off = Upload(offsets);
+    auto d_tables = Upload(tables), d_items = Upload(items);
+    cuda::DeviceBuffer d_out;
+    d_out.Allocate(t * f.nh * f.hd * 2);
+    cudaMemset(d_out.get(), 0xff, t * f.nh * f.hd * 2);
+    cuda::AttentionParams p;
+    p.q = d_q.get<float>();
+    p.positions = d_pos.get<int32_t>();
+    p.table_offsets = d_off.get<int32_t>();
+    p.tables = d_tables.get<int32_t>();
+    p.items = d_items.get<int2>();
+    p.num_items = items.size() / 2;
+    p.num_heads = f.nh;
+    p.split_size = f.split;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(f.hd));
+    p.out = d_out.get<bf16>();
+    EXPECT_EQ(cudaSuccess, cuda::PagedAttention(p, shape, f.view(), nullptr));
+    EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    return Download<bf16>(d_out, t * f.nh * f.hd);
+  }
+};
+
+TEST_F(KernelsTest, PagedAttentionMatchesCpu) {
+  for (int32_t hd : {32, 128}) {
+    for (int32_t bs : {16, 32}) {
+      AttentionFixture f(8, 2, hd, bs, 64, {1, 31, 32, 33, 300, 1000});
+      AttentionRun run;
+      for (size_t s = 0; s < f.lengths.size(); ++s) {
+        for (int32_t pos : {0, f.lengths[s] / 2, f.lengths[s] - 1}) {
+          run.token_seq.push_back(s);
+          run.positions.push_back(pos);
+        }
+      }
+      const int64_t t = run.positions.size();
+      run.q = gpu_test::RandomFloats(t * f.nh * hd, 9, 1.0f);
+      std::vector<int32_t> items;
+      for (int64_t i = 0; i < t; ++i) items.insert(items.end(), {static_cast<int32_t>(i), 1});
+      const std::vector<bf16> got = run.Run(f, items, cuda::AttentionBlockShape::kOneToken);
+
+      std::vector<const int32_t*> tables(t);
+      for (int64_t i = 0; i < t; ++i) tables[i] = f.tables[run.token_seq[i]].data();
+      cpu::TokenSlots slots{run.positions.data(), tables.data(), t};
+      cpu::KvCacheLayer cache{f.k_f.data(), f.v_f.data(), bs, f.nkv, hd};
+      std::vector<float> ref(t * f.nh * hd);
+      cpu::PagedAttention(nullptr, run.q.data(), slots, f.nh, cache,
+                          1.0f / std::sqrt(static_cast<float>(hd)), ref.data());
+      EXPECT_TRUE(AllClose(gpu_test::Widen(got), ref, 2e-3f, 1.0f / 64))
+          << "hd " << hd << " block " << bs;
+    }
+  }
+}
+
+// Items covering tokens [0, n) in pieces of sizes cycling through `sizes`.
+std::vector<int32_t> Items(int32_t n, const std::vector<int32_t>& sizes, int32_t max_size) {
+  std::vector<int32_t> items;
+  size_t k = 0;
+  for (int32_t i = 0; i < n;) {
+    const int32_t len = std::min({sizes[k++ % sizes.size()], max_size, n - i});
+    items.insert(items.end(), {i, len});
+    i += len;
+  }
+  return items;
+}
+
+// D8 at the kernel level: a row's output does not depend on which rows share its block --
+// decode (one token per block), one-shot prefill, or prefill cut at odd places.
+TEST_F(KernelsTest, AttentionPrefillAndDecodeAreBitwiseEqual) {
+  struct Case {
+    int32_t nh, nkv, hd, bs, split, len;
+  };
+  for (const Case& c : std::vector<Case>{{32, 8, 128, 32, 256, 777},
+                                         {32, 8, 128, 16, 64, 300},
+                                         {8, 2, 32, 16, 64, 1000},
+                                         {16, 2, 64, 32, 32, 200}}) {
+    AttentionFixture f(c.nh, c.nkv, c.hd, c.bs, c.split, {c.len});
+    AttentionRun run;
+    for (int32_t pos = 0; pos < c.len; ++pos) {
+      run.token_seq.push_back(0);
+      run.positions.push_back(pos);
+    }
+    run.q = gpu_test::RandomFloats(c.len * c.nh * c.hd, 3, 1.0f);
+    const int32_t max_item = cuda::AttentionItemTokens(c.nh / c.nkv);
+    const std::vector<bf16> decode =
+        run.Run(f, Items(c.len, {1}, 1), cuda::AttentionBlockShape::kOneToken);
+    const std::vector<bf16> prefill =
+        run.Run(f, Items(c.len, {max_item}, max_item), cuda::AttentionBlockShape::kManyTokens);
+    const std::vector<bf16> chunked = run.Run(f, Items(c.len, {3, 1, max_item, 7, 2}, max_item),
+                                              cuda::AttentionBlockShape::kManyTokens);
+    const size_t bytes = decode.size() * 2;
+    EXPECT_EQ(0, std::memcmp(decode.data(), prefill.data(), bytes))
+        << "hd " << c.hd << " split " << c.split;
+    EXPECT_EQ(0, std::memcmp(decode.data(), chunked.data(), bytes))
+        << "hd " << c.hd << " split " << c.split;
+    // Not vacuous: every output was written.
+    for (size_t i = 0; i < decode.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(__bfloat162float(decode[i]))) << i;
+    }
+  }
+}
+
+TEST_F(KernelsTest, CountDifferentWordsCounts) {
+  std::vector<uint32_t> a(1000, 7), b = a;
+  b[3] = 8;
+  b[999] = 9;
+  auto d_a = Upload(a), d_b = Upload(b);
+  cuda::DeviceBuffer d_count;
+  ASSERT_CUDA_OK(d_count.Allocate(8));
+  ASSERT_CUDA_OK(cuda::CountDifferentWords(d_a.get(), d_b.get(), 4000,
+                                           d_count.get<unsigned long long>(), nullptr));
+  EXPECT_EQ(2u, Download<unsigned long long>(d_count, 1)[0]);
+}
+
+}  // namespace
+}  // namespace rollout

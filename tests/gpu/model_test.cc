@@ -1,0 +1,332 @@
+// CudaModelRunner end to end: synthetic weights equal the checkpoint writer's, logits agree with
+// the CPU reference, and a sequence's logits rows are bitwise the same alone, inside batches of
+// mixed lengths, under any chunking, decode vs prefill, and with its prefix KV computed by
+// another sequence (D1, D3, D4, D8 at the runner).
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/cpu_model_runner.h"
+#include "engine/cuda/cuda_model_runner.h"
+#include "engine/random_model.h"
+#include "gtest/gtest.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace rollout {
+namespace {
+
+// A sequence under test: its tokens and the KV blocks it owns.
+struct Seq {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> blocks;
+};
+
+// Tokens [begin, end) of sequence `seq` in one Forward; logits for every token or the last.
+struct Chunk {
+  int seq;
+  int begin, end;
+  bool all_logits;
+};
+
+// Hands out KV blocks in order; tests reset it between independent variants.
+class BlockPool {
+ public:
+  BlockPool(int32_t num_blocks, int32_t block_size) : num_(num_blocks), size_(block_size) {}
+  Seq Make(std::vector<int32_t> tokens) {
+    Seq s;
+    const int32_t need = (static_cast<int32_t>(tokens.size()) + size_ - 1) / size_;
+    for (int32_t i = 0; i < need; ++i) s.blocks.push_back(next_++ % num_);
+    s.tokens = std::move(tokens);
+    return s;
+  }
+
+ private:
+  int32_t num_, size_;
+  int32_t next_ = 0;
+};
+
+ForwardBatch MakeBatch(const std::vector<Seq>& seqs, const std::vector<Chunk>& chunks) {
+  ForwardBatch b;
+  for (const Chunk& c : chunks) {
+    const int32_t index = static_cast<int32_t>(b.block_tables.size());
+    b.block_tables.push_back(seqs[c.seq].blocks);
+    for (int pos = c.begin; pos < c.end; ++pos) {
+      if (c.all_logits || pos == c.end - 1) b.logit_rows.push_back(b.num_tokens());
+      b.token_ids.push_back(seqs[c.seq].tokens[pos]);
+      b.positions.push_back(pos);
+      b.token_seq.push_back(index);
+    }
+  }
+  return b;
+}
+
+std::vector<int32_t> RandomTokens(int n, int vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(n);
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % vocab);
+  return t;
+}
+
+// Runs `chunks` as one Forward; returns the logits rows of chunk `which` (all its logits rows).
+std::vector<float> RowsOf(CudaModelRunner* runner, const std::vector<Seq>& seqs,
+                          const std::vector<Chunk>& chunks, int which) {
+  const ForwardBatch batch = MakeBatch(seqs, chunks);
+  std::vector<float> logits;
+  const absl::Status s = runner->Forward(batch, &logits);
+  EXPECT_TRUE(s.ok()) << s;
+  const int64_t vocab = runner->config().vocab_size;
+  int64_t first = 0;
+  for (int i = 0; i < which; ++i) {
+    first += chunks[i].all_logits ? chunks[i].end - chunks[i].begin : 1;
+  }
+  const int64_t rows = chunks[which].all_logits ? chunks[which].end - chunks[which].begin : 1;
+  return std::vector<float>(logits.begin() + first * vocab,
+                            logits.begin() + (first + rows) * vocab);
+}
+
+// Appends `rows` to `acc`.
+void Append(std::vector<float>* acc, const std::vector<float>& rows) {
+  acc->insert(acc->end(), rows.begin(), rows.end());
+}
+
+// Compares logits rows bitwise, naming the first differing position.
+::testing::AssertionResult SameRows(const std::vector<float>& got, const std::vector<float>& want,
+                                    int64_t vocab, int first_position) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure() << "row counts differ: " << got.size() / vocab << " vs "
+                                         << want.size() / vocab;
+  }
+  for (size_t r = 0; r < got.size() / vocab; ++r) {
+    if (std::memcmp(&got[r * vocab], &want[r * vocab], vocab * sizeof(float)) != 0) {
+      return ::testing::AssertionFailure() << "logits of position " << first_position + r
+                                           << " differ bitwise";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class ModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  }
+  static CudaRunnerOptions SmallOptions() {
+    CudaRunnerOptions o;
+    o.kv_cache_bytes = 256ll << 20;
+    o.max_batch_tokens = 2048;
+    return o;
+  }
+  static std::string TempDir(const std::string& name) {
+    const std::string dir = ::testing::TempDir() + "/rollout_gpu_" + name + "_" +
+                            std::to_string(getpid());
+    std::filesystem::remove_all(dir);
+    return dir;
+  }
+};
+
+TEST_F(ModelTest, SyntheticWeightsEqualTheCheckpointWritersBitwise) {
+  const std::string dir = TempDir("synthetic");
+  RandomModelOptions write;
+  write.preset = "small";
+  write.seed = 5;
+  ASSERT_TRUE(WriteRandomModel(write, dir).ok());
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto from_file = CudaModelRunner::Create(**ckpt, SmallOptions());
+  ASSERT_TRUE(from_file.ok()) << from_file.status();
+  auto synthetic = CudaModelRunner::CreateSynthetic(*PresetConfig("small"), 5, SmallOptions());
+  ASSERT_TRUE(synthetic.ok()) << synthetic.status();
+
+  BlockPool pool((*from_file)->num_kv_blocks(), (*from_file)->kv_block_size());
+  std::vector<Seq> seqs = {pool.Make(RandomTokens(100, 4096, 1))};
+  const std::vector<Chunk> chunks = {{0, 0, 100, true}};
+  const std::vector<float> a = RowsOf(from_file->get(), seqs, chunks, 0);
+  const std::vector<float> b = RowsOf(synthetic->get(), seqs, chunks, 0);
+  EXPECT_TRUE(SameRows(a, b, 4096, 0));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(ModelTest, LogitsMatchTheCpuReferenceWithinBf16Tolerance) {
+  const std::string dir = TempDir("cpu_ref");
+  RandomModelOptions write;
+  write.preset = "small";
+  write.seed = 9;
+  ASSERT_TRUE(WriteRandomModel(write, dir).ok());
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  CudaRunnerOptions gpu_options = SmallOptions();
+  gpu_options.kv_block_size = 16;
+  gpu_options.attention_split_size = 64;
+  auto gpu = CudaModelRunner::Create(**ckpt, gpu_options);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto cpu = CpuModelRunner::Create(**ckpt, CpuRunnerOptions{});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+
+  BlockPool pool(std::min((*gpu)->num_kv_blocks(), (*cpu)->num_kv_blocks()), 16);
+  std::vector<Seq> seqs = {pool.Make(RandomTokens(200, 4096, 2)),
+                           pool.Make(RandomTokens(37, 4096, 3))};
+  const ForwardBatch batch = MakeBatch(seqs, {{0, 0, 200, true}, {1, 0, 37, true}});
+  std::vector<float> got, want;
+  ASSERT_TRUE((*gpu)->Forward(batch, &got).ok());
+  ASSERT_TRUE((*cpu)->Forward(batch, &want).ok());
+  double sum_sq = 0.0, max_err = 0.0, sum_err = 0.0;
+  int64_t argmax_agree = 0;
+  const int64_t vocab = 4096, rows = static_cast<int64_t>(want.size()) / vocab;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t best_got = 0, best_want = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      const double g = got[r * vocab + i], w = want[r * vocab + i];
+      sum_sq += w * w;
+      max_err = std::max(max_err, std::fabs(g - w));
+      sum_err += std::fabs(g - w);
+      if (g > got[r * vocab + best_got]) best_got = i;
+      if (w > want[r * vocab + best_want]) best_want = i;
+    }
+    argmax_agree += best_got == best_want;
+  }
+  const double rms = std::sqrt(sum_sq / want.size());
+  std::printf("[ vs cpu   ] logits rms %.3f, max |err| %.4f, mean |err| %.5f, argmax agrees on "
+              "%ld/%ld rows\n",
+              rms, max_err, sum_err / want.size(), static_cast<long>(argmax_agree),
+              static_cast<long>(rows));
+  // bf16 weights are exact in both; the GPU rounds activations to bf16 at every GEMM input,
+  // the CPU keeps fp32: errors of a few 2^-8 relative, accumulated over the layers.
+  EXPECT_LT(max_err, 0.1 * rms);
+  EXPECT_LT(sum_err / want.size(), 0.01 * rms);
+  EXPECT_GE(argmax_agree, rows * 9 / 10);
+  std::filesystem::remove_all(dir);
+}
+
+// The batch-invariance suite for one model: reference = the sequence alone in one shot.
+void CheckInvariance(CudaModelRunner* runner, int len, uint64_t seed) {
+  const int64_t vocab = runner->config().vocab_size;
+  const int split = runner->attention_split_size();
+  BlockPool pool(runner->num_kv_blocks(), runner->kv_block_size());
+  const std::vector<int32_t> tokens = RandomTokens(len, static_cast<int>(vocab), seed);
+
+  std::vector<Seq> alone = {pool.Make(tokens)};
+  const std::vector<float> ref = RowsOf(runner, alone, {{0, 0, len, true}}, 0);
+
+  {  // Chunked prefill at multiples of the split size, each chunk its own step.
+    std::vector<Seq> seqs = {pool.Make(tokens)};
+    std::vector<float> rows;
+    for (int b = 0; b < len; b += split) {
+      Append(&rows, RowsOf(runner, seqs, {{0, b, std::min(len, b + split), true}}, 0));
+    }
+    EXPECT_TRUE(SameRows(rows, ref, vocab, 0)) << "chunked at the split size " << split;
+  }
+  {  // Chunked at odd places (stronger than the scheduler needs).
+    std::vector<Seq> seqs = {pool.Make(tokens)};
+    std::vector<float> rows;
+    const int cuts[] = {0, 1, 50, len - 1, len};
+    for (int i = 0; i + 1 < 5; ++i) {
+      Append(&rows, RowsOf(runner, seqs, {{0, cuts[i], cuts[i + 1], true}}, 0));
+    }
+    EXPECT_TRUE(SameRows(rows, ref, vocab, 0)) << "chunked at 1, 50, len - 1";
+  }
+  {  // Inside a batch of mixed lengths: other prefills before and after it.
+    std::vector<Seq> seqs;
+    std::vector<Chunk> chunks;
+    std::mt19937 rng(seed);
+    for (int i = 0; i < 12; ++i) {
+      const int other = 1 + static_cast<int>(rng() % 700);
+      seqs.push_back(pool.Make(RandomTokens(other, static_cast<int>(vocab), seed + 100 + i)));
+      chunks.push_back({i, 0, other, i == 0});
+      if (i == 5) {
+        seqs.push_back(pool.Make(tokens));
+        chunks.push_back({static_cast<int>(seqs.size()) - 1, 0, len, true});
+      }
+    }
+    EXPECT_TRUE(SameRows(RowsOf(runner, seqs, chunks, 6), ref, vocab, 0)) << "in a mixed batch";
+  }
+  {  // Prefill of most of it, then decode one token per step beside other decoding sequences.
+    std::vector<Seq> seqs = {pool.Make(tokens)};
+    const int decode_from = len - 20;
+    for (int i = 0; i < 30; ++i) {
+      seqs.push_back(pool.Make(RandomTokens(600, static_cast<int>(vocab), seed + 200 + i)));
+    }
+    std::vector<Chunk> first = {{0, 0, decode_from, true}};
+    for (int i = 1; i <= 30; ++i) first.push_back({i, 0, 500 + i, false});
+    std::vector<float> rows = RowsOf(runner, seqs, first, 0);
+    for (int pos = decode_from; pos < len; ++pos) {
+      std::vector<Chunk> step;
+      // A varying number of other decoders, the sequence under test in varying places.
+      const int others = 1 + (pos * 7) % 30;
+      for (int i = 1; i <= others; ++i) {
+        step.push_back({i, 500 + i + pos - decode_from, 501 + i + pos - decode_from, false});
+      }
+      const int at = pos % (others + 1);
+      step.insert(step.begin() + at, {0, pos, pos + 1, true});
+      Append(&rows, RowsOf(runner, seqs, step, at));
+    }
+    EXPECT_TRUE(SameRows(rows, ref, vocab, 0)) << "decode vs prefill";
+  }
+  {  // The prefix KV computed by another sequence sharing the first `shared` tokens.
+    const int shared = (len / 2) / runner->kv_block_size() * runner->kv_block_size();
+    std::vector<int32_t> other_tokens(tokens.begin(), tokens.begin() + shared);
+    const std::vector<int32_t> tail = RandomTokens(len - shared, static_cast<int>(vocab), 77);
+    other_tokens.insert(other_tokens.end(), tail.begin(), tail.end());
+    std::vector<Seq> seqs = {pool.Make(other_tokens), pool.Make(tokens)};
+    RowsOf(runner, seqs, {{0, 0, len, false}}, 0);
+    const int shared_blocks = shared / runner->kv_block_size();
+    std::copy(seqs[0].blocks.begin(), seqs[0].blocks.begin() + shared_blocks,
+              seqs[1].blocks.begin());
+    const std::vector<float> rows = RowsOf(runner, seqs, {{1, shared, len, true}}, 0);
+    const std::vector<float> want(ref.begin() + static_cast<int64_t>(shared) * vocab, ref.end());
+    EXPECT_TRUE(SameRows(rows, want, vocab, shared)) << "prefix KV from another sequence";
+  }
+}
+
+TEST_F(ModelTest, SmallModelRowsAreBatchAndChunkInvariant) {
+  auto runner = CudaModelRunner::CreateSynthetic(*PresetConfig("small"), 1, SmallOptions());
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  CheckInvariance(runner->get(), 300, 11);
+}
+
+TEST_F(ModelTest, SmallModelSmallSplitAndPagesAreInvariant) {
+  CudaRunnerOptions o = SmallOptions();
+  o.kv_block_size = 16;
+  o.attention_split_size = 32;
+  auto runner = CudaModelRunner::CreateSynthetic(*PresetConfig("small"), 1, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  CheckInvariance(runner->get(), 333, 12);
+}
+
+TEST_F(ModelTest, TwoRunnersAndSlicedBatchesGiveTheSameBits) {
+  auto a = CudaModelRunner::CreateSynthetic(*PresetConfig("small"), 4, SmallOptions());
+  CudaRunnerOptions sliced = SmallOptions();
+  sliced.max_batch_tokens = 100;  // a 300-token prefill runs as three slices
+  sliced.max_logit_rows = 7;
+  auto b = CudaModelRunner::CreateSynthetic(*PresetConfig("small"), 4, sliced);
+  ASSERT_TRUE(a.ok() && b.ok());
+  BlockPool pool((*a)->num_kv_blocks(), (*a)->kv_block_size());
+  std::vector<Seq> seqs = {pool.Make(RandomTokens(300, 4096, 5))};
+  EXPECT_TRUE(SameRows(RowsOf(a->get(), seqs, {{0, 0, 300, true}}, 0),
+                       RowsOf(b->get(), seqs, {{0, 0, 300, true}}, 0), 4096, 0));
+}
+
+// Real Qwen3-8B shapes (hidden 4096, 32/8 heads x 128, inter 12288, vocab 151936), two layers:
+// the pinned GEMM algorithms and the attention kernel at their production sizes.
+TEST_F(ModelTest, Qwen3_8bShapedRowsAreBatchAndChunkInvariant) {
+  ModelConfig config = *PresetConfig("qwen3-8b");
+  config.num_layers = 2;
+  CudaRunnerOptions o;
+  o.kv_cache_bytes = 2ll << 30;
+  o.max_batch_tokens = 8192;
+  auto runner = CudaModelRunner::CreateSynthetic(config, 3, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  for (const std::string& line : (*runner)->gemm_descriptions()) {
+    std::printf("[ pinned   ] %s\n", line.c_str());
+  }
+  CheckInvariance(runner->get(), 600, 13);
+}
+
+}  // namespace
+}  // namespace rollout
