@@ -5,10 +5,12 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -97,6 +99,18 @@ void AppendCompletion(const rollout::v1::Completion& c, std::string* out) {
       c.rollout_index(), c.sample_index(), FinishReasonName(c.finish_reason()), c.sample_seed(),
       c.weight_version().empty() ? "(none)" : c.weight_version(), c.cached_prompt_tokens(),
       c.token_ids_size());
+  // One span is the common case and the header's weight_version already says it all.
+  if (c.version_spans_size() > 1) {
+    absl::StrAppend(
+        out, "  version spans: ",
+        absl::StrJoin(c.version_spans(), ", ",
+                      [](std::string* s, const rollout::v1::VersionSpan& span) {
+                        absl::StrAppendFormat(s, "tokens %d-%d %s", span.first_token(),
+                                              span.last_token(),
+                                              span.version().empty() ? "(none)" : span.version());
+                      }),
+        "\n");
+  }
   if (c.token_ids_size() == 0) {
     absl::StrAppend(out, "  (no tokens)\n");
     return;
@@ -386,6 +400,95 @@ std::string FormatFlushCacheResult(const rollout::v1::FlushCacheResponse& respon
   }
   return FormatKeyValueRows(
       {{"freed_blocks", absl::StrCat(response.freed_blocks())}, {"detached_blocks", detached}});
+}
+
+absl::StatusOr<std::vector<std::string>> RewriteVersionFlag(std::vector<std::string> args,
+                                                            std::string_view std_to) {
+  const std::string to(std_to);
+  std::vector<std::string> out;
+  out.reserve(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string& arg = args[i];
+    if (i == 0 || arg == "--") {
+      // Everything from "--" on is positional for Abseil too.
+      if (arg == "--" && i > 0) {
+        out.insert(out.end(), std::make_move_iterator(args.begin() + i),
+                   std::make_move_iterator(args.end()));
+        break;
+      }
+      out.push_back(std::move(arg));
+      continue;
+    }
+    absl::string_view name = arg;
+    if (!absl::ConsumePrefix(&name, "--")) absl::ConsumePrefix(&name, "-");
+    if (name.size() == arg.size()) {  // no dash: a positional argument
+      out.push_back(std::move(arg));
+      continue;
+    }
+    if (absl::ConsumePrefix(&name, "version=")) {
+      out.push_back(absl::StrCat("--", to, "=", name));
+    } else if (name == "version") {
+      if (i + 1 == args.size() || absl::StartsWith(args[i + 1], "-")) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--version needs a value: the weight version, as in --version v1",
+            i + 1 == args.size() ? "" : absl::StrCat(" (got '", args[i + 1], "')")));
+      }
+      out.push_back(absl::StrCat("--", to, "=", args[++i]));
+    } else {
+      out.push_back(std::move(arg));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<rollout::v1::InFlightPolicy> ParseInFlightPolicy(std::string_view std_text) {
+  const std::string text = absl::AsciiStrToLower(absl::string_view(std_text.data(), std_text.size()));
+  if (text == "drain") return rollout::v1::IN_FLIGHT_POLICY_DRAIN;
+  if (text == "abort") return rollout::v1::IN_FLIGHT_POLICY_ABORT;
+  if (text == "continue") return rollout::v1::IN_FLIGHT_POLICY_CONTINUE;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "in-flight policy '", absl::string_view(std_text.data(), std_text.size()),
+      "' is not one of drain, abort, continue"));
+}
+
+std::string FormatUpdateWeightsResult(const rollout::v1::UpdateWeightsResponse& response) {
+  const double mb = static_cast<double>(response.bytes_received()) / 1e6;
+  const std::string rate = response.receive_seconds() > 0
+                               ? absl::StrFormat("%.1f MB/s", mb / response.receive_seconds())
+                               : std::string("n/a");
+  auto or_none = [](const std::string& s) { return s.empty() ? std::string("(none)") : s; };
+  return FormatKeyValueRows({
+      {"version", or_none(response.version())},
+      {"previous_version", or_none(response.previous_version())},
+      {"tensors_updated", absl::StrCat(response.tensors_updated())},
+      {"bytes_received", absl::StrFormat("%d (%.1f MB)", response.bytes_received(), mb)},
+      {"aborted_samples", absl::StrCat(response.aborted_samples())},
+      {"receive_seconds", absl::StrFormat("%.3f", response.receive_seconds())},
+      {"swap_seconds", absl::StrFormat("%.3f", response.swap_seconds())},
+      {"receive_rate", rate},
+  });
+}
+
+std::string FormatUploadProgress(uint64_t sent_bytes, uint64_t total_bytes,
+                                 double elapsed_seconds) {
+  const double sent_mb = static_cast<double>(sent_bytes) / 1e6;
+  // An empty upload is done from the start.
+  const double percent =
+      total_bytes == 0 ? 100.0 : 100.0 * static_cast<double>(sent_bytes) / total_bytes;
+  std::string line = absl::StrFormat("sent %.1f / %.1f MB (%.0f%%)", sent_mb,
+                                     static_cast<double>(total_bytes) / 1e6, percent);
+  if (elapsed_seconds > 0) absl::StrAppendFormat(&line, ", %.1f MB/s", sent_mb / elapsed_seconds);
+  return line;
+}
+
+std::string FormatPauseResult(const rollout::v1::PauseResponse& response) {
+  return FormatKeyValueRows({{"was_paused", response.was_paused() ? "true" : "false"},
+                             {"now", "paused"}});
+}
+
+std::string FormatResumeResult(const rollout::v1::ResumeResponse& response) {
+  return FormatKeyValueRows({{"was_paused", response.was_paused() ? "true" : "false"},
+                             {"now", "running"}});
 }
 
 }  // namespace rollout

@@ -26,8 +26,10 @@ absl::StatusOr<std::vector<uint32_t>> ParseTokenIds(std::string_view text);
 absl::StatusOr<std::vector<std::string>> ParseRequestIds(std::string_view text);
 
 // A human-readable table of every completion: per rollout/sample a header with finish reason,
-// sample seed, weight version and cached prompt tokens, then one "pos | token | logprob" row per
-// generated token, with the top-N logprobs in a fourth column when the server sent them.
+// sample seed, weight version and cached prompt tokens, then, when the sample's tokens came from
+// more than one weight version (a CONTINUE update mid-sample), a line with the version of each
+// span of tokens, then one "pos | token | logprob" row per generated token, with the top-N
+// logprobs in a fourth column when the server sent them.
 std::string FormatCompletionTable(const GenerateResult& result);
 
 // One line of JSON with the proto field names and every primitive field, zero or not, so that
@@ -52,5 +54,30 @@ std::string FormatAbortResult(const rollout::v1::AbortRequest& request,
 
 // Blocks freed now and blocks detached (freed when the samples using them end).
 std::string FormatFlushCacheResult(const rollout::v1::FlushCacheResponse& response);
+
+// Abseil reserves --version for "print the binary's version and exit"; this rewrites
+// "--version V", "--version=V" and the single-dash forms in a command line into "--<to>=V" so
+// the CLI can take a weight version under that name. args[0] (the program) and everything
+// after a "--" are left alone. INVALID_ARGUMENT when --version has no value or the next
+// argument is another flag.
+absl::StatusOr<std::vector<std::string>> RewriteVersionFlag(std::vector<std::string> args,
+                                                            std::string_view to);
+
+// "drain", "abort" or "continue", in any case, as the InFlightPolicy value; INVALID_ARGUMENT
+// naming the text and the choices otherwise.
+absl::StatusOr<rollout::v1::InFlightPolicy> ParseInFlightPolicy(std::string_view text);
+
+// The new and previous version, tensors and bytes replaced, samples aborted, the receive and
+// swap times, and the receive rate in MB/s (10^6 bytes; "n/a" when no time was measured).
+std::string FormatUpdateWeightsResult(const rollout::v1::UpdateWeightsResponse& response);
+
+// One progress line of an upload, without a line break: bytes sent of the total in MB, the
+// share done and the rate so far over elapsed_seconds.
+std::string FormatUploadProgress(uint64_t sent_bytes, uint64_t total_bytes,
+                                 double elapsed_seconds);
+
+// Whether the server was paused before the call, and what it is now.
+std::string FormatPauseResult(const rollout::v1::PauseResponse& response);
+std::string FormatResumeResult(const rollout::v1::ResumeResponse& response);
 
 }  // namespace rollout

@@ -5,6 +5,9 @@
 //   rollout-cli --request_ids cli-1-2,cli-1-3 abort      (or: rollout-cli --all abort)
 //   rollout-cli flush
 //   rollout-cli --json info
+//   rollout-cli update-weights --from /ckpt/step-100 --version step-100 --policy continue
+//   rollout-cli update-weights-from-path --path /srv/ckpt/step-100 --version step-100
+//   rollout-cli pause --abort_in_flight       (then: rollout-cli resume)
 
 #include <unistd.h>
 
@@ -25,6 +28,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/checkpoint_upload.h"
 #include "client/cli_format.h"
 #include "client/rollout_client.h"
 
@@ -60,6 +65,29 @@ ABSL_FLAG(std::optional<double>, timeout_s, std::nullopt, "Deadline of the call 
 ABSL_FLAG(double, connect_timeout_s, 10.0, "How long to wait for the server to be reachable.");
 ABSL_FLAG(std::string, tls_root_cert, "",
           "PEM file of root certificates; when set the connection uses TLS.");
+ABSL_FLAG(std::string, tls_client_cert, "",
+          "PEM file of this client's certificate chain, for servers that verify clients (mutual "
+          "TLS); needs --tls_client_key, and turns TLS on (default roots without "
+          "--tls_root_cert).");
+ABSL_FLAG(std::string, tls_client_key, "", "PEM file of the private key of --tls_client_cert.");
+ABSL_FLAG(std::string, from, "",
+          "update-weights: local checkpoint directory (config.json + safetensors) to stream.");
+ABSL_FLAG(std::string, path, "",
+          "update-weights-from-path: checkpoint directory on the server's disk.");
+// Abseil owns --version (print the binary's version and exit); main rewrites "--version V" to
+// this flag before parsing, so both spellings work.
+ABSL_FLAG(std::string, weight_version, "",
+          "update-weights, update-weights-from-path: the new weight version (--version V works "
+          "too).");
+ABSL_FLAG(std::string, policy, "drain",
+          "update-weights, update-weights-from-path: what happens to samples in flight: drain "
+          "(finish them on the old weights first), abort (end them now) or continue (go on with "
+          "the new weights).");
+ABSL_FLAG(uint32_t, chunk_mb, 32,
+          "update-weights: MiB of tensor data per message (the server accepts messages up to "
+          "64 MiB).");
+ABSL_FLAG(bool, abort_in_flight, false,
+          "pause: also end the running samples (FINISH_REASON_ABORT) instead of holding them.");
 
 namespace rollout {
 namespace {
@@ -94,6 +122,12 @@ std::unique_ptr<RolloutClient> ConnectFromFlags() {
   }
   if (std::string cert = absl::GetFlag(FLAGS_tls_root_cert); !cert.empty()) {
     options.tls_root_cert_path = std::move(cert);
+  }
+  if (std::string cert = absl::GetFlag(FLAGS_tls_client_cert); !cert.empty()) {
+    options.tls_client_cert_path = std::move(cert);
+  }
+  if (std::string key = absl::GetFlag(FLAGS_tls_client_key); !key.empty()) {
+    options.tls_client_key_path = std::move(key);
   }
   absl::StatusOr<std::unique_ptr<RolloutClient>> client =
       RolloutClient::Connect(absl::GetFlag(FLAGS_server), options);
@@ -248,19 +282,124 @@ void RunInfo() {
   PrintResponse<rollout::v1::ServerInfo>(client->GetServerInfo(), FormatServerInfoTable);
 }
 
+std::string RequiredFlag(const std::string& value, const char* name, const char* command) {
+  if (value.empty()) {
+    Fail(absl::InvalidArgumentError(absl::StrCat("--", name, " is required for ", command)));
+  }
+  return value;
+}
+
+std::string WeightVersionFromFlags(const char* command) {
+  const std::string version = absl::GetFlag(FLAGS_weight_version);
+  if (version.empty()) {
+    Fail(absl::InvalidArgumentError(
+        absl::StrCat("--version (or --weight_version) is required for ", command)));
+  }
+  return version;
+}
+
+rollout::v1::InFlightPolicy PolicyFromFlags() {
+  absl::StatusOr<rollout::v1::InFlightPolicy> policy =
+      ParseInFlightPolicy(absl::GetFlag(FLAGS_policy));
+  if (!policy.ok()) {
+    Fail(absl::InvalidArgumentError(absl::StrCat("--policy: ", policy.status().message())));
+  }
+  return *policy;
+}
+
+// Progress of an upload on stderr: redrawn in place at most 10 times a second on a terminal;
+// elsewhere (a log file) only the final line, so logs do not fill with carriage returns.
+class ProgressLine {
+ public:
+  ProgressLine() : tty_(isatty(STDERR_FILENO) == 1) {}
+
+  void Update(uint64_t sent, uint64_t total) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!started_) {
+      started_ = true;
+      start_ = now;
+    }
+    const bool done = sent == total;
+    if (!done && (!tty_ || now - last_draw_ < std::chrono::milliseconds(100))) return;
+    last_draw_ = now;
+    const std::string line =
+        FormatUploadProgress(sent, total, std::chrono::duration<double>(now - start_).count());
+    // Padding covers the tail of a longer previous line.
+    std::cerr << (tty_ ? "\r" : "") << absl::StrFormat("%-60s", line) << (done ? "\n" : "")
+              << std::flush;
+    drawn_ = !done;
+  }
+
+  // Ends a line left open by an upload that failed part way.
+  void Close() {
+    if (drawn_) std::cerr << std::endl;
+    drawn_ = false;
+  }
+
+ private:
+  const bool tty_;
+  bool started_ = false;
+  bool drawn_ = false;
+  std::chrono::steady_clock::time_point start_, last_draw_;
+};
+
+void RunUpdateWeights() {
+  const std::string dir = RequiredFlag(absl::GetFlag(FLAGS_from), "from", "update-weights");
+  const std::string version = WeightVersionFromFlags("update-weights");
+  const rollout::v1::InFlightPolicy policy = PolicyFromFlags();
+  const uint32_t chunk_mb = absl::GetFlag(FLAGS_chunk_mb);
+  if (chunk_mb == 0) Fail(absl::InvalidArgumentError("--chunk_mb must be positive"));
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  ProgressLine progress;
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> response = UpdateWeightsFromCheckpoint(
+      *client, dir, version, policy, static_cast<size_t>(chunk_mb) << 20,
+      [&](uint64_t sent, uint64_t total) { progress.Update(sent, total); });
+  progress.Close();
+  PrintResponse<rollout::v1::UpdateWeightsResponse>(response, FormatUpdateWeightsResult);
+}
+
+void RunUpdateWeightsFromPath() {
+  rollout::v1::UpdateWeightsFromPathRequest request;
+  request.set_path(RequiredFlag(absl::GetFlag(FLAGS_path), "path", "update-weights-from-path"));
+  request.set_version(WeightVersionFromFlags("update-weights-from-path"));
+  request.set_policy(PolicyFromFlags());
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  PrintResponse<rollout::v1::UpdateWeightsResponse>(client->UpdateWeightsFromPath(request),
+                                                    FormatUpdateWeightsResult);
+}
+
+void RunPause() {
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  PrintResponse<rollout::v1::PauseResponse>(client->Pause(absl::GetFlag(FLAGS_abort_in_flight)),
+                                            FormatPauseResult);
+}
+
+void RunResume() {
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  PrintResponse<rollout::v1::ResumeResponse>(client->Resume(), FormatResumeResult);
+}
+
 }  // namespace
 }  // namespace rollout
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Talks to a rollout server.\n"
-      "Usage: rollout-cli [flags] generate|score|abort|flush|info\n"
+      "Usage: rollout-cli [flags] COMMAND [flags]\n"
       "  generate  stream one rollout of --prompt (table at the end, or JSON lines with --json)\n"
       "  score     logprobs of --tokens from --start on, teacher-forced [--temperature, "
       "--top_logprobs]\n"
       "  abort     end the rollouts of --request_ids a,b (or --all) in flight\n"
       "  flush     empty the server's prefix cache\n"
-      "  info      print the server's model, limits, counters and cache hit rate");
+      "  info      print the server's model, limits, counters and cache hit rate\n"
+      "  update-weights --from DIR --version V [--policy drain|abort|continue] [--chunk_mb N]\n"
+      "            stream the checkpoint in the local DIR to the server as weight version V\n"
+      "  update-weights-from-path --path DIR --version V [--policy drain|abort|continue]\n"
+      "            have the server load the checkpoint in DIR on its own disk\n"
+      "  pause [--abort_in_flight]  stop scheduling; new requests are held, not failed\n"
+      "  resume    start scheduling again\n"
+      "Mutual TLS: --tls_client_cert and --tls_client_key (with --tls_root_cert for the "
+      "server's CA).");
   // --help lists only flags of files named after the binary; ours live in cli_main.cc.
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view path) {
@@ -268,8 +407,18 @@ int main(int argc, char** argv) {
   };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  constexpr char kCommands[] = "generate, score, abort, flush or info";
+  std::vector<std::string> raw_args(argv, argv + argc);
+  absl::StatusOr<std::vector<std::string>> rewritten =
+      rollout::RewriteVersionFlag(raw_args, "weight_version");
+  if (!rewritten.ok()) rollout::Fail(rewritten.status());
+  std::vector<char*> rewritten_argv;
+  for (std::string& arg : *rewritten) rewritten_argv.push_back(arg.data());
+  rewritten_argv.push_back(nullptr);
+  std::vector<char*> args = absl::ParseCommandLine(static_cast<int>(rewritten->size()),
+                                                   rewritten_argv.data());
+  constexpr char kCommands[] =
+      "generate, score, abort, flush, info, update-weights, update-weights-from-path, pause or "
+      "resume";
   if (args.size() != 2) {
     rollout::Fail(absl::InvalidArgumentError(
         absl::StrCat("expected exactly one command: ", kCommands, " (see --help)")));
@@ -285,6 +434,14 @@ int main(int argc, char** argv) {
     rollout::RunFlush();
   } else if (command == "info") {
     rollout::RunInfo();
+  } else if (command == "update-weights") {
+    rollout::RunUpdateWeights();
+  } else if (command == "update-weights-from-path") {
+    rollout::RunUpdateWeightsFromPath();
+  } else if (command == "pause") {
+    rollout::RunPause();
+  } else if (command == "resume") {
+    rollout::RunResume();
   } else {
     rollout::Fail(absl::InvalidArgumentError(
         absl::StrCat("unknown command '", command, "'; expected ", kCommands)));

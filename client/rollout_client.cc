@@ -13,29 +13,55 @@ namespace {
 
 using rollout::v1::GenerateRequest;
 using rollout::v1::GenerateResponse;
+using rollout::v1::TensorData;
+using rollout::v1::UpdateWeightsResponse;
+using rollout::v1::WeightsChunk;
+using rollout::v1::WeightsHeader;
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
+// The contents of a PEM file the options name; `what` says which one in errors. An empty file
+// is refused: gRPC would silently treat an empty root PEM as "use the default roots" and an
+// empty client cert as "no client cert", neither of which a caller naming a file asked for.
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view what) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open TLS root cert file ", path));
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", what, " file ", path));
   std::ostringstream contents;
   contents << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read TLS root cert file ", path));
+  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", what, " file ", path));
+  if (contents.str().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, " is empty"));
+  }
   return contents.str();
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(
     const ClientOptions& options) {
-  if (!options.tls_root_cert_path.has_value()) return grpc::InsecureChannelCredentials();
-  absl::StatusOr<std::string> pem = ReadFile(*options.tls_root_cert_path);
-  if (!pem.ok()) return pem.status();
-  // An empty PEM would make gRPC silently fall back to its default roots, which is not what a
-  // caller naming a file asked for.
-  if (pem->empty()) {
+  const bool has_cert = options.tls_client_cert_path.has_value();
+  const bool has_key = options.tls_client_key_path.has_value();
+  // Either alone fails the handshake later with an obscure message; say so now.
+  if (has_cert != has_key) {
     return absl::InvalidArgumentError(
-        absl::StrCat("TLS root cert file ", *options.tls_root_cert_path, " is empty"));
+        has_cert ? "a TLS client certificate needs its private key as well (tls_client_key_path)"
+                 : "a TLS client key needs its certificate as well (tls_client_cert_path)");
+  }
+  if (!options.tls_root_cert_path.has_value() && !has_cert) {
+    return grpc::InsecureChannelCredentials();
   }
   grpc::SslCredentialsOptions ssl;
-  ssl.pem_root_certs = *std::move(pem);
+  if (options.tls_root_cert_path.has_value()) {
+    absl::StatusOr<std::string> pem =
+        ReadPemFile(*options.tls_root_cert_path, "TLS root cert");
+    if (!pem.ok()) return pem.status();
+    ssl.pem_root_certs = *std::move(pem);
+  }
+  if (has_cert) {
+    absl::StatusOr<std::string> cert =
+        ReadPemFile(*options.tls_client_cert_path, "TLS client cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPemFile(*options.tls_client_key_path, "TLS client key");
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *std::move(cert);
+    ssl.pem_private_key = *std::move(key);
+  }
   return grpc::SslCredentials(ssl);
 }
 
@@ -207,6 +233,98 @@ absl::StatusOr<rollout::v1::AbortResponse> RolloutClient::Abort(
 absl::StatusOr<rollout::v1::FlushCacheResponse> RolloutClient::FlushCache() {
   return CallUnary(&rollout::v1::RolloutService::Stub::FlushCache,
                    rollout::v1::FlushCacheRequest());
+}
+
+absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeights(
+    const WeightsHeader& header, const std::function<bool(TensorData*)>& next_chunk) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  UpdateWeightsResponse response;
+  std::unique_ptr<grpc::ClientWriter<WeightsChunk>> writer =
+      stub_->UpdateWeights(&context, &response);
+
+  // One message reused for every chunk, so a chunk's buffer is allocated once, not per chunk.
+  WeightsChunk message;
+  *message.mutable_header() = header;
+  bool write_ok = writer->Write(message);
+  TensorData* data = message.mutable_data();  // drops the header
+  while (write_ok) {
+    data->Clear();
+    if (!next_chunk(data)) break;
+    write_ok = writer->Write(message);
+  }
+  // A failed write means the call has ended, nearly always because the server answered early
+  // with an error; Finish returns that answer. Half-closing first lets the server see the end
+  // of a complete stream.
+  if (write_ok) writer->WritesDone();
+  grpc::Status status = writer->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (!write_ok) {
+    // Not expected from a correct server: it must read the whole stream before answering OK.
+    return absl::InternalError(
+        "the server answered OK before the whole update stream was sent; the update may be "
+        "incomplete");
+  }
+  return response;
+}
+
+absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
+    const std::string& version, rollout::v1::InFlightPolicy policy,
+    const std::vector<TensorSource>& tensors, size_t chunk_bytes,
+    const UploadProgress& progress) {
+  if (chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes must be positive");
+  WeightsHeader header;
+  header.set_version(version);
+  header.set_policy(policy);
+  uint64_t total = 0;
+  for (const TensorSource& tensor : tensors) {
+    if (tensor.data == nullptr && tensor.nbytes > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor '%s' has %d bytes but no data", tensor.name, tensor.nbytes));
+    }
+    rollout::v1::TensorDecl* decl = header.add_tensors();
+    decl->set_name(tensor.name);
+    decl->set_dtype(tensor.dtype);
+    decl->mutable_shape()->Add(tensor.shape.begin(), tensor.shape.end());
+    total += tensor.nbytes;
+  }
+
+  size_t index = 0;    // tensor being sent
+  uint64_t offset = 0;  // next byte of it
+  uint64_t sent = 0;    // bytes handed out before this call; written, since we are called again
+  if (progress) progress(0, total);
+  return UpdateWeights(header, [&](TensorData* data) {
+    if (progress && sent > 0) progress(sent, total);
+    // Tensors of zero bytes are declared but get no chunk: the server refuses empty chunks.
+    while (index < tensors.size() && offset >= tensors[index].nbytes) {
+      ++index;
+      offset = 0;
+    }
+    if (index == tensors.size()) return false;
+    const TensorSource& tensor = tensors[index];
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, tensor.nbytes - offset));
+    data->set_name(tensor.name);
+    data->set_offset(offset);
+    data->set_data(tensor.data + offset, n);
+    offset += n;
+    sent += n;
+    return true;
+  });
+}
+
+absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromPath(
+    const rollout::v1::UpdateWeightsFromPathRequest& request) {
+  return CallUnary(&rollout::v1::RolloutService::Stub::UpdateWeightsFromPath, request);
+}
+
+absl::StatusOr<rollout::v1::PauseResponse> RolloutClient::Pause(bool abort_in_flight) {
+  rollout::v1::PauseRequest request;
+  request.set_abort_in_flight(abort_in_flight);
+  return CallUnary(&rollout::v1::RolloutService::Stub::Pause, request);
+}
+
+absl::StatusOr<rollout::v1::ResumeResponse> RolloutClient::Resume() {
+  return CallUnary(&rollout::v1::RolloutService::Stub::Resume, rollout::v1::ResumeRequest());
 }
 
 }  // namespace rollout

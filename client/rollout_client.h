@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,7 +34,29 @@ struct ClientOptions {
   std::optional<std::string> bearer_token;
   // PEM file of the root certificates to trust; when set the channel uses TLS, else plaintext.
   std::optional<std::string> tls_root_cert_path;
+  // Mutual TLS: PEM files of this client's certificate chain and its private key, presented to
+  // a server that verifies clients. Set both or neither. Setting them also turns TLS on; the
+  // server is then checked against tls_root_cert_path, or gRPC's default roots when unset.
+  std::optional<std::string> tls_client_cert_path;
+  std::optional<std::string> tls_client_key_path;
 };
+
+// 32 MiB: well under the server's 64 MiB message limit, and big enough that per-message
+// overhead is negligible.
+inline constexpr size_t kDefaultWeightsChunkBytes = size_t{32} << 20;
+
+// One tensor to upload, borrowed from memory the caller keeps alive during the call.
+struct TensorSource {
+  std::string name;
+  std::string dtype;  // "BF16", "F16" or "F32"
+  std::vector<uint64_t> shape;
+  const uint8_t* data = nullptr;  // row-major, little-endian
+  size_t nbytes = 0;
+};
+
+// Called with the bytes written to the stream so far and the total to write; once with
+// (0, total) before the first chunk and once with (total, total) after the last.
+using UploadProgress = std::function<void(uint64_t sent_bytes, uint64_t total_bytes)>;
 
 // Everything a Generate stream delivered, arranged by sample.
 struct GenerateResult {
@@ -80,6 +103,33 @@ class RolloutClient {
 
   // Empties the server's prefix cache.
   absl::StatusOr<rollout::v1::FlushCacheResponse> FlushCache();
+
+  // Streams `header`, then one TensorData per next_chunk call that returns true (next_chunk
+  // fills the empty message it is given), then ends the stream and returns the server's answer.
+  // When a write fails because the server ended the call early (it rejected the header or a
+  // chunk), no more chunks are asked for and the server's status is returned unchanged.
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeights(
+      const rollout::v1::WeightsHeader& header,
+      const std::function<bool(rollout::v1::TensorData*)>& next_chunk);
+
+  // UpdateWeights of in-memory tensors: declares them all in the header, then sends every byte
+  // exactly once, tensor by tensor in the given order, in chunks of at most chunk_bytes (which
+  // never span two tensors). INVALID_ARGUMENT, before anything is sent, for chunk_bytes 0 or a
+  // tensor without data. progress, when set, is called as documented at UploadProgress.
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromTensors(
+      const std::string& version, rollout::v1::InFlightPolicy policy,
+      const std::vector<TensorSource>& tensors, size_t chunk_bytes = kDefaultWeightsChunkBytes,
+      const UploadProgress& progress = nullptr);
+
+  // The server loads a safetensors checkpoint from its own disk.
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromPath(
+      const rollout::v1::UpdateWeightsFromPathRequest& request);
+
+  // Stops scheduling (arriving requests are held, not failed); with abort_in_flight, running
+  // samples also end with FINISH_REASON_ABORT. Resume starts scheduling again. Both say whether
+  // the server was paused before the call.
+  absl::StatusOr<rollout::v1::PauseResponse> Pause(bool abort_in_flight);
+  absl::StatusOr<rollout::v1::ResumeResponse> Resume();
 
   const std::string& target() const { return target_; }
 

@@ -163,7 +163,7 @@ const char* TorchDtype(DType dtype) {
 
 }  // namespace
 
-std::vector<std::string> PresetNames() { return {"tiny", "small", "qwen3-8b"}; }
+std::vector<std::string> PresetNames() { return {"tiny", "small", "medium", "qwen3-8b"}; }
 
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
   ModelConfig c = Qwen3Base();
@@ -187,6 +187,20 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
     c.num_key_value_heads = 2;
     c.head_dim = 32;
     c.vocab_size = 4096;
+    c.max_position_embeddings = 4096;
+    c.eos_token_ids = {2};
+    c.rope_theta = 1000000.0f;
+    c.tie_word_embeddings = false;
+  } else if (preset == "medium") {
+    // About 0.5 B parameters (1 GB in bf16): big enough to measure weight-update throughput
+    // and loading on the CPU.
+    c.num_layers = 8;
+    c.hidden_size = 2048;
+    c.intermediate_size = 5632;
+    c.num_attention_heads = 16;
+    c.num_key_value_heads = 4;
+    c.head_dim = 128;
+    c.vocab_size = 32000;
     c.max_position_embeddings = 4096;
     c.eos_token_ids = {2};
     c.rope_theta = 1000000.0f;

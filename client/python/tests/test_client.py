@@ -669,24 +669,42 @@ class WeightsTest(unittest.TestCase):
                                      .reshape(self.original.shape))], version="u16")
         self.assert_baseline(self.client.generate(PROMPTS, **self.ARGS), "u16")
 
+    def rejected_update(self, *args, **kwargs) -> RolloutError:
+        """The error of an update the server must reject. Retries ABORTED ("another update in
+        progress"): the previous rejected update may still hold the server's update slot for a
+        moment (test_update_right_after_a_rejected_one covers that on its own)."""
+        deadline = time.monotonic() + 10
+        while True:
+            with self.assertRaises(RolloutError) as cm:
+                self.client.update_weights(*args, **kwargs)
+            if cm.exception.code != "ABORTED" or time.monotonic() > deadline:
+                return cm.exception
+            time.sleep(0.01)
+
     @needs_server_support
     def test_invalid_updates(self):
         self.client.update_weights([(NORM, self.original)], version="0")  # supported at all?
-        with self.assertRaises(RolloutError) as cm:  # served as BF16
-            self.client.update_weights([(NORM, nudge(self.original, 1))], version="x",
-                                       dtype="F32")
-        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
-        self.assertIn("BF16", cm.exception.message)
-        with self.assertRaises(RolloutError) as cm:  # wrong shape
-            self.client.update_weights([(NORM, np.ones(7, np.float32))], version="x")
-        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
-        with self.assertRaises(RolloutError) as cm:  # unknown tensor
-            self.client.update_weights([("model.nope.weight", np.ones(7, np.float32))],
-                                       version="x")
-        self.assertIn(cm.exception.code, ("INVALID_ARGUMENT", "NOT_FOUND"))
+        e = self.rejected_update([(NORM, nudge(self.original, 1))], version="x", dtype="F32")
+        self.assertEqual(e.code, "INVALID_ARGUMENT")  # served as BF16
+        self.assertIn("BF16", e.message)
+        e = self.rejected_update([(NORM, np.ones(7, np.float32))], version="x")
+        self.assertEqual(e.code, "INVALID_ARGUMENT")  # wrong shape
+        e = self.rejected_update([("model.nope.weight", np.ones(7, np.float32))], version="x")
+        self.assertIn(e.code, ("INVALID_ARGUMENT", "NOT_FOUND"))  # unknown tensor
+        time.sleep(0.2)
         # Nothing changed.
         self.assertEqual(self.client.server_info().weight_version, "0")
         self.assert_baseline(self.client.generate(PROMPTS, **self.ARGS), "0")
+
+    @needs_server_support
+    def test_update_right_after_a_rejected_one(self):
+        # A client that fixes its request and retries at once must not be told ABORTED
+        # ("another weight update is in progress") by its own finished, rejected update.
+        for i in range(20):
+            with self.assertRaises(RolloutError) as cm:
+                self.client.update_weights([(NORM, self.original)], version="x", dtype="F32")
+            self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+            self.client.update_weights([(NORM, self.original)], version=f"retry-{i}")
 
     @needs_server_support
     def test_update_from_path(self):

@@ -1,0 +1,413 @@
+// Weight hot-swap, pause/resume and access control through the real gRPC stack.
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <thread>
+
+#include "engine/random_model.h"
+#include "engine/safetensors.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/test_server.h"
+
+namespace rollout::testing {
+namespace {
+
+constexpr char kTensor[] = "model.layers.1.mlp.down_proj.weight";
+const std::vector<uint32_t> kPrompt = {21, 8, 1000, 77, 3, 512, 64};
+
+HostTensor ReadTensor(const std::string& dir, const std::string& name) {
+  auto checkpoint = Checkpoint::Open(dir);
+  EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
+  const TensorView* view = (*checkpoint)->Find(name);
+  EXPECT_NE(view, nullptr);
+  return HostTensor{name, view->dtype, view->shape,
+                    std::vector<uint8_t>(view->data, view->data + view->nbytes)};
+}
+
+HostTensor Scaled(HostTensor t, float scale) {
+  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
+    uint16_t v;
+    std::memcpy(&v, &t.bytes[i], 2);
+    v = F32ToBF16(BF16ToF32(v) * scale);
+    std::memcpy(&t.bytes[i], &v, 2);
+  }
+  return t;
+}
+
+v1::WeightsHeader Header(const std::string& version, v1::InFlightPolicy policy,
+                         const std::vector<HostTensor>& tensors) {
+  v1::WeightsHeader header;
+  header.set_version(version);
+  header.set_policy(policy);
+  for (const HostTensor& t : tensors) {
+    v1::TensorDecl* decl = header.add_tensors();
+    decl->set_name(t.name);
+    decl->set_dtype(DTypeName(t.dtype));
+    for (int64_t d : t.shape) decl->add_shape(static_cast<uint64_t>(d));
+  }
+  return header;
+}
+
+// The chunks that carry `tensors` in pieces of at most `chunk_bytes`.
+std::vector<v1::WeightsChunk> DataChunks(const std::vector<HostTensor>& tensors,
+                                         size_t chunk_bytes) {
+  std::vector<v1::WeightsChunk> chunks;
+  for (const HostTensor& t : tensors) {
+    for (size_t off = 0; off < t.bytes.size(); off += chunk_bytes) {
+      v1::TensorData* data = chunks.emplace_back().mutable_data();
+      data->set_name(t.name);
+      data->set_offset(off);
+      data->set_data(t.bytes.data() + off, std::min(chunk_bytes, t.bytes.size() - off));
+    }
+  }
+  return chunks;
+}
+
+struct PushOutcome {
+  grpc::Status status;
+  v1::UpdateWeightsResponse response;
+};
+
+PushOutcome Push(v1::RolloutService::Stub* stub, const v1::WeightsHeader& header,
+                 const std::vector<v1::WeightsChunk>& data, const std::string& token = "",
+                 bool cancel_midway = false) {
+  PushOutcome out;
+  grpc::ClientContext context;
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+  auto writer = stub->UpdateWeights(&context, &out.response);
+  v1::WeightsChunk first;
+  *first.mutable_header() = header;
+  bool ok = writer->Write(first);
+  for (size_t i = 0; ok && i < data.size(); ++i) {
+    if (cancel_midway && i == data.size() / 2) {
+      context.TryCancel();
+      break;
+    }
+    ok = writer->Write(data[i]);
+  }
+  writer->WritesDone();
+  out.status = writer->Finish();
+  return out;
+}
+
+std::string Generate(v1::RolloutService::Stub* stub, std::string* version = nullptr) {
+  v1::GenerateRequest request;
+  *request.add_rollouts() = MakeRollout(kPrompt, 5, 10, 0.8f);
+  GenerateOutcome out = RunGenerate(stub, request);
+  EXPECT_TRUE(out.status.ok()) << out.status.error_message();
+  if (version != nullptr) *version = out.completions[0][0].weight_version();
+  return Fingerprint(out.completions[0][0]);
+}
+
+class WeightsE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = StartTestServer();
+    ASSERT_NE(server_, nullptr);
+    original_ = ReadTensor(server_->server->model_dir(), kTensor);
+  }
+  v1::RolloutService::Stub* stub() { return server_->stub.get(); }
+  std::unique_ptr<TestServer> server_;
+  HostTensor original_;
+};
+
+TEST_F(WeightsE2eTest, PushChangesOutputsAndVersionAndOriginalBytesRestoreThemBitwise) {
+  std::string version;
+  const std::string before = Generate(stub(), &version);
+  EXPECT_EQ(version, "0");
+  const std::vector<HostTensor> changed = {Scaled(original_, 2.5f)};
+  PushOutcome push = Push(stub(), Header("step-1", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                          DataChunks(changed, 1000));
+  ASSERT_TRUE(push.status.ok()) << push.status.error_message();
+  EXPECT_EQ(push.response.version(), "step-1");
+  EXPECT_EQ(push.response.previous_version(), "0");
+  EXPECT_EQ(push.response.tensors_updated(), 1u);
+  EXPECT_EQ(push.response.bytes_received(), original_.bytes.size());
+  const std::string after = Generate(stub(), &version);
+  EXPECT_EQ(version, "step-1");
+  EXPECT_NE(after, before);
+  PushOutcome back = Push(stub(), Header("step-2", v1::IN_FLIGHT_POLICY_ABORT, {original_}),
+                          DataChunks({original_}, 1 << 20));
+  ASSERT_TRUE(back.status.ok()) << back.status.error_message();
+  EXPECT_EQ(Generate(stub()), before);
+}
+
+TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
+  const std::string before = Generate(stub());
+  const std::vector<HostTensor> changed = {Scaled(original_, 2.0f)};
+  const std::vector<v1::WeightsChunk> good_data = DataChunks(changed, 4096);
+  struct Case {
+    std::string name;
+    std::function<void(v1::WeightsHeader*, std::vector<v1::WeightsChunk>*)> tamper;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"unknown tensor",
+       [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) {
+         h->mutable_tensors(0)->set_name("model.layers.1.mlp.missing.weight");
+       },
+       "not a weight of the served model"},
+      {"wrong shape",
+       [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) {
+         h->mutable_tensors(0)->set_shape(0, 3);
+       },
+       "shape"},
+      {"wrong dtype",
+       [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) {
+         h->mutable_tensors(0)->set_dtype("F32");
+       },
+       "dtype F32 given, the served tensor is BF16"},
+      {"bad dtype name",
+       [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) {
+         h->mutable_tensors(0)->set_dtype("I64");
+       },
+       "dtype 'I64'"},
+      {"empty version",
+       [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) { h->clear_version(); },
+       "version is empty"},
+      {"duplicate declaration",
+       [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) {
+         *h->add_tensors() = h->tensors(0);
+       },
+       "declared twice"},
+      {"missing bytes",
+       [](v1::WeightsHeader*, std::vector<v1::WeightsChunk>* d) { d->erase(d->begin() + 3); },
+       "incomplete"},
+      {"truncated stream",
+       [](v1::WeightsHeader*, std::vector<v1::WeightsChunk>* d) { d->pop_back(); },
+       "incomplete"},
+      {"overlap",
+       [](v1::WeightsHeader*, std::vector<v1::WeightsChunk>* d) {
+         d->at(2).mutable_data()->set_offset(d->at(2).data().offset() - 10);
+       },
+       "overlaps"},
+      {"beyond the tensor",
+       [](v1::WeightsHeader*, std::vector<v1::WeightsChunk>* d) {
+         d->back().mutable_data()->set_offset(1u << 30);
+       },
+       "beyond its"},
+      {"undeclared data",
+       [](v1::WeightsHeader*, std::vector<v1::WeightsChunk>* d) {
+         d->at(0).mutable_data()->set_name("model.norm.weight");
+       },
+       "did not declare"},
+      {"second header",
+       [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>* d) {
+         *d->at(1).mutable_header() = *h;
+       },
+       "second WeightsHeader"},
+  };
+  for (const Case& c : cases) {
+    v1::WeightsHeader header = Header("bad", v1::IN_FLIGHT_POLICY_DRAIN, changed);
+    std::vector<v1::WeightsChunk> data = good_data;
+    c.tamper(&header, &data);
+    PushOutcome push = Push(stub(), header, data);
+    EXPECT_EQ(push.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+    EXPECT_NE(push.status.error_message().find(c.expect), std::string::npos)
+        << c.name << ": " << push.status.error_message();
+    std::string version;
+    EXPECT_EQ(Generate(stub(), &version), before) << c.name;
+    EXPECT_EQ(version, "0") << c.name;
+  }
+  // A stream cancelled halfway applies nothing either.
+  PushOutcome cancelled = Push(stub(), Header("cancelled", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                               good_data, "", /*cancel_midway=*/true);
+  EXPECT_EQ(cancelled.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(Generate(stub()), before);
+}
+
+TEST_F(WeightsE2eTest, ASecondConcurrentUpdateIsRefusedWhileTheFirstStreams) {
+  const std::vector<HostTensor> changed = {Scaled(original_, 2.0f)};
+  grpc::ClientContext context;
+  v1::UpdateWeightsResponse response;
+  auto writer = stub()->UpdateWeights(&context, &response);
+  v1::WeightsChunk first;
+  *first.mutable_header() = Header("first", v1::IN_FLIGHT_POLICY_DRAIN, changed);
+  ASSERT_TRUE(writer->Write(first));
+  // Give the server time to claim the slot for the first stream.
+  grpc::Status second;
+  for (int i = 0; i < 50; ++i) {
+    second = Push(stub(), Header("second", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                  DataChunks(changed, 1 << 20))
+                 .status;
+    if (second.error_code() == grpc::StatusCode::ABORTED) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_NE(second.error_message().find("another weight update"), std::string::npos);
+  for (const v1::WeightsChunk& c : DataChunks(changed, 1 << 20)) ASSERT_TRUE(writer->Write(c));
+  writer->WritesDone();
+  ASSERT_TRUE(writer->Finish().ok());
+  EXPECT_EQ(response.version(), "first");
+}
+
+// Starts a long generation, waits for its first tokens, then pushes with `policy`.
+struct PolicyRun {
+  v1::Completion completion;
+  PushOutcome push;
+};
+
+PolicyRun RunWithUpdate(v1::RolloutService::Stub* stub, v1::InFlightPolicy policy,
+                        const std::vector<HostTensor>& tensors) {
+  PolicyRun run;
+  v1::GenerateRequest request;
+  *request.add_rollouts() = MakeRollout(kPrompt, 9, 400, 0.8f);
+  request.mutable_rollouts(0)->mutable_sampling()->set_ignore_eos(true);
+  grpc::ClientContext context;
+  auto reader = stub->Generate(&context, request);
+  v1::GenerateResponse response;
+  EXPECT_TRUE(reader->Read(&response));
+  auto pushed = std::async(std::launch::async, [&] {
+    return Push(stub, Header("new", policy, tensors), DataChunks(tensors, 1 << 20));
+  });
+  while (reader->Read(&response)) {
+    if (response.has_completion()) run.completion = response.completion();
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+  run.push = pushed.get();
+  return run;
+}
+
+TEST_F(WeightsE2eTest, AbortPolicyEndsInFlightSamples) {
+  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_ABORT, {Scaled(original_, 2.0f)});
+  ASSERT_TRUE(run.push.status.ok()) << run.push.status.error_message();
+  EXPECT_EQ(run.push.response.aborted_samples(), 1u);
+  EXPECT_EQ(run.completion.finish_reason(), v1::FINISH_REASON_ABORT);
+  EXPECT_LT(run.completion.token_ids_size(), 400);
+}
+
+TEST_F(WeightsE2eTest, DrainPolicyFinishesInFlightSamplesOnTheOldWeights) {
+  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_DRAIN, {Scaled(original_, 2.0f)});
+  ASSERT_TRUE(run.push.status.ok()) << run.push.status.error_message();
+  EXPECT_EQ(run.completion.finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(run.completion.weight_version(), "0");
+  ASSERT_EQ(run.completion.version_spans_size(), 1);
+  EXPECT_EQ(run.completion.version_spans(0).last_token(), 399u);
+  std::string version;
+  Generate(stub(), &version);
+  EXPECT_EQ(version, "new");
+}
+
+TEST_F(WeightsE2eTest, ContinuePolicyReportsTheVersionOfEveryToken) {
+  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_CONTINUE, {Scaled(original_, 2.0f)});
+  ASSERT_TRUE(run.push.status.ok()) << run.push.status.error_message();
+  const v1::Completion& c = run.completion;
+  EXPECT_EQ(c.finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(c.weight_version(), "new");
+  ASSERT_EQ(c.version_spans_size(), 2);
+  EXPECT_EQ(c.version_spans(0).version(), "0");
+  EXPECT_EQ(c.version_spans(0).first_token(), 0u);
+  EXPECT_EQ(c.version_spans(1).version(), "new");
+  EXPECT_EQ(c.version_spans(1).first_token(), c.version_spans(0).last_token() + 1);
+  EXPECT_EQ(c.version_spans(1).last_token(), 399u);
+}
+
+TEST_F(WeightsE2eTest, UpdateFromPathSwapsToAnotherCheckpointAndBack) {
+  const std::string before = Generate(stub());
+  const std::string other = ::testing::TempDir() + "weights-e2e-other-model";
+  RandomModelOptions options;
+  options.preset = "small";
+  options.seed = 7;
+  ASSERT_TRUE(WriteRandomModel(options, other).ok());
+  for (const auto& [path, version] : {std::pair<std::string, std::string>{other, "seed7"},
+                                      {server_->server->model_dir(), "seed0"}}) {
+    grpc::ClientContext context;
+    v1::UpdateWeightsFromPathRequest request;
+    request.set_path(path);
+    request.set_version(version);
+    v1::UpdateWeightsResponse response;
+    ASSERT_TRUE(stub()->UpdateWeightsFromPath(&context, request, &response).ok());
+    EXPECT_EQ(response.version(), version);
+    std::string served;
+    const std::string out = Generate(stub(), &served);
+    EXPECT_EQ(served, version);
+    if (version == "seed7") EXPECT_NE(out, before);
+    if (version == "seed0") EXPECT_EQ(out, before);
+  }
+  grpc::ClientContext context;
+  v1::UpdateWeightsFromPathRequest missing;
+  missing.set_path("/nonexistent/model");
+  missing.set_version("x");
+  v1::UpdateWeightsResponse response;
+  grpc::Status status = stub()->UpdateWeightsFromPath(&context, missing, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(status.error_message().find("/nonexistent/model"), std::string::npos);
+}
+
+TEST_F(WeightsE2eTest, PauseHoldsRequestsUntilResume) {
+  const std::string expected = Generate(stub());
+  grpc::ClientContext pause_context;
+  v1::PauseResponse paused;
+  ASSERT_TRUE(stub()->Pause(&pause_context, {}, &paused).ok());
+  EXPECT_FALSE(paused.was_paused());
+  grpc::ClientContext info_context;
+  v1::ServerInfo info;
+  ASSERT_TRUE(stub()->GetServerInfo(&info_context, {}, &info).ok());
+  EXPECT_TRUE(info.paused());
+  auto held = std::async(std::launch::async, [&] { return Generate(stub()); });
+  EXPECT_EQ(held.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  grpc::ClientContext resume_context;
+  v1::ResumeResponse resumed;
+  ASSERT_TRUE(stub()->Resume(&resume_context, {}, &resumed).ok());
+  EXPECT_TRUE(resumed.was_paused());
+  EXPECT_EQ(held.get(), expected);
+}
+
+TEST(AccessControlE2eTest, ControlCallsNeedTheTokenAndNothingChangesWithoutIt) {
+  ServerOptions options;
+  options.auth_token = "s3cret";
+  std::unique_ptr<TestServer> server = StartTestServer(options);
+  ASSERT_NE(server, nullptr);
+  v1::RolloutService::Stub* stub = server->stub.get();
+  const std::string before = Generate(stub);  // Generate stays open
+  const HostTensor original = ReadTensor(server->server->model_dir(), kTensor);
+  const std::vector<HostTensor> changed = {Scaled(original, 2.0f)};
+  for (const std::string& token : {std::string(), std::string("wrong")}) {
+    PushOutcome push = Push(stub, Header("x", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                            DataChunks(changed, 1 << 20), token);
+    EXPECT_EQ(push.status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << token;
+    grpc::ClientContext context;
+    if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+    v1::PauseResponse paused;
+    EXPECT_EQ(stub->Pause(&context, {}, &paused).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    grpc::ClientContext flush_context;
+    v1::FlushCacheResponse flushed;
+    EXPECT_EQ(stub->FlushCache(&flush_context, {}, &flushed).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    grpc::ClientContext abort_context;
+    v1::AbortRequest abort;
+    abort.set_all(true);
+    v1::AbortResponse aborted;
+    EXPECT_EQ(stub->Abort(&abort_context, abort, &aborted).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_EQ(Generate(stub), before) << "refused calls change nothing";
+  PushOutcome push = Push(stub, Header("x", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                          DataChunks(changed, 1 << 20), "s3cret");
+  EXPECT_TRUE(push.status.ok()) << push.status.error_message();
+  EXPECT_NE(Generate(stub), before);
+}
+
+TEST(AccessControlE2eTest, AllRpcsModeProtectsGenerateToo) {
+  ServerOptions options;
+  options.auth_token = "s3cret";
+  options.auth_all_rpcs = true;
+  std::unique_ptr<TestServer> server = StartTestServer(options);
+  ASSERT_NE(server, nullptr);
+  v1::GenerateRequest request;
+  *request.add_rollouts() = MakeRollout(kPrompt, 5, 4, 0.8f);
+  GenerateOutcome out = RunGenerate(server->stub.get(), request);
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(out.responses.empty());
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer s3cret");
+  v1::ServerInfo info;
+  ASSERT_TRUE(server->stub->GetServerInfo(&context, {}, &info).ok());
+  EXPECT_TRUE(info.auth_required_for_generate());
+}
+
+}  // namespace
+}  // namespace rollout::testing
