@@ -27,7 +27,7 @@ struct Shape {
 };
 
 constexpr int64_t kMs[] = {1, 8, 64, 256, 512, 1024, 4096, 8192};
-constexpr int64_t kPins[] = {1, 64, 128, 256, 512, 1024, 4096, 8192};
+constexpr int64_t kPins[] = {64, 256, 1024, 2048, 8192};
 
 template <typename F>
 double TimeMs(F run) {
@@ -142,7 +142,7 @@ int Main() {
         });
         std::printf(" %7.1f (%4.0f)", ms * 1e3, 2.0 * m * s.n * s.k / (ms * 1e-3) / 1e12);
       }
-      std::printf("   %s\n", cuda::DescribeAlgo(g->algo()).ToString().c_str());
+      std::printf("   %s\n", g->Describe().c_str());
     }
     std::fflush(stdout);
   }

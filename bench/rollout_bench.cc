@@ -40,7 +40,10 @@ ABSL_FLAG(int32_t, max_running, 256, "engine max_running_samples");
 ABSL_FLAG(int32_t, max_batch_tokens, 8192, "engine max_batch_tokens");
 ABSL_FLAG(std::string, preset, "qwen3-8b", "model shape (synthetic weights)");
 ABSL_FLAG(int32_t, num_layers, 0, "override the preset's layer count (0: keep)");
-ABSL_FLAG(int64_t, gemm_pin_m, 256, "m at which each weight shape's GEMM algorithm is pinned");
+ABSL_FLAG(int64_t, gemm_pin_m, 256,
+          "m at which each weight shape's GEMM algorithm is pinned (<= 0: no-workspace heuristic "
+          "per m)");
+ABSL_FLAG(std::string, attention, "mma", "attention kernel: mma (tensor cores) or simt");
 ABSL_FLAG(bool, e2e, true, "run the end-to-end engine benchmark");
 ABSL_FLAG(int32_t, e2e_timeout_s, 0, "stop waiting for the end-to-end run after this long and "
           "report what finished (0: wait for all)");
@@ -359,6 +362,10 @@ int Main() {
   CudaRunnerOptions options;
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.gemm_pin_m = absl::GetFlag(FLAGS_gemm_pin_m);
+  options.attention_kernel = absl::GetFlag(FLAGS_attention) == "simt"
+                                 ? CudaAttentionKernel::kSimt
+                                 : CudaAttentionKernel::kTensorCore;
+  std::printf("attention kernel: %s\n", absl::GetFlag(FLAGS_attention).c_str());
   auto t0 = Clock::now();
   auto created = CudaModelRunner::CreateSynthetic(config, 0, options);
   if (!created.ok()) {
@@ -479,6 +486,7 @@ int Main() {
   }
   std::mutex mu;
   std::condition_variable cv;
+  bool timed_out = false;
   int finished = 0;
   int64_t generated = 0;
   const auto start = Clock::now();
@@ -501,15 +509,16 @@ int Main() {
   {
     std::unique_lock<std::mutex> lock(mu);
     const int timeout_s = absl::GetFlag(FLAGS_e2e_timeout_s);
+    double next_report = 10.0;
     while (finished < requests) {
-      cv.wait_for(lock, std::chrono::seconds(10));
-      if (timeout_s > 0 && Seconds(start, Clock::now()) > timeout_s) {
-        std::printf("  TIMEOUT after %d s: %d/%d finished, %ld tokens generated; %ld decode-only "
-                    "steps so far\n",
-                    timeout_s, finished, requests, static_cast<long>(generated),
-                    static_cast<long>(timer->decode_steps.load()));
+      cv.wait_for(lock, std::chrono::seconds(1));
+      const double now = Seconds(start, Clock::now());
+      if (timeout_s > 0 && now > timeout_s) {
+        timed_out = true;
         break;
       }
+      if (now < next_report && finished < requests) continue;
+      next_report += 10.0;
       std::printf("  %6.1f s: %d/%d finished, %ld tokens generated, prefill steps %.1f s, decode "
                   "steps %.1f s\n",
                   Seconds(start, Clock::now()), finished, requests,
@@ -519,6 +528,22 @@ int Main() {
   }
   const double e2e = Seconds(start, Clock::now());
   const double forward = timer->prefill_s() + timer->decode_s();
+  const int64_t decode_steps = timer->decode_steps.load();
+  if (timed_out) {
+    // Not a result: what the steps so far cost, per kind, to say where the time goes.
+    std::printf("\nE2E INCOMPLETE after %.1f s (--e2e_timeout_s): %d/%d requests finished, %ld "
+                "tokens generated\n",
+                e2e, finished, requests, static_cast<long>(generated));
+    std::printf("  steps with prefill: %ld, %.2f s in Forward; decode-only steps: %ld, %.2f s in "
+                "Forward (%.1f ms/step); host outside Forward: %.2f s (%.1f ms per step)\n",
+                static_cast<long>(timer->prefill_steps.load()), timer->prefill_s(),
+                static_cast<long>(decode_steps), timer->decode_s(),
+                timer->decode_s() / std::max<int64_t>(1, decode_steps) * 1e3, e2e - forward,
+                (e2e - forward) / std::max<int64_t>(1, decode_steps + timer->prefill_steps.load()) *
+                    1e3);
+    engine->reset();
+    return 0;
+  }
   std::printf("\nRESULT %s %d x %d/%d: %.2f s end to end, %.0f output tok/s, %.0f total tok/s\n",
               absl::GetFlag(FLAGS_preset).c_str(), requests, in, out, e2e,
               double(requests) * out / e2e, double(requests) * (in + out) / e2e);

@@ -17,7 +17,8 @@ absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromCheckpoint(
   for (const std::string& name : (*checkpoint)->TensorNames()) {
     const TensorView* view = (*checkpoint)->Find(name);
     if (view == nullptr) {
-      return absl::InternalError(absl::StrCat(dir, ": tensor '", name, "' is listed but not found"));
+      return absl::InternalError(
+          absl::StrCat(dir, ": tensor '", name, "' is listed but not found"));
     }
     TensorSource& tensor = tensors.emplace_back();
     tensor.name = name;

@@ -101,15 +101,14 @@ void AppendCompletion(const rollout::v1::Completion& c, std::string* out) {
       c.token_ids_size());
   // One span is the common case and the header's weight_version already says it all.
   if (c.version_spans_size() > 1) {
-    absl::StrAppend(
-        out, "  version spans: ",
-        absl::StrJoin(c.version_spans(), ", ",
-                      [](std::string* s, const rollout::v1::VersionSpan& span) {
-                        absl::StrAppendFormat(s, "tokens %d-%d %s", span.first_token(),
-                                              span.last_token(),
-                                              span.version().empty() ? "(none)" : span.version());
-                      }),
-        "\n");
+    absl::StrAppend(out, "  version spans: ",
+                    absl::StrJoin(c.version_spans(), ", ",
+                                  [](std::string* s, const rollout::v1::VersionSpan& span) {
+                                    absl::StrAppendFormat(
+                                        s, "tokens %d-%d %s", span.first_token(), span.last_token(),
+                                        span.version().empty() ? "(none)" : span.version());
+                                  }),
+                    "\n");
   }
   if (c.token_ids_size() == 0) {
     absl::StrAppend(out, "  (no tokens)\n");
@@ -429,9 +428,9 @@ absl::StatusOr<std::vector<std::string>> RewriteVersionFlag(std::vector<std::str
       out.push_back(absl::StrCat("--", to, "=", name));
     } else if (name == "version") {
       if (i + 1 == args.size() || absl::StartsWith(args[i + 1], "-")) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--version needs a value: the weight version, as in --version v1",
-            i + 1 == args.size() ? "" : absl::StrCat(" (got '", args[i + 1], "')")));
+        return absl::InvalidArgumentError(
+            absl::StrCat("--version needs a value: the weight version, as in --version v1",
+                         i + 1 == args.size() ? "" : absl::StrCat(" (got '", args[i + 1], "')")));
       }
       out.push_back(absl::StrCat("--", to, "=", args[++i]));
     } else {
@@ -442,13 +441,14 @@ absl::StatusOr<std::vector<std::string>> RewriteVersionFlag(std::vector<std::str
 }
 
 absl::StatusOr<rollout::v1::InFlightPolicy> ParseInFlightPolicy(std::string_view std_text) {
-  const std::string text = absl::AsciiStrToLower(absl::string_view(std_text.data(), std_text.size()));
+  const std::string text =
+      absl::AsciiStrToLower(absl::string_view(std_text.data(), std_text.size()));
   if (text == "drain") return rollout::v1::IN_FLIGHT_POLICY_DRAIN;
   if (text == "abort") return rollout::v1::IN_FLIGHT_POLICY_ABORT;
   if (text == "continue") return rollout::v1::IN_FLIGHT_POLICY_CONTINUE;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "in-flight policy '", absl::string_view(std_text.data(), std_text.size()),
-      "' is not one of drain, abort, continue"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("in-flight policy '", absl::string_view(std_text.data(), std_text.size()),
+                   "' is not one of drain, abort, continue"));
 }
 
 std::string FormatUpdateWeightsResult(const rollout::v1::UpdateWeightsResponse& response) {
@@ -482,13 +482,13 @@ std::string FormatUploadProgress(uint64_t sent_bytes, uint64_t total_bytes,
 }
 
 std::string FormatPauseResult(const rollout::v1::PauseResponse& response) {
-  return FormatKeyValueRows({{"was_paused", response.was_paused() ? "true" : "false"},
-                             {"now", "paused"}});
+  return FormatKeyValueRows(
+      {{"was_paused", response.was_paused() ? "true" : "false"}, {"now", "paused"}});
 }
 
 std::string FormatResumeResult(const rollout::v1::ResumeResponse& response) {
-  return FormatKeyValueRows({{"was_paused", response.was_paused() ? "true" : "false"},
-                             {"now", "running"}});
+  return FormatKeyValueRows(
+      {{"was_paused", response.was_paused() ? "true" : "false"}, {"now", "running"}});
 }
 
 }  // namespace rollout

@@ -73,8 +73,7 @@ std::string FormatUpdateWeightsResult(const rollout::v1::UpdateWeightsResponse& 
 
 // One progress line of an upload, without a line break: bytes sent of the total in MB, the
 // share done and the rate so far over elapsed_seconds.
-std::string FormatUploadProgress(uint64_t sent_bytes, uint64_t total_bytes,
-                                 double elapsed_seconds);
+std::string FormatUploadProgress(uint64_t sent_bytes, uint64_t total_bytes, double elapsed_seconds);
 
 // Whether the server was paused before the call, and what it is now.
 std::string FormatPauseResult(const rollout::v1::PauseResponse& response);

@@ -204,6 +204,42 @@ TEST(FormatCompletionTableTest, SaysSoWhenASampleHasNoTokens) {
   EXPECT_THAT(table, HasSubstr("(no tokens)"));
 }
 
+TEST(FormatCompletionTableTest, ListsVersionSpansWhenTheWeightsChangedMidSample) {
+  rollout::v1::Completion c = MakeCompletion(0, 0);
+  for (uint32_t t : {5, 6, 7}) {
+    c.add_token_ids(t);
+    c.add_logprobs(-1.0f);
+  }
+  c.set_weight_version("v2");
+  rollout::v1::VersionSpan* span = c.add_version_spans();
+  span->set_version("v1");
+  span->set_first_token(0);
+  span->set_last_token(1);
+  span = c.add_version_spans();
+  span->set_version("v2");
+  span->set_first_token(2);
+  span->set_last_token(2);
+  GenerateResult result;
+  result.completions = {{c}};
+  std::vector<std::string> lines = absl::StrSplit(FormatCompletionTable(result), '\n');
+  ASSERT_GE(lines.size(), 3u);
+  EXPECT_THAT(lines[0], HasSubstr("weight_version=v2"));
+  EXPECT_EQ(lines[1], "  version spans: tokens 0-1 v1, tokens 2-2 v2");
+  EXPECT_THAT(lines[2], HasSubstr("pos |"));
+}
+
+TEST(FormatCompletionTableTest, LeavesOutASingleVersionSpan) {
+  rollout::v1::Completion c = MakeCompletion(0, 0);
+  c.add_token_ids(5);
+  c.add_logprobs(-1.0f);
+  rollout::v1::VersionSpan* span = c.add_version_spans();
+  span->set_version("w-42");
+  span->set_last_token(0);
+  GenerateResult result;
+  result.completions = {{c}};
+  EXPECT_THAT(FormatCompletionTable(result), Not(HasSubstr("version spans")));
+}
+
 TEST(FormatCompletionTableTest, SaysSoWhenThereAreNoCompletions) {
   EXPECT_EQ(FormatCompletionTable(GenerateResult()), "(no completions)\n");
 }
@@ -503,6 +539,107 @@ TEST(FormatFlushCacheResultTest, ShowsFreedAndDetachedBlocks) {
   EXPECT_EQ(FormatFlushCacheResult(response),
             "freed_blocks     12\n"
             "detached_blocks  0\n");
+}
+
+// ---- Weight updates, pause and resume -------------------------------------------------------
+
+TEST(ParseInFlightPolicyTest, AcceptsTheThreePoliciesInAnyCase) {
+  EXPECT_EQ(*ParseInFlightPolicy("drain"), rollout::v1::IN_FLIGHT_POLICY_DRAIN);
+  EXPECT_EQ(*ParseInFlightPolicy("abort"), rollout::v1::IN_FLIGHT_POLICY_ABORT);
+  EXPECT_EQ(*ParseInFlightPolicy("continue"), rollout::v1::IN_FLIGHT_POLICY_CONTINUE);
+  EXPECT_EQ(*ParseInFlightPolicy("CONTINUE"), rollout::v1::IN_FLIGHT_POLICY_CONTINUE);
+  EXPECT_EQ(*ParseInFlightPolicy("Abort"), rollout::v1::IN_FLIGHT_POLICY_ABORT);
+}
+
+TEST(ParseInFlightPolicyTest, RejectsAnythingElseNamingTheChoices) {
+  for (const char* bad : {"", "drian", "unspecified", " drain", "IN_FLIGHT_POLICY_DRAIN"}) {
+    absl::StatusOr<rollout::v1::InFlightPolicy> policy = ParseInFlightPolicy(bad);
+    EXPECT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(policy.status().message(), HasSubstr(std::string("'") + bad + "'")) << bad;
+    EXPECT_THAT(policy.status().message(), HasSubstr("drain, abort, continue")) << bad;
+  }
+}
+
+TEST(FormatUpdateWeightsResultTest, MatchesGoldenLayout) {
+  rollout::v1::UpdateWeightsResponse response;
+  response.set_version("step-100");
+  response.set_previous_version("step-99");
+  response.set_tensors_updated(291);
+  response.set_bytes_received(16'060'522'496ull);
+  response.set_aborted_samples(3);
+  response.set_receive_seconds(12.5);
+  response.set_swap_seconds(0.0421);
+  EXPECT_EQ(FormatUpdateWeightsResult(response),
+            "version           step-100\n"
+            "previous_version  step-99\n"
+            "tensors_updated   291\n"
+            "bytes_received    16060522496 (16060.5 MB)\n"
+            "aborted_samples   3\n"
+            "receive_seconds   12.500\n"
+            "swap_seconds      0.042\n"
+            "receive_rate      1284.8 MB/s\n");
+}
+
+TEST(FormatUpdateWeightsResultTest, SaysNoneAndNotApplicableForMissingValues) {
+  rollout::v1::UpdateWeightsResponse response;
+  response.set_version("v1");
+  const std::string text = FormatUpdateWeightsResult(response);
+  EXPECT_THAT(text, HasSubstr("previous_version  (none)\n"));
+  EXPECT_THAT(text, HasSubstr("receive_rate      n/a\n"));
+  EXPECT_THAT(text, HasSubstr("bytes_received    0 (0.0 MB)\n"));
+}
+
+TEST(FormatUploadProgressTest, ShowsMegabytesShareAndRate) {
+  EXPECT_EQ(FormatUploadProgress(250'000'000, 1'000'000'000, 2.0),
+            "sent 250.0 / 1000.0 MB (25%), 125.0 MB/s");
+  EXPECT_EQ(FormatUploadProgress(0, 1'000'000, 0.0), "sent 0.0 / 1.0 MB (0%)");
+  EXPECT_EQ(FormatUploadProgress(0, 0, 0.0), "sent 0.0 / 0.0 MB (100%)");
+}
+
+TEST(FormatPauseResumeTest, SayWhatTheStateWasAndIs) {
+  rollout::v1::PauseResponse pause;
+  EXPECT_EQ(FormatPauseResult(pause), "was_paused  false\nnow         paused\n");
+  pause.set_was_paused(true);
+  EXPECT_EQ(FormatPauseResult(pause), "was_paused  true\nnow         paused\n");
+  rollout::v1::ResumeResponse resume;
+  resume.set_was_paused(true);
+  EXPECT_EQ(FormatResumeResult(resume), "was_paused  true\nnow         running\n");
+  resume.set_was_paused(false);
+  EXPECT_EQ(FormatResumeResult(resume), "was_paused  false\nnow         running\n");
+}
+
+// ---- RewriteVersionFlag ---------------------------------------------------------------------
+
+std::vector<std::string> Rewritten(std::vector<std::string> args) {
+  absl::StatusOr<std::vector<std::string>> out = RewriteVersionFlag(std::move(args), "wv");
+  EXPECT_TRUE(out.ok()) << out.status();
+  return out.ok() ? *out : std::vector<std::string>{};
+}
+
+TEST(RewriteVersionFlagTest, RewritesEverySpellingOfVersion) {
+  EXPECT_THAT(Rewritten({"cli", "update-weights", "--version", "v1", "--from", "/m"}),
+              ElementsAre("cli", "update-weights", "--wv=v1", "--from", "/m"));
+  EXPECT_THAT(Rewritten({"cli", "--version=v2", "x"}), ElementsAre("cli", "--wv=v2", "x"));
+  EXPECT_THAT(Rewritten({"cli", "-version", "v3"}), ElementsAre("cli", "--wv=v3"));
+  EXPECT_THAT(Rewritten({"cli", "-version=v4"}), ElementsAre("cli", "--wv=v4"));
+  EXPECT_THAT(Rewritten({"cli", "--version="}), ElementsAre("cli", "--wv="));
+}
+
+TEST(RewriteVersionFlagTest, LeavesEverythingElseAlone) {
+  EXPECT_THAT(Rewritten({"--version", "--weight_version=a", "--versions", "version", "-v", "--",
+                         "--version", "b"}),
+              ElementsAre("--version", "--weight_version=a", "--versions", "version", "-v", "--",
+                          "--version", "b"));
+}
+
+TEST(RewriteVersionFlagTest, RejectsAVersionWithoutAValue) {
+  for (std::vector<std::string> args :
+       {std::vector<std::string>{"cli", "update-weights", "--version"},
+        std::vector<std::string>{"cli", "--version", "--from", "/m"}}) {
+    absl::StatusOr<std::vector<std::string>> out = RewriteVersionFlag(args, "wv");
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << args.back();
+    EXPECT_THAT(out.status().message(), HasSubstr("--version needs a value")) << args.back();
+  }
 }
 
 }  // namespace

@@ -414,8 +414,8 @@ int main(int argc, char** argv) {
   std::vector<char*> rewritten_argv;
   for (std::string& arg : *rewritten) rewritten_argv.push_back(arg.data());
   rewritten_argv.push_back(nullptr);
-  std::vector<char*> args = absl::ParseCommandLine(static_cast<int>(rewritten->size()),
-                                                   rewritten_argv.data());
+  std::vector<char*> args =
+      absl::ParseCommandLine(static_cast<int>(rewritten->size()), rewritten_argv.data());
   constexpr char kCommands[] =
       "generate, score, abort, flush, info, update-weights, update-weights-from-path, pause or "
       "resume";

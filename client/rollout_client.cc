@@ -48,8 +48,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(
   }
   grpc::SslCredentialsOptions ssl;
   if (options.tls_root_cert_path.has_value()) {
-    absl::StatusOr<std::string> pem =
-        ReadPemFile(*options.tls_root_cert_path, "TLS root cert");
+    absl::StatusOr<std::string> pem = ReadPemFile(*options.tls_root_cert_path, "TLS root cert");
     if (!pem.ok()) return pem.status();
     ssl.pem_root_certs = *std::move(pem);
   }
@@ -270,8 +269,7 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeights(
 
 absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
     const std::string& version, rollout::v1::InFlightPolicy policy,
-    const std::vector<TensorSource>& tensors, size_t chunk_bytes,
-    const UploadProgress& progress) {
+    const std::vector<TensorSource>& tensors, size_t chunk_bytes, const UploadProgress& progress) {
   if (chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes must be positive");
   WeightsHeader header;
   header.set_version(version);
@@ -289,7 +287,7 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
     total += tensor.nbytes;
   }
 
-  size_t index = 0;    // tensor being sent
+  size_t index = 0;     // tensor being sent
   uint64_t offset = 0;  // next byte of it
   uint64_t sent = 0;    // bytes handed out before this call; written, since we are called again
   if (progress) progress(0, total);

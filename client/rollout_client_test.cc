@@ -7,15 +7,24 @@
 #include <google/protobuf/util/message_differencer.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/checkpoint_upload.h"
+#include "engine/safetensors.h"
 
 namespace rollout {
 namespace {
@@ -46,6 +55,23 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
     unary_type_ = response.GetTypeName();
     unary_response_ = response.SerializeAsString();
     unary_status_ = std::move(status);
+  }
+  // What the next UpdateWeights call does: with fail_after_messages < 0 it reads the whole
+  // stream and then answers like a unary call (ScriptUnary); otherwise it stops reading after
+  // that many messages (header included) and answers at once, leaving the rest unread.
+  void ScriptUpdateStream(int fail_after_messages) {
+    std::lock_guard<std::mutex> lock(mu_);
+    update_fail_after_ = fail_after_messages;
+  }
+  // Every message the last UpdateWeights call read, in order.
+  std::vector<rollout::v1::WeightsChunk> update_messages() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return update_messages_;
+  }
+  // How many calls of any kind arrived.
+  int calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
   }
   // The authorization metadata of the last call; "<none>" when it had none.
   std::string last_authorization() {
@@ -112,6 +138,49 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
                           rollout::v1::FlushCacheResponse* response) override {
     return Unary(context, *request, response);
   }
+  grpc::Status UpdateWeightsFromPath(grpc::ServerContext* context,
+                                     const rollout::v1::UpdateWeightsFromPathRequest* request,
+                                     rollout::v1::UpdateWeightsResponse* response) override {
+    return Unary(context, *request, response);
+  }
+  grpc::Status Pause(grpc::ServerContext* context, const rollout::v1::PauseRequest* request,
+                     rollout::v1::PauseResponse* response) override {
+    return Unary(context, *request, response);
+  }
+  grpc::Status Resume(grpc::ServerContext* context, const rollout::v1::ResumeRequest* request,
+                      rollout::v1::ResumeResponse* response) override {
+    return Unary(context, *request, response);
+  }
+
+  // Records the first message (the header, when the client sends one first) as the request.
+  grpc::Status UpdateWeights(grpc::ServerContext* context,
+                             grpc::ServerReader<rollout::v1::WeightsChunk>* reader,
+                             rollout::v1::UpdateWeightsResponse* response) override {
+    int fail_after;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fail_after = update_fail_after_;
+    }
+    std::vector<rollout::v1::WeightsChunk> messages;
+    rollout::v1::WeightsChunk chunk;
+    while ((fail_after < 0 || static_cast<int>(messages.size()) < fail_after) &&
+           reader->Read(&chunk)) {
+      if (messages.empty()) {
+        if (chunk.has_header()) {
+          Record(context, chunk.header());
+        } else {
+          Record(context, chunk);
+        }
+      }
+      messages.push_back(chunk);
+    }
+    if (messages.empty()) Record(context, chunk);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      update_messages_ = std::move(messages);
+    }
+    return Respond(context, response);
+  }
 
  private:
   // Bounded, so that a client that never cancels fails its test instead of hanging the suite.
@@ -128,6 +197,7 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
     // gRPC reports "no deadline" as the largest time_point.
     const auto left = context->deadline() - std::chrono::system_clock::now();
     std::lock_guard<std::mutex> lock(mu_);
+    ++calls_;
     last_authorization_ =
         it == metadata.end() ? "<none>" : std::string(it->second.data(), it->second.size());
     last_deadline_left_ = std::nullopt;
@@ -140,6 +210,11 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
 
   grpc::Status Unary(grpc::ServerContext* context, const Message& request, Message* response) {
     Record(context, request);
+    return Respond(context, response);
+  }
+
+  // The scripted unary answer.
+  grpc::Status Respond(grpc::ServerContext* context, Message* response) {
     std::string type, bytes;
     grpc::Status status;
     bool hang;
@@ -170,6 +245,9 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
   std::string last_authorization_;
   std::optional<std::chrono::milliseconds> last_deadline_left_;
   std::unique_ptr<Message> last_request_;
+  int update_fail_after_ = -1;
+  std::vector<rollout::v1::WeightsChunk> update_messages_;
+  int calls_ = 0;
 };
 
 class RolloutClientTest : public ::testing::Test {
@@ -468,6 +546,20 @@ std::vector<UnaryCase> UnaryCases() {
   flush->set_freed_blocks(40);
   flush->set_detached_blocks(3);
 
+  auto update = std::make_shared<rollout::v1::UpdateWeightsResponse>();
+  update->set_version("v2");
+  update->set_previous_version("v1");
+  update->set_tensors_updated(3);
+  update->set_bytes_received(123456789);
+  update->set_aborted_samples(4);
+  update->set_receive_seconds(1.25);
+  update->set_swap_seconds(0.5);
+
+  auto pause = std::make_shared<rollout::v1::PauseResponse>();
+  pause->set_was_paused(true);
+  auto resume = std::make_shared<rollout::v1::ResumeResponse>();
+  resume->set_was_paused(true);
+
   return {
       {"Score", score, [](RolloutClient& c) { return Serialized(c.Score(MakeScoreRequest())); }},
       {"Abort", abort,
@@ -477,7 +569,34 @@ std::vector<UnaryCase> UnaryCases() {
          return Serialized(c.Abort(request));
        }},
       {"FlushCache", flush, [](RolloutClient& c) { return Serialized(c.FlushCache()); }},
+      {"UpdateWeightsFromPath", update,
+       [](RolloutClient& c) {
+         rollout::v1::UpdateWeightsFromPathRequest request;
+         request.set_path("/ckpt");
+         request.set_version("v2");
+         return Serialized(c.UpdateWeightsFromPath(request));
+       }},
+      {"Pause", pause, [](RolloutClient& c) { return Serialized(c.Pause(true)); }},
+      {"Resume", resume, [](RolloutClient& c) { return Serialized(c.Resume()); }},
+      // Client-streaming, but answered like a unary call: it belongs with these for status,
+      // token, deadline and UNIMPLEMENTED handling.
+      {"UpdateWeights", update,
+       [](RolloutClient& c) {
+         static const uint8_t kBytes[6] = {1, 2, 3, 4, 5, 6};
+         return Serialized(c.UpdateWeightsFromTensors("v2", rollout::v1::IN_FLIGHT_POLICY_CONTINUE,
+                                                      {{"w", "BF16", {3}, kBytes, 6}},
+                                                      /*chunk_bytes=*/4));
+       }},
   };
+}
+
+// The UnaryCase of that name; a test failure when there is none.
+UnaryCase UnaryCaseNamed(const std::string& name) {
+  for (UnaryCase& c : UnaryCases()) {
+    if (c.name == name) return c;
+  }
+  ADD_FAILURE() << "no UnaryCase " << name;
+  return {};
 }
 
 TEST_F(RolloutClientTest, ScoreSendsTheRequestAndReturnsTheResponseUnchanged) {
@@ -593,6 +712,478 @@ TEST_F(RolloutClientTest, CallTimeoutEndsAStuckUnaryCallWithDeadlineExceeded) {
     EXPECT_EQ(c.call(*client).status().code(), absl::StatusCode::kDeadlineExceeded) << c.name;
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << c.name;
   }
+}
+
+TEST_F(RolloutClientTest, UnaryCallsReturnTheResponseUnchanged) {
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  for (const UnaryCase& c : UnaryCases()) {
+    service_.ScriptUnary(*c.response, grpc::Status::OK);
+    absl::StatusOr<std::string> response = c.call(*client);
+    ASSERT_TRUE(response.ok()) << c.name << ": " << response.status();
+    EXPECT_EQ(*response, c.response->SerializeAsString()) << c.name;
+  }
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsFromPathPauseAndResumeSendTheirRequests) {
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  service_.ScriptUnary(*UnaryCaseNamed("UpdateWeightsFromPath").response, grpc::Status::OK);
+  rollout::v1::UpdateWeightsFromPathRequest request;
+  request.set_path("/srv/ckpt/step-9");
+  request.set_version("step-9");
+  request.set_policy(rollout::v1::IN_FLIGHT_POLICY_ABORT);
+  ASSERT_TRUE(client->UpdateWeightsFromPath(request).ok());
+  const auto seen = service_.last_request_as<rollout::v1::UpdateWeightsFromPathRequest>();
+  EXPECT_TRUE(MessageDifferencer::Equals(seen, request)) << seen.DebugString();
+
+  service_.ScriptUnary(rollout::v1::PauseResponse(), grpc::Status::OK);
+  for (bool abort_in_flight : {true, false}) {
+    ASSERT_TRUE(client->Pause(abort_in_flight).ok());
+    EXPECT_EQ(service_.last_request_as<rollout::v1::PauseRequest>().abort_in_flight(),
+              abort_in_flight);
+  }
+  service_.ScriptUnary(rollout::v1::ResumeResponse(), grpc::Status::OK);
+  ASSERT_TRUE(client->Resume().ok());
+  service_.last_request_as<rollout::v1::ResumeRequest>();  // fails the test on another type
+}
+
+// ---- UpdateWeights --------------------------------------------------------------------------
+
+rollout::v1::TensorData DataOf(const std::string& name, uint64_t offset, const std::string& bytes) {
+  rollout::v1::TensorData data;
+  data.set_name(name);
+  data.set_offset(offset);
+  data.set_data(bytes);
+  return data;
+}
+
+rollout::v1::WeightsHeader HeaderOf(const std::string& version) {
+  rollout::v1::WeightsHeader header;
+  header.set_version(version);
+  header.set_policy(rollout::v1::IN_FLIGHT_POLICY_DRAIN);
+  rollout::v1::TensorDecl* decl = header.add_tensors();
+  decl->set_name("model.norm.weight");
+  decl->set_dtype("F32");
+  decl->add_shape(2);
+  return header;
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsSendsTheHeaderFirstThenEveryChunkInOrder) {
+  service_.ScriptUnary(*UnaryCaseNamed("UpdateWeights").response, grpc::Status::OK);
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const std::vector<rollout::v1::TensorData> chunks = {DataOf("model.norm.weight", 0, "abcd"),
+                                                       DataOf("model.norm.weight", 4, "efgh")};
+  size_t next = 0;
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> response =
+      client->UpdateWeights(HeaderOf("v2"), [&](rollout::v1::TensorData* data) {
+        // Every call gets an empty message, whatever the previous one held.
+        EXPECT_EQ(data->ByteSizeLong(), 0u) << next;
+        if (next == chunks.size()) return false;
+        *data = chunks[next++];
+        return true;
+      });
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->version(), "v2");
+  EXPECT_EQ(next, chunks.size());
+
+  const std::vector<rollout::v1::WeightsChunk> seen = service_.update_messages();
+  ASSERT_EQ(seen.size(), 1 + chunks.size());
+  ASSERT_TRUE(seen[0].has_header());
+  EXPECT_TRUE(MessageDifferencer::Equals(seen[0].header(), HeaderOf("v2")))
+      << seen[0].DebugString();
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    ASSERT_TRUE(seen[1 + i].has_data()) << i;
+    EXPECT_TRUE(MessageDifferencer::Equals(seen[1 + i].data(), chunks[i]))
+        << i << ": " << seen[1 + i].DebugString();
+  }
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsWithNoChunksSendsOnlyTheHeader) {
+  service_.ScriptUnary(*UnaryCaseNamed("UpdateWeights").response, grpc::Status::OK);
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(
+      client->UpdateWeights(HeaderOf("v3"), [](rollout::v1::TensorData*) { return false; }).ok());
+  const std::vector<rollout::v1::WeightsChunk> seen = service_.update_messages();
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].header().version(), "v3");
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsStopsAskingForChunksWhenTheServerFailsMidStream) {
+  // The server rejects the stream after the header and two chunks, without reading the rest.
+  service_.ScriptUpdateStream(/*fail_after_messages=*/3);
+  service_.ScriptUnary(
+      rollout::v1::UpdateWeightsResponse(),
+      grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                   "data for 'x' overlaps bytes sent earlier; nothing was applied"));
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  // Would go on for ~2 GB; a client that ignores failed writes asks for all of them.
+  constexpr int kMaxChunks = 200'000;
+  int asked = 0;
+  const std::string bytes(10'000, 'x');
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> response =
+      client->UpdateWeights(HeaderOf("v2"), [&](rollout::v1::TensorData* data) {
+        if (asked == kMaxChunks) return false;
+        *data = DataOf("model.norm.weight", uint64_t{10'000} * asked++, bytes);
+        return true;
+      });
+  EXPECT_EQ(
+      response.status(),
+      absl::InvalidArgumentError("data for 'x' overlaps bytes sent earlier; nothing was applied"));
+  EXPECT_LT(asked, kMaxChunks);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(service_.update_messages().size(), 3u);
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsIsAnErrorWhenTheServerSaysOkBeforeTheEnd) {
+  // A broken server: it answers OK without reading the whole stream.
+  service_.ScriptUpdateStream(/*fail_after_messages=*/1);
+  service_.ScriptUnary(*UnaryCaseNamed("UpdateWeights").response, grpc::Status::OK);
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  int asked = 0;
+  const std::string bytes(10'000, 'x');
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> response =
+      client->UpdateWeights(HeaderOf("v2"), [&](rollout::v1::TensorData* data) {
+        if (asked == 200'000) return false;
+        *data = DataOf("model.norm.weight", uint64_t{10'000} * asked++, bytes);
+        return true;
+      });
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kInternal) << response.status();
+  EXPECT_THAT(response.status().message(), HasSubstr("before the whole update stream was sent"));
+}
+
+// The tensors each message of an upload carried, reassembled, checking on the way that no
+// byte arrived twice; a test failure for a message after the first that is not data.
+std::map<std::string, std::string> Reassemble(const std::vector<rollout::v1::WeightsChunk>& seen) {
+  std::map<std::string, std::string> bytes;
+  std::map<std::string, std::vector<bool>> got;
+  for (size_t i = 1; i < seen.size(); ++i) {
+    if (!seen[i].has_data()) {
+      ADD_FAILURE() << "message " << i << " is not data: " << seen[i].ShortDebugString();
+      continue;
+    }
+    const rollout::v1::TensorData& d = seen[i].data();
+    std::string& b = bytes[d.name()];
+    std::vector<bool>& g = got[d.name()];
+    if (b.size() < d.offset() + d.data().size()) {
+      b.resize(d.offset() + d.data().size());
+      g.resize(b.size());
+    }
+    for (size_t j = 0; j < d.data().size(); ++j) {
+      EXPECT_FALSE(g[d.offset() + j]) << d.name() << " byte " << d.offset() + j << " twice";
+      g[d.offset() + j] = true;
+      b[d.offset() + j] = d.data()[j];
+    }
+  }
+  for (const auto& [name, g] : got) {
+    for (size_t j = 0; j < g.size(); ++j) EXPECT_TRUE(g[j]) << name << " byte " << j << " missing";
+  }
+  return bytes;
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsFromTensorsCoversEveryByteOnceInBoundedChunks) {
+  service_.ScriptUnary(*UnaryCaseNamed("UpdateWeights").response, grpc::Status::OK);
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const std::string a = "0123456789", c = "abcdefg", d = "XYZ";
+  auto p = [](const std::string& s) { return reinterpret_cast<const uint8_t*>(s.data()); };
+  const std::vector<TensorSource> tensors = {
+      {"a", "F16", {5}, p(a), a.size()},
+      {"empty", "F32", {0, 4}, nullptr, 0},   // declared, but no (empty) chunk is sent
+      {"c", "BF16", {7, 1}, p(c), c.size()},  // odd sizes don't matter to the client
+      {"d", "BF16", {3}, p(d), d.size()},
+  };
+  std::vector<std::pair<uint64_t, uint64_t>> progress;
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> response = client->UpdateWeightsFromTensors(
+      "v9", rollout::v1::IN_FLIGHT_POLICY_ABORT, tensors, /*chunk_bytes=*/4,
+      [&](uint64_t sent, uint64_t total) { progress.emplace_back(sent, total); });
+  ASSERT_TRUE(response.ok()) << response.status();
+
+  const std::vector<rollout::v1::WeightsChunk> seen = service_.update_messages();
+  ASSERT_FALSE(seen.empty());
+  ASSERT_TRUE(seen[0].has_header());
+  const rollout::v1::WeightsHeader& header = seen[0].header();
+  EXPECT_EQ(header.version(), "v9");
+  EXPECT_EQ(header.policy(), rollout::v1::IN_FLIGHT_POLICY_ABORT);
+  ASSERT_EQ(header.tensors_size(), 4);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(header.tensors(i).name(), tensors[i].name);
+    EXPECT_EQ(header.tensors(i).dtype(), tensors[i].dtype);
+    EXPECT_THAT(header.tensors(i).shape(), ::testing::ElementsAreArray(tensors[i].shape));
+  }
+  // Tensor by tensor, at most 4 bytes each, never spanning two tensors.
+  std::vector<std::string> layout;
+  for (size_t i = 1; i < seen.size(); ++i) {
+    layout.push_back(absl::StrCat(seen[i].data().name(), "@", seen[i].data().offset(), "+",
+                                  seen[i].data().data().size()));
+  }
+  EXPECT_THAT(layout, ::testing::ElementsAre("a@0+4", "a@4+4", "a@8+2", "c@0+4", "c@4+3", "d@0+3"));
+  EXPECT_THAT(Reassemble(seen),
+              ::testing::ElementsAre(::testing::Pair("a", a), ::testing::Pair("c", c),
+                                     ::testing::Pair("d", d)));
+  using P = std::pair<uint64_t, uint64_t>;
+  EXPECT_THAT(progress, ::testing::ElementsAre(P{0, 20}, P{4, 20}, P{8, 20}, P{10, 20}, P{14, 20},
+                                               P{17, 20}, P{20, 20}));
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsFromTensorsRejectsBadInputWithoutCallingTheServer) {
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const uint8_t byte = 1;
+  EXPECT_EQ(client
+                ->UpdateWeightsFromTensors("v", rollout::v1::IN_FLIGHT_POLICY_DRAIN,
+                                           {{"w", "F32", {1}, &byte, 1}}, /*chunk_bytes=*/0)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::Status no_data = client
+                             ->UpdateWeightsFromTensors("v", rollout::v1::IN_FLIGHT_POLICY_DRAIN,
+                                                        {{"w", "F32", {1}, nullptr, 4}})
+                             .status();
+  EXPECT_EQ(no_data.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(no_data.message(), HasSubstr("'w'"));
+  EXPECT_EQ(service_.calls(), 0);
+}
+
+// ---- UpdateWeightsFromCheckpoint ------------------------------------------------------------
+
+// A fresh, empty directory under the test's temp dir.
+std::string MakeTempDir(const std::string& name) {
+  std::string dir = ::testing::TempDir() + "/client_test_" + name + "_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+HostTensor HostTensorOf(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                        uint8_t seed) {
+  HostTensor t{name, dtype, std::move(shape), {}};
+  size_t n = DTypeSize(dtype);
+  for (int64_t d : t.shape) n *= static_cast<size_t>(d);
+  for (size_t i = 0; i < n; ++i) t.bytes.push_back(static_cast<uint8_t>(seed + 7 * i));
+  return t;
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsFromCheckpointStreamsEveryTensorOfTheDirectory) {
+  const std::string dir = MakeTempDir("ckpt");
+  { std::ofstream(dir + "/config.json") << "{}"; }
+  const std::vector<HostTensor> written = {
+      HostTensorOf("model.norm.weight", DType::kF32, {5}, 1),
+      HostTensorOf("lm_head.weight", DType::kBF16, {3, 7}, 2),
+      HostTensorOf("model.embed_tokens.weight", DType::kF16, {2, 3}, 3),
+  };
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", written).ok());
+  service_.ScriptUnary(*UnaryCaseNamed("UpdateWeights").response, grpc::Status::OK);
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  uint64_t last_sent = 0, last_total = 0;
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> response =
+      UpdateWeightsFromCheckpoint(*client, dir, "step-7", rollout::v1::IN_FLIGHT_POLICY_CONTINUE,
+                                  /*chunk_bytes=*/8, [&](uint64_t sent, uint64_t total) {
+                                    EXPECT_GE(sent, last_sent);
+                                    last_sent = sent;
+                                    last_total = total;
+                                  });
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(last_sent, 20u + 42u + 12u);
+  EXPECT_EQ(last_total, 20u + 42u + 12u);
+
+  const std::vector<rollout::v1::WeightsChunk> seen = service_.update_messages();
+  ASSERT_FALSE(seen.empty());
+  ASSERT_TRUE(seen[0].has_header());
+  EXPECT_EQ(seen[0].header().version(), "step-7");
+  EXPECT_EQ(seen[0].header().policy(), rollout::v1::IN_FLIGHT_POLICY_CONTINUE);
+  std::vector<std::string> decls;
+  for (const rollout::v1::TensorDecl& decl : seen[0].header().tensors()) {
+    decls.push_back(
+        absl::StrCat(decl.name(), " ", decl.dtype(), " ", absl::StrJoin(decl.shape(), "x")));
+  }
+  // In name order, with the safetensors dtype names the server expects.
+  EXPECT_THAT(decls,
+              ::testing::ElementsAre("lm_head.weight BF16 3x7", "model.embed_tokens.weight F16 2x3",
+                                     "model.norm.weight F32 5"));
+  for (size_t i = 1; i < seen.size(); ++i) EXPECT_LE(seen[i].data().data().size(), 8u) << i;
+  std::map<std::string, std::string> expected;
+  for (const HostTensor& t : written) expected[t.name].assign(t.bytes.begin(), t.bytes.end());
+  EXPECT_EQ(Reassemble(seen), expected);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsFromCheckpointFailsBeforeSendingWhenItCannotOpenTheDir) {
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const std::string dir = MakeTempDir("no_ckpt");  // exists, but holds no checkpoint
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> response =
+      UpdateWeightsFromCheckpoint(*client, dir, "v", rollout::v1::IN_FLIGHT_POLICY_DRAIN);
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kNotFound) << response.status();
+  EXPECT_THAT(response.status().message(), HasSubstr(dir));
+  EXPECT_EQ(service_.calls(), 0);
+  std::filesystem::remove_all(dir);
+}
+
+// ---- mutual TLS options ---------------------------------------------------------------------
+
+TEST(ConnectTest, RejectsAClientCertWithoutItsKeyAndViceVersa) {
+  ClientOptions cert_only;
+  cert_only.tls_client_cert_path = "/some/client.pem";
+  absl::Status status = RolloutClient::Connect("127.0.0.1:1", cert_only).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("private key"));
+
+  ClientOptions key_only;
+  key_only.tls_client_key_path = "/some/client.key";
+  status = RolloutClient::Connect("127.0.0.1:1", key_only).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("certificate"));
+}
+
+TEST(ConnectTest, FailsNamingTheClientCertOrKeyFileThatIsMissingOrEmpty) {
+  const std::string dir = MakeTempDir("tls");
+  const std::string empty = dir + "/empty.pem", present = dir + "/present.pem";
+  { std::ofstream(empty).flush(); }
+  { std::ofstream(present) << "-----BEGIN CERTIFICATE-----\n"; }
+  ClientOptions options;
+  options.connect_timeout = std::chrono::milliseconds(100);
+  options.tls_client_cert_path = dir + "/missing.pem";
+  options.tls_client_key_path = present;
+  absl::Status status = RolloutClient::Connect("127.0.0.1:1", options).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(status.message(), HasSubstr("TLS client cert file " + dir + "/missing.pem"));
+
+  options.tls_client_cert_path = present;
+  options.tls_client_key_path = empty;
+  status = RolloutClient::Connect("127.0.0.1:1", options).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("TLS client key file " + empty + " is empty"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ConnectTest, AClientCertAloneTurnsTlsOn) {
+  // A plaintext server: a TLS client cannot complete the handshake, so Connect times out,
+  // where a plaintext client would connect.
+  rollout::v1::RolloutService::Service bare_service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&bare_service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::string target = "127.0.0.1:" + std::to_string(port);
+  ClientOptions plain;
+  plain.connect_timeout = std::chrono::milliseconds(2000);
+  EXPECT_TRUE(RolloutClient::Connect(target, plain).ok());
+
+  const std::string dir = MakeTempDir("tls_on");
+  { std::ofstream(dir + "/c.pem") << "-----BEGIN CERTIFICATE-----\n"; }
+  { std::ofstream(dir + "/k.pem") << "-----BEGIN PRIVATE KEY-----\n"; }
+  ClientOptions tls = plain;
+  tls.connect_timeout = std::chrono::milliseconds(500);
+  tls.tls_client_cert_path = dir + "/c.pem";
+  tls.tls_client_key_path = dir + "/k.pem";
+  EXPECT_EQ(RolloutClient::Connect(target, tls).status().code(), absl::StatusCode::kUnavailable);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::filesystem::remove_all(dir);
+}
+
+// Test PKI (EC P-256, valid until 2126): a CA, a server certificate for 127.0.0.1/localhost and
+// a client certificate, both signed by the CA. Generated with openssl for these tests only.
+constexpr char kTestCaPem[] = R"pem(-----BEGIN CERTIFICATE-----
+MIIBjDCCATGgAwIBAgIUEynDpFlUleM16aVWFhHjJwCAw1MwCgYIKoZIzj0EAwIw
+GjEYMBYGA1UEAwwPcm9sbG91dC10ZXN0LWNhMCAXDTI2MTEyOTA3NTIzM1oYDzIx
+MjYxMTA1MDc1MjMzWjAaMRgwFgYDVQQDDA9yb2xsb3V0LXRlc3QtY2EwWTATBgcq
+hkjOPQIBBggqhkjOPQMBBwNCAARqPOHDNr6iLUqMwYI20dnLC4NEc6k2rYWgazkO
+yNybVP1KKtKKk2SVWlidOkdQwhuppJD07s4fNieCTLt4YbF6o1MwUTAdBgNVHQ4E
+FgQUjnPa4N5LMBWUf+PxmYdV60wXKW0wHwYDVR0jBBgwFoAUjnPa4N5LMBWUf+Px
+mYdV60wXKW0wDwYDVR0TAQH/BAUwAwEB/zAKBggqhkjOPQQDAgNJADBGAiEAyg+Z
+71dGgxG9M3wZnL6ZIDb/bnx6UnhVuf2aOo+NzYMCIQDghL0YohedFIv9FHgYyEsI
+DZbAHbgpo6iMLqsJWKmj0Q==
+-----END CERTIFICATE-----
+)pem";
+constexpr char kTestServerPem[] = R"pem(-----BEGIN CERTIFICATE-----
+MIIBwDCCAWWgAwIBAgIUdU7VKM3epzeaB4E+lueFhaTM0UIwCgYIKoZIzj0EAwIw
+GjEYMBYGA1UEAwwPcm9sbG91dC10ZXN0LWNhMCAXDTI2MTEyOTA3NTIzNFoYDzIx
+MjYxMTA1MDc1MjM0WjAUMRIwEAYDVQQDDAlsb2NhbGhvc3QwWTATBgcqhkjOPQIB
+BggqhkjOPQMBBwNCAASzvdWjh8Gy/K4eRSoNuOKze86shPYOEaRajjgHEdkvDBru
+Le6QhHFrY2WDNwzNCgbO+aGdVIvKmB4qU+H5uzRJo4GMMIGJMBoGA1UdEQQTMBGC
+CWxvY2FsaG9zdIcEfwAAATAJBgNVHRMEAjAAMAsGA1UdDwQEAwIFoDATBgNVHSUE
+DDAKBggrBgEFBQcDATAdBgNVHQ4EFgQUm7Fo2wbDNfBOcDg/ZaS7KftdJA0wHwYD
+VR0jBBgwFoAUjnPa4N5LMBWUf+PxmYdV60wXKW0wCgYIKoZIzj0EAwIDSQAwRgIh
+AJkG7sZMz88c9FcwJTJKQXnjbIb9YshIwZfBCE2GJ9TaAiEA8DjQplC/Ucla0f0A
+xSaBwt4d+99U1/+L092aNt2hD+A=
+-----END CERTIFICATE-----
+)pem";
+constexpr char kTestServerKey[] = R"pem(-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgcOrpxF82fxLRMW2k
+87MUs7ZcRZ5keAhxcr2W/McRp7yhRANCAASzvdWjh8Gy/K4eRSoNuOKze86shPYO
+EaRajjgHEdkvDBruLe6QhHFrY2WDNwzNCgbO+aGdVIvKmB4qU+H5uzRJ
+-----END PRIVATE KEY-----
+)pem";
+constexpr char kTestClientPem[] = R"pem(-----BEGIN CERTIFICATE-----
+MIIBqzCCAVGgAwIBAgIUdU7VKM3epzeaB4E+lueFhaTM0UMwCgYIKoZIzj0EAwIw
+GjEYMBYGA1UEAwwPcm9sbG91dC10ZXN0LWNhMCAXDTI2MTEyOTA3NTIzNFoYDzIx
+MjYxMTA1MDc1MjM0WjAeMRwwGgYDVQQDDBNyb2xsb3V0LXRlc3QtY2xpZW50MFkw
+EwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEsTBsi+fbX2pBPfDb9ixqUZtobuJlqXn9
+NiBRaXj3Rv/05/bc9ecksH2Md1vGAeuFlJBtv7xgzECoLEi9J3MRg6NvMG0wCQYD
+VR0TBAIwADALBgNVHQ8EBAMCB4AwEwYDVR0lBAwwCgYIKwYBBQUHAwIwHQYDVR0O
+BBYEFCtMTOnSOwcGp7dfrm7MDwEXGrqEMB8GA1UdIwQYMBaAFI5z2uDeSzAVlH/j
+8ZmHVetMFyltMAoGCCqGSM49BAMCA0gAMEUCIQD8d/HQCIS9r9QzgFhzgP/4KusT
+fTtdcumnVnrm1WwiTwIgCB+k8eeUpYE5wL467YeDeAqp7ZzNy2eoVArCNj7bOng=
+-----END CERTIFICATE-----
+)pem";
+constexpr char kTestClientKey[] = R"pem(-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgKQSM2n5KYO7TPUsZ
+YzGt7nljGNWCC2I3NrKlQWD33PWhRANCAASxMGyL59tfakE98Nv2LGpRm2hu4mWp
+ef02IFFpePdG//Tn9tz15ySwfYx3W8YB64WUkG2/vGDMQKgsSL0ncxGD
+-----END PRIVATE KEY-----
+)pem";
+
+void WriteTextFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  ASSERT_TRUE(out.good()) << path;
+}
+
+TEST(MutualTlsTest, TheClientCertificateIsPresentedToAServerThatRequiresOne) {
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  ssl.pem_root_certs = kTestCaPem;
+  ssl.pem_key_cert_pairs.push_back({kTestServerKey, kTestServerPem});
+  ScriptedService service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::SslServerCredentials(ssl), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::string target = "127.0.0.1:" + std::to_string(port);
+
+  const std::string dir = MakeTempDir("mtls");
+  WriteTextFile(dir + "/ca.pem", kTestCaPem);
+  WriteTextFile(dir + "/client.pem", kTestClientPem);
+  WriteTextFile(dir + "/client.key", kTestClientKey);
+  ClientOptions options;
+  options.connect_timeout = std::chrono::milliseconds(5000);
+  options.tls_root_cert_path = dir + "/ca.pem";
+  options.tls_client_cert_path = dir + "/client.pem";
+  options.tls_client_key_path = dir + "/client.key";
+  absl::StatusOr<std::unique_ptr<RolloutClient>> client = RolloutClient::Connect(target, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<rollout::v1::ServerInfo> info = (*client)->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->weight_version(), "w-7");
+
+  // The same server turns away a client that trusts it but has no certificate of its own.
+  ClientOptions no_client_cert;
+  no_client_cert.connect_timeout = std::chrono::milliseconds(1000);
+  no_client_cert.tls_root_cert_path = dir + "/ca.pem";
+  EXPECT_EQ(RolloutClient::Connect(target, no_client_cert).status().code(),
+            absl::StatusCode::kUnavailable);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(UnaryCallsAgainstAnOlderServerTest, AnswerUnimplemented) {

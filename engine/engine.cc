@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <utility>
 
@@ -23,6 +24,14 @@ bool IsStop(const Sequence& seq, int32_t token, const ModelConfig& config) {
 }
 
 }  // namespace
+
+void StepHistogram::Record(double seconds) {
+  int b = 0;
+  while (b < kNumBuckets - 1 && seconds > kBounds[b]) ++b;
+  ++counts[b];
+  sum_seconds += seconds;
+  ++count;
+}
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<ModelRunner> runner,
                                                        const EngineOptions& options) {
@@ -153,6 +162,7 @@ absl::StatusOr<uint64_t> Engine::Submit(std::vector<SampleSpec> samples, EventSi
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return absl::UnavailableError("the engine is shutting down");
     job_id = next_job_id_++;
+    unfinished_samples_ += static_cast<int64_t>(samples.size());
     inbox_.push_back(Submission{job_id, std::move(samples), std::move(sink)});
   }
   cv_.notify_all();
@@ -278,8 +288,12 @@ void Engine::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
   UpdateResult result;
   result.previous_version = version_;
   result.aborted_samples = aborted_samples;
+  const auto start = std::chrono::steady_clock::now();
   result.status = runner_->UpdateWeights(pending.update.tensors);
   if (result.status.ok()) {
+    ++weight_updates_;
+    last_update_seconds_ =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     version_ = pending.update.version;
     scheduler_.set_cache_version(version_);
     // KV of the old weights must never serve the new ones; pages still used by running
@@ -291,6 +305,11 @@ void Engine::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
               << pending.update.tensors.size() << " tensors)";
   }
   pending.done(std::move(result));
+}
+
+int64_t Engine::unfinished_samples() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return unfinished_samples_;
 }
 
 EngineCounters Engine::counters() const {
@@ -312,7 +331,12 @@ void Engine::PublishCounters() {
   c.prompt_tokens = scheduler_.num_prompt_tokens();
   c.cache_hit_tokens = scheduler_.num_cache_hit_tokens();
   c.scored_tokens = scored_tokens_;
+  c.prefill_steps = prefill_steps_;
+  c.decode_steps = decode_steps_;
+  c.weight_updates = weight_updates_;
+  c.last_update_seconds = last_update_seconds_;
   std::lock_guard<std::mutex> lock(mu_);
+  c.unfinished_samples = unfinished_samples_;
   counters_ = c;
 }
 
@@ -355,9 +379,11 @@ void Engine::Loop() {
         for (const auto& [job_id, job] : jobs_) AbortJob(job_id, std::nullopt, &events);
       }
     }
-    for (auto& done : flushes) {
+    if (!flushes.empty()) {
       const PrefixCache::FlushResult r = cache_.Flush();
-      done(FlushResult{r.freed_blocks, r.detached_blocks});
+      // Counters first, so a caller that reads them after the reply sees the flush.
+      PublishCounters();
+      for (auto& done : flushes) done(FlushResult{r.freed_blocks, r.detached_blocks});
     }
     if (stop) {
       for (Submission& s : held_) Admit(std::move(s));
@@ -439,6 +465,11 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
     }
   }
   ++steps_;
+  const auto start = std::chrono::steady_clock::now();
+  bool has_prefill = false;
+  for (const ScheduledChunk& chunk : chunks) {
+    has_prefill |= !(chunk.end - chunk.begin == 1 && chunk.seq->num_generated() > 0);
+  }
   if (absl::Status s = runner_->Forward(batch, &logits_); !s.ok()) {
     // Not reachable with validated input; fail the step's samples rather than the process.
     LOG(ERROR) << "forward pass failed, aborting its samples: " << s;
@@ -481,6 +512,9 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
     }
     Report(seq, reason, events);
   }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  (has_prefill ? prefill_steps_ : decode_steps_).Record(seconds);
 }
 
 void Engine::ScoreRows(Sequence* seq, int64_t first_position, int64_t num_rows,
@@ -529,6 +563,8 @@ void Engine::Report(Sequence* seq, std::optional<FinishReason> reason,
     event.completion = std::move(c);
     Job& job = jobs_.at(seq->job_id);
     --job.num_unfinished;
+    std::lock_guard<std::mutex> lock(mu_);
+    --unfinished_samples_;
   }
   if (event.new_token_ids.empty() && !event.completion.has_value()) return;
   (*events)[seq->job_id].push_back(std::move(event));

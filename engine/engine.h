@@ -68,6 +68,19 @@ struct SampleEvent {
 // job's last call carrying the last one.
 using EventSink = std::function<void(std::vector<SampleEvent> events)>;
 
+// Durations of engine steps, in fixed buckets (Prometheus-style cumulative on export).
+struct StepHistogram {
+  static constexpr int kNumBuckets = 13;
+  // Upper bounds in seconds; the last bucket is +Inf.
+  static constexpr double kBounds[kNumBuckets - 1] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
+                                                      0.1,   0.2,   0.5,   1.0,  2.0,  5.0};
+  uint64_t counts[kNumBuckets] = {};  // per bucket, not cumulative
+  double sum_seconds = 0;
+  uint64_t count = 0;
+
+  void Record(double seconds);
+};
+
 struct EngineCounters {
   int32_t running = 0;
   int32_t waiting = 0;
@@ -81,6 +94,11 @@ struct EngineCounters {
   uint64_t prompt_tokens = 0;
   uint64_t cache_hit_tokens = 0;
   uint64_t scored_tokens = 0;
+  int64_t unfinished_samples = 0;  // submitted and not yet completed, any state
+  StepHistogram prefill_steps;     // steps that computed prompt (or recomputed) tokens
+  StepHistogram decode_steps;      // steps of decode tokens only
+  uint64_t weight_updates = 0;
+  double last_update_seconds = 0;  // engine-side time of the last successful swap
 };
 
 // What a weight update does to samples in flight.
@@ -161,6 +179,8 @@ class Engine {
   std::string weight_version() const;
 
   EngineCounters counters() const;
+  // Samples submitted and not yet completed (exact, unlike the per-step counters).
+  int64_t unfinished_samples() const;
 
  private:
   struct Job {
@@ -220,6 +240,9 @@ class Engine {
   uint64_t prefilled_tokens_ = 0;
   uint64_t steps_ = 0;
   uint64_t scored_tokens_ = 0;
+  StepHistogram prefill_steps_, decode_steps_;
+  uint64_t weight_updates_ = 0;
+  double last_update_seconds_ = 0;
   std::string version_;                    // the weights now in the runner
   std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
   std::vector<Submission> held_;           // submissions waiting for draining_
@@ -236,6 +259,7 @@ class Engine {
   bool paused_ = false;
   std::string published_version_;
   uint64_t next_job_id_ = 1;
+  int64_t unfinished_samples_ = 0;
   bool stop_ = false;
   EngineCounters counters_;
 

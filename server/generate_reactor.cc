@@ -47,6 +47,11 @@ GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::Generate
 void GenerateReactor::OnEvents(std::vector<SampleEvent> events) {
   // Called with stream_->mu held, on the engine thread.
   Stream& s = *stream_;
+  for (const SampleEvent& event : events) {
+    if (event.completion.has_value() && service_->metrics() != nullptr) {
+      service_->metrics()->RecordSample(event.completion->finish_reason);
+    }
+  }
   if (s.finished || s.cancelled) return;
   std::vector<v1::GenerateResponse> responses;
   for (SampleEvent& event : events) {

@@ -12,8 +12,21 @@
 
 namespace rollout {
 
-RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access)
-    : engine_(engine), model_(std::move(model)), access_(std::move(access)) {}
+RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access,
+                                       ServiceMetrics* metrics, int64_t max_unfinished_samples)
+    : engine_(engine),
+      model_(std::move(model)),
+      access_(std::move(access)),
+      metrics_(metrics),
+      max_unfinished_samples_(max_unfinished_samples) {}
+
+void RolloutServiceImpl::StopAdmission() { admitting_ = false; }
+
+absl::Status RolloutServiceImpl::CheckAdmission() const {
+  if (admitting_) return absl::OkStatus();
+  return absl::UnavailableError(
+      "the server is shutting down and takes no new work; retry on another replica");
+}
 
 RolloutServiceImpl::~RolloutServiceImpl() {
   std::vector<std::thread> loaders;
@@ -95,6 +108,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
     absl::StatusOr<WeightUpdate> update =
         LoadUpdateFromCheckpoint(engine_->weight_specs(), path, version, FromProto(policy));
     if (!update.ok()) {
+      if (metrics_ != nullptr) metrics_->RecordUpdate(0, false);
       ReleaseUpdateSlot();
       reactor->Finish(ToGrpcStatus(update.status()));
       return;
@@ -113,6 +127,10 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
       response->set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
       response->set_swap_seconds(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - swap_start).count());
+      if (metrics_ != nullptr) {
+        metrics_->RecordUpdate(response->receive_seconds() + response->swap_seconds(),
+                               r.status.ok());
+      }
       ReleaseUpdateSlot();
       reactor->Finish(ToGrpcStatus(r.status));
     });
@@ -148,7 +166,9 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* RolloutServiceImpl::Generate(
 grpc::ServerUnaryReactor* RolloutServiceImpl::Score(grpc::CallbackServerContext* context,
                                                     const v1::ScoreRequest* request,
                                                     v1::ScoreResponse* response) {
-  if (auto* denied = DenyUnless(CheckAccess(context, false), context)) return denied;
+  absl::Status access = CheckAccess(context, false);
+  if (access.ok()) access = CheckAdmission();
+  if (auto* denied = DenyUnless(access, context)) return denied;
   return new ScoreReactor(this, request, response);
 }
 
@@ -208,6 +228,14 @@ absl::StatusOr<uint64_t> RolloutServiceImpl::StartGenerate(
   // One lock over check, submit and record, so two calls cannot both claim an id and an Abort
   // never sees an id without its job.
   std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status s = CheckAdmission(); !s.ok()) return s;
+  const int64_t unfinished = engine_->unfinished_samples();
+  if (unfinished + static_cast<int64_t>(samples.size()) > max_unfinished_samples_) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "the server holds %d unfinished samples and this request adds %d, beyond its limit of "
+        "%d; retry later or on another replica",
+        unfinished, samples.size(), max_unfinished_samples_));
+  }
   for (const std::string& id : request_ids) {
     if (!id.empty() && in_flight_ids_.count(id) != 0) {
       return absl::AlreadyExistsError(absl::StrFormat(

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <string>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "server/metrics.h"
 #include "rollout/v1/rollout.grpc.pb.h"
 
 namespace rollout {
@@ -28,7 +30,10 @@ struct AccessPolicy {
 class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
  public:
   // `engine` is borrowed and must outlive the service and every call it started.
-  RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access = {});
+  // `metrics` (optional) is borrowed. `max_unfinished_samples` bounds the queue: Generate
+  // answers RESOURCE_EXHAUSTED beyond it.
+  RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access = {},
+                     ServiceMetrics* metrics = nullptr, int64_t max_unfinished_samples = 1 << 20);
   ~RolloutServiceImpl() override;
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
@@ -71,7 +76,13 @@ class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
   // Forgets a finished call's job and request ids.
   void EndGenerate(uint64_t job_id, const std::vector<std::string>& request_ids);
 
+  // From now on Generate and Score answer UNAVAILABLE (shutdown); running calls go on.
+  void StopAdmission();
+  // UNAVAILABLE once admission stopped.
+  absl::Status CheckAdmission() const;
+
   Engine* engine() const { return engine_; }
+  ServiceMetrics* metrics() const { return metrics_; }
 
  private:
   struct InFlight {
@@ -82,6 +93,9 @@ class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
   Engine* const engine_;
   const ServedModel model_;
   const AccessPolicy access_;
+  ServiceMetrics* const metrics_;
+  const int64_t max_unfinished_samples_;
+  std::atomic<bool> admitting_{true};
   std::mutex mu_;
   bool update_in_progress_ = false;      // guarded by mu_
   std::vector<std::thread> loaders_;     // UpdateWeightsFromPath workers; guarded by mu_

@@ -9,7 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -25,6 +27,7 @@
 #include "glog/logging.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/server_builder.h"
 
 namespace rollout {
@@ -163,15 +166,21 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
       Engine::Create(*std::move(runner), engine_options);
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
+  server->metrics_ = std::make_unique<ServiceMetrics>();
   server->service_ = std::make_unique<RolloutServiceImpl>(
       server->engine_.get(), ServedModel{server->model_dir_},
-      AccessPolicy{options.auth_token, options.auth_all_rpcs});
+      AccessPolicy{options.auth_token, options.auth_all_rpcs}, server->metrics_.get(),
+      options.max_queued_samples);
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(options);
   if (!credentials.ok()) return credentials.status();
 
   grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(server->metrics_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.AddListeningPort(options.address, *credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(64 << 20);
@@ -182,12 +191,49 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
         "cannot listen on %s (address in use or not a valid host:port)", options.address));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (options.metrics_port > 0) {
+    const std::string host = options.address.substr(0, options.address.rfind(':'));
+    const std::string address = absl::StrCat(host, ":", options.metrics_port);
+    Engine* engine = server->engine_.get();
+    ServiceMetrics* metrics = server->metrics_.get();
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
+        MetricsHttpServer::Start(address, [engine, metrics] {
+          return metrics->Render(engine->counters(), engine->weight_version(), engine->paused());
+        });
+    if (!http.ok()) return http.status();
+    server->metrics_http_ = *std::move(http);
+    LOG(INFO) << "metrics at http://" << address << "/metrics";
+  }
   LOG(INFO) << "rollout server listening on port " << server->port_ << " (" << options.address
             << ")";
   return server;
 }
 
 void RolloutServer::Wait() { server_->Wait(); }
+
+void RolloutServer::Drain(std::chrono::milliseconds grace) {
+  if (server_ == nullptr) return;
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  service_->StopAdmission();
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  int64_t left = engine_->unfinished_samples();
+  LOG(INFO) << "draining: " << left << " samples in flight, grace " << grace.count() << " ms";
+  while (left > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    left = engine_->unfinished_samples();
+  }
+  if (left > 0) {
+    LOG(INFO) << "grace over: aborting " << left << " samples";
+    engine_->AbortAll();
+    // Give their reactors a moment to write the ABORT completions before calls are cut.
+    const auto flush_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (engine_->unfinished_samples() > 0 &&
+           std::chrono::steady_clock::now() < flush_deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  Shutdown();
+}
 
 void RolloutServer::Shutdown() {
   if (server_ == nullptr) return;
@@ -200,6 +246,7 @@ RolloutServer::~RolloutServer() {
   Shutdown();
   if (server_ != nullptr) server_->Wait();
   server_.reset();
+  metrics_http_.reset();
   engine_.reset();
   service_.reset();
 }

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -7,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "engine/engine.h"
 #include "grpcpp/server.h"
+#include "server/metrics.h"
 #include "server/rollout_service.h"
 
 namespace rollout {
@@ -30,6 +32,10 @@ struct ServerOptions {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;
+  // Prometheus metrics over HTTP at http://<address host>:<metrics_port>/metrics; 0 = off.
+  int32_t metrics_port = 0;
+  // Generate answers RESOURCE_EXHAUSTED when unfinished samples would exceed this.
+  int64_t max_queued_samples = 65536;
   // Negative control for the determinism suite: makes one reduction (the final RMSNorm's sum)
   // depend on the batch size, so batch invariance breaks. Never set it outside tests.
   bool batch_variant_for_testing = false;
@@ -54,6 +60,10 @@ class RolloutServer {
   Engine* engine() const { return engine_.get(); }
   // Blocks until Shutdown() is called from another thread.
   void Wait();
+  // Graceful stop: health turns NOT_SERVING, new Generate/Score calls get UNAVAILABLE,
+  // in-flight samples may finish for up to `grace`; what is left then ends with
+  // FINISH_REASON_ABORT (its tokens so far delivered). Then Shutdown().
+  void Drain(std::chrono::milliseconds grace);
   void Shutdown();
 
  private:
@@ -62,7 +72,9 @@ class RolloutServer {
   std::string model_dir_;
   int port_ = 0;
   std::unique_ptr<Engine> engine_;
+  std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<RolloutServiceImpl> service_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<grpc::Server> server_;
 };
 

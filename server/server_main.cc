@@ -34,6 +34,13 @@ ABSL_FLAG(std::string, auth_token_file, "",
 ABSL_FLAG(std::string, auth_token, "",
           "the bearer token itself (visible in the process list; prefer --auth_token_file)");
 ABSL_FLAG(bool, auth_all_rpcs, false, "require the token for Generate, Score, GetServerInfo too");
+ABSL_FLAG(int32_t, metrics_port, 9400,
+          "serve Prometheus metrics at http://<address>:<port>/metrics; 0 turns them off");
+ABSL_FLAG(int32_t, shutdown_grace_s, 30,
+          "on SIGTERM/SIGINT: seconds in-flight rollouts may take to finish before they are "
+          "aborted");
+ABSL_FLAG(int64_t, max_queued_samples, 65536,
+          "unfinished samples the server holds before Generate answers RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, tls_cert, "", "TLS certificate chain (PEM); with --tls_key enables TLS");
 ABSL_FLAG(std::string, tls_key, "", "TLS private key (PEM)");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -80,6 +87,8 @@ int main(int argc, char** argv) {
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.max_queued_samples = absl::GetFlag(FLAGS_max_queued_samples);
   absl::StatusOr<std::unique_ptr<rollout::RolloutServer>> server =
       rollout::RolloutServer::Start(options);
   if (!server.ok()) {
@@ -89,8 +98,8 @@ int main(int argc, char** argv) {
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);
-    LOG(INFO) << "signal " << signal << ": shutting down";
-    (*server)->Shutdown();
+    LOG(INFO) << "signal " << signal << ": draining, then shutting down";
+    (*server)->Drain(std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));
   });
   (*server)->Wait();
   waiter.join();

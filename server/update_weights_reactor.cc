@@ -34,6 +34,7 @@ void UpdateWeightsReactor::OnReadDone(bool ok) {
       if (cancelled_) {
         if (!finished_) {
           finished_ = true;
+          ReleaseSlotLocked();
           Finish(grpc::Status(grpc::StatusCode::CANCELLED,
                               "the update stream was cancelled; nothing was applied"));
         }
@@ -75,6 +76,9 @@ void UpdateWeightsReactor::Submit() {
     response_->set_previous_version(r.previous_version);
     response_->set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
     response_->set_swap_seconds(SecondsSince(swap_start));
+    if (service_->metrics() != nullptr) {
+      service_->metrics()->RecordUpdate(SecondsSince(start_), r.status.ok());
+    }
     FinishOnce(ToGrpcStatus(r.status));
   });
 }
@@ -83,7 +87,13 @@ void UpdateWeightsReactor::FinishOnce(const grpc::Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_) return;
   finished_ = true;
+  ReleaseSlotLocked();
   Finish(status);
+}
+
+void UpdateWeightsReactor::ReleaseSlotLocked() {
+  if (holds_slot_) service_->ReleaseUpdateSlot();
+  holds_slot_ = false;
 }
 
 void UpdateWeightsReactor::OnCancel() {
@@ -93,7 +103,10 @@ void UpdateWeightsReactor::OnCancel() {
 }
 
 void UpdateWeightsReactor::OnDone() {
-  if (holds_slot_) service_->ReleaseUpdateSlot();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ReleaseSlotLocked();
+  }
   delete this;
 }
 

@@ -12,10 +12,10 @@ namespace rollout {
 // One UpdateWeights stream: stages the chunks in host memory as they arrive (validating each),
 // and once the client has sent everything hands the complete update to the engine, which swaps
 // it in between two steps. Any error finishes the call at once with nothing applied. Holds the
-// service's single update slot from construction to OnDone. Deletes itself in OnDone.
+// service's single update slot until it finishes. Deletes itself in OnDone.
 class UpdateWeightsReactor final : public grpc::ServerReadReactor<v1::WeightsChunk> {
  public:
-  // `claimed`: whether this call holds the update slot (false: it finishes with ABORTED).
+  // `admission`: the access check and the update-slot claim; a failure finishes at once.
   UpdateWeightsReactor(RolloutServiceImpl* service, v1::UpdateWeightsResponse* response,
                        absl::Status admission);
 
@@ -29,7 +29,9 @@ class UpdateWeightsReactor final : public grpc::ServerReadReactor<v1::WeightsChu
 
   RolloutServiceImpl* const service_;
   v1::UpdateWeightsResponse* const response_;
-  const bool holds_slot_;
+  void ReleaseSlotLocked();  // before Finish, so the caller's next update is not refused
+
+  bool holds_slot_;  // guarded by mu_ after construction
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   WeightsStaging staging_;
   v1::WeightsChunk chunk_;

@@ -221,6 +221,7 @@ struct CudaModelRunner::State {
   cuda::DeviceBuffer final_rows;  // [max_logit_rows, hidden] bf16
   cuda::DeviceBuffer logits;      // [max_logit_rows, vocab] fp32
   cuda::DeviceBuffer meta;        // int32 batch metadata (see ForwardSlice)
+  cuda::DeviceBuffer partials;    // [tokens, heads, splits, head_dim + 2] fp32
   cuda::PinnedHostBuffer meta_host;
 
   std::unique_ptr<cuda::PinnedGemm> gemm_qkv, gemm_o, gemm_gate_up, gemm_down, gemm_lm_head;
@@ -512,13 +513,15 @@ absl::Status CudaModelRunner::Finish() {
            {"down", h, inter, cuda::GemmOutput::kF32Accumulate, &s.gemm_down},
            {"lm_head", vocab, h, cuda::GemmOutput::kF32, &s.gemm_lm_head},
        }) {
-    std::string why;
-    if (cuda::PinnedGemm::Create(s.lt, g.n, g.k, g.output, pin_m, g.gemm, &why) !=
-        CUBLAS_STATUS_SUCCESS) {
-      LOG(WARNING) << absl::StrFormat(
-          "no split-K-free cuBLASLt algorithm could be pinned for %s [%d x %d]; using the "
-          "no-workspace heuristic per m (tests/gpu/gemm_test.cc checks its row invariance):\n%s",
-          g.name, g.n, g.k, why);
+    std::string why = "gemm_pin_m <= 0 asks for the heuristic";
+    if (pin_m <= 0 || cuda::PinnedGemm::Create(s.lt, g.n, g.k, g.output, pin_m, g.gemm, &why) !=
+                          CUBLAS_STATUS_SUCCESS) {
+      if (pin_m > 0) {
+        LOG(WARNING) << absl::StrFormat(
+            "no split-K-free cuBLASLt algorithm could be pinned for %s [%d x %d]; using the "
+            "no-workspace heuristic per m (tests/gpu/gemm_test.cc checks its row invariance):\n%s",
+            g.name, g.n, g.k, why);
+      }
       ROLLOUT_RETURN_IF_ERROR(
           CublasError(cuda::PinnedGemm::CreateHeuristic(s.lt, g.n, g.k, g.output, g.gemm),
                       absl::StrCat("creating the GEMM for ", g.name)));
@@ -664,6 +667,24 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
     items.push_back(static_cast<int32_t>(j - i));
     i = j;
   }
+  // Attention split partials, [n, heads, max_splits, head_dim + 2] fp32: for every token with
+  // the tensor-core kernel, for the one-token items with the SIMT kernel's split-parallel decode.
+  const bool mma = options_.attention_kernel == CudaAttentionKernel::kTensorCore;
+  int32_t max_splits = 1;
+  for (int64_t i = begin; i < end; ++i) {
+    const bool one_token = (i == begin || batch.token_seq[i - 1] != batch.token_seq[i]) &&
+                           (i + 1 == end || batch.token_seq[i + 1] != batch.token_seq[i]);
+    if (mma || one_token) {
+      max_splits = std::max(max_splits, batch.positions[i] / options_.attention_split_size + 1);
+    }
+  }
+  if (mma || options_.split_parallel_decode) {
+    const size_t bytes = static_cast<size_t>(n) * nh * max_splits * (hd + 2) * sizeof(float);
+    if (s.partials.bytes() < bytes) {
+      ROLLOUT_RETURN_IF_ERROR(
+          CudaError(s.partials.Allocate(bytes + bytes / 2), "allocating attention partials"));
+    }
+  }
   // Block tables of the sequences in the slice, concatenated in order of first use.
   std::map<int32_t, int32_t> table_offset_of;
   int64_t tables_size = 0;
@@ -766,14 +787,36 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
     ap.out = attn;
     ap.items = reinterpret_cast<const int2*>(d + off_one);
     ap.num_items = static_cast<int32_t>(items_one.size() / 2);
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::PagedAttention(ap, cuda::AttentionBlockShape::kOneToken, cache, s.stream),
-        "attention (one-token items)"));
-    ap.items = reinterpret_cast<const int2*>(d + off_many);
-    ap.num_items = static_cast<int32_t>(items_many.size() / 2);
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::PagedAttention(ap, cuda::AttentionBlockShape::kManyTokens, cache, s.stream),
-        "attention (many-token items)"));
+    if (mma) {
+      ap.partials = s.partials.get<float>();
+      ap.max_splits = max_splits;
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kOneToken, cache, s.stream),
+          "attention (one-token items)"));
+      ap.items = reinterpret_cast<const int2*>(d + off_many);
+      ap.num_items = static_cast<int32_t>(items_many.size() / 2);
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kManyTokens, cache, s.stream),
+          "attention (many-token items)"));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), s.stream),
+          "attention split merge"));
+    } else {
+      if (options_.split_parallel_decode) {
+        ap.partials = s.partials.get<float>();
+        ap.max_splits = max_splits;
+      }
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cuda::PagedAttention(ap, cuda::AttentionBlockShape::kOneToken, cache, s.stream),
+          "attention (one-token items)"));
+      ap.partials = nullptr;
+      ap.max_splits = 0;
+      ap.items = reinterpret_cast<const int2*>(d + off_many);
+      ap.num_items = static_cast<int32_t>(items_many.size() / 2);
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cuda::PagedAttention(ap, cuda::AttentionBlockShape::kManyTokens, cache, s.stream),
+          "attention (many-token items)"));
+    }
     ROLLOUT_RETURN_IF_ERROR(s.Mark(kAttention));
 
     ROLLOUT_RETURN_IF_ERROR(

@@ -11,6 +11,14 @@
 
 namespace rollout {
 
+// Which attention kernel computes every row (kernels/cuda/ops.h). Each is batch invariant and
+// prefill == decode bitwise; they differ from each other in bits, so the choice is part of the
+// engine configuration the determinism contract is stated for.
+enum class CudaAttentionKernel {
+  kTensorCore,  // PagedAttentionMma: mma.sync, bf16 q and P, split-parallel + ordered merge
+  kSimt,        // PagedAttention: fp32 SIMT (the first, simplest version)
+};
+
 struct CudaRunnerOptions {
   int device = 0;
   // KV page size in tokens. Any positive size works; attention tiles are 32 keys.
@@ -27,8 +35,14 @@ struct CudaRunnerOptions {
   // after weights and workspace.
   int64_t kv_cache_bytes = 0;
   double kv_cache_fraction = 0.90;
-  // The m for which cuBLASLt's heuristic picks each weight shape's one pinned algorithm.
+  // The m for which cuBLASLt's heuristic picks each weight shape's one pinned algorithm; <= 0
+  // (or no pinnable algorithm) uses the no-workspace heuristic per m instead. Both are checked
+  // row-invariant by tests/gpu/gemm_test.cc.
   int64_t gemm_pin_m = 256;
+  CudaAttentionKernel attention_kernel = CudaAttentionKernel::kTensorCore;
+  // kSimt only: decode tokens' attention as one block per (token, kv head, split) and an ordered
+  // merge, instead of one block walking all splits. Same bits, more parallelism.
+  bool split_parallel_decode = true;
 };
 
 // Time spent per kernel family, summed over profiled Forward calls (CUDA events).

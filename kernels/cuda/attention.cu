@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cuda/attention_fold.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/warp_reduce.cuh"
 
@@ -85,9 +86,15 @@ __global__ void __launch_bounds__(kWarps * 32)
       big_o[i][e] = 0.0f;
     }
   }
+  // Split-parallel mode: this block walks split blockIdx.z alone (idle splits exit).
+  const int split = p.partials != nullptr ? static_cast<int>(blockIdx.z) : 0;
+  const int walk_begin = p.partials != nullptr ? split * p.split_size : 0;
+  const int walk_end =
+      p.partials != nullptr ? min(max_pos + 1, walk_begin + p.split_size) : max_pos + 1;
+  if (walk_begin >= walk_end) return;  // block-uniform, before any barrier
   __syncthreads();
 
-  for (int tile_start = 0; tile_start <= max_pos; tile_start += kTile) {
+  for (int tile_start = walk_begin; tile_start < walk_end; tile_start += kTile) {
     // Stage the tile's keys and values (positions past max_pos are never read by any row).
     for (int i = threadIdx.x; i < kTile * kChunks; i += kWarps * 32) {
       const int j = i / kChunks;
@@ -173,28 +180,36 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
 
-    // A split ends at an absolute multiple of split_size or at the row's own last tile.
+    // A split ends at an absolute multiple of split_size or at the row's own last tile. In
+    // split-parallel mode the block owns one split: its partial is stored for the merge kernel.
     const int tile_end = tile_start + kTile;
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       if (last_j[i] < 0) continue;
       if (tile_end % p.split_size != 0 && tile_end <= pos[i]) continue;
-      const float m_new = fmaxf(big_m[i], m[i]);
-      const float a = expf(big_m[i] - m_new);
-      const float b = expf(m[i] - m_new);
-      big_l[i] = big_l[i] * a + l[i] * b;
+      if (p.partials != nullptr) {
+        // One-token items: row = (token, head).
+        const int64_t row = static_cast<int64_t>(item.x) * p.num_heads + kv_head * group +
+                            (warp * kRows + i) % group;
+        float* dst = p.partials + (row * p.max_splits + split) * (kHeadDim + 2);
+        if (lane == 0) {
+          dst[0] = m[i];
+          dst[1] = l[i];
+        }
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        big_o[i][e] = big_o[i][e] * a + o[i][e] * b;
-        o[i][e] = 0.0f;
+        for (int e = 0; e < E; ++e) dst[2 + lane * E + e] = o[i][e];
+      } else {
+        FoldPartial<E>(m[i], l[i], o[i], &big_m[i], &big_l[i], big_o[i]);
       }
-      big_m[i] = m_new;
+#pragma unroll
+      for (int e = 0; e < E; ++e) o[i][e] = 0.0f;
       m[i] = -INFINITY;
       l[i] = 0.0f;
     }
     __syncthreads();  // the next tile overwrites k_s, v_s and p_s
   }
 
+  if (p.partials != nullptr) return;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     if (pos[i] < 0) continue;
@@ -207,6 +222,35 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+constexpr int kMergeWarps = 8;
+
+// One warp per (token, head) row: folds the row's stored split partials in increasing split
+// order (FoldPartial, as the in-block walk does) and writes O / L.
+template <int kHeadDim>
+__global__ void __launch_bounds__(kMergeWarps * 32)
+    MergeSplitsKernel(AttentionParams p) {
+  constexpr int E = kHeadDim / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
+  if (w >= static_cast<int64_t>(p.num_items) * p.num_heads) return;  // w = (item, head)
+  const int64_t t = p.items[w / p.num_heads].x;
+  const int64_t row = t * p.num_heads + w % p.num_heads;  // partials row = (token, head)
+  const int splits = p.positions[t] / p.split_size + 1;
+  float big_m = -INFINITY, big_l = 0.0f, big_o[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) big_o[e] = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float* src = p.partials + (row * p.max_splits + s) * (kHeadDim + 2);
+    float o[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) o[e] = src[2 + lane * E + e];
+    FoldPartial<E>(src[0], src[1], o, &big_m, &big_l, big_o);
+  }
+  bf16* dst = p.out + row * kHeadDim + lane * E;
+#pragma unroll
+  for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(big_o[e] / big_l);
+}
+
 template <int kHeadDim, int kWarps, int kRows>
 cudaError_t Launch(const AttentionParams& p, KvCacheView cache, cudaStream_t stream) {
   constexpr size_t kSmem = AttentionSmem<kHeadDim, kWarps, kRows>::kBytes;
@@ -217,8 +261,15 @@ cudaError_t Launch(const AttentionParams& p, KvCacheView cache, cudaStream_t str
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(cache.num_kv_heads));
+  const unsigned splits = p.partials != nullptr ? static_cast<unsigned>(p.max_splits) : 1u;
+  const dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(cache.num_kv_heads),
+                  splits);
   kernel<<<grid, kWarps * 32, kSmem, stream>>>(p, cache);
+  if (p.partials == nullptr) return cudaGetLastError();
+  const int64_t rows = static_cast<int64_t>(p.num_items) * p.num_heads;
+  MergeSplitsKernel<kHeadDim>
+      <<<static_cast<unsigned>((rows + kMergeWarps - 1) / kMergeWarps), kMergeWarps * 32, 0,
+         stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -247,6 +298,7 @@ cudaError_t PagedAttention(const AttentionParams& params, AttentionBlockShape sh
     shape = AttentionBlockShape::kManyTokens;
   }
   if (group > kManyWarps * kManyRows) return cudaErrorInvalidValue;
+  if (params.partials != nullptr && params.max_splits < 1) return cudaErrorInvalidValue;
   if (params.num_items == 0) return cudaSuccess;
   switch (cache.head_dim) {
     case 32:

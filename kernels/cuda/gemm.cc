@@ -1,5 +1,6 @@
 #include "kernels/cuda/gemm.h"
 
+#include <algorithm>
 #include <cstdio>
 
 namespace rollout::cuda {
@@ -145,17 +146,22 @@ cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, in
     note("split-K or a reduction scheme");
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
-  for (int64_t m : {1, 7, 64, 1000, 8192}) {
+  size_t workspace = 0;
+  for (int64_t m : {1, 7, 64, 1000, 8192, 65535}) {
     Layouts layouts;
     ROLLOUT_RETURN_IF_CUBLAS(layouts.Init(m, n, k, output));
     cublasLtMatmulHeuristicResult_t check{};
     const cublasStatus_t status = cublasLtMatmulAlgoCheck(
         handle, g->desc_, layouts.a, layouts.b, layouts.c, layouts.c, &g->algo_, &check);
-    if (status != CUBLAS_STATUS_SUCCESS || check.workspaceSize != 0) {
+    if (status != CUBLAS_STATUS_SUCCESS || check.workspaceSize > kMaxPinnedWorkspace) {
       note("m=" + std::to_string(m) + " check " + CublasStatusName(status) + " workspace " +
            std::to_string(check.workspaceSize));
       return status != CUBLAS_STATUS_SUCCESS ? status : CUBLAS_STATUS_NOT_SUPPORTED;
     }
+    workspace = std::max(workspace, check.workspaceSize);
+  }
+  if (workspace > 0 && g->workspace_.Allocate(workspace) != cudaSuccess) {
+    return CUBLAS_STATUS_ALLOC_FAILED;
   }
   g->mode_ = Mode::kPinned;
   *gemm = std::move(g);
@@ -190,7 +196,10 @@ cublasStatus_t PinnedGemm::CreateHeuristic(cublasLtHandle_t handle, int64_t n, i
 }
 
 std::string PinnedGemm::Describe() const {
-  if (mode_ == Mode::kPinned) return "pinned " + DescribeAlgo(algo_).ToString();
+  if (mode_ == Mode::kPinned) {
+    return "pinned " + DescribeAlgo(algo_).ToString() + " workspace " +
+           std::to_string(workspace_.bytes());
+  }
   return "not pinned: cuBLASLt heuristic per m, no workspace (like cublasGemmEx, workspace 0)";
 }
 
@@ -217,7 +226,7 @@ cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfl
     algo = &it->second;
   }
   return cublasLtMatmul(handle_, desc_, &alpha, w, layouts.a, x, layouts.b, &beta, y, layouts.c,
-                        y, layouts.c, algo, nullptr, 0, stream);
+                        y, layouts.c, algo, workspace_.get(), workspace_.bytes(), stream);
 }
 
 const char* CublasStatusName(cublasStatus_t status) { return cublasLtGetStatusName(status); }

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/device_buffer.h"
+
 // Row-invariant GEMMs for the projections: y[m, n] = x[m, k] . w[n, k]^T, bf16 in, fp32
 // accumulation, one cuBLASLt algorithm per weight shape chosen once and used for every m.
 //
@@ -19,6 +21,8 @@
 // no reduction scheme walks K in one fixed order per output element; tests/gpu/gemm_test.cc
 // checks every row bitwise for m = 1..512 and larger powers of two on every weight shape.
 namespace rollout::cuda {
+
+inline constexpr size_t kMaxPinnedWorkspace = 1 << 20;
 
 enum class GemmOutput {
   kBf16,           // y bf16, overwritten
@@ -51,8 +55,11 @@ class PinnedGemm {
   };
 
   // Asks cuBLASLt's heuristic (no workspace) for algorithms for m = pin_m and pins the first
-  // with split-K 1 and no reduction scheme that also passes cublasLtMatmulAlgoCheck, needing no
-  // workspace, for m in {1, 7, 64, 1000, 8192}. The choice is a pure function of (GPU model,
+  // with split-K 1 and no reduction scheme that also passes cublasLtMatmulAlgoCheck for m in
+  // {1, 7, 64, 1000, 8192, 65535} with at most kMaxPinnedWorkspace of workspace. (On the H200
+  // with CUDA 13 the Hopper kernels ask for 4 bytes beyond m = 256 or so -- a tile-scheduler
+  // counter, not a split: split-K stays 1; the row-invariance test is the proof.) The gemm
+  // owns that workspace. The choice is a pure function of (GPU model,
   // cuBLAS version, shape, output, pin_m): restarts and replicas pin the same algorithm.
   // `diagnostics` (optional) receives why each candidate was refused.
   static cublasStatus_t Create(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output,
@@ -98,6 +105,7 @@ class PinnedGemm {
   Mode mode_ = Mode::kPinned;
   cublasLtMatmulDesc_t desc_ = nullptr;
   cublasLtMatmulAlgo_t algo_{};
+  DeviceBuffer workspace_;  // kPinned: what the algorithm asks for at the largest m checked
   std::map<int64_t, cublasLtMatmulAlgo_t> per_m_;  // kHeuristicNoWorkspace: m -> its algorithm
 };
 

@@ -83,18 +83,9 @@ int AttentionItemTokens(int group);
 
 // Paged causal attention over the cache (write the batch's K/V first). A work item is
 // (first token, number of tokens): consecutive tokens of one sequence, so one block table.
-// Per row (token at position p, head h, kv head h / group), exactly:
-//   keys [0, p] in splits [kS, (k+1)S), S = split_size; inside a split, tiles of 32 keys in
-//   increasing order; per tile, s_j = (sum_d fmaf(q_d, k_jd) in increasing d) * scale for j <= p,
-//   m' = max(m, max_j s_j), a = expf(m - m'), p_j = expf(s_j - m'), l = l * a + warp_sum(p_j),
-//   o = o * a then o = fmaf(p_j, v_j, o) in increasing j <= p; at the split's end (a multiple of
-//   S, or p's tile) the partial (m, l, o) is folded into (M, L, O) in increasing split order:
-//   M' = max(M, m), A = expf(M - M'), B = expf(m - M'), L = L*A + l*B, O = O*A + o*B;
-//   out = bf16(O / L). warp_sum is the xor-butterfly 16, 8, 4, 2, 1 over the tile's lanes.
 // q: [num_tokens, num_heads, head_dim] fp32; out: [num_tokens, num_heads, head_dim] bf16;
 // positions, table_offsets: [num_tokens]; tables: concatenated block tables, the token's at
 // tables + table_offsets[t]; items: [num_items] of (first token, count).
-// REQUIRES: head_dim in {32, 64, 128}; split_size % 32 == 0; items fit the block shape.
 struct AttentionParams {
   const float* q = nullptr;
   const int32_t* positions = nullptr;
@@ -106,9 +97,48 @@ struct AttentionParams {
   int32_t split_size = 0;
   float scale = 1.0f;
   bf16* out = nullptr;
+  // Split partials [num_tokens, num_heads, max_splits, head_dim + 2] fp32: (m, l, o[head_dim])
+  // per (token, head, split). REQUIRES: max_splits >= max over the items' tokens of
+  // position / split_size + 1.
+  float* partials = nullptr;
+  int32_t max_splits = 0;
 };
+
+// Version 1, SIMT fp32 (kernels/cuda/attention.cu). Per row (token at position p, head h, kv
+// head h / group), exactly:
+//   keys [0, p] in splits [kS, (k+1)S), S = split_size; inside a split, tiles of 32 keys in
+//   increasing order; per tile, s_j = (sum_d fmaf(q_d, k_jd) in increasing d) * scale for j <= p,
+//   m' = max(m, max_j s_j), a = expf(m - m'), p_j = expf(s_j - m'), l = l * a + warp_sum(p_j),
+//   o = o * a then o = fmaf(p_j, v_j, o) in increasing j <= p; at the split's end (a multiple of
+//   S, or p's tile) the partial (m, l, o) is folded into (M, L, O) in increasing split order
+//   (FoldPartial, attention_fold.cuh); out = bf16(O / L). warp_sum is the xor-butterfly
+//   16, 8, 4, 2, 1 over the tile's lanes.
+// Split-parallel mode (items of one token only), when params.partials is set: one block per
+// (item, kv head, split) stores each split's partial, then a merge kernel folds them in split
+// order with FoldPartial -- the same bits as one block walking every split, with max_splits
+// times the parallelism. Otherwise one block walks all splits of its rows.
 cudaError_t PagedAttention(const AttentionParams& params, AttentionBlockShape shape,
                            KvCacheView cache, cudaStream_t stream);
+
+// Version 2, tensor cores (kernels/cuda/attention_mma.cu): mma.sync m16n8k16, bf16 inputs, fp32
+// accumulation. Always split-parallel: one block per (item, kv head, split) writes the split
+// partial of each of its rows to params.partials; MergeAttentionSplits then folds them. Per row
+// (token at position p), exactly: q rounded to bf16; per tile of 32 keys of its split (tiles up
+// to p's), S = q . K^T as 4 key-tiles of 8 x (head_dim / 16) MMAs in increasing dim order,
+// s = S * scale (keys > p: -inf), m' = max(m, tile max), a = expf(m - m'), p_j = expf(s_j - m'),
+// l = l * a + (the row's 32 p_j summed per thread in key order, then across the quad by xor 1,
+// 2), o = o * a, then o += bf16(P) . V as (head_dim / 8) dim-tiles x 2 key chunks of MMAs in
+// increasing order. Rows of an MMA are independent, so padding rows and neighbours cannot touch
+// a row's bits: kOneToken (one warp: a token's GQA group padded to 16 rows) and kManyTokens
+// (four warps of 16 rows) compute the same bits. REQUIRES: head_dim in {32, 64, 128}; group
+// <= 16 for kOneToken; split_size % 32 == 0; params.partials set.
+cudaError_t PagedAttentionMma(const AttentionParams& params, AttentionBlockShape shape,
+                              KvCacheView cache, cudaStream_t stream);
+
+// For tokens [0, num_tokens): folds each (token, head)'s split partials in increasing split order
+// (FoldPartial) and writes bf16(O / L) to params.out. One warp per row.
+cudaError_t MergeAttentionSplits(const AttentionParams& params, int64_t num_tokens,
+                                 int32_t head_dim, cudaStream_t stream);
 
 // out[r, i] = bf16(silu(gate) * up), silu(g) = g / (1 + expf(-g)), gate = gate_up[r, i],
 // up = gate_up[r, dim + i]. gate_up: [rows, 2 * dim] bf16; out: [rows, dim] bf16.

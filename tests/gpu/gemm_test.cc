@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/cuda/cuda_model_runner.h"
@@ -44,12 +46,11 @@ std::vector<int64_t> RowCounts() {
   return ms;
 }
 
-int64_t PinM() {
-  const char* env = std::getenv("ROLLOUT_GEMM_PIN_M");
-  return env != nullptr ? std::atoll(env) : CudaRunnerOptions{}.gemm_pin_m;
-}
+// 0: the no-workspace heuristic per m (the fallback); else the m an algorithm is pinned at.
+// The runner's default pin (CudaRunnerOptions::gemm_pin_m) must be among these.
+constexpr int64_t kPinChoices[] = {0, 256, 2048};
 
-class GemmTest : public ::testing::TestWithParam<Shape> {
+class GemmTest : public ::testing::TestWithParam<std::tuple<Shape, int64_t>> {
  protected:
   void SetUp() override {
     if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
@@ -62,19 +63,21 @@ class GemmTest : public ::testing::TestWithParam<Shape> {
 };
 
 TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
-  const Shape s = GetParam();
+  const Shape s = std::get<0>(GetParam());
+  const int64_t pin_m = std::get<1>(GetParam());
   constexpr int64_t kMaxM = 8192;
-  // Exactly what CudaModelRunner does: pin, else fall back to the per-m heuristic.
   std::unique_ptr<cuda::PinnedGemm> gemm;
   std::string why;
-  if (cuda::PinnedGemm::Create(lt_, s.n, s.k, s.output, PinM(), &gemm, &why) !=
-      CUBLAS_STATUS_SUCCESS) {
-    std::printf("[ no pin   ] %s:\n%s", s.name, why.c_str());
+  if (pin_m == 0) {
     ASSERT_EQ(CUBLAS_STATUS_SUCCESS,
               cuda::PinnedGemm::CreateHeuristic(lt_, s.n, s.k, s.output, &gemm));
+  } else {
+    ASSERT_EQ(CUBLAS_STATUS_SUCCESS,
+              cuda::PinnedGemm::Create(lt_, s.n, s.k, s.output, pin_m, &gemm, &why))
+        << why;
   }
   std::printf("[ gemm     ] %-8s n=%-6ld k=%-6ld pin_m=%ld %s\n", s.name, static_cast<long>(s.n),
-              static_cast<long>(s.k), static_cast<long>(PinM()), gemm->Describe().c_str());
+              static_cast<long>(s.k), static_cast<long>(pin_m), gemm->Describe().c_str());
 
   const int64_t out_bytes = s.output == GemmOutput::kBf16 ? 2 : 4;
   cuda::DeviceBuffer x, w, base, ref, y, count;
@@ -129,10 +132,14 @@ TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
   EXPECT_TRUE(std::isfinite(sum_sq) && sum_sq > 0.0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Qwen3_8b, GemmTest, ::testing::ValuesIn(kQwen3_8bShapes),
-                         [](const ::testing::TestParamInfo<Shape>& info) {
-                           return std::string(info.param.name);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Qwen3_8b, GemmTest,
+    ::testing::Combine(::testing::ValuesIn(kQwen3_8bShapes), ::testing::ValuesIn(kPinChoices)),
+    [](const ::testing::TestParamInfo<std::tuple<Shape, int64_t>>& info) {
+      const int64_t pin = std::get<1>(info.param);
+      return std::string(std::get<0>(info.param).name) +
+             (pin == 0 ? "_heuristic" : "_pinned_at_" + std::to_string(pin));
+    });
 
 }  // namespace
 }  // namespace rollout

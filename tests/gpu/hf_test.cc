@@ -86,10 +86,12 @@ int32_t Argmax(const float* row, int64_t n) {
   return static_cast<int32_t>(best);
 }
 
-// Teacher-forced logits of every position of prompt + reference continuation, and the largest
-// error seen (used below to tell near-ties from real divergence).
+// Teacher-forced logits of every position of prompt + reference continuation: checks them
+// against the reference, returns the largest error seen (used below to tell near-ties from real
+// divergence) and, per prompt, our argmax at each generated position given the reference prefix.
 double MaxLogitError(CudaModelRunner* runner, const Reference& ref,
-                     std::vector<double>* rms_out) {
+                     std::vector<double>* rms_out,
+                     std::vector<std::vector<int32_t>>* forced_argmax) {
   double worst = 0.0;
   for (size_t i = 0; i < ref.prompts.size(); ++i) {
     std::vector<int32_t> seq = ref.prompts[i];
@@ -109,6 +111,11 @@ double MaxLogitError(CudaModelRunner* runner, const Reference& ref,
     std::vector<float> got;
     EXPECT_TRUE(runner->Forward(b, &got).ok());
     const std::vector<float>& want = ref.logits[i];
+    forced_argmax->emplace_back();
+    for (size_t step = 0; step < ref.greedy[i].size(); ++step) {
+      const size_t row = ref.prompts[i].size() - 1 + step;
+      forced_argmax->back().push_back(Argmax(&got[row * ref.vocab], ref.vocab));
+    }
     double sum_sq = 0.0, max_err = 0.0, sum_err = 0.0;
     for (size_t k = 0; k < want.size(); ++k) {
       sum_sq += double(want[k]) * want[k];
@@ -131,11 +138,35 @@ double MaxLogitError(CudaModelRunner* runner, const Reference& ref,
 
 TEST_F(HfTest, LogitsMatchTransformersAndGreedyContinuationsAgree) {
   std::vector<double> rms;
-  const double max_err = MaxLogitError(runner_.get(), ref_, &rms);
+  std::vector<std::vector<int32_t>> forced;
+  const double max_err = MaxLogitError(runner_.get(), ref_, &rms, &forced);
+  // A reference step whose top-1 / top-2 margin is within twice our largest logit error is a
+  // near-tie: bf16 arithmetic may pick either token there, and only there.
+  const double tie = 2.0 * max_err;
 
-  int near_ties = 0;
+  // Teacher-forced: given transformers' prefix, our next token is transformers' at every step
+  // that is not a near-tie.
+  int forced_steps = 0, forced_agree = 0;
   for (size_t i = 0; i < ref_.prompts.size(); ++i) {
-    // Our own greedy loop: prefill the prompt, then one token per step.
+    for (size_t step = 0; step < ref_.greedy[i].size(); ++step) {
+      ++forced_steps;
+      if (forced[i][step] == ref_.greedy[i][step]) {
+        ++forced_agree;
+      } else {
+        EXPECT_LE(ref_.margins[i][step], tie)
+            << "prompt " << i << " step " << step << ": teacher-forced argmax "
+            << forced[i][step] << " vs transformers' " << ref_.greedy[i][step];
+      }
+    }
+  }
+  std::printf("[ forced   ] teacher-forced greedy agrees on %d of %d steps (near-tie margin %.3f)\n",
+              forced_agree, forced_steps, tie);
+  EXPECT_GE(forced_agree * 100, forced_steps * 97);
+
+  // Free-running: our own greedy loop (prefill the prompt, then one token per step) matches
+  // transformers' continuation until a near-tie, and for at least 32 tokens where none occurs.
+  int full_matches = 0;
+  for (size_t i = 0; i < ref_.prompts.size(); ++i) {
     std::vector<int32_t> seq = ref_.prompts[i];
     const int n = static_cast<int>(seq.size());
     const int steps = static_cast<int>(ref_.greedy[i].size());
@@ -150,21 +181,17 @@ TEST_F(HfTest, LogitsMatchTransformersAndGreedyContinuationsAgree) {
     }
     int agree = 0;
     while (agree < steps && seq[n + agree] == ref_.greedy[i][agree]) ++agree;
-    std::printf("[ greedy   ] prompt %zu: %d of %d tokens equal transformers'%s\n", i, agree,
-                steps,
-                agree < steps ? (" (reference top-1/top-2 margin there: " +
-                                 std::to_string(ref_.margins[i][agree]) + ")")
-                                    .c_str()
-                              : "");
+    full_matches += agree == steps;
+    std::printf("[ greedy   ] prompt %zu: %d of %d tokens equal transformers'", i, agree, steps);
+    if (agree < steps) std::printf(" (reference margin there: %.4f)", ref_.margins[i][agree]);
+    std::printf("\n");
     if (agree < 32) {
-      // Only a near-tie in the reference (closer than our measured logit error) may flip.
-      const bool near_tie = ref_.margins[i][agree] <= 2.0 * max_err;
-      near_ties += near_tie;
-      EXPECT_TRUE(near_tie) << "prompt " << i << " diverges at token " << agree
-                            << " where the reference margin is " << ref_.margins[i][agree];
+      EXPECT_LE(ref_.margins[i][agree], tie)
+          << "prompt " << i << " diverges at token " << agree << ", not a near-tie";
     }
   }
-  EXPECT_LE(near_ties, 1) << "more than one prompt diverged before 32 tokens at a near-tie";
+  EXPECT_GE(full_matches * 2, static_cast<int>(ref_.prompts.size()))
+      << "fewer than half of the prompts match all their tokens";
 }
 
 }  // namespace

@@ -226,7 +226,7 @@ struct AttentionRun {
   std::vector<float> q;  // [tokens, nh, hd]
 
   std::vector<bf16> Run(const AttentionFixture& f, const std::vector<int32_t>& items,
-                        cuda::AttentionBlockShape shape) const {
+                        cuda::AttentionBlockShape shape, bool split_parallel = false) const {
     const int64_t t = positions.size();
     std::vector<int32_t> offsets(t), tables;
     std::vector<int32_t> seq_offset(f.tables.size());
@@ -251,7 +251,54 @@ struct AttentionRun {
     p.split_size = f.split;
     p.scale = 1.0f / std::sqrt(static_cast<float>(f.hd));
     p.out = d_out.get<bf16>();
+    cuda::DeviceBuffer partials;
+    if (split_parallel) {
+      int32_t max_pos = 0;
+      for (int32_t pos : positions) max_pos = std::max(max_pos, pos);
+      p.max_splits = max_pos / f.split + 1;
+      partials.Allocate(static_cast<size_t>(p.num_items) * f.nh * p.max_splits * (f.hd + 2) * 4);
+      p.partials = partials.get<float>();
+    }
     EXPECT_EQ(cudaSuccess, cuda::PagedAttention(p, shape, f.view(), nullptr));
+    EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    return Download<bf16>(d_out, t * f.nh * f.hd);
+  }
+
+  // The tensor-core kernel (always split-parallel) and its merge.
+  std::vector<bf16> RunMma(const AttentionFixture& f, const std::vector<int32_t>& items,
+                           cuda::AttentionBlockShape shape) const {
+    const int64_t t = positions.size();
+    std::vector<int32_t> offsets(t), tables;
+    std::vector<int32_t> seq_offset(f.tables.size());
+    for (size_t s = 0; s < f.tables.size(); ++s) {
+      seq_offset[s] = tables.size();
+      tables.insert(tables.end(), f.tables[s].begin(), f.tables[s].end());
+    }
+    for (int64_t i = 0; i < t; ++i) offsets[i] = seq_offset[token_seq[i]];
+    auto d_q = Upload(q), d_pos = Upload(positions), d_off = Upload(offsets);
+    auto d_tables = Upload(tables), d_items = Upload(items);
+    int32_t max_pos = 0;
+    for (int32_t pos : positions) max_pos = std::max(max_pos, pos);
+    cuda::DeviceBuffer d_out, partials;
+    d_out.Allocate(t * f.nh * f.hd * 2);
+    cudaMemset(d_out.get(), 0xff, t * f.nh * f.hd * 2);
+    cuda::AttentionParams p;
+    p.q = d_q.get<float>();
+    p.positions = d_pos.get<int32_t>();
+    p.table_offsets = d_off.get<int32_t>();
+    p.tables = d_tables.get<int32_t>();
+    p.items = d_items.get<int2>();
+    p.num_items = items.size() / 2;
+    p.num_heads = f.nh;
+    p.split_size = f.split;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(f.hd));
+    p.out = d_out.get<bf16>();
+    p.max_splits = max_pos / f.split + 1;
+    partials.Allocate(static_cast<size_t>(t) * f.nh * p.max_splits * (f.hd + 2) * 4);
+    cudaMemset(partials.get(), 0xff, static_cast<size_t>(t) * f.nh * p.max_splits * (f.hd + 2) * 4);
+    p.partials = partials.get<float>();
+    EXPECT_EQ(cudaSuccess, cuda::PagedAttentionMma(p, shape, f.view(), nullptr));
+    EXPECT_EQ(cudaSuccess, cuda::MergeAttentionSplits(p, t, f.hd, nullptr));
     EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
     return Download<bf16>(d_out, t * f.nh * f.hd);
   }
@@ -282,7 +329,17 @@ TEST_F(KernelsTest, PagedAttentionMatchesCpu) {
       cpu::PagedAttention(nullptr, run.q.data(), slots, f.nh, cache,
                           1.0f / std::sqrt(static_cast<float>(hd)), ref.data());
       EXPECT_TRUE(AllClose(gpu_test::Widen(got), ref, 2e-3f, 1.0f / 64))
-          << "hd " << hd << " block " << bs;
+          << "simt, hd " << hd << " block " << bs;
+      // Tensor cores round q and P to bf16: a looser bound.
+      const std::vector<bf16> mma = run.RunMma(f, items, cuda::AttentionBlockShape::kOneToken);
+      EXPECT_TRUE(AllClose(gpu_test::Widen(mma), ref, 1e-2f, 1.0f / 32))
+          << "tensor cores, hd " << hd << " block " << bs;
+      std::vector<int32_t> many;
+      for (int64_t i = 0; i < t; ++i) many.insert(many.end(), {static_cast<int32_t>(i), 1});
+      const std::vector<bf16> mma_many =
+          run.RunMma(f, many, cuda::AttentionBlockShape::kManyTokens);
+      EXPECT_EQ(0, std::memcmp(mma.data(), mma_many.data(), mma.size() * 2))
+          << "tensor cores, one warp vs four warps";
     }
   }
 }
@@ -323,7 +380,11 @@ TEST_F(KernelsTest, AttentionPrefillAndDecodeAreBitwiseEqual) {
         run.Run(f, Items(c.len, {max_item}, max_item), cuda::AttentionBlockShape::kManyTokens);
     const std::vector<bf16> chunked = run.Run(f, Items(c.len, {3, 1, max_item, 7, 2}, max_item),
                                               cuda::AttentionBlockShape::kManyTokens);
+    const std::vector<bf16> split_parallel =
+        run.Run(f, Items(c.len, {1}, 1), cuda::AttentionBlockShape::kOneToken, true);
     const size_t bytes = decode.size() * 2;
+    EXPECT_EQ(0, std::memcmp(decode.data(), split_parallel.data(), bytes))
+        << "hd " << c.hd << " split " << c.split << ": split-parallel decode";
     EXPECT_EQ(0, std::memcmp(decode.data(), prefill.data(), bytes))
         << "hd " << c.hd << " split " << c.split;
     EXPECT_EQ(0, std::memcmp(decode.data(), chunked.data(), bytes))
@@ -332,6 +393,23 @@ TEST_F(KernelsTest, AttentionPrefillAndDecodeAreBitwiseEqual) {
     for (size_t i = 0; i < decode.size(); ++i) {
       ASSERT_TRUE(std::isfinite(__bfloat162float(decode[i]))) << i;
     }
+
+    // The tensor-core kernel: its own bits, the same on every path.
+    const std::vector<bf16> mma_decode =
+        run.RunMma(f, Items(c.len, {1}, 1), cuda::AttentionBlockShape::kOneToken);
+    const std::vector<bf16> mma_prefill = run.RunMma(f, Items(c.len, {max_item}, max_item),
+                                                     cuda::AttentionBlockShape::kManyTokens);
+    const std::vector<bf16> mma_chunked = run.RunMma(
+        f, Items(c.len, {3, 1, max_item, 7, 2}, max_item), cuda::AttentionBlockShape::kManyTokens);
+    EXPECT_EQ(0, std::memcmp(mma_decode.data(), mma_prefill.data(), bytes))
+        << "tensor cores, hd " << c.hd << " split " << c.split;
+    EXPECT_EQ(0, std::memcmp(mma_decode.data(), mma_chunked.data(), bytes))
+        << "tensor cores, hd " << c.hd << " split " << c.split;
+    for (size_t i = 0; i < mma_decode.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(__bfloat162float(mma_decode[i]))) << i;
+    }
+    // Close to the SIMT kernel (different roundings, same math).
+    EXPECT_TRUE(AllClose(gpu_test::Widen(mma_decode), gpu_test::Widen(decode), 1e-2f, 1.0f / 32));
   }
 }
 

@@ -81,6 +81,7 @@ std::vector<float> RowsOf(CudaModelRunner* runner, const std::vector<Seq>& seqs,
   std::vector<float> logits;
   const absl::Status s = runner->Forward(batch, &logits);
   EXPECT_TRUE(s.ok()) << s;
+  if (!s.ok()) return {};
   const int64_t vocab = runner->config().vocab_size;
   int64_t first = 0;
   for (int i = 0; i < which; ++i) {
@@ -238,7 +239,7 @@ void CheckInvariance(CudaModelRunner* runner, int len, uint64_t seed) {
     for (int i = 0; i < 12; ++i) {
       const int other = 1 + static_cast<int>(rng() % 700);
       seqs.push_back(pool.Make(RandomTokens(other, static_cast<int>(vocab), seed + 100 + i)));
-      chunks.push_back({i, 0, other, i == 0});
+      chunks.push_back({static_cast<int>(seqs.size()) - 1, 0, other, i == 0});
       if (i == 5) {
         seqs.push_back(pool.Make(tokens));
         chunks.push_back({static_cast<int>(seqs.size()) - 1, 0, len, true});
@@ -299,6 +300,14 @@ TEST_F(ModelTest, SmallModelSmallSplitAndPagesAreInvariant) {
   CheckInvariance(runner->get(), 333, 12);
 }
 
+TEST_F(ModelTest, SmallModelWithSimtAttentionIsInvariant) {
+  CudaRunnerOptions o = SmallOptions();
+  o.attention_kernel = CudaAttentionKernel::kSimt;
+  auto runner = CudaModelRunner::CreateSynthetic(*PresetConfig("small"), 1, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  CheckInvariance(runner->get(), 300, 14);
+}
+
 TEST_F(ModelTest, TwoRunnersAndSlicedBatchesGiveTheSameBits) {
   auto a = CudaModelRunner::CreateSynthetic(*PresetConfig("small"), 4, SmallOptions());
   CudaRunnerOptions sliced = SmallOptions();
@@ -326,6 +335,17 @@ TEST_F(ModelTest, Qwen3_8bShapedRowsAreBatchAndChunkInvariant) {
     std::printf("[ pinned   ] %s\n", line.c_str());
   }
   CheckInvariance(runner->get(), 600, 13);
+}
+
+TEST_F(ModelTest, Qwen3_8bShapedWithSimtAttentionIsInvariant) {
+  ModelConfig config = *PresetConfig("qwen3-8b");
+  config.num_layers = 2;
+  CudaRunnerOptions o;
+  o.kv_cache_bytes = 2ll << 30;
+  o.attention_kernel = CudaAttentionKernel::kSimt;
+  auto runner = CudaModelRunner::CreateSynthetic(config, 3, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  CheckInvariance(runner->get(), 600, 15);
 }
 
 }  // namespace

@@ -1,0 +1,212 @@
+#include "server/metrics.h"
+
+#include <utility>
+#include <vector>
+
+#include "CivetServer.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace rollout {
+namespace {
+
+const char* CodeName(int code) {
+  static const char* kNames[] = {"OK",
+                                 "CANCELLED",
+                                 "UNKNOWN",
+                                 "INVALID_ARGUMENT",
+                                 "DEADLINE_EXCEEDED",
+                                 "NOT_FOUND",
+                                 "ALREADY_EXISTS",
+                                 "PERMISSION_DENIED",
+                                 "RESOURCE_EXHAUSTED",
+                                 "FAILED_PRECONDITION",
+                                 "ABORTED",
+                                 "OUT_OF_RANGE",
+                                 "UNIMPLEMENTED",
+                                 "INTERNAL",
+                                 "UNAVAILABLE",
+                                 "DATA_LOSS",
+                                 "UNAUTHENTICATED"};
+  return code >= 0 && code <= 16 ? kNames[code] : "UNKNOWN";
+}
+
+void Header(std::string* out, const char* name, const char* type, const char* help) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+}
+
+void Scalar(std::string* out, const char* name, const char* type, const char* help,
+            double value) {
+  Header(out, name, type, help);
+  absl::StrAppend(out, name, " ", absl::StrFormat("%.17g", value), "\n");
+}
+
+void Histogram(std::string* out, const char* name, const char* help, const StepHistogram& h) {
+  Header(out, name, "histogram", help);
+  uint64_t cumulative = 0;
+  for (int b = 0; b < StepHistogram::kNumBuckets; ++b) {
+    cumulative += h.counts[b];
+    const std::string le = b < StepHistogram::kNumBuckets - 1
+                               ? absl::StrFormat("%g", StepHistogram::kBounds[b])
+                               : std::string("+Inf");
+    absl::StrAppend(out, name, "_bucket{le=\"", le, "\"} ", cumulative, "\n");
+  }
+  absl::StrAppend(out, name, "_sum ", absl::StrFormat("%.9g", h.sum_seconds), "\n", name,
+                  "_count ", h.count, "\n");
+}
+
+std::string EscapeLabel(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out.push_back('\\');
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out.push_back(c);
+  }
+  return out;
+}
+
+class MetricsInterceptor : public grpc::experimental::Interceptor {
+ public:
+  MetricsInterceptor(ServiceMetrics* metrics, std::string method)
+      : metrics_(metrics), method_(std::move(method)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      metrics_->RecordCall(method_, methods->GetSendStatus().error_code());
+    }
+    methods->Proceed();
+  }
+
+ private:
+  ServiceMetrics* const metrics_;
+  const std::string method_;
+};
+
+}  // namespace
+
+void ServiceMetrics::RecordCall(const std::string& method, grpc::StatusCode code) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++calls_[{method, static_cast<int>(code)}];
+}
+
+void ServiceMetrics::RecordSample(FinishReason reason) {
+  ++samples_[static_cast<int>(reason)];
+}
+
+void ServiceMetrics::RecordUpdate(double seconds, bool ok) {
+  (ok ? updates_ok_ : updates_failed_)++;
+  std::lock_guard<std::mutex> lock(mu_);
+  update_seconds_sum_ += seconds;
+}
+
+std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& weight_version,
+                                   bool paused) const {
+  std::string out;
+  Header(&out, "rollout_rpcs_total", "counter", "Finished RPCs by method and status code.");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [key, n] : calls_) {
+      absl::StrAppend(&out, "rollout_rpcs_total{method=\"", EscapeLabel(key.first),
+                      "\",code=\"", CodeName(key.second), "\"} ", n, "\n");
+    }
+  }
+  Header(&out, "rollout_samples_total", "counter", "Completed samples by finish reason.");
+  const char* reasons[] = {"stop", "length", "abort"};
+  for (int r = 0; r < 3; ++r) {
+    absl::StrAppend(&out, "rollout_samples_total{finish_reason=\"", reasons[r], "\"} ",
+                    samples_[r].load(), "\n");
+  }
+  Scalar(&out, "rollout_running_samples", "gauge", "Samples in the running batch.", e.running);
+  Scalar(&out, "rollout_waiting_samples", "gauge", "Samples queued for admission.", e.waiting);
+  Scalar(&out, "rollout_unfinished_samples", "gauge", "Samples submitted and not yet completed.",
+         static_cast<double>(e.unfinished_samples));
+  Scalar(&out, "rollout_generated_tokens_total", "counter", "Tokens sampled.",
+         static_cast<double>(e.generated_tokens));
+  Scalar(&out, "rollout_prefilled_tokens_total", "counter",
+         "Prompt (and recomputed) tokens run through the model.",
+         static_cast<double>(e.prefilled_tokens));
+  Scalar(&out, "rollout_scored_tokens_total", "counter", "Tokens scored by Score.",
+         static_cast<double>(e.scored_tokens));
+  Scalar(&out, "rollout_prompt_tokens_total", "counter", "Prompt tokens admitted.",
+         static_cast<double>(e.prompt_tokens));
+  Scalar(&out, "rollout_prefix_cache_hit_tokens_total", "counter",
+         "Prompt tokens whose KV came from the prefix cache.",
+         static_cast<double>(e.cache_hit_tokens));
+  Scalar(&out, "rollout_kv_blocks_total", "gauge", "KV cache blocks.", e.kv_blocks_total);
+  Scalar(&out, "rollout_kv_blocks_free", "gauge", "KV cache blocks free.", e.kv_blocks_free);
+  Scalar(&out, "rollout_kv_blocks_cached", "gauge", "KV cache blocks held by the prefix cache.",
+         e.kv_blocks_cached);
+  Scalar(&out, "rollout_kv_blocks_used", "gauge", "KV cache blocks used by samples.",
+         e.kv_blocks_total - e.kv_blocks_free - e.kv_blocks_cached);
+  Scalar(&out, "rollout_preemptions_total", "counter", "Samples preempted under KV pressure.",
+         static_cast<double>(e.preemptions));
+  Scalar(&out, "rollout_engine_steps_total", "counter", "Engine steps.",
+         static_cast<double>(e.steps));
+  Histogram(&out, "rollout_prefill_step_seconds", "Duration of steps that prefill.",
+            e.prefill_steps);
+  Histogram(&out, "rollout_decode_step_seconds", "Duration of decode-only steps.",
+            e.decode_steps);
+  Header(&out, "rollout_weight_updates_total", "counter", "Weight updates by outcome.");
+  absl::StrAppend(&out, "rollout_weight_updates_total{outcome=\"ok\"} ", updates_ok_.load(),
+                  "\nrollout_weight_updates_total{outcome=\"failed\"} ", updates_failed_.load(),
+                  "\n");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Scalar(&out, "rollout_weight_update_seconds_sum", "counter",
+           "Total time of weight updates, receive to swap.", update_seconds_sum_);
+  }
+  Scalar(&out, "rollout_weight_swap_seconds_last", "gauge",
+         "Engine-side time of the last weight swap.", e.last_update_seconds);
+  Header(&out, "rollout_weight_version_info", "gauge", "The weight version being served.");
+  absl::StrAppend(&out, "rollout_weight_version_info{version=\"", EscapeLabel(weight_version),
+                  "\"} 1\n");
+  Scalar(&out, "rollout_paused", "gauge", "1 while scheduling is paused.", paused ? 1 : 0);
+  return out;
+}
+
+grpc::experimental::Interceptor* MetricsInterceptorFactory::CreateServerInterceptor(
+    grpc::experimental::ServerRpcInfo* info) {
+  return new MetricsInterceptor(metrics_, info->method());
+}
+
+class MetricsHttpServer::Handler : public CivetHandler {
+ public:
+  explicit Handler(std::function<std::string()> render) : render_(std::move(render)) {}
+  bool handleGet(CivetServer* server, struct mg_connection* conn) override {
+    const std::string body = render_();
+    mg_printf(conn,
+              "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+              "Content-Length: %zu\r\nConnection: close\r\n\r\n",
+              body.size());
+    mg_write(conn, body.data(), body.size());
+    return true;
+  }
+
+ private:
+  std::function<std::string()> render_;
+};
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const std::string& address, std::function<std::string()> render) {
+  auto server = std::unique_ptr<MetricsHttpServer>(new MetricsHttpServer());
+  const std::vector<std::string> options = {"listening_ports", address, "num_threads", "2"};
+  try {
+    // civetweb reports a port it cannot bind by throwing; nothing else here throws.
+    server->server_ = std::make_unique<CivetServer>(options);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+  }
+  server->handler_ = std::make_unique<Handler>(std::move(render));
+  server->server_->addHandler("/metrics", server->handler_.get());
+  return server;
+}
+
+MetricsHttpServer::~MetricsHttpServer() {
+  if (server_ != nullptr) server_->close();
+}
+
+}  // namespace rollout

@@ -1,0 +1,67 @@
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/engine.h"
+#include "grpcpp/support/server_interceptor.h"
+
+class CivetServer;
+
+namespace rollout {
+
+// What the gRPC layer counts: finished calls by method and status code, and samples by how
+// they ended. Thread-safe.
+class ServiceMetrics {
+ public:
+  void RecordCall(const std::string& method, grpc::StatusCode code);
+  void RecordSample(FinishReason reason);
+  void RecordUpdate(double seconds, bool ok);
+
+  // Prometheus text exposition of these and of `engine` (counters, gauges, histograms).
+  std::string Render(const EngineCounters& engine, const std::string& weight_version,
+                     bool paused) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int>, uint64_t> calls_;  // guarded by mu_
+  std::array<std::atomic<uint64_t>, 3> samples_{};           // by FinishReason
+  std::atomic<uint64_t> updates_ok_{0}, updates_failed_{0};
+  double update_seconds_sum_ = 0;                           // guarded by mu_
+};
+
+// Counts every RPC's final status into ServiceMetrics: one mechanism for all methods.
+class MetricsInterceptorFactory
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit MetricsInterceptorFactory(ServiceMetrics* metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override;
+
+ private:
+  ServiceMetrics* const metrics_;
+};
+
+// Serves GET /metrics over HTTP (civetweb) with the text `render` returns. Owns civetweb's
+// threads; stops them on destruction.
+class MetricsHttpServer {
+ public:
+  // `address` like "0.0.0.0:9400" (port 0 is not supported by civetweb; pick one).
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
+      const std::string& address, std::function<std::string()> render);
+  ~MetricsHttpServer();
+
+ private:
+  class Handler;
+  MetricsHttpServer() = default;
+  std::unique_ptr<CivetServer> server_;
+  std::unique_ptr<Handler> handler_;
+};
+
+}  // namespace rollout
