@@ -25,6 +25,7 @@
 #include "absl/strings/str_join.h"
 #include "client/checkpoint_upload.h"
 #include "engine/safetensors.h"
+#include "tests/testdata/test_pki.h"
 
 namespace rollout {
 namespace {
@@ -35,6 +36,11 @@ using rollout::v1::Completion;
 using rollout::v1::GenerateRequest;
 using rollout::v1::GenerateResponse;
 using ::testing::HasSubstr;
+using test_pki::kTestCaPem;
+using test_pki::kTestClientKey;
+using test_pki::kTestClientPem;
+using test_pki::kTestServerKey;
+using test_pki::kTestServerPem;
 
 class ScriptedService final : public rollout::v1::RolloutService::Service {
  public:
@@ -1089,58 +1095,6 @@ TEST(ConnectTest, AClientCertAloneTurnsTlsOn) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   std::filesystem::remove_all(dir);
 }
-
-// Test PKI (EC P-256, valid until 2126): a CA, a server certificate for 127.0.0.1/localhost and
-// a client certificate, both signed by the CA. Generated with openssl for these tests only.
-constexpr char kTestCaPem[] = R"pem(-----BEGIN CERTIFICATE-----
-MIIBjDCCATGgAwIBAgIUEynDpFlUleM16aVWFhHjJwCAw1MwCgYIKoZIzj0EAwIw
-GjEYMBYGA1UEAwwPcm9sbG91dC10ZXN0LWNhMCAXDTI2MTEyOTA3NTIzM1oYDzIx
-MjYxMTA1MDc1MjMzWjAaMRgwFgYDVQQDDA9yb2xsb3V0LXRlc3QtY2EwWTATBgcq
-hkjOPQIBBggqhkjOPQMBBwNCAARqPOHDNr6iLUqMwYI20dnLC4NEc6k2rYWgazkO
-yNybVP1KKtKKk2SVWlidOkdQwhuppJD07s4fNieCTLt4YbF6o1MwUTAdBgNVHQ4E
-FgQUjnPa4N5LMBWUf+PxmYdV60wXKW0wHwYDVR0jBBgwFoAUjnPa4N5LMBWUf+Px
-mYdV60wXKW0wDwYDVR0TAQH/BAUwAwEB/zAKBggqhkjOPQQDAgNJADBGAiEAyg+Z
-71dGgxG9M3wZnL6ZIDb/bnx6UnhVuf2aOo+NzYMCIQDghL0YohedFIv9FHgYyEsI
-DZbAHbgpo6iMLqsJWKmj0Q==
------END CERTIFICATE-----
-)pem";
-constexpr char kTestServerPem[] = R"pem(-----BEGIN CERTIFICATE-----
-MIIBwDCCAWWgAwIBAgIUdU7VKM3epzeaB4E+lueFhaTM0UIwCgYIKoZIzj0EAwIw
-GjEYMBYGA1UEAwwPcm9sbG91dC10ZXN0LWNhMCAXDTI2MTEyOTA3NTIzNFoYDzIx
-MjYxMTA1MDc1MjM0WjAUMRIwEAYDVQQDDAlsb2NhbGhvc3QwWTATBgcqhkjOPQIB
-BggqhkjOPQMBBwNCAASzvdWjh8Gy/K4eRSoNuOKze86shPYOEaRajjgHEdkvDBru
-Le6QhHFrY2WDNwzNCgbO+aGdVIvKmB4qU+H5uzRJo4GMMIGJMBoGA1UdEQQTMBGC
-CWxvY2FsaG9zdIcEfwAAATAJBgNVHRMEAjAAMAsGA1UdDwQEAwIFoDATBgNVHSUE
-DDAKBggrBgEFBQcDATAdBgNVHQ4EFgQUm7Fo2wbDNfBOcDg/ZaS7KftdJA0wHwYD
-VR0jBBgwFoAUjnPa4N5LMBWUf+PxmYdV60wXKW0wCgYIKoZIzj0EAwIDSQAwRgIh
-AJkG7sZMz88c9FcwJTJKQXnjbIb9YshIwZfBCE2GJ9TaAiEA8DjQplC/Ucla0f0A
-xSaBwt4d+99U1/+L092aNt2hD+A=
------END CERTIFICATE-----
-)pem";
-constexpr char kTestServerKey[] = R"pem(-----BEGIN PRIVATE KEY-----
-MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgcOrpxF82fxLRMW2k
-87MUs7ZcRZ5keAhxcr2W/McRp7yhRANCAASzvdWjh8Gy/K4eRSoNuOKze86shPYO
-EaRajjgHEdkvDBruLe6QhHFrY2WDNwzNCgbO+aGdVIvKmB4qU+H5uzRJ
------END PRIVATE KEY-----
-)pem";
-constexpr char kTestClientPem[] = R"pem(-----BEGIN CERTIFICATE-----
-MIIBqzCCAVGgAwIBAgIUdU7VKM3epzeaB4E+lueFhaTM0UMwCgYIKoZIzj0EAwIw
-GjEYMBYGA1UEAwwPcm9sbG91dC10ZXN0LWNhMCAXDTI2MTEyOTA3NTIzNFoYDzIx
-MjYxMTA1MDc1MjM0WjAeMRwwGgYDVQQDDBNyb2xsb3V0LXRlc3QtY2xpZW50MFkw
-EwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEsTBsi+fbX2pBPfDb9ixqUZtobuJlqXn9
-NiBRaXj3Rv/05/bc9ecksH2Md1vGAeuFlJBtv7xgzECoLEi9J3MRg6NvMG0wCQYD
-VR0TBAIwADALBgNVHQ8EBAMCB4AwEwYDVR0lBAwwCgYIKwYBBQUHAwIwHQYDVR0O
-BBYEFCtMTOnSOwcGp7dfrm7MDwEXGrqEMB8GA1UdIwQYMBaAFI5z2uDeSzAVlH/j
-8ZmHVetMFyltMAoGCCqGSM49BAMCA0gAMEUCIQD8d/HQCIS9r9QzgFhzgP/4KusT
-fTtdcumnVnrm1WwiTwIgCB+k8eeUpYE5wL467YeDeAqp7ZzNy2eoVArCNj7bOng=
------END CERTIFICATE-----
-)pem";
-constexpr char kTestClientKey[] = R"pem(-----BEGIN PRIVATE KEY-----
-MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgKQSM2n5KYO7TPUsZ
-YzGt7nljGNWCC2I3NrKlQWD33PWhRANCAASxMGyL59tfakE98Nv2LGpRm2hu4mWp
-ef02IFFpePdG//Tn9tz15ySwfYx3W8YB64WUkG2/vGDMQKgsSL0ncxGD
------END PRIVATE KEY-----
-)pem";
 
 void WriteTextFile(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);

@@ -112,6 +112,10 @@ absl::StatusOr<std::string> EnsureDefaultModel() {
 
 absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const ServerOptions& options) {
   auto server = std::unique_ptr<RolloutServer>(new RolloutServer());
+  // Configuration errors first, before minutes of model loading.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(options);
+  if (!credentials.ok()) return credentials.status();
   if (options.model_dir.empty()) {
     absl::StatusOr<std::string> dir = EnsureDefaultModel();
     if (!dir.ok()) return dir.status();
@@ -171,9 +175,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
       server->engine_.get(), ServedModel{server->model_dir_},
       AccessPolicy{options.auth_token, options.auth_all_rpcs}, server->metrics_.get(),
       options.max_queued_samples);
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      MakeServerCredentials(options);
-  if (!credentials.ok()) return credentials.status();
+
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

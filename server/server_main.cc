@@ -18,7 +18,8 @@ ABSL_FLAG(std::string, model, "",
           "default model");
 ABSL_FLAG(std::string, address, "127.0.0.1", "address to listen on (0.0.0.0 for all)");
 ABSL_FLAG(int32_t, port, 50051, "port to listen on; 0 picks a free one");
-ABSL_FLAG(std::string, backend, "cpu", "compute backend: cpu");
+ABSL_FLAG(std::string, backend, "cpu",
+          "compute backend: cpu, or cuda in builds with the CUDA backend (bf16 on the GPU)");
 ABSL_FLAG(int64_t, kv_cache_mb, 256, "KV cache size in MiB");
 ABSL_FLAG(int32_t, kv_block_size, 16, "tokens per KV cache block");
 ABSL_FLAG(int32_t, attention_split_size, 64,

@@ -1,11 +1,14 @@
 // End-to-end checks of Score, Abort and FlushCache through the real gRPC stack.
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/test_server.h"
+#include "tests/testdata/test_pki.h"
 
 namespace rollout::testing {
 namespace {
@@ -186,6 +189,66 @@ TEST_F(ControlE2eTest, FlushCacheEmptiesTheCacheAndServerInfoShowsHits) {
   GenerateOutcome miss = RunGenerate(stub(), request);
   EXPECT_EQ(miss.completions[0][0].cached_prompt_tokens(), 0u);
   EXPECT_EQ(Fingerprint(miss.completions[0][0]), Fingerprint(hit.completions[0][0]));
+}
+
+}  // namespace
+}  // namespace rollout::testing
+
+namespace rollout::testing {
+namespace {
+
+void WriteText(const std::string& path, const char* text) {
+  std::ofstream out(path);
+  out << text;
+  ASSERT_TRUE(out.good()) << path;
+}
+
+TEST(TlsE2eTest, MutualTlsServesClientsWithACertificateAndRefusesOthers) {
+  const std::string dir = ::testing::TempDir() + "tls-e2e";
+  std::filesystem::create_directories(dir);
+  WriteText(dir + "/ca.pem", test_pki::kTestCaPem);
+  WriteText(dir + "/server.pem", test_pki::kTestServerPem);
+  WriteText(dir + "/server.key", test_pki::kTestServerKey);
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.tls_cert_file = dir + "/server.pem";
+  options.tls_key_file = dir + "/server.key";
+  options.tls_client_ca_file = dir + "/ca.pem";
+  std::unique_ptr<TestServer> server = StartTestServer(options);
+  ASSERT_NE(server, nullptr);
+
+  grpc::SslCredentialsOptions with_cert;
+  with_cert.pem_root_certs = test_pki::kTestCaPem;
+  with_cert.pem_cert_chain = test_pki::kTestClientPem;
+  with_cert.pem_private_key = test_pki::kTestClientKey;
+  auto stub = v1::RolloutService::NewStub(
+      grpc::CreateChannel(server->address(), grpc::SslCredentials(with_cert)));
+  v1::GenerateRequest request;
+  *request.add_rollouts() = MakeRollout(kPrompt, 1, 4, 0.0f);
+  GenerateOutcome out = RunGenerate(stub.get(), request);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_EQ(out.completions[0][0].token_ids_size(), 4);
+
+  grpc::SslCredentialsOptions without_cert;
+  without_cert.pem_root_certs = test_pki::kTestCaPem;
+  auto refused = v1::RolloutService::NewStub(
+      grpc::CreateChannel(server->address(), grpc::SslCredentials(without_cert)));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ServerInfo info;
+  EXPECT_FALSE(refused->GetServerInfo(&context, {}, &info).ok());
+  // Plaintext clients are refused too.
+  EXPECT_FALSE(RunGenerate(server->stub.get(), request).status.ok());
+}
+
+TEST(TlsE2eTest, HalfATlsConfigurationIsAStartupError) {
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.tls_cert_file = "/nonexistent/cert.pem";
+  absl::StatusOr<std::unique_ptr<RolloutServer>> server = RolloutServer::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_NE(server.status().message().find("both a certificate and a key"), std::string::npos)
+      << server.status();
 }
 
 }  // namespace
