@@ -49,8 +49,8 @@ double TimeMs(F run) {
 }
 
 // cuBLASLt's first heuristic pick for this m with a workspace: the unconstrained reference.
-double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, const void* w,
-              void* y, void* ws, size_t ws_bytes) {
+double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, const void* w, void* y,
+              void* ws, size_t ws_bytes) {
   cublasLtMatmulDesc_t desc;
   cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
   const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
@@ -100,8 +100,8 @@ int Main() {
   y.Allocate(8192ll * 151936 * 4);
   ws.Allocate(ws_bytes);
   cuda::FillRandomWeights(1, 1.0 / 37837.0, 0, 8192ll * 12288, x.get<cuda::bf16>(), nullptr, 0);
-  cuda::FillRandomWeights(2, 1.0 / (37837.0 * 64), 0, 151936ll * 4096, w.get<cuda::bf16>(),
-                          nullptr, 0);
+  cuda::FillRandomWeights(2, 1.0 / (37837.0 * 64), 0, 151936ll * 4096, w.get<cuda::bf16>(), nullptr,
+                          0);
   cudaMemset(y.get(), 0, 8192ll * 151936 * 4);
   cudaDeviceSynchronize();
 
@@ -120,9 +120,8 @@ int Main() {
       std::unique_ptr<cuda::PinnedGemm> g;
       cuda::PinnedGemm::CreateHeuristic(lt, s.n, s.k, s.output, &g);
       for (int64_t m : kMs) {
-        const double ms = TimeMs([&] {
-          g->Run(x.get<cuda::bf16>(), m, w.get<cuda::bf16>(), y.get(), nullptr);
-        });
+        const double ms =
+            TimeMs([&] { g->Run(x.get<cuda::bf16>(), m, w.get<cuda::bf16>(), y.get(), nullptr); });
         std::printf(" %7.1f (%4.0f)", ms * 1e3, 2.0 * m * s.n * s.k / (ms * 1e-3) / 1e12);
       }
     }
@@ -137,9 +136,8 @@ int Main() {
       }
       std::printf("  pinned at m=%-10ld", static_cast<long>(pin));
       for (int64_t m : kMs) {
-        const double ms = TimeMs([&] {
-          g->Run(x.get<cuda::bf16>(), m, w.get<cuda::bf16>(), y.get(), nullptr);
-        });
+        const double ms =
+            TimeMs([&] { g->Run(x.get<cuda::bf16>(), m, w.get<cuda::bf16>(), y.get(), nullptr); });
         std::printf(" %7.1f (%4.0f)", ms * 1e3, 2.0 * m * s.n * s.k / (ms * 1e-3) / 1e12);
       }
       std::printf("   %s\n", g->Describe().c_str());

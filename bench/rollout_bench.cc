@@ -45,9 +45,11 @@ ABSL_FLAG(int64_t, gemm_pin_m, 256,
           "per m)");
 ABSL_FLAG(std::string, attention, "mma", "attention kernel: mma (tensor cores) or simt");
 ABSL_FLAG(bool, e2e, true, "run the end-to-end engine benchmark");
-ABSL_FLAG(int32_t, e2e_timeout_s, 0, "stop waiting for the end-to-end run after this long and "
+ABSL_FLAG(int32_t, e2e_timeout_s, 0,
+          "stop waiting for the end-to-end run after this long and "
           "report what finished (0: wait for all)");
-ABSL_FLAG(bool, replay, true, "replay the workload's steps on the runner alone (no engine, "
+ABSL_FLAG(bool, replay, true,
+          "replay the workload's steps on the runner alone (no engine, "
           "logits left on the GPU): the device time of the forward passes");
 ABSL_FLAG(int32_t, batch1_tokens, 128, "decode steps timed at batch 1 (0: skip)");
 
@@ -60,13 +62,13 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-#define CHECK_CUDA(expr)                                                                  \
-  do {                                                                                    \
-    const cudaError_t _e = (expr);                                                        \
-    if (_e != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(_e));             \
-      std::exit(1);                                                                       \
-    }                                                                                     \
+#define CHECK_CUDA(expr)                                                      \
+  do {                                                                        \
+    const cudaError_t _e = (expr);                                            \
+    if (_e != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(_e)); \
+      std::exit(1);                                                           \
+    }                                                                         \
   } while (0)
 
 void Check(const absl::Status& s) {
@@ -86,7 +88,8 @@ double MeasureCopyBandwidth() {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaMemcpy(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
+  for (int i = 0; i < 2; ++i)
+    CHECK_CUDA(cudaMemcpy(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
   const int reps = 10;
   cudaEventRecord(start);
   for (int i = 0; i < reps; ++i) cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice);
@@ -210,8 +213,8 @@ class TimedRunner final : public ModelRunner {
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
     const auto start = Clock::now();
     absl::Status s = inner_->Forward(batch, logits);
-    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start)
-                           .count();
+    const int64_t ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
     const bool decode_only = batch.num_tokens() == static_cast<int64_t>(batch.block_tables.size());
     (decode_only ? decode_ns : prefill_ns).fetch_add(ns);
     (decode_only ? decode_steps : prefill_steps).fetch_add(1);
@@ -273,7 +276,7 @@ void PrintProfile(const char* title, const CudaForwardProfile& p, int64_t tokens
 // Logits are computed but stay on the GPU. Returns the seconds, or -1 when the KV pool cannot
 // hold the batch.
 double ReplayDeviceOnly(CudaModelRunner* runner, int requests, int in, int out, int budget,
-                      std::mt19937_64* rng) {
+                        std::mt19937_64* rng) {
   const int bs = runner->kv_block_size(), split = runner->attention_split_size();
   const int vocab = runner->config().vocab_size;
   const int per_seq = (in + out + bs - 1) / bs;
@@ -337,10 +340,11 @@ double ReplayDeviceOnly(CudaModelRunner* runner, int requests, int in, int out, 
     }
   }
   const auto t2 = Clock::now();
-  std::printf("\nREPLAY device-only %d x %d/%d: %.2f s = prefill %.2f s (%d steps) + decode %.2f "
-              "s (%d steps, %.2f ms/step)\n",
-              requests, in, out, Seconds(t0, t2), Seconds(t0, t1), prefill_steps,
-              Seconds(t1, t2), out - 1, Seconds(t1, t2) / std::max(1, out - 1) * 1e3);
+  std::printf(
+      "\nREPLAY device-only %d x %d/%d: %.2f s = prefill %.2f s (%d steps) + decode %.2f "
+      "s (%d steps, %.2f ms/step)\n",
+      requests, in, out, Seconds(t0, t2), Seconds(t0, t1), prefill_steps, Seconds(t1, t2), out - 1,
+      Seconds(t1, t2) / std::max(1, out - 1) * 1e3);
   return Seconds(t0, t2);
 }
 
@@ -373,19 +377,20 @@ int Main() {
     return 1;
   }
   std::unique_ptr<CudaModelRunner> runner = *std::move(created);
-  std::printf("synthetic %s weights generated on the GPU in %.1f s: %.2f GB weights, KV pool "
-              "%.1f GB = %d blocks x %d tokens\n",
-              absl::GetFlag(FLAGS_preset).c_str(), Seconds(t0, Clock::now()),
-              runner->weight_bytes() / 1e9, runner->kv_cache_bytes() / 1e9,
-              runner->num_kv_blocks(), runner->kv_block_size());
+  std::printf(
+      "synthetic %s weights generated on the GPU in %.1f s: %.2f GB weights, KV pool "
+      "%.1f GB = %d blocks x %d tokens\n",
+      absl::GetFlag(FLAGS_preset).c_str(), Seconds(t0, Clock::now()), runner->weight_bytes() / 1e9,
+      runner->kv_cache_bytes() / 1e9, runner->num_kv_blocks(), runner->kv_block_size());
   for (const std::string& line : runner->gemm_descriptions()) {
     std::printf("  pinned %s\n", line.c_str());
   }
   const int64_t kv_tokens = static_cast<int64_t>(runner->num_kv_blocks()) * runner->kv_block_size();
   const Floor floor = ComputeFloor(config, requests, in, out, kv_tokens, flops, bw);
-  std::printf("floor (design.md section 5, measured rates): %.2f s = prefill GEMMs %.2f + decode "
-              "GEMMs %.2f + decode KV reads %.2f\n",
-              floor.total(), floor.prefill_s, floor.decode_gemm_s, floor.decode_kv_s);
+  std::printf(
+      "floor (design.md section 5, measured rates): %.2f s = prefill GEMMs %.2f + decode "
+      "GEMMs %.2f + decode KV reads %.2f\n",
+      floor.total(), floor.prefill_s, floor.decode_gemm_s, floor.decode_kv_s);
   const double batch1_floor_ms =
       2.0 * (GemmParams(config) + double(config.vocab_size) * config.hidden_size) / bw * 1e3;
 
@@ -415,9 +420,10 @@ int Main() {
       if (s >= 8) total += Seconds(a, Clock::now());
     }
     const double ms = total / (steps - 8) * 1e3;
-    std::printf("\nbatch-1 decode at context %d: %.3f ms/token (floor %.3f ms: weights once at "
-                "the measured copy rate) = %.2fx the floor\n",
-                in, ms, batch1_floor_ms, ms / batch1_floor_ms);
+    std::printf(
+        "\nbatch-1 decode at context %d: %.3f ms/token (floor %.3f ms: weights once at "
+        "the measured copy rate) = %.2fx the floor\n",
+        in, ms, batch1_floor_ms, ms / batch1_floor_ms);
   }
 
   // Per-kernel profiles: one full prefill step, one decode step of the whole batch.
@@ -438,8 +444,11 @@ int Main() {
       for (int i = 0; i < 5; ++i) Check(runner->Forward(decode, &logits));
       PrintProfile("decode step profile (mean context)", runner->profile(), batch);
       const double kv_ms = double(batch) * ctx * KvBytesPerToken(config) / bw * 1e3;
-      const double gemm_ms = std::max(2.0 * (GemmParams(config) + double(vocab) * config.hidden_size) / bw,
-                                      2.0 * (GemmParams(config) + double(vocab) * config.hidden_size) * batch / flops) * 1e3;
+      const double gemm_ms =
+          std::max(
+              2.0 * (GemmParams(config) + double(vocab) * config.hidden_size) / bw,
+              2.0 * (GemmParams(config) + double(vocab) * config.hidden_size) * batch / flops) *
+          1e3;
       std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms = %.2f ms\n", gemm_ms,
                   kv_ms, gemm_ms + kv_ms);
       // The device work alone, without the logits copy to the host.
@@ -502,10 +511,11 @@ int Main() {
     std::fprintf(stderr, "submit: %s\n", job.status().ToString().c_str());
     return 1;
   }
-  std::printf("\nend to end: %d requests, %d prompt + %d generated tokens each, temperature %.2g, "
-              "max_running %d, max_batch_tokens %d\n",
-              requests, in, out, absl::GetFlag(FLAGS_temperature),
-              engine_options.max_running_samples, engine_options.max_batch_tokens);
+  std::printf(
+      "\nend to end: %d requests, %d prompt + %d generated tokens each, temperature %.2g, "
+      "max_running %d, max_batch_tokens %d\n",
+      requests, in, out, absl::GetFlag(FLAGS_temperature), engine_options.max_running_samples,
+      engine_options.max_batch_tokens);
   {
     std::unique_lock<std::mutex> lock(mu);
     const int timeout_s = absl::GetFlag(FLAGS_e2e_timeout_s);
@@ -519,10 +529,11 @@ int Main() {
       }
       if (now < next_report && finished < requests) continue;
       next_report += 10.0;
-      std::printf("  %6.1f s: %d/%d finished, %ld tokens generated, prefill steps %.1f s, decode "
-                  "steps %.1f s\n",
-                  Seconds(start, Clock::now()), finished, requests,
-                  static_cast<long>(generated), timer->prefill_s(), timer->decode_s());
+      std::printf(
+          "  %6.1f s: %d/%d finished, %ld tokens generated, prefill steps %.1f s, decode "
+          "steps %.1f s\n",
+          Seconds(start, Clock::now()), finished, requests, static_cast<long>(generated),
+          timer->prefill_s(), timer->decode_s());
       std::fflush(stdout);
     }
   }
@@ -531,31 +542,33 @@ int Main() {
   const int64_t decode_steps = timer->decode_steps.load();
   if (timed_out) {
     // Not a result: what the steps so far cost, per kind, to say where the time goes.
-    std::printf("\nE2E INCOMPLETE after %.1f s (--e2e_timeout_s): %d/%d requests finished, %ld "
-                "tokens generated\n",
-                e2e, finished, requests, static_cast<long>(generated));
-    std::printf("  steps with prefill: %ld, %.2f s in Forward; decode-only steps: %ld, %.2f s in "
-                "Forward (%.1f ms/step); host outside Forward: %.2f s (%.1f ms per step)\n",
-                static_cast<long>(timer->prefill_steps.load()), timer->prefill_s(),
-                static_cast<long>(decode_steps), timer->decode_s(),
-                timer->decode_s() / std::max<int64_t>(1, decode_steps) * 1e3, e2e - forward,
-                (e2e - forward) / std::max<int64_t>(1, decode_steps + timer->prefill_steps.load()) *
-                    1e3);
+    std::printf(
+        "\nE2E INCOMPLETE after %.1f s (--e2e_timeout_s): %d/%d requests finished, %ld "
+        "tokens generated\n",
+        e2e, finished, requests, static_cast<long>(generated));
+    std::printf(
+        "  steps with prefill: %ld, %.2f s in Forward; decode-only steps: %ld, %.2f s in "
+        "Forward (%.1f ms/step); host outside Forward: %.2f s (%.1f ms per step)\n",
+        static_cast<long>(timer->prefill_steps.load()), timer->prefill_s(),
+        static_cast<long>(decode_steps), timer->decode_s(),
+        timer->decode_s() / std::max<int64_t>(1, decode_steps) * 1e3, e2e - forward,
+        (e2e - forward) / std::max<int64_t>(1, decode_steps + timer->prefill_steps.load()) * 1e3);
     engine->reset();
     return 0;
   }
   std::printf("\nRESULT %s %d x %d/%d: %.2f s end to end, %.0f output tok/s, %.0f total tok/s\n",
               absl::GetFlag(FLAGS_preset).c_str(), requests, in, out, e2e,
               double(requests) * out / e2e, double(requests) * (in + out) / e2e);
-  std::printf("  steps with prefill: %ld, %.2f s (%ld tokens); decode-only steps: %ld, %.2f s; "
-              "host outside Forward (scheduling, sampling, events): %.2f s\n",
-              static_cast<long>(timer->prefill_steps.load()), timer->prefill_s(),
-              static_cast<long>(timer->prefill_tokens.load()),
-              static_cast<long>(timer->decode_steps.load()), timer->decode_s(),
-              e2e - forward);
-  std::printf("  floor %.2f s -> %.2fx the floor (published on H200: SGLang 30.85 s, SGLang "
-              "deterministic 43.99 s, floor ~23 s)\n",
-              floor.total(), e2e / floor.total());
+  std::printf(
+      "  steps with prefill: %ld, %.2f s (%ld tokens); decode-only steps: %ld, %.2f s; "
+      "host outside Forward (scheduling, sampling, events): %.2f s\n",
+      static_cast<long>(timer->prefill_steps.load()), timer->prefill_s(),
+      static_cast<long>(timer->prefill_tokens.load()),
+      static_cast<long>(timer->decode_steps.load()), timer->decode_s(), e2e - forward);
+  std::printf(
+      "  floor %.2f s -> %.2fx the floor (published on H200: SGLang 30.85 s, SGLang "
+      "deterministic 43.99 s, floor ~23 s)\n",
+      floor.total(), e2e / floor.total());
   engine->reset();  // joins the engine thread before `runner` goes
   return 0;
 }

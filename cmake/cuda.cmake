@@ -18,6 +18,9 @@ if(NOT ROLLOUT_CUDA STREQUAL "OFF" AND (ROLLOUT_CUDA STREQUAL "AUTO" OR ROLLOUT_
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       set(CMAKE_CUDA_ARCHITECTURES 90a)
     endif()
+    # One CUDA runtime per process: the shared libcudart that cuBLASLt uses too (the GPU hosts
+    # bring their own), also for C++ executables that link the CUDA kernels.
+    set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
     enable_language(CUDA)
     set(CMAKE_CUDA_STANDARD 17)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)

@@ -60,8 +60,8 @@ class CudaModelRunner final : public ModelRunner {
  public:
   // Loads every tensor of `checkpoint` (bf16, f16 or f32; converted to bf16, norms to fp32),
   // pins the GEMM algorithms and sizes the KV pool. Errors name the tensor or the CUDA call.
-  static absl::StatusOr<std::unique_ptr<CudaModelRunner>> Create(
-      const Checkpoint& checkpoint, const CudaRunnerOptions& options);
+  static absl::StatusOr<std::unique_ptr<CudaModelRunner>> Create(const Checkpoint& checkpoint,
+                                                                 const CudaRunnerOptions& options);
   // The same model with seeded weights generated on the GPU: bitwise what
   // WriteRandomModelForConfig(config, {seed, bf16}) writes, without touching the disk.
   static absl::StatusOr<std::unique_ptr<CudaModelRunner>> CreateSynthetic(

@@ -38,7 +38,7 @@ struct AttentionSmem {
 template <int kHeadDim, int kWarps, int kRows>
 __global__ void __launch_bounds__(kWarps * 32)
     PagedAttentionKernel(AttentionParams p, KvCacheView cache) {
-  constexpr int E = kHeadDim / 32;      // output dims per lane
+  constexpr int E = kHeadDim / 32;       // output dims per lane
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per key
   using Smem = AttentionSmem<kHeadDim, kWarps, kRows>;
   extern __shared__ float4 smem[];
@@ -101,9 +101,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int c = i % kChunks;
       const int key = tile_start + j;
       if (key <= max_pos) {
-        const int64_t slot = static_cast<int64_t>(table[key / cache.block_size]) *
-                                 cache.block_size +
-                             key % cache.block_size;
+        const int64_t slot =
+            static_cast<int64_t>(table[key / cache.block_size]) * cache.block_size +
+            key % cache.block_size;
         const int64_t offset = (slot * num_kv_heads + kv_head) * kHeadDim + c * 8;
         *reinterpret_cast<uint4*>(k_s + j * Smem::kKStride + c * 8) =
             *reinterpret_cast<const uint4*>(cache.k + offset);
@@ -227,8 +227,7 @@ constexpr int kMergeWarps = 8;
 // One warp per (token, head) row: folds the row's stored split partials in increasing split
 // order (FoldPartial, as the in-block walk does) and writes O / L.
 template <int kHeadDim>
-__global__ void __launch_bounds__(kMergeWarps * 32)
-    MergeSplitsKernel(AttentionParams p) {
+__global__ void __launch_bounds__(kMergeWarps * 32) MergeSplitsKernel(AttentionParams p) {
   constexpr int E = kHeadDim / 32;
   const int lane = threadIdx.x % 32;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
@@ -267,9 +266,8 @@ cudaError_t Launch(const AttentionParams& p, KvCacheView cache, cudaStream_t str
   kernel<<<grid, kWarps * 32, kSmem, stream>>>(p, cache);
   if (p.partials == nullptr) return cudaGetLastError();
   const int64_t rows = static_cast<int64_t>(p.num_items) * p.num_heads;
-  MergeSplitsKernel<kHeadDim>
-      <<<static_cast<unsigned>((rows + kMergeWarps - 1) / kMergeWarps), kMergeWarps * 32, 0,
-         stream>>>(p);
+  MergeSplitsKernel<kHeadDim><<<static_cast<unsigned>((rows + kMergeWarps - 1) / kMergeWarps),
+                                kMergeWarps * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -76,8 +76,7 @@ struct MmaSmem {
 
 // The online-softmax update of one row for one tile: s[8] are the thread's scores of the row
 // (keys 8j + 2t + {0, 1}, j = 0..3), already masked; p[8] receives the probabilities.
-__device__ __forceinline__ float RowUpdate(const float (&s)[8], float* m, float* l,
-                                           float (&p)[8]) {
+__device__ __forceinline__ float RowUpdate(const float (&s)[8], float* m, float* l, float (&p)[8]) {
   float tile_max = s[0];
 #pragma unroll
   for (int i = 1; i < 8; ++i) tile_max = fmaxf(tile_max, s[i]);
@@ -178,9 +177,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       const bool valid = key <= max_pos;
       int64_t offset = 0;
       if (valid) {
-        const int64_t slot = static_cast<int64_t>(table[key / cache.block_size]) *
-                                 cache.block_size +
-                             key % cache.block_size;
+        const int64_t slot =
+            static_cast<int64_t>(table[key / cache.block_size]) * cache.block_size +
+            key % cache.block_size;
         offset = (slot * num_kv_heads + kv_head) * kHeadDim + c * 8;
       }
       CpAsync16(k_s + j * kStride + c * 8, cache.k + offset, valid);
@@ -250,8 +249,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int r = half == 0 ? r0 : r1;
     const int pos = half == 0 ? pos0 : pos1;
     if (pos < walk_begin) continue;  // padding row, or no key of this split
-    const int64_t row = (item.x + r / group) * static_cast<int64_t>(p.num_heads) +
-                        kv_head * group + r % group;
+    const int64_t row =
+        (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
     float* dst = p.partials + (row * p.max_splits + split) * (kHeadDim + 2);
     if (t4 == 0) {
       dst[0] = half == 0 ? m0 : m1;
@@ -306,8 +305,8 @@ cudaError_t LaunchMma(const AttentionParams& p, KvCacheView cache, cudaStream_t 
 }
 
 template <int kHeadDim>
-cudaError_t LaunchMmaShape(const AttentionParams& p, AttentionBlockShape shape,
-                           KvCacheView cache, cudaStream_t stream) {
+cudaError_t LaunchMmaShape(const AttentionParams& p, AttentionBlockShape shape, KvCacheView cache,
+                           cudaStream_t stream) {
   if (shape == AttentionBlockShape::kOneToken) return LaunchMma<kHeadDim, 1>(p, cache, stream);
   return LaunchMma<kHeadDim, 4>(p, cache, stream);
 }

@@ -1,8 +1,8 @@
 // Bitwise comparison of device buffers, for the GPU tests' invariance checks (a row-invariance
 // sweep compares gigabytes; copying them to the host would dominate the test).
-#include "kernels/cuda/compare.h"
-
 #include <algorithm>
+
+#include "kernels/cuda/compare.h"
 
 namespace rollout::cuda {
 namespace {

@@ -14,8 +14,8 @@ struct alignas(16) Bf16x8 {
   __nv_bfloat162 h[4];
 };
 
-__global__ void EmbeddingGatherKernel(const int32_t* token_ids, const bf16* embed,
-                                      int64_t hidden, float* x) {
+__global__ void EmbeddingGatherKernel(const int32_t* token_ids, const bf16* embed, int64_t hidden,
+                                      float* x) {
   const int64_t t = blockIdx.y;
   const int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (chunk * 8 >= hidden) return;
@@ -55,8 +55,7 @@ __device__ __forceinline__ uint64_t Mix64(uint64_t z) {
 
 // engine/random_model.cc's RandomValue, transcribed: integer arithmetic plus one double
 // multiply (or an exact sum), then one rounding to float.
-__device__ __forceinline__ float RandomValue(uint64_t key, double scale, int kind,
-                                             uint64_t index) {
+__device__ __forceinline__ float RandomValue(uint64_t key, double scale, int kind, uint64_t index) {
   const uint64_t bits = Mix64(key + (index + 1) * 0x9e3779b97f4a7c15ull);
   if (kind == 1) {
     const int64_t k = static_cast<int64_t>((bits >> 32) % 6553) - 3276;
@@ -110,9 +109,8 @@ cudaError_t FillRandomWeights(uint64_t key, double scale, int kind, int64_t coun
   }
   if (count == 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((count + kThreads - 1) / kThreads, 132 * 32);
-  FillRandomKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(key, scale, kind,
-                                                                           count, out_bf16,
-                                                                           out_f32);
+  FillRandomKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(key, scale, kind, count,
+                                                                           out_bf16, out_f32);
   return cudaGetLastError();
 }
 

@@ -6,9 +6,9 @@
 namespace rollout::cuda {
 namespace {
 
-#define ROLLOUT_RETURN_IF_CUBLAS(expr)             \
-  do {                                             \
-    const cublasStatus_t _status = (expr);         \
+#define ROLLOUT_RETURN_IF_CUBLAS(expr)                    \
+  do {                                                    \
+    const cublasStatus_t _status = (expr);                \
     if (_status != CUBLAS_STATUS_SUCCESS) return _status; \
   } while (0)
 
@@ -35,8 +35,8 @@ struct Layouts {
 cublasStatus_t CreateDesc(cublasLtMatmulDesc_t* desc) {
   ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatmulDescCreate(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
-  ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSA,
-                                                          &transa, sizeof(transa)));
+  ROLLOUT_RETURN_IF_CUBLAS(
+      cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)));
   return cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb,
                                         sizeof(transb));
 }
@@ -151,8 +151,8 @@ cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, in
     Layouts layouts;
     ROLLOUT_RETURN_IF_CUBLAS(layouts.Init(m, n, k, output));
     cublasLtMatmulHeuristicResult_t check{};
-    const cublasStatus_t status = cublasLtMatmulAlgoCheck(
-        handle, g->desc_, layouts.a, layouts.b, layouts.c, layouts.c, &g->algo_, &check);
+    const cublasStatus_t status = cublasLtMatmulAlgoCheck(handle, g->desc_, layouts.a, layouts.b,
+                                                          layouts.c, layouts.c, &g->algo_, &check);
     if (status != CUBLAS_STATUS_SUCCESS || check.workspaceSize > kMaxPinnedWorkspace) {
       note("m=" + std::to_string(m) + " check " + CublasStatusName(status) + " workspace " +
            std::to_string(check.workspaceSize));
@@ -168,14 +168,14 @@ cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, in
   return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t PinnedGemm::Create(cublasLtHandle_t handle, int64_t n, int64_t k,
-                                  GemmOutput output, int64_t pin_m,
-                                  std::unique_ptr<PinnedGemm>* gemm, std::string* diagnostics) {
+cublasStatus_t PinnedGemm::Create(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output,
+                                  int64_t pin_m, std::unique_ptr<PinnedGemm>* gemm,
+                                  std::string* diagnostics) {
   std::vector<cublasLtMatmulAlgo_t> algos;
   ROLLOUT_RETURN_IF_CUBLAS(Candidates(handle, n, k, output, pin_m, 32, &algos, diagnostics));
   if (diagnostics != nullptr) {
-    *diagnostics += std::to_string(algos.size()) + " single-split candidates at m=" +
-                    std::to_string(pin_m) + "\n";
+    *diagnostics += std::to_string(algos.size()) +
+                    " single-split candidates at m=" + std::to_string(pin_m) + "\n";
   }
   for (const cublasLtMatmulAlgo_t& algo : algos) {
     if (CreateWithAlgo(handle, n, k, output, algo, gemm, diagnostics) == CUBLAS_STATUS_SUCCESS) {
@@ -186,8 +186,7 @@ cublasStatus_t PinnedGemm::Create(cublasLtHandle_t handle, int64_t n, int64_t k,
 }
 
 cublasStatus_t PinnedGemm::CreateHeuristic(cublasLtHandle_t handle, int64_t n, int64_t k,
-                                           GemmOutput output,
-                                           std::unique_ptr<PinnedGemm>* gemm) {
+                                           GemmOutput output, std::unique_ptr<PinnedGemm>* gemm) {
   std::unique_ptr<PinnedGemm> g(new PinnedGemm(handle, n, k, output));
   ROLLOUT_RETURN_IF_CUBLAS(CreateDesc(&g->desc_));
   g->mode_ = Mode::kHeuristicNoWorkspace;
@@ -207,8 +206,8 @@ PinnedGemm::~PinnedGemm() {
   if (desc_ != nullptr) cublasLtMatmulDescDestroy(desc_);
 }
 
-cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w,
-                               void* y, cudaStream_t stream) {
+cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, void* y,
+                               cudaStream_t stream) {
   if (m == 0) return CUBLAS_STATUS_SUCCESS;
   Layouts layouts;
   ROLLOUT_RETURN_IF_CUBLAS(layouts.Init(m, n_, k_, output_));
@@ -225,8 +224,8 @@ cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfl
     }
     algo = &it->second;
   }
-  return cublasLtMatmul(handle_, desc_, &alpha, w, layouts.a, x, layouts.b, &beta, y, layouts.c,
-                        y, layouts.c, algo, workspace_.get(), workspace_.bytes(), stream);
+  return cublasLtMatmul(handle_, desc_, &alpha, w, layouts.a, x, layouts.b, &beta, y, layouts.c, y,
+                        layouts.c, algo, workspace_.get(), workspace_.bytes(), stream);
 }
 
 const char* CublasStatusName(cublasStatus_t status) { return cublasLtGetStatusName(status); }

@@ -74,8 +74,8 @@ class PinnedGemm {
   static cublasStatus_t CreateHeuristic(cublasLtHandle_t handle, int64_t n, int64_t k,
                                         GemmOutput output, std::unique_ptr<PinnedGemm>* gemm);
   // Up to `max_results` heuristic algorithms for m that have split-K 1 and no reduction scheme.
-  static cublasStatus_t Candidates(cublasLtHandle_t handle, int64_t n, int64_t k,
-                                   GemmOutput output, int64_t m, int max_results,
+  static cublasStatus_t Candidates(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output,
+                                   int64_t m, int max_results,
                                    std::vector<cublasLtMatmulAlgo_t>* algos,
                                    std::string* diagnostics = nullptr);
 

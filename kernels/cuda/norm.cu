@@ -10,8 +10,8 @@ constexpr int kNormThreads = 256;
 constexpr int kNormWarps = kNormThreads / 32;
 
 __global__ void __launch_bounds__(kNormThreads)
-    RmsNormKernel(const float* x, const int32_t* rows, int64_t dim, const float* weight,
-                  float eps, bf16* y) {
+    RmsNormKernel(const float* x, const int32_t* rows, int64_t dim, const float* weight, float eps,
+                  bf16* y) {
   const int64_t r = blockIdx.x;
   const int64_t src = rows != nullptr ? rows[r] : r;
   const float4* xr = reinterpret_cast<const float4*>(x + src * dim);  // [dim / 4]
@@ -114,8 +114,8 @@ cudaError_t RmsNorm(const float* x, const int32_t* rows, int64_t num_rows, int64
                     const float* weight, float eps, bf16* y, cudaStream_t stream) {
   if (dim % 4 != 0) return cudaErrorInvalidValue;
   if (num_rows == 0) return cudaSuccess;
-  RmsNormKernel<<<static_cast<unsigned>(num_rows), kNormThreads, 0, stream>>>(x, rows, dim,
-                                                                              weight, eps, y);
+  RmsNormKernel<<<static_cast<unsigned>(num_rows), kNormThreads, 0, stream>>>(x, rows, dim, weight,
+                                                                              eps, y);
   return cudaGetLastError();
 }
 

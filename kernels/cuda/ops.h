@@ -143,8 +143,7 @@ cudaError_t MergeAttentionSplits(const AttentionParams& params, int64_t num_toke
 // out[r, i] = bf16(silu(gate) * up), silu(g) = g / (1 + expf(-g)), gate = gate_up[r, i],
 // up = gate_up[r, dim + i]. gate_up: [rows, 2 * dim] bf16; out: [rows, dim] bf16.
 // REQUIRES: dim % 8 == 0.
-cudaError_t SiluMul(const bf16* gate_up, int64_t rows, int64_t dim, bf16* out,
-                    cudaStream_t stream);
+cudaError_t SiluMul(const bf16* gate_up, int64_t rows, int64_t dim, bf16* out, cudaStream_t stream);
 
 // Seeded weights, bitwise the values WriteRandomModel (engine/random_model.cc) writes in bf16:
 // element i is RandomValue(key, i) rounded to bf16 (nearest even). kind: 0 = normal with

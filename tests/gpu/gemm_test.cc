@@ -1,6 +1,8 @@
 // Row invariance of the pinned cuBLASLt GEMMs on every Qwen3-8B weight shape: the first m rows
 // of y = x . w^T computed with m rows are bitwise the rows computed with 8192 rows, for
 // m = 1..512 exhaustively and larger m up to 8191.
+#include "kernels/cuda/gemm.h"
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -12,7 +14,6 @@
 #include "engine/cuda/cuda_model_runner.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/compare.h"
-#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -30,10 +31,8 @@ struct Shape {
 
 // The shapes and output kinds CudaModelRunner uses for Qwen3-8B.
 const Shape kQwen3_8bShapes[] = {
-    {"qkv", 6144, 4096, GemmOutput::kF32},
-    {"o", 4096, 4096, GemmOutput::kF32Accumulate},
-    {"gate_up", 24576, 4096, GemmOutput::kBf16},
-    {"down", 4096, 12288, GemmOutput::kF32Accumulate},
+    {"qkv", 6144, 4096, GemmOutput::kF32},       {"o", 4096, 4096, GemmOutput::kF32Accumulate},
+    {"gate_up", 24576, 4096, GemmOutput::kBf16}, {"down", 4096, 12288, GemmOutput::kF32Accumulate},
     {"lm_head", 151936, 4096, GemmOutput::kF32},
 };
 
@@ -87,10 +86,10 @@ TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
   ASSERT_CUDA_OK(ref.Allocate(kMaxM * s.n * out_bytes));
   ASSERT_CUDA_OK(y.Allocate(kMaxM * s.n * out_bytes));
   ASSERT_CUDA_OK(count.Allocate(8));
-  ASSERT_CUDA_OK(cuda::FillRandomWeights(1, 1.0 / 37837.0, 0, kMaxM * s.k, x.get<bf16>(), nullptr,
-                                         nullptr));
-  ASSERT_CUDA_OK(cuda::FillRandomWeights(2, 1.0 / (37837.0 * std::sqrt(double(s.k))), 0,
-                                         s.n * s.k, w.get<bf16>(), nullptr, nullptr));
+  ASSERT_CUDA_OK(
+      cuda::FillRandomWeights(1, 1.0 / 37837.0, 0, kMaxM * s.k, x.get<bf16>(), nullptr, nullptr));
+  ASSERT_CUDA_OK(cuda::FillRandomWeights(2, 1.0 / (37837.0 * std::sqrt(double(s.k))), 0, s.n * s.k,
+                                         w.get<bf16>(), nullptr, nullptr));
   // The accumulating GEMMs add into a residual: start every run from the same values.
   ASSERT_CUDA_OK(cuda::FillRandomWeights(3, 1.0 / 37837.0, 0, kMaxM * s.n, nullptr,
                                          base.get<float>(), nullptr));
@@ -132,14 +131,14 @@ TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
   EXPECT_TRUE(std::isfinite(sum_sq) && sum_sq > 0.0);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Qwen3_8b, GemmTest,
-    ::testing::Combine(::testing::ValuesIn(kQwen3_8bShapes), ::testing::ValuesIn(kPinChoices)),
-    [](const ::testing::TestParamInfo<std::tuple<Shape, int64_t>>& info) {
-      const int64_t pin = std::get<1>(info.param);
-      return std::string(std::get<0>(info.param).name) +
-             (pin == 0 ? "_heuristic" : "_pinned_at_" + std::to_string(pin));
-    });
+INSTANTIATE_TEST_SUITE_P(Qwen3_8b, GemmTest,
+                         ::testing::Combine(::testing::ValuesIn(kQwen3_8bShapes),
+                                            ::testing::ValuesIn(kPinChoices)),
+                         [](const ::testing::TestParamInfo<std::tuple<Shape, int64_t>>& info) {
+                           const int64_t pin = std::get<1>(info.param);
+                           return std::string(std::get<0>(info.param).name) +
+                                  (pin == 0 ? "_heuristic" : "_pinned_at_" + std::to_string(pin));
+                         });
 
 }  // namespace
 }  // namespace rollout

@@ -57,10 +57,10 @@ std::vector<float> Widen(const std::vector<__nv_bfloat16>& v) {
     }
   }
   if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << bad << " of " << got.size()
-                                       << " elements out of tolerance (atol " << atol << ", rtol "
-                                       << rtol << "); worst |err| " << worst << " at " << worst_i
-                                       << "\n" << msg.str();
+  return ::testing::AssertionFailure()
+         << bad << " of " << got.size() << " elements out of tolerance (atol " << atol << ", rtol "
+         << rtol << "); worst |err| " << worst << " at " << worst_i << "\n"
+         << msg.str();
 }
 
 }  // namespace rollout::gpu_test

@@ -15,9 +15,9 @@
 // and an llm.c-style closeness check that prints the first mismatches.
 namespace rollout::gpu_test {
 
-#define ASSERT_CUDA_OK(expr)                                               \
-  do {                                                                     \
-    const cudaError_t _err = (expr);                                       \
+#define ASSERT_CUDA_OK(expr)                                                   \
+  do {                                                                         \
+    const cudaError_t _err = (expr);                                           \
     ASSERT_EQ(_err, cudaSuccess) << #expr << ": " << cudaGetErrorString(_err); \
   } while (0)
 

@@ -89,8 +89,7 @@ int32_t Argmax(const float* row, int64_t n) {
 // Teacher-forced logits of every position of prompt + reference continuation: checks them
 // against the reference, returns the largest error seen (used below to tell near-ties from real
 // divergence) and, per prompt, our argmax at each generated position given the reference prefix.
-double MaxLogitError(CudaModelRunner* runner, const Reference& ref,
-                     std::vector<double>* rms_out,
+double MaxLogitError(CudaModelRunner* runner, const Reference& ref, std::vector<double>* rms_out,
                      std::vector<std::vector<int32_t>>* forced_argmax) {
   double worst = 0.0;
   for (size_t i = 0; i < ref.prompts.size(); ++i) {
@@ -125,10 +124,10 @@ double MaxLogitError(CudaModelRunner* runner, const Reference& ref,
     }
     const double rms = std::sqrt(sum_sq / want.size());
     rms_out->push_back(rms);
-    std::printf("[ vs hf    ] prompt %zu (%zu + %zu tokens): logits rms %.3f, max |err| %.4f, "
-                "mean |err| %.5f\n",
-                i, ref.prompts[i].size(), ref.greedy[i].size(), rms, max_err,
-                sum_err / want.size());
+    std::printf(
+        "[ vs hf    ] prompt %zu (%zu + %zu tokens): logits rms %.3f, max |err| %.4f, "
+        "mean |err| %.5f\n",
+        i, ref.prompts[i].size(), ref.greedy[i].size(), rms, max_err, sum_err / want.size());
     EXPECT_LT(max_err, 0.1 * rms) << "prompt " << i;
     EXPECT_LT(sum_err / want.size(), 0.01 * rms) << "prompt " << i;
     worst = std::max(worst, max_err);
@@ -154,13 +153,14 @@ TEST_F(HfTest, LogitsMatchTransformersAndGreedyContinuationsAgree) {
         ++forced_agree;
       } else {
         EXPECT_LE(ref_.margins[i][step], tie)
-            << "prompt " << i << " step " << step << ": teacher-forced argmax "
-            << forced[i][step] << " vs transformers' " << ref_.greedy[i][step];
+            << "prompt " << i << " step " << step << ": teacher-forced argmax " << forced[i][step]
+            << " vs transformers' " << ref_.greedy[i][step];
       }
     }
   }
-  std::printf("[ forced   ] teacher-forced greedy agrees on %d of %d steps (near-tie margin %.3f)\n",
-              forced_agree, forced_steps, tie);
+  std::printf(
+      "[ forced   ] teacher-forced greedy agrees on %d of %d steps (near-tie margin %.3f)\n",
+      forced_agree, forced_steps, tie);
   EXPECT_GE(forced_agree * 100, forced_steps * 97);
 
   // Free-running: our own greedy loop (prefill the prompt, then one token per step) matches

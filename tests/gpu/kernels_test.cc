@@ -88,8 +88,8 @@ TEST_F(KernelsTest, SiluMulMatchesCpu) {
     ASSERT_CUDA_OK(cuda::SiluMul(d_gu.get<bf16>(), rows, dim, d_out.get<bf16>(), nullptr));
     std::vector<float> ref(rows * dim);
     cpu::SiluMul(gu_f.data(), rows, dim, ref.data());
-    EXPECT_TRUE(AllClose(gpu_test::Widen(Download<bf16>(d_out, rows * dim)), ref, 1e-6f,
-                         1.0f / 128));
+    EXPECT_TRUE(
+        AllClose(gpu_test::Widen(Download<bf16>(d_out, rows * dim)), ref, 1e-6f, 1.0f / 128));
   }
 }
 
@@ -120,7 +120,8 @@ TEST_F(KernelsTest, QkvNormRopeMatchesCpuAndWritesCacheSlots) {
       const int64_t cols = (nh + 2 * nkv) * hd;
       const std::vector<float> qkv = gpu_test::RandomFloats(t * cols, hd, 1.0f);
       const std::vector<float> bias = gpu_test::RandomFloats(cols, 5, 0.1f);
-      std::vector<float> qn = gpu_test::RandomFloats(hd, 6, 0.1f), kn = gpu_test::RandomFloats(hd, 8, 0.1f);
+      std::vector<float> qn = gpu_test::RandomFloats(hd, 6, 0.1f),
+                         kn = gpu_test::RandomFloats(hd, 8, 0.1f);
       for (float& w : qn) w += 1.0f;
       for (float& w : kn) w += 1.0f;
       std::vector<float> cos_t, sin_t;
@@ -215,9 +216,7 @@ struct AttentionFixture {
     d_k = Upload(k);
     d_v = Upload(v);
   }
-  cuda::KvCacheView view() const {
-    return {d_k.get<bf16>(), d_v.get<bf16>(), block_size, nkv, hd};
-  }
+  cuda::KvCacheView view() const { return {d_k.get<bf16>(), d_v.get<bf16>(), block_size, nkv, hd}; }
 };
 
 // Tokens (sequence, position) with q rows; runs the kernel over `items` in `shape`.
@@ -397,8 +396,8 @@ TEST_F(KernelsTest, AttentionPrefillAndDecodeAreBitwiseEqual) {
     // The tensor-core kernel: its own bits, the same on every path.
     const std::vector<bf16> mma_decode =
         run.RunMma(f, Items(c.len, {1}, 1), cuda::AttentionBlockShape::kOneToken);
-    const std::vector<bf16> mma_prefill = run.RunMma(f, Items(c.len, {max_item}, max_item),
-                                                     cuda::AttentionBlockShape::kManyTokens);
+    const std::vector<bf16> mma_prefill =
+        run.RunMma(f, Items(c.len, {max_item}, max_item), cuda::AttentionBlockShape::kManyTokens);
     const std::vector<bf16> mma_chunked = run.RunMma(
         f, Items(c.len, {3, 1, max_item, 7, 2}, max_item), cuda::AttentionBlockShape::kManyTokens);
     EXPECT_EQ(0, std::memcmp(mma_decode.data(), mma_prefill.data(), bytes))

@@ -101,13 +101,13 @@ void Append(std::vector<float>* acc, const std::vector<float>& rows) {
 ::testing::AssertionResult SameRows(const std::vector<float>& got, const std::vector<float>& want,
                                     int64_t vocab, int first_position) {
   if (got.size() != want.size()) {
-    return ::testing::AssertionFailure() << "row counts differ: " << got.size() / vocab << " vs "
-                                         << want.size() / vocab;
+    return ::testing::AssertionFailure()
+           << "row counts differ: " << got.size() / vocab << " vs " << want.size() / vocab;
   }
   for (size_t r = 0; r < got.size() / vocab; ++r) {
     if (std::memcmp(&got[r * vocab], &want[r * vocab], vocab * sizeof(float)) != 0) {
-      return ::testing::AssertionFailure() << "logits of position " << first_position + r
-                                           << " differ bitwise";
+      return ::testing::AssertionFailure()
+             << "logits of position " << first_position + r << " differ bitwise";
     }
   }
   return ::testing::AssertionSuccess();
@@ -125,8 +125,8 @@ class ModelTest : public ::testing::Test {
     return o;
   }
   static std::string TempDir(const std::string& name) {
-    const std::string dir = ::testing::TempDir() + "/rollout_gpu_" + name + "_" +
-                            std::to_string(getpid());
+    const std::string dir =
+        ::testing::TempDir() + "/rollout_gpu_" + name + "_" + std::to_string(getpid());
     std::filesystem::remove_all(dir);
     return dir;
   }
@@ -193,10 +193,11 @@ TEST_F(ModelTest, LogitsMatchTheCpuReferenceWithinBf16Tolerance) {
     argmax_agree += best_got == best_want;
   }
   const double rms = std::sqrt(sum_sq / want.size());
-  std::printf("[ vs cpu   ] logits rms %.3f, max |err| %.4f, mean |err| %.5f, argmax agrees on "
-              "%ld/%ld rows\n",
-              rms, max_err, sum_err / want.size(), static_cast<long>(argmax_agree),
-              static_cast<long>(rows));
+  std::printf(
+      "[ vs cpu   ] logits rms %.3f, max |err| %.4f, mean |err| %.5f, argmax agrees on "
+      "%ld/%ld rows\n",
+      rms, max_err, sum_err / want.size(), static_cast<long>(argmax_agree),
+      static_cast<long>(rows));
   // bf16 weights are exact in both; the GPU rounds activations to bf16 at every GEMM input,
   // the CPU keeps fp32: errors of a few 2^-8 relative, accumulated over the layers.
   EXPECT_LT(max_err, 0.1 * rms);

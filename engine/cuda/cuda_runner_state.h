@@ -1,0 +1,167 @@
+#pragma once
+
+// Internal to the CUDA runner's two translation units (cuda_model_runner.cc: the forward pass;
+// cuda_model_runner_load.cc: construction, weights, workspace): what a CudaModelRunner owns on
+// the device. Not an API.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "engine/cuda/cuda_model_runner.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/ops.h"
+
+namespace rollout {
+namespace cuda_runner_internal {
+
+using cuda::bf16;
+
+inline absl::Status CudaError(cudaError_t err, const std::string& what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
+inline absl::Status CublasError(cublasStatus_t status, const std::string& what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cuda::CublasStatusName(status)));
+}
+
+#define ROLLOUT_RETURN_IF_ERROR(expr)  \
+  do {                                 \
+    absl::Status _status = (expr);     \
+    if (!_status.ok()) return _status; \
+  } while (0)
+
+struct LayerWeights {
+  bf16* qkv = nullptr;      // [(heads + 2 * kv_heads) * head_dim, hidden]: q rows, k rows, v rows
+  bf16* o = nullptr;        // [hidden, heads * head_dim]
+  bf16* gate_up = nullptr;  // [2 * intermediate, hidden]: gate rows then up rows
+  bf16* down = nullptr;     // [hidden, intermediate]
+  float* input_norm = nullptr;  // [hidden]
+  float* post_norm = nullptr;   // [hidden]
+  float* q_norm = nullptr;      // [head_dim]; nullptr unless qk_norm
+  float* k_norm = nullptr;      // [head_dim]; nullptr unless qk_norm
+  float* qkv_bias = nullptr;    // [(heads + 2 * kv_heads) * head_dim]; nullptr unless qkv_bias
+};
+
+// Where a checkpoint tensor goes on the device.
+struct Destination {
+  void* ptr = nullptr;
+  bool f32 = false;  // fp32 (norms, biases) or bf16 (matrices)
+};
+
+enum Family {
+  kMeta,
+  kEmbed,
+  kNorm,
+  kGemmQkv,
+  kQkvRope,
+  kAttention,
+  kGemmO,
+  kGemmGateUp,
+  kSiluMul,
+  kGemmDown,
+  kLmHead,
+  kLogitsCopy,
+  kNumFamilies
+};
+inline constexpr const char* kFamilyNames[kNumFamilies] = {"metadata h2d",
+                                                           "embedding",
+                                                           "rmsnorm",
+                                                           "gemm qkv",
+                                                           "qk-norm+rope+kv write",
+                                                           "attention",
+                                                           "gemm o (+res)",
+                                                           "gemm gate_up",
+                                                           "silu*up",
+                                                           "gemm down (+res)",
+                                                           "lm_head (+final norm)",
+                                                           "logits d2h"};
+
+}  // namespace cuda_runner_internal
+
+// Everything a runner holds on the device. Engine thread only, like the runner.
+struct CudaModelRunner::State {
+  using LayerWeights = cuda_runner_internal::LayerWeights;
+  using Destination = cuda_runner_internal::Destination;
+  using bf16 = cuda::bf16;
+
+  ~State() {
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    gemm_qkv.reset();
+    gemm_o.reset();
+    gemm_gate_up.reset();
+    gemm_down.reset();
+    gemm_lm_head.reset();
+    if (lt != nullptr) cublasLtDestroy(lt);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+
+  cudaStream_t stream = nullptr;
+  cublasLtHandle_t lt = nullptr;
+
+  cuda::DeviceBuffer weights_bf16;
+  cuda::DeviceBuffer weights_f32;
+  int64_t weight_bytes = 0;
+  bf16* embed = nullptr;        // [vocab, hidden]
+  bf16* lm_head = nullptr;      // [vocab, hidden]; == embed when tied
+  float* final_norm = nullptr;  // [hidden]
+  std::vector<LayerWeights> layers;
+  std::map<std::string, Destination> destinations;
+  std::vector<WeightSpec> weight_specs;  // sorted by name
+
+  cuda::DeviceBuffer rope_cos;  // [max_position, head_dim / 2]
+  cuda::DeviceBuffer rope_sin;  // [max_position, head_dim / 2]
+  cuda::DeviceBuffer kv;        // [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]
+  int64_t kv_layer_elems = 0;   // elements of one layer's K (or V)
+
+  // Activations for max_batch_tokens tokens.
+  cuda::DeviceBuffer x;           // [tokens, hidden] fp32: the residual stream
+  cuda::DeviceBuffer xn;          // [tokens, hidden] bf16: normed GEMM input
+  cuda::DeviceBuffer qkv;         // [tokens, (heads + 2 * kv_heads) * head_dim] fp32
+  cuda::DeviceBuffer q;           // [tokens, heads, head_dim] fp32
+  cuda::DeviceBuffer attn;        // [tokens, heads * head_dim] bf16
+  cuda::DeviceBuffer gate_up;     // [tokens, 2 * intermediate] bf16
+  cuda::DeviceBuffer act;         // [tokens, intermediate] bf16
+  cuda::DeviceBuffer final_rows;  // [max_logit_rows, hidden] bf16
+  cuda::DeviceBuffer logits;      // [max_logit_rows, vocab] fp32
+  cuda::DeviceBuffer meta;        // int32 batch metadata (see ForwardSlice)
+  cuda::DeviceBuffer partials;    // [tokens, heads, splits, head_dim + 2] fp32
+  cuda::PinnedHostBuffer meta_host;
+
+  std::unique_ptr<cuda::PinnedGemm> gemm_qkv, gemm_o, gemm_gate_up, gemm_down, gemm_lm_head;
+  std::vector<std::string> gemm_descriptions;
+
+  bool profiling = false;
+  std::vector<cudaEvent_t> events;  // recorded in order during one Forward
+  std::vector<int> event_family;    // family of the work that ends at events[i]
+  size_t num_events = 0;
+  double family_ms[cuda_runner_internal::kNumFamilies] = {};
+  int64_t profiled_forwards = 0;
+
+  absl::Status Mark(int family) {
+    using cuda_runner_internal::CudaError;
+    if (!profiling) return absl::OkStatus();
+    if (num_events == events.size()) {
+      cudaEvent_t e;
+      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventCreate(&e), "cudaEventCreate"));
+      events.push_back(e);
+      event_family.push_back(0);
+    }
+    event_family[num_events] = family;
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cudaEventRecord(events[num_events], stream), "cudaEventRecord"));
+    ++num_events;
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace rollout
