@@ -30,6 +30,7 @@
 #include "engine/cuda/cuda_model_runner.h"
 #include "engine/engine.h"
 #include "engine/random_model.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/device_buffer.h"
 
 ABSL_FLAG(int32_t, num_requests, 256, "requests in the end-to-end run");
@@ -221,9 +222,20 @@ class TimedRunner final : public ModelRunner {
     if (!decode_only) prefill_tokens.fetch_add(batch.num_tokens());
     return s;
   }
+  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
+                             const std::vector<float>& logits,
+                             std::vector<SampleResult>* results) override {
+    const auto start = Clock::now();
+    absl::Status s = inner_->ProcessLogits(tasks, logits, results);
+    sample_ns.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+    return s;
+  }
 
   double prefill_s() const { return prefill_ns.load() * 1e-9; }
   double decode_s() const { return decode_ns.load() * 1e-9; }
+  double sample_s() const { return sample_ns.load() * 1e-9; }
+  std::atomic<int64_t> sample_ns{0};
 
   std::atomic<int64_t> prefill_ns{0}, decode_ns{0};
   std::atomic<int64_t> prefill_steps{0}, decode_steps{0}, prefill_tokens{0};
@@ -439,10 +451,11 @@ int Main() {
     const int ctx = in + out / 2;
     if (static_cast<int64_t>(batch) * ((ctx + bs) / bs + 1) <= runner->num_kv_blocks()) {
       ForwardBatch decode = SyntheticBatch(batch, ctx, ctx + 1, bs, vocab, &rng);
-      Check(runner->Forward(decode, &logits));
+      Check(runner->ForwardToHost(decode, &logits));
       runner->ResetProfile();
-      for (int i = 0; i < 5; ++i) Check(runner->Forward(decode, &logits));
-      PrintProfile("decode step profile (mean context)", runner->profile(), batch);
+      for (int i = 0; i < 5; ++i) Check(runner->ForwardToHost(decode, &logits));
+      PrintProfile("decode step profile (mean context), logits copied to the host",
+                   runner->profile(), batch);
       const double kv_ms = double(batch) * ctx * KvBytesPerToken(config) / bw * 1e3;
       const double gemm_ms =
           std::max(
@@ -455,6 +468,29 @@ int Main() {
       runner->ResetProfile();
       for (int i = 0; i < 5; ++i) Check(runner->Forward(decode, nullptr));
       PrintProfile("decode step profile, logits left on the GPU", runner->profile(), batch);
+      // Sampling the step's rows on the GPU (T = 1, Gumbel-max, logprob), and on the host.
+      SamplingParams sp;
+      sp.temperature = 1.0f;
+      std::vector<LogitsRowTask> tasks(batch);
+      for (int q = 0; q < batch; ++q) {
+        tasks[q].params = &sp;
+        tasks[q].sample_seed = q;
+        tasks[q].position = ctx + 1;
+      }
+      std::vector<SampleResult> results;
+      Check(runner->ProcessLogits(tasks, {}, &results));
+      const auto a = Clock::now();
+      for (int i = 0; i < 10; ++i) Check(runner->ProcessLogits(tasks, {}, &results));
+      const double gpu_ms = Seconds(a, Clock::now()) / 10 * 1e3;
+      Check(runner->ForwardToHost(decode, &logits));
+      cpu::ThreadPool pool;
+      const auto b = Clock::now();
+      Check(ProcessLogitsOnHost(tasks, logits, vocab, &pool, &results));
+      const double host_ms = Seconds(b, Clock::now()) * 1e3;
+      std::printf(
+          "  sampling %d rows x %d vocab (T = 1): %.3f ms on the GPU (ProcessLogits: kernel + "
+          "transfers + sync) vs %.1f ms on the host (%d threads, after the logits copy)\n",
+          batch, vocab, gpu_ms, host_ms, static_cast<int>(std::thread::hardware_concurrency()));
     }
     runner->EnableProfiling(false);
   }
@@ -559,17 +595,67 @@ int Main() {
   std::printf("\nRESULT %s %d x %d/%d: %.2f s end to end, %.0f output tok/s, %.0f total tok/s\n",
               absl::GetFlag(FLAGS_preset).c_str(), requests, in, out, e2e,
               double(requests) * out / e2e, double(requests) * (in + out) / e2e);
+  const int64_t steps = timer->prefill_steps.load() + decode_steps;
   std::printf(
-      "  steps with prefill: %ld, %.2f s (%ld tokens); decode-only steps: %ld, %.2f s; "
-      "host outside Forward (scheduling, sampling, events): %.2f s\n",
+      "  steps with prefill: %ld, %.2f s in Forward (%ld tokens); decode-only steps: %ld, %.2f "
+      "s in Forward (%.2f ms/step)\n"
+      "  ProcessLogits (GPU sampling + result copy): %.2f s (%.3f ms/step); engine host work "
+      "outside both (scheduling, batch building, events): %.2f s (%.3f ms/step)\n",
       static_cast<long>(timer->prefill_steps.load()), timer->prefill_s(),
-      static_cast<long>(timer->prefill_tokens.load()),
-      static_cast<long>(timer->decode_steps.load()), timer->decode_s(), e2e - forward);
+      static_cast<long>(timer->prefill_tokens.load()), static_cast<long>(decode_steps),
+      timer->decode_s(), timer->decode_s() / std::max<int64_t>(1, decode_steps) * 1e3,
+      timer->sample_s(), timer->sample_s() / std::max<int64_t>(1, steps) * 1e3,
+      e2e - forward - timer->sample_s(),
+      (e2e - forward - timer->sample_s()) / std::max<int64_t>(1, steps) * 1e3);
   std::printf(
       "  floor %.2f s -> %.2fx the floor (published on H200: SGLang 30.85 s, SGLang "
       "deterministic 43.99 s, floor ~23 s)\n",
       floor.total(), e2e / floor.total());
   engine->reset();  // joins the engine thread before `runner` goes
+
+  // Batch-1 decode through the engine: one request, input_len prompt, batch1_tokens generated.
+  const int b1 = absl::GetFlag(FLAGS_batch1_tokens);
+  if (b1 > 1) {
+    auto timed1 = std::make_unique<TimedRunner>(runner.get());
+    TimedRunner* timer1 = timed1.get();
+    auto engine1 = Engine::Create(std::move(timed1), engine_options);
+    if (!engine1.ok()) return 1;
+    std::vector<SampleSpec> one(1);
+    one[0].prompt = RandomPrompt(in, vocab, &rng);
+    one[0].params.temperature = absl::GetFlag(FLAGS_temperature);
+    one[0].params.max_new_tokens = b1;
+    one[0].params.ignore_eos = true;
+    one[0].sample_seed = 5;
+    bool done = false;
+    int64_t got = 0;
+    Clock::time_point first_token, last_token;
+    auto job1 = (*engine1)->Submit(std::move(one), [&](std::vector<SampleEvent> events) {
+      std::lock_guard<std::mutex> lock(mu);
+      for (const SampleEvent& e : events) {
+        if (!e.new_token_ids.empty()) {
+          if (got == 0) first_token = Clock::now();
+          got += static_cast<int64_t>(e.new_token_ids.size());
+          last_token = Clock::now();
+        }
+        if (e.completion.has_value()) done = true;
+      }
+      cv.notify_all();
+    });
+    if (!job1.ok()) return 1;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, std::chrono::seconds(120), [&] { return done; });
+    }
+    const double ms = Seconds(first_token, last_token) / std::max<int64_t>(1, got - 1) * 1e3;
+    const double fwd_ms = timer1->decode_s() / std::max<int64_t>(1, timer1->decode_steps.load()) * 1e3;
+    std::printf(
+        "\nbatch-1 decode through the Engine at context %d..%d: %.3f ms/token (Forward %.3f ms, "
+        "ProcessLogits %.3f ms per step) = %.2fx the %.3f ms floor\n",
+        in, in + b1, ms, fwd_ms,
+        timer1->sample_s() / std::max<int64_t>(1, timer1->decode_steps.load() + 1) * 1e3,
+        ms / batch1_floor_ms, batch1_floor_ms);
+    engine1->reset();
+  }
   return 0;
 }
 

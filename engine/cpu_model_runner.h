@@ -38,6 +38,11 @@ class CpuModelRunner final : public ModelRunner {
   int32_t attention_split_size() const override { return options_.attention_split_size; }
 
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
+  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
+                             const std::vector<float>& logits,
+                             std::vector<SampleResult>* results) override {
+    return ProcessLogitsOnHost(tasks, logits, config_.vocab_size, pool_.get(), results);
+  }
   const std::vector<WeightSpec>& weight_specs() const override { return weight_specs_; }
   absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
 

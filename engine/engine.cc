@@ -478,21 +478,45 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
     }
     return;
   }
-  const int64_t vocab = config_.vocab_size;
+  // One task per logits row, in row order: the next token of each finished chunk, or the
+  // scored tokens of a scoring sequence.
+  std::vector<LogitsRowTask> tasks;
+  tasks.reserve(batch.logit_rows.size());
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    Sequence* seq = chunks[c].seq;
+    for (int64_t r = 0; r < rows[c].num_rows; ++r) {
+      LogitsRowTask task;
+      task.params = &seq->params;
+      task.sample_seed = seq->sample_seed;
+      task.position = seq->num_tokens();  // absolute position of the new token
+      if (seq->is_score()) task.score_token = seq->tokens[rows[c].first_position + r + 1];
+      tasks.push_back(task);
+    }
+  }
+  std::vector<SampleResult> results;
+  if (absl::Status s = runner_->ProcessLogits(tasks, logits_, &results); !s.ok()) {
+    LOG(ERROR) << "sampling failed, aborting the step's samples: " << s;
+    for (const ScheduledChunk& chunk : chunks) {
+      if (!chunk.seq->finished) Report(chunk.seq, FinishReason::kAbort, events);
+    }
+    return;
+  }
   for (size_t c = 0; c < chunks.size(); ++c) {
     Sequence* seq = chunks[c].seq;
     seq->num_computed = chunks[c].end;
     scheduler_.CachePages(seq);
-    const float* first_row = &logits_[rows[c].first_row * vocab];
+    SampleResult* first = results.data() + rows[c].first_row;
     if (seq->is_score()) {
-      ScoreRows(seq, rows[c].first_position, rows[c].num_rows, first_row);
+      for (int64_t r = 0; r < rows[c].num_rows; ++r) {
+        seq->logprobs.push_back(first[r].logprob);
+        if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(first[r].top));
+        ++scored_tokens_;
+      }
       if (seq->num_computed == seq->num_tokens()) Report(seq, FinishReason::kLength, events);
       continue;
     }
     if (rows[c].num_rows == 0) continue;
-    const int64_t position = seq->num_tokens();  // absolute position of the new token
-    SampleResult result = SampleToken(first_row, static_cast<int32_t>(vocab), seq->params,
-                                      seq->sample_seed, position, &sampler_scratch_);
+    SampleResult& result = *first;
     seq->tokens.push_back(result.token);
     seq->logprobs.push_back(result.logprob);
     if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result.top));
@@ -517,23 +541,6 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
   (has_prefill ? prefill_steps_ : decode_steps_).Record(seconds);
 }
 
-void Engine::ScoreRows(Sequence* seq, int64_t first_position, int64_t num_rows,
-                       const float* logits) {
-  const int32_t vocab = config_.vocab_size;
-  // Same definition as sampling: T = 0 scores like greedy generation, at T = 1.
-  const float t = seq->params.temperature > 0.0f ? seq->params.temperature : 1.0f;
-  sampler_scratch_.resize(vocab);
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int32_t next = seq->tokens[first_position + r + 1];
-    LogSoftmax(logits + r * vocab, vocab, t, sampler_scratch_.data());
-    seq->logprobs.push_back(sampler_scratch_[next]);
-    if (seq->params.top_logprobs > 0) {
-      seq->top_logprobs.push_back(
-          TopLogprobs(sampler_scratch_.data(), vocab, seq->params.top_logprobs));
-    }
-    ++scored_tokens_;
-  }
-}
 
 void Engine::Report(Sequence* seq, std::optional<FinishReason> reason,
                     std::map<uint64_t, std::vector<SampleEvent>>* events) {

@@ -211,8 +211,6 @@ class Engine {
               std::map<uint64_t, std::vector<SampleEvent>>* events);
   void AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
                 std::map<uint64_t, std::vector<SampleEvent>>* events);
-  // Appends the logprobs of the scored positions in `logits` rows to a scoring sequence.
-  void ScoreRows(Sequence* seq, int64_t first_position, int64_t num_rows, const float* logits);
   void Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events);
   void PublishCounters();
   // Takes updates off the inbox, applies those that can be applied now.
@@ -247,7 +245,6 @@ class Engine {
   std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
   std::vector<Submission> held_;           // submissions waiting for draining_
   std::vector<float> logits_;
-  std::vector<float> sampler_scratch_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -9,6 +9,7 @@
 #include "engine/cpu_model_runner.h"
 #include "engine/random_model.h"
 #include "engine/sampler.h"
+#include "engine/engine_test_util.h"
 #include "gtest/gtest.h"
 
 namespace rollout {
@@ -36,55 +37,6 @@ std::unique_ptr<Engine> MakeEngine(CpuRunnerOptions runner_options, EngineOption
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*std::move(runner), options);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return *std::move(engine);
-}
-
-// Collects one job's completions and waits for all of them.
-class Collector {
- public:
-  explicit Collector(size_t n) : completions_(n) {}
-  EventSink Sink() {
-    return [this](std::vector<SampleEvent> events) {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (SampleEvent& e : events) {
-        streamed_[e.sample_index].insert(streamed_[e.sample_index].end(),
-                                         e.new_token_ids.begin(), e.new_token_ids.end());
-        if (e.completion.has_value()) {
-          completions_[e.sample_index] = *std::move(e.completion);
-          ++done_;
-        }
-      }
-      cv_.notify_all();
-    };
-  }
-  // REQUIRES: every sample_index of the job is < n.
-  std::vector<SampleCompletion> Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return done_ == completions_.size(); });
-    return completions_;
-  }
-  std::vector<int32_t> streamed(int i) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return streamed_[i];
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<SampleCompletion> completions_;
-  std::map<int, std::vector<int32_t>> streamed_;
-  size_t done_ = 0;
-};
-
-std::string Bits(const SampleCompletion& c) {
-  std::string out;
-  for (int32_t t : c.token_ids) absl::StrAppend(&out, t, ",");
-  for (float lp : c.logprobs) {
-    uint32_t b;
-    std::memcpy(&b, &lp, 4);
-    absl::StrAppend(&out, b, ";");
-  }
-  absl::StrAppend(&out, static_cast<int>(c.finish_reason));
-  return out;
 }
 
 // A fixed mix of prompts (short, page-crossing, multi-chunk) and sampling settings.

@@ -9,6 +9,7 @@
 #include "engine/engine.h"
 #include "engine/random_model.h"
 #include "engine/sampler.h"
+#include "engine/engine_test_util.h"
 #include "gtest/gtest.h"
 
 namespace rollout {
@@ -98,16 +99,6 @@ UpdateResult Update(Engine* engine, std::string version, UpdatePolicy policy,
   return future.get();
 }
 
-std::string Bits(const SampleCompletion& c) {
-  std::string out;
-  for (int32_t t : c.token_ids) absl::StrAppend(&out, t, ",");
-  for (float lp : c.logprobs) {
-    uint32_t b;
-    std::memcpy(&b, &lp, 4);
-    absl::StrAppend(&out, b, ";");
-  }
-  return out;
-}
 
 TEST(EngineUpdateTest, NewWeightsChangeOutputsAndTheOriginalBytesRestoreThemBitwise) {
   std::unique_ptr<Engine> engine = MakeEngine();

@@ -1,12 +1,16 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "engine/model_config.h"
+#include "kernels/cpu/thread_pool.h"
 #include "engine/safetensors.h"
+#include "engine/sampler.h"
+#include "engine/sampling_params.h"
 
 namespace rollout {
 
@@ -37,6 +41,23 @@ const WeightSpec* FindWeightSpec(const std::vector<WeightSpec>& specs, const std
 absl::Status CheckTensorAgainstSpec(const std::vector<WeightSpec>& specs, const std::string& name,
                                     DType dtype, const std::vector<int64_t>& shape);
 
+// What the engine wants from one logits row of the last Forward: sample the next token, or
+// (score_token set) the teacher-forced logprob of a given token.
+struct LogitsRowTask {
+  const SamplingParams* params = nullptr;  // temperature (0 = greedy), filters, top_logprobs
+  uint64_t sample_seed = 0;
+  int64_t position = 0;                    // absolute position of the token being sampled
+  std::optional<int32_t> score_token;
+};
+
+// The host implementation of ModelRunner::ProcessLogits: SampleToken for sampling rows and
+// LogSoftmax at T (0 means 1) for scoring rows, rows split across `pool` (each row is one
+// independent, fixed-order computation, so the split cannot change a bit).
+// logits: [tasks.size(), vocab_size].
+absl::Status ProcessLogitsOnHost(const std::vector<LogitsRowTask>& tasks,
+                                 const std::vector<float>& logits, int32_t vocab_size,
+                                 cpu::ThreadPool* pool, std::vector<SampleResult>* results);
+
 // A backend's forward pass with its KV cache. Owned and called by the engine thread only.
 // Contract: the logits of a row are a pure function of the weights and the tokens at positions
 // [0, position] of its sequence -- bitwise, whatever the rest of the batch, the chunking, or
@@ -56,6 +77,13 @@ class ModelRunner {
   // batch.logit_rows: [logit_rows.size(), vocab_size] in `logits`.
   // REQUIRES: every block table covers its tokens' positions.
   virtual absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) = 0;
+
+  // Samples or scores every row of the last Forward's logits: tasks[i] for row i, results[i]
+  // its token (the scored token for scoring rows), logprob and top-N. `logits` is what Forward
+  // returned. The same row and task always give the same bits.
+  virtual absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
+                                     const std::vector<float>& logits,
+                                     std::vector<SampleResult>* results) = 0;
 
   // Every tensor a weight update may replace, sorted by name. Constant after construction.
   virtual const std::vector<WeightSpec>& weight_specs() const = 0;

@@ -13,17 +13,7 @@
 namespace rollout::testing {
 namespace {
 
-class ControlE2eTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() { server_ = StartTestServer().release(); }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  static v1::RolloutService::Stub* stub() { return server_->stub.get(); }
-  static TestServer* server_;
-};
-TestServer* ControlE2eTest::server_ = nullptr;
+class ControlE2eTest : public SharedServerTest {};
 
 const std::vector<uint32_t> kPrompt = {3, 14, 15, 92, 65, 35, 89, 79, 323, 846};
 

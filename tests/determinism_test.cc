@@ -103,18 +103,7 @@ UniqueOutputs SingleMode(v1::RolloutService::Stub* stub, const SamplingMode& mod
   });
 }
 
-class DeterminismTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() { server_ = StartTestServer().release(); }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  static v1::RolloutService::Stub* stub() { return server_->stub.get(); }
-
-  static TestServer* server_;
-};
-TestServer* DeterminismTest::server_ = nullptr;
+class DeterminismTest : public SharedServerTest {};
 
 // D1: batch size and composition.
 TEST_F(DeterminismTest, OneRolloutIsBitwiseIdenticalInBatchesOf1To16BesideCopiesAndStrangers) {
@@ -225,15 +214,12 @@ TEST_F(DeterminismTest, ConcurrentStaggeredTrafficWithCancelledNeighboursEqualsE
 }
 
 
-// D4: shared prefixes shorter than a page, page aligned, and longer than a prefill chunk
-// (max_batch_tokens 64), the cache flushed between trials, the prompts randomly grouped and
-// sent one group after another or from two threads at once.
-TEST_F(DeterminismTest, SharedPrefixesGiveTheSameBitsWhetherTheirKvIsCachedOrNot) {
-  ServerOptions options;
-  options.max_batch_tokens = 64;
-  options.max_running_samples = 16;
-  std::unique_ptr<TestServer> server = StartTestServer(options);
-  ASSERT_NE(server, nullptr);
+// The "prefix" mode (D4): shared prefixes shorter than a page, page aligned, and longer than a
+// prefill chunk (max_batch_tokens 64), the cache flushed between trials, the prompts randomly
+// grouped and sent one group after another or from two threads at once. On `server` (started
+// with PrefixModeOptions); returns the outputs and sets *cached to the prompt tokens served from
+// the prefix cache.
+UniqueOutputs PrefixMode(TestServer* server, uint64_t* cached) {
   std::mt19937_64 rng(3003);
   const std::vector<uint32_t> base = RandomPrompt(rng, 200);  // nested prefixes 7, 32, 200
   std::vector<Spec> specs;
@@ -291,12 +277,30 @@ TEST_F(DeterminismTest, SharedPrefixesGiveTheSameBitsWhetherTheirKvIsCachedOrNot
       for (std::thread& th : threads) th.join();
     }
   });
+  EXPECT_EQ(outputs.NumObservations(), 4 * specs.size());
+  *cached = cached_tokens.load();
+  return outputs;
+}
+
+ServerOptions PrefixModeOptions(int32_t tensor_parallel = 1) {
+  ServerOptions options;
+  options.max_batch_tokens = 64;
+  options.max_running_samples = 16;
+  options.tensor_parallel = tensor_parallel;
+  return options;
+}
+
+// D4: the prefix mode.
+TEST_F(DeterminismTest, SharedPrefixesGiveTheSameBitsWhetherTheirKvIsCachedOrNot) {
+  std::unique_ptr<TestServer> server = StartTestServer(PrefixModeOptions());
+  ASSERT_NE(server, nullptr);
+  uint64_t cached_tokens = 0;
+  UniqueOutputs outputs = PrefixMode(server.get(), &cached_tokens);
   Report(outputs, "prefix");
   std::cout << "[determinism] prefix: " << cached_tokens << " prompt tokens served from the cache"
             << std::endl;
   EXPECT_EQ(outputs.MaxUnique(), 1u) << outputs.Summary("prefix");
-  EXPECT_EQ(outputs.NumObservations(), 4 * specs.size());
-  EXPECT_GT(cached_tokens.load(), 0u) << "the shared prefixes never hit the prefix cache";
+  EXPECT_GT(cached_tokens, 0u) << "the shared prefixes never hit the prefix cache";
 }
 
 // D4 on generated tokens: prompt + generated tokens + a few new ones hits the cache on the
@@ -333,10 +337,13 @@ TEST_F(DeterminismTest, RadixHitOnGeneratedTokensEqualsTheMissAfterFlush) {
   }
 }
 
-// D8: Score(prompt + completion, start = len(prompt), T) returns Generate's logprobs and top
-// logprobs bitwise, alone or batched, at every prompt length; greedy Generate reports T = 1
-// logprobs, so Score at T = 0, T = 1 and T unset all equal it.
-TEST_F(DeterminismTest, ScoreEqualsGenerateLogprobsBitwise) {
+// The "score-vs-generate" mode (D8): Score(prompt + completion, start = len(prompt), T) returns
+// Generate's logprobs and top logprobs bitwise, alone or batched, at every prompt length; greedy
+// Generate reports T = 1 logprobs, so Score at T = 0, T = 1 and T unset all equal it. On `stub`:
+// outputs (logprobs + top logprobs) and logprobs_only (the same keys, logprobs asked without top
+// logprobs) count Generate's and Score's bits.
+void ScoreVsGenerateMode(v1::RolloutService::Stub* stub, UniqueOutputs* outputs_out,
+                         UniqueOutputs* logprobs_only_out) {
   std::mt19937_64 rng(5005);
   struct Case {
     std::string key;
@@ -345,8 +352,8 @@ TEST_F(DeterminismTest, ScoreEqualsGenerateLogprobsBitwise) {
     std::vector<std::optional<float>> score_temperatures;
   };
   std::vector<Case> cases;
-  UniqueOutputs outputs;
-  UniqueOutputs logprobs_only;
+  UniqueOutputs& outputs = *outputs_out;
+  UniqueOutputs& logprobs_only = *logprobs_only_out;
   for (int length : {1, 15, 16, 17, 100}) {
     for (float temperature : {0.0f, 0.7f, 1.3f}) {
       SamplingMode mode{"t", temperature, std::nullopt};
@@ -354,7 +361,7 @@ TEST_F(DeterminismTest, ScoreEqualsGenerateLogprobsBitwise) {
       const std::vector<uint32_t> prompt = RandomPrompt(rng, length);
       v1::RolloutRequest rollout = ModeRollout(prompt, rng(), 12, mode);
       rollout.mutable_sampling()->set_top_logprobs(3);
-      const v1::Completion c = GenerateOne(stub(), rollout);
+      const v1::Completion c = GenerateOne(stub, rollout);
       ASSERT_EQ(c.token_ids_size(), 12);
       Case k{absl::StrCat("len", length, "/T", temperature), Concat(prompt, Tokens(c)),
              static_cast<uint32_t>(length), {}};
@@ -391,7 +398,7 @@ TEST_F(DeterminismTest, ScoreEqualsGenerateLogprobsBitwise) {
         v1::ScoreRequest request;
         *request.add_sequences() = sequence(k, temperature, tops);
         v1::ScoreResponse response;
-        grpc::Status status = Score(stub(), request, &response);
+        grpc::Status status = Score(stub, request, &response);
         ASSERT_TRUE(status.ok()) << "Score: " << status.error_code() << " "
                                  << status.error_message();
         ASSERT_EQ(response.results_size(), 1);
@@ -418,11 +425,19 @@ TEST_F(DeterminismTest, ScoreEqualsGenerateLogprobsBitwise) {
       std::reverse(order.begin(), order.end());
     }
     v1::ScoreResponse response;
-    grpc::Status status = Score(stub(), request, &response);
+    grpc::Status status = Score(stub, request, &response);
     ASSERT_TRUE(status.ok()) << status.error_message();
     ASSERT_EQ(response.results_size(), static_cast<int>(order.size()));
     for (size_t i = 0; i < order.size(); ++i) add(*order[i].first, response.results(i), 3);
   }
+}
+
+// D8: the score-vs-generate mode.
+TEST_F(DeterminismTest, ScoreEqualsGenerateLogprobsBitwise) {
+  UniqueOutputs outputs;
+  UniqueOutputs logprobs_only;
+  ScoreVsGenerateMode(stub(), &outputs, &logprobs_only);
+  ASSERT_FALSE(HasFatalFailure());
   Report(outputs, "score-vs-generate (logprobs + top logprobs)");
   Report(logprobs_only, "score-vs-generate (logprobs, no top logprobs asked)");
   EXPECT_EQ(outputs.MaxUnique(), 1u) << outputs.Summary("score");
@@ -537,13 +552,11 @@ TEST_F(DeterminismTest, RestartAndChunkingConfigurationsDoNotChangeAnyBit) {
   EXPECT_EQ(outputs.MaxUnique(), 1u) << outputs.Summary("chunking+restart");
 }
 
-// D5: a KV pool of 40 blocks (16 tokens, 2 KiB per token) and many concurrent samples force
-// preemption and recompute; the outputs equal an unpressured server's.
-TEST_F(DeterminismTest, KvPressurePreemptionDoesNotChangeAnyBit) {
-  ServerOptions options;
-  options.kv_cache_bytes = 40ll * 16 * 2048;
-  std::unique_ptr<TestServer> pressured = StartTestServer(options);
-  ASSERT_NE(pressured, nullptr);
+// The "pressure" mode: a KV pool of 40 blocks (PressureModeOptions) and many concurrent samples
+// force preemption and recompute on `pressured`; `reference` (unpressured) gives the outputs to
+// match. Sets *preemptions to the pressured server's count.
+void PressureMode(v1::RolloutService::Stub* reference, TestServer* pressured,
+                  UniqueOutputs* outputs_out, uint64_t* preemptions) {
   const v1::ServerInfo before = GetInfo(pressured->stub.get());
   std::cout << "[determinism] pressure: " << before.counters().kv_blocks_total()
             << " KV blocks, max context " << before.model().max_context() << std::endl;
@@ -555,7 +568,7 @@ TEST_F(DeterminismTest, KvPressurePreemptionDoesNotChangeAnyBit) {
     specs.push_back({RandomPrompt(rng, RandomInt(rng, 40, 150)), rng(), 24,
                      i % 2 ? Sampled() : Greedy(), 3});
   }
-  UniqueOutputs outputs;
+  UniqueOutputs& outputs = *outputs_out;
   auto add = [&](const GenerateOutcome& o, size_t first) {
     for (size_t r = 0; r < o.completions.size(); ++r) {
       for (size_t j = 0; j < o.completions[r].size(); ++j) {
@@ -564,11 +577,11 @@ TEST_F(DeterminismTest, KvPressurePreemptionDoesNotChangeAnyBit) {
       }
     }
   };
-  // Reference: the suite's unpressured server, all in one request.
+  // Reference: an unpressured server, all in one request.
   {
     v1::GenerateRequest request;
     for (const Spec& s : specs) *request.add_rollouts() = s.Rollout();
-    GenerateOutcome o = MustGenerate(stub(), request);
+    GenerateOutcome o = MustGenerate(reference, request);
     ASSERT_TRUE(o.status.ok());
     add(o, 0);
   }
@@ -591,11 +604,28 @@ TEST_F(DeterminismTest, KvPressurePreemptionDoesNotChangeAnyBit) {
       add(results[t], 4 * t);
     }
   }
-  const v1::ServerInfo after = GetInfo(pressured->stub.get());
-  std::cout << "[determinism] pressure: " << after.counters().preemptions() << " preemptions"
-            << std::endl;
+  *preemptions = GetInfo(pressured->stub.get()).counters().preemptions();
+  std::cout << "[determinism] pressure: " << *preemptions << " preemptions" << std::endl;
+}
+
+ServerOptions PressureModeOptions(int32_t tensor_parallel = 1) {
+  ServerOptions options;
+  options.kv_cache_bytes = 40ll * 16 * 2048;
+  options.tensor_parallel = tensor_parallel;
+  return options;
+}
+
+// D5: a KV pool of 40 blocks (16 tokens, 2 KiB per token) and many concurrent samples force
+// preemption and recompute; the outputs equal an unpressured server's.
+TEST_F(DeterminismTest, KvPressurePreemptionDoesNotChangeAnyBit) {
+  std::unique_ptr<TestServer> pressured = StartTestServer(PressureModeOptions());
+  ASSERT_NE(pressured, nullptr);
+  UniqueOutputs outputs;
+  uint64_t preemptions = 0;
+  PressureMode(stub(), pressured.get(), &outputs, &preemptions);
+  ASSERT_FALSE(HasFatalFailure());
   Report(outputs, "pressure");
-  EXPECT_GT(after.counters().preemptions(), 0u) << "the KV pool was never short";
+  EXPECT_GT(preemptions, 0u) << "the KV pool was never short";
   EXPECT_EQ(outputs.MaxUnique(), 1u) << outputs.Summary("pressure");
 }
 
@@ -700,6 +730,59 @@ TEST_F(DeterminismTest, PartialRolloutAfterAbortRpcContinuesBitwise) {
 
 TEST_F(DeterminismTest, PartialRolloutAfterClientCancelContinuesBitwise) {
   InterruptAndResume(stub(), /*use_abort_rpc=*/false);
+}
+
+// D10: the key modes -- single (greedy and sampled), prefix, pressure, score-vs-generate -- on
+// servers of tensor-parallel degree 1, 2 and 4 (CPU ranks as threads, in-process communicator).
+// Each mode must pass at each degree, and every rollout must give the same bits at every degree:
+// the counts are merged over the degrees and the only passing count is still 1.
+TEST_F(DeterminismTest, TensorParallelDegrees2And4PassTheKeyModesWithTheBitsOfTp1) {
+  std::map<std::string, UniqueOutputs> merged;  // mode -> outputs at every degree
+  for (int32_t tp : {1, 2, 4}) {
+    const std::string at = absl::StrCat(" at TP ", tp);
+    ServerOptions options;
+    options.tensor_parallel = tp;
+    std::unique_ptr<TestServer> server = StartTestServer(options);
+    ASSERT_NE(server, nullptr) << at;
+    EXPECT_EQ(GetInfo(server->stub.get()).limits().tensor_parallel(), static_cast<uint32_t>(tp));
+    auto check = [&](const std::string& mode, const UniqueOutputs& o) {
+      Report(o, mode + at);
+      EXPECT_EQ(o.MaxUnique(), 1u) << o.Summary(mode + at);
+      merged[mode].Merge(o);
+    };
+    for (const SamplingMode& mode : BothModes()) {
+      check("single/" + mode.name, SingleMode(server->stub.get(), mode, 1001));
+    }
+    {
+      std::unique_ptr<TestServer> prefix = StartTestServer(PrefixModeOptions(tp));
+      ASSERT_NE(prefix, nullptr) << at;
+      uint64_t cached = 0;
+      const UniqueOutputs o = PrefixMode(prefix.get(), &cached);
+      EXPECT_GT(cached, 0u) << "the shared prefixes never hit the prefix cache" << at;
+      check("prefix", o);
+    }
+    {
+      std::unique_ptr<TestServer> pressured = StartTestServer(PressureModeOptions(tp));
+      ASSERT_NE(pressured, nullptr) << at;
+      UniqueOutputs o;
+      uint64_t preemptions = 0;
+      PressureMode(server->stub.get(), pressured.get(), &o, &preemptions);
+      ASSERT_FALSE(HasFatalFailure()) << at;
+      EXPECT_GT(preemptions, 0u) << "the KV pool was never short" << at;
+      check("pressure", o);
+    }
+    {
+      UniqueOutputs o, logprobs_only;
+      ScoreVsGenerateMode(server->stub.get(), &o, &logprobs_only);
+      ASSERT_FALSE(HasFatalFailure()) << at;
+      check("score-vs-generate", o);
+      check("score-vs-generate/logprobs-only", logprobs_only);
+    }
+  }
+  for (const auto& [mode, o] : merged) {
+    Report(o, mode + " over TP 1, 2, 4");
+    EXPECT_EQ(o.MaxUnique(), 1u) << o.Summary(mode + " over TP 1, 2, 4");
+  }
 }
 
 // The negative control: a server whose final RMSNorm reduction depends on the batch size must

@@ -14,18 +14,7 @@
 namespace rollout::testing {
 namespace {
 
-class GenerateE2eTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() { server_ = StartTestServer().release(); }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  static v1::RolloutService::Stub* stub() { return server_->stub.get(); }
-
-  static TestServer* server_;
-};
-TestServer* GenerateE2eTest::server_ = nullptr;
+class GenerateE2eTest : public SharedServerTest {};
 
 const std::vector<uint32_t> kPrompt = {11, 42, 7, 300, 1999, 5, 64, 812};
 

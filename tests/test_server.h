@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "gtest/gtest.h"
 #include "rollout/v1/rollout.grpc.pb.h"
 #include "server/server.h"
 
@@ -22,6 +23,20 @@ struct TestServer {
 // Starts a server with `options` (address and model default to loopback:0 and the default
 // model). Fails the calling test on error.
 std::unique_ptr<TestServer> StartTestServer(ServerOptions options = {});
+
+// A fixture whose tests share one server started with the default options (per test binary
+// run; ctest runs each test in its own process).
+class SharedServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { server_ = StartTestServer().release(); }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  static v1::RolloutService::Stub* stub() { return server_->stub.get(); }
+
+  static inline TestServer* server_ = nullptr;
+};
 
 // The result of one Generate call, as a client sees it.
 struct GenerateOutcome {

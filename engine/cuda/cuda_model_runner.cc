@@ -6,13 +6,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "engine/cuda/cuda_runner_state.h"
+#include "kernels/cuda/sampling.h"
 #include "kernels/cuda/ops.h"
 
 namespace rollout {
@@ -54,6 +57,18 @@ CudaForwardProfile CudaModelRunner::profile() const {
 }
 
 absl::Status CudaModelRunner::Forward(const ForwardBatch& batch, std::vector<float>* logits) {
+  if (logits != nullptr) logits->clear();
+  return ForwardImpl(batch, nullptr);
+}
+
+absl::Status CudaModelRunner::ForwardToHost(const ForwardBatch& batch, std::vector<float>* logits) {
+  logits->resize(batch.logit_rows.size() * static_cast<size_t>(config_.vocab_size));
+  ROLLOUT_RETURN_IF_ERROR(ForwardImpl(batch, logits->data()));
+  if (!state_->last_on_device) state_->spill = *logits;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host_logits) {
   const ModelConfig& c = config_;
   const int64_t t = batch.num_tokens();
   if (static_cast<int64_t>(batch.positions.size()) != t ||
@@ -87,13 +102,25 @@ absl::Status CudaModelRunner::Forward(const ForwardBatch& batch, std::vector<flo
     }
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(options_.device), "cudaSetDevice"));
-  if (logits != nullptr) logits->resize(batch.logit_rows.size() * c.vocab_size);
   State& s = *state_;
   s.num_events = 0;
+  // The logits stay on the device when every row fits the logits buffer at its own row (a
+  // vocab of a multiple of 64 floats keeps every row's start 256-byte aligned for the GEMM, or
+  // one slice writes them in one pass from row 0); otherwise each pass is copied to the host.
+  const int64_t rows = static_cast<int64_t>(batch.logit_rows.size());
+  const bool keep_on_device = rows <= options_.max_logit_rows &&
+                              (c.vocab_size % 64 == 0 || t <= options_.max_batch_tokens);
+  s.last_rows = rows;
+  s.last_on_device = keep_on_device;
+  if (!keep_on_device && host_logits == nullptr) {
+    s.spill.resize(static_cast<size_t>(rows) * c.vocab_size);
+    host_logits = s.spill.data();
+  }
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMeta));
   for (int64_t begin = 0; begin < t; begin += options_.max_batch_tokens) {
-    ROLLOUT_RETURN_IF_ERROR(ForwardSlice(
-        batch, begin, std::min<int64_t>(t, begin + options_.max_batch_tokens), logits));
+    ROLLOUT_RETURN_IF_ERROR(ForwardSlice(batch, begin,
+                                         std::min<int64_t>(t, begin + options_.max_batch_tokens),
+                                         host_logits, keep_on_device));
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "forward pass"));
   if (s.profiling && s.num_events > 1) {
@@ -110,7 +137,7 @@ absl::Status CudaModelRunner::Forward(const ForwardBatch& batch, std::vector<flo
 
 // Tokens [begin, end) of the batch through every layer, then their logit rows.
 absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
-                                           std::vector<float>* logits) {
+                                           float* host_logits, bool keep_on_device) {
   const ModelConfig& c = config_;
   State& s = *state_;
   const int64_t n = end - begin;
@@ -314,20 +341,163 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
         CudaError(cuda::RmsNorm(x, d + off_rows + r0, rn, h, s.final_norm, c.rms_norm_eps,
                                 s.final_rows.get<bf16>(), s.stream),
                   "final rmsnorm"));
+    float* device_rows = s.logits.get<float>() + (keep_on_device ? (row_begin + r0) * vocab : 0);
     ROLLOUT_RETURN_IF_ERROR(CublasError(
-        s.gemm_lm_head->Run(s.final_rows.get<bf16>(), rn, s.lm_head, s.logits.get(), s.stream),
+        s.gemm_lm_head->Run(s.final_rows.get<bf16>(), rn, s.lm_head, device_rows, s.stream),
         "lm_head"));
     ROLLOUT_RETURN_IF_ERROR(s.Mark(kLmHead));
-    if (logits != nullptr) {
-      float* dst = logits->data() + (row_begin + r0) * vocab;
+    if (host_logits != nullptr) {
+      float* dst = host_logits + (row_begin + r0) * vocab;
       ROLLOUT_RETURN_IF_ERROR(CudaError(
-          cudaMemcpyAsync(dst, s.logits.get(), rn * vocab * 4, cudaMemcpyDeviceToHost, s.stream),
+          cudaMemcpyAsync(dst, device_rows, rn * vocab * 4, cudaMemcpyDeviceToHost, s.stream),
           "copying logits"));
       ROLLOUT_RETURN_IF_ERROR(s.Mark(kLogitsCopy));
     }
   }
   // The pinned metadata buffer is rewritten by the next slice.
   return CudaError(cudaStreamSynchronize(s.stream), "forward pass");
+}
+
+namespace {
+
+// engine/sampler.cc's logits / T as the device computes it (IEEE division, NaN -> -inf,
+// +inf -> FLT_MAX): on the host for rows whose token the host picks.
+float HostScaledLogit(float logit, float t) {
+  const float x = logit / t;
+  if (std::isnan(x)) return -INFINITY;
+  if (x == INFINITY) return FLT_MAX;
+  return x;
+}
+
+bool HostPicksToken(const LogitsRowTask& task, int32_t vocab) {
+  const SamplingParams& p = *task.params;
+  if (task.score_token.has_value() || !(p.temperature > 0.0f)) return false;
+  return (p.top_k > 0 && p.top_k < vocab) || p.top_p < 1.0f || p.min_p > 0.0f;
+}
+
+}  // namespace
+
+absl::Status CudaModelRunner::ProcessLogits(const std::vector<LogitsRowTask>& tasks,
+                                            const std::vector<float>& logits,
+                                            std::vector<SampleResult>* results) {
+  State& s = *state_;
+  const int64_t rows = static_cast<int64_t>(tasks.size());
+  const int64_t vocab = config_.vocab_size;
+  const bool from_caller = !logits.empty();
+  if (from_caller && static_cast<int64_t>(logits.size()) != rows * vocab) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d logits rows of %d expected, %d values given", rows, vocab, logits.size()));
+  }
+  if (!from_caller && rows != s.last_rows) {
+    return absl::InternalError(absl::StrFormat(
+        "%d tasks for the %d logits rows of the last Forward", rows, s.last_rows));
+  }
+  for (const LogitsRowTask& task : tasks) {
+    if (task.params == nullptr) return absl::InvalidArgumentError("task without params");
+    if (task.params->top_logprobs > cuda::kMaxDeviceTopN) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "top_logprobs %d: at most %d on the CUDA backend", task.params->top_logprobs,
+          cuda::kMaxDeviceTopN));
+    }
+    if (task.score_token.has_value() && (*task.score_token < 0 || *task.score_token >= vocab)) {
+      return absl::InvalidArgumentError(absl::StrCat("score token ", *task.score_token));
+    }
+  }
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(options_.device), "cudaSetDevice"));
+  results->assign(rows, SampleResult());
+  const int64_t chunk = options_.max_logit_rows;
+  for (int64_t first = 0; first < rows; first += chunk) {
+    const int64_t count = std::min(chunk, rows - first);
+    const float* source = nullptr;  // host rows to upload, or nullptr: already on the device
+    if (from_caller) {
+      source = logits.data() + first * vocab;
+    } else if (!s.last_on_device) {
+      source = s.spill.data() + first * vocab;
+    }
+    const float* device_rows = s.logits.get<float>() + (source == nullptr ? first * vocab : 0);
+    if (source != nullptr) {
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cudaMemcpyAsync(s.logits.get(), source, count * vocab * 4, cudaMemcpyHostToDevice,
+                          s.stream),
+          "uploading logits"));
+    }
+    ROLLOUT_RETURN_IF_ERROR(ProcessDeviceRows(device_rows, tasks, first, count, results));
+  }
+  return absl::OkStatus();
+}
+
+// Rows [first, first + count) of `tasks`, their logits at `rows` on the device.
+absl::Status CudaModelRunner::ProcessDeviceRows(const float* rows,
+                                                const std::vector<LogitsRowTask>& tasks,
+                                                int64_t first, int64_t count,
+                                                std::vector<SampleResult>* results) {
+  State& s = *state_;
+  const int32_t vocab = config_.vocab_size;
+  cuda::LogitsRowSpec* specs = s.row_specs_host.get<cuda::LogitsRowSpec>();
+  for (int64_t i = 0; i < count; ++i) {
+    const LogitsRowTask& task = tasks[first + i];
+    const SamplingParams& p = *task.params;
+    cuda::LogitsRowSpec& spec = specs[i];
+    spec = cuda::LogitsRowSpec();
+    spec.seed = task.sample_seed;
+    spec.position = task.position;
+    spec.temperature = p.temperature > 0.0f ? p.temperature : 1.0f;
+    spec.top_n = p.top_logprobs;
+    if (task.score_token.has_value()) {
+      spec.mode = cuda::kRowScore;
+      spec.score_token = *task.score_token;
+    } else if (!(p.temperature > 0.0f)) {
+      spec.mode = cuda::kRowGreedy;
+    } else if (HostPicksToken(task, vocab)) {
+      spec.mode = cuda::kRowStats;
+    } else {
+      spec.mode = cuda::kRowSample;
+    }
+  }
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cudaMemcpyAsync(s.row_specs.get(), specs, count * sizeof(cuda::LogitsRowSpec),
+                      cudaMemcpyHostToDevice, s.stream),
+      "uploading sampling specs"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cuda::ProcessLogitsRows(rows, count, vocab, s.row_specs.get<cuda::LogitsRowSpec>(),
+                              s.row_results.get<cuda::LogitsRowResult>(), s.stream),
+      "sampling kernel"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cudaMemcpyAsync(s.row_results_host.get(), s.row_results.get(),
+                      count * sizeof(cuda::LogitsRowResult), cudaMemcpyDeviceToHost, s.stream),
+      "downloading sampling results"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "sampling"));
+  const cuda::LogitsRowResult* out = s.row_results_host.get<cuda::LogitsRowResult>();
+  std::vector<float> row, scratch;
+  for (int64_t i = 0; i < count; ++i) {
+    const LogitsRowTask& task = tasks[first + i];
+    const cuda::LogitsRowResult& o = out[i];
+    SampleResult& result = (*results)[first + i];
+    result.top.clear();
+    for (int j = 0; j < o.top_n; ++j) result.top.push_back({o.top_ids[j], o.top_lps[j]});
+    if (specs[i].mode != cuda::kRowStats) {
+      result.token = o.token;
+      result.logprob = o.logprob;
+      continue;
+    }
+    // top-k / top-p / min-p: the host's SampleToken picks the token from the row; the logprob
+    // is the device's formula on the device's max and log-sum.
+    row.resize(vocab);
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cudaMemcpy(row.data(), rows + i * static_cast<int64_t>(vocab), vocab * sizeof(float),
+                   cudaMemcpyDeviceToHost),
+        "copying a filtered row"));
+    SamplingParams params = *task.params;
+    params.top_logprobs = 0;
+    const SampleResult picked =
+        SampleToken(row.data(), vocab, params, task.sample_seed, task.position, &scratch);
+    result.token = picked.token;
+    result.logprob = o.max == -INFINITY
+                         ? o.uniform_lp
+                         : (HostScaledLogit(row[picked.token], specs[i].temperature) - o.max) -
+                               o.log_sum;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace rollout

@@ -74,9 +74,22 @@ class CudaModelRunner final : public ModelRunner {
   int32_t kv_block_size() const override { return options_.kv_block_size; }
   int32_t attention_split_size() const override { return options_.attention_split_size; }
 
-  // As ModelRunner::Forward. `logits` may be nullptr: the logits are then computed on the GPU
-  // but not copied back (benchmarks of the device work alone).
+  // As ModelRunner::Forward, except that the fp32 logits stay on the GPU for ProcessLogits:
+  // `logits` (may be nullptr) is left empty. ForwardToHost also copies them to the host.
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
+  // Forward, then the logits of batch.logit_rows in `logits` ([rows, vocab]; tests, benchmarks).
+  absl::Status ForwardToHost(const ForwardBatch& batch, std::vector<float>* logits);
+  // Samples / scores on the GPU (kernels/cuda/sampling.h, one block per row, fixed-order
+  // reductions): the rows are the device logits of the last Forward when `logits` is empty, else
+  // `logits` ([tasks.size(), vocab], uploaded: tests). lp = log_softmax(logits / T) (T = 0 -> 1)
+  // is the device's for every row, sampled or scored, so Score equals Generate bitwise. Greedy,
+  // plain-temperature sampling (Gumbel-max with UniformNoise, bitwise the host's u), scoring and
+  // top-N run on the device; a sampled row with top_k, top_p < 1 or min_p > 0 has its token
+  // chosen on the host (SampleToken on the row copied back), and its logprob is then computed
+  // from the device's max and log-sum with the same two subtractions (bitwise the device's lp).
+  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
+                             const std::vector<float>& logits,
+                             std::vector<SampleResult>* results) override;
   // Weights as the checkpoint had them (bf16 for synthetic models); updates are converted to the
   // device layout (bf16 matrices, fp32 norms and biases) on the host, then copied.
   const std::vector<WeightSpec>& weight_specs() const override;
@@ -99,8 +112,11 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status LoadCheckpoint(const Checkpoint& checkpoint);
   absl::Status LoadSynthetic(uint64_t seed);
   absl::Status Finish();
+  absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits);
   absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
-                            std::vector<float>* logits);
+                            float* host_logits, bool keep_on_device);
+  absl::Status ProcessDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
+                                 int64_t first, int64_t count, std::vector<SampleResult>* results);
 
   const ModelConfig config_;
   const CudaRunnerOptions options_;

@@ -372,9 +372,15 @@ absl::Status CudaModelRunner::Finish() {
            {&s.act, t * inter * 2},
            {&s.final_rows, r * h * 2},
            {&s.logits, r * vocab * 4},
+           {&s.row_specs, r * static_cast<int64_t>(sizeof(cuda::LogitsRowSpec))},
+           {&s.row_results, r * static_cast<int64_t>(sizeof(cuda::LogitsRowResult))},
        }) {
     ROLLOUT_RETURN_IF_ERROR(CudaError(buffer->Allocate(bytes), "allocating activations"));
   }
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      s.row_specs_host.Allocate(r * sizeof(cuda::LogitsRowSpec)), "allocating sampling specs"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      s.row_results_host.Allocate(r * sizeof(cuda::LogitsRowResult)), "allocating results"));
 
   const int64_t pin_m = options_.gemm_pin_m;
   struct GemmSpec {

@@ -17,6 +17,7 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sampling.h"
 
 namespace rollout {
 namespace cuda_runner_internal {
@@ -136,6 +137,15 @@ struct CudaModelRunner::State {
   cuda::DeviceBuffer meta;        // int32 batch metadata (see ForwardSlice)
   cuda::DeviceBuffer partials;    // [tokens, heads, splits, head_dim + 2] fp32
   cuda::PinnedHostBuffer meta_host;
+
+  // The last Forward's logits: on the device in `logits` rows [0, last_rows) when they fit
+  // (last_on_device), else copied pass by pass to `spill` [last_rows, vocab].
+  int64_t last_rows = 0;
+  bool last_on_device = false;
+  std::vector<float> spill;
+  // ProcessLogits: per-row specs and results, device and pinned host, [max_logit_rows].
+  cuda::DeviceBuffer row_specs, row_results;
+  cuda::PinnedHostBuffer row_specs_host, row_results_host;
 
   std::unique_ptr<cuda::PinnedGemm> gemm_qkv, gemm_o, gemm_gate_up, gemm_down, gemm_lm_head;
   std::vector<std::string> gemm_descriptions;

@@ -108,7 +108,7 @@ double MaxLogitError(CudaModelRunner* runner, const Reference& ref, std::vector<
       b.token_seq.push_back(0);
     }
     std::vector<float> got;
-    EXPECT_TRUE(runner->Forward(b, &got).ok());
+    EXPECT_TRUE(runner->ForwardToHost(b, &got).ok());
     const std::vector<float>& want = ref.logits[i];
     forced_argmax->emplace_back();
     for (size_t step = 0; step < ref.greedy[i].size(); ++step) {
@@ -171,12 +171,12 @@ TEST_F(HfTest, LogitsMatchTransformersAndGreedyContinuationsAgree) {
     const int n = static_cast<int>(seq.size());
     const int steps = static_cast<int>(ref_.greedy[i].size());
     std::vector<float> logits;
-    ASSERT_TRUE(runner_->Forward(Batch(seq, 0, n, false), &logits).ok());
+    ASSERT_TRUE(runner_->ForwardToHost(Batch(seq, 0, n, false), &logits).ok());
     for (int s = 0; s < steps; ++s) {
       seq.push_back(Argmax(logits.data(), ref_.vocab));
       if (s + 1 < steps) {
         const int len = static_cast<int>(seq.size());
-        ASSERT_TRUE(runner_->Forward(Batch(seq, len - 1, len, false), &logits).ok());
+        ASSERT_TRUE(runner_->ForwardToHost(Batch(seq, len - 1, len, false), &logits).ok());
       }
     }
     int agree = 0;

@@ -79,7 +79,7 @@ std::vector<float> RowsOf(CudaModelRunner* runner, const std::vector<Seq>& seqs,
                           const std::vector<Chunk>& chunks, int which) {
   const ForwardBatch batch = MakeBatch(seqs, chunks);
   std::vector<float> logits;
-  const absl::Status s = runner->Forward(batch, &logits);
+  const absl::Status s = runner->ForwardToHost(batch, &logits);
   EXPECT_TRUE(s.ok()) << s;
   if (!s.ok()) return {};
   const int64_t vocab = runner->config().vocab_size;
@@ -175,7 +175,7 @@ TEST_F(ModelTest, LogitsMatchTheCpuReferenceWithinBf16Tolerance) {
                            pool.Make(RandomTokens(37, 4096, 3))};
   const ForwardBatch batch = MakeBatch(seqs, {{0, 0, 200, true}, {1, 0, 37, true}});
   std::vector<float> got, want;
-  ASSERT_TRUE((*gpu)->Forward(batch, &got).ok());
+  ASSERT_TRUE((*gpu)->ForwardToHost(batch, &got).ok());
   ASSERT_TRUE((*cpu)->Forward(batch, &want).ok());
   double sum_sq = 0.0, max_err = 0.0, sum_err = 0.0;
   int64_t argmax_agree = 0;

@@ -56,7 +56,9 @@ class Server:
         self.log_path = tempfile.mktemp(prefix="rollout-server-", suffix=".log")
         env = dict(os.environ, ROLLOUT_CACHE_DIR=cache_dir)
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([exe, "--port", "0", "--threads", THREADS, *args],
+        # --metrics_port 0: several test servers run at once; the default port would clash.
+        self.proc = subprocess.Popen([exe, "--port", "0", "--metrics_port", "0",
+                                      "--threads", THREADS, *args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         self.port = None
@@ -70,8 +72,9 @@ class Server:
                 break
             time.sleep(0.05)
         if self.port is None:
+            log = self.log()
             self.stop()
-            raise RuntimeError(f"rollout-server did not start:\n{self.log()}")
+            raise RuntimeError(f"rollout-server did not start:\n{log}")
         self.target = f"127.0.0.1:{self.port}"
 
     def log(self) -> str:

@@ -1,0 +1,223 @@
+// Sampling and scoring of logits rows: log_softmax, greedy / Gumbel-max tokens, top-N logprobs.
+#include <cfloat>
+#include <climits>
+
+#include "kernels/cuda/sampling.h"
+#include "kernels/cuda/warp_reduce.cuh"
+
+namespace rollout::cuda {
+namespace {
+
+constexpr int kSampleThreads = 512;  // a constant of the kernel: it fixes the reduction order
+constexpr int kSampleWarps = kSampleThreads / 32;
+
+__device__ __forceinline__ uint64_t SplitMix64(uint64_t x) {
+  uint64_t z = x + 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// engine/sampler.cc's UniformNoise: integer hashing, then an exact float conversion.
+__device__ __forceinline__ float UniformNoise(uint64_t seed, int64_t position, int32_t token) {
+  const uint64_t token_hash = SplitMix64(static_cast<uint64_t>(static_cast<uint32_t>(token)));
+  const uint64_t position_hash =
+      SplitMix64((static_cast<uint64_t>(position) * 0xD1B54A32D192ED03ULL) ^ token_hash);
+  const uint64_t h = SplitMix64(seed ^ position_hash);
+  const uint32_t bits = static_cast<uint32_t>(h >> 41);
+  return __fmul_rn(__fadd_rn(__uint2float_rn(bits), 0.5f), 0x1p-23f);
+}
+
+__device__ __forceinline__ float ScaledLogit(float logit, float t) {
+  const float x = __fdiv_rn(logit, t);
+  if (isnan(x)) return -INFINITY;
+  if (x == INFINITY) return FLT_MAX;
+  return x;
+}
+
+// (v, i) is better than (bv, bi): higher value, lower index on ties. A strict total order on
+// non-NaN values, so any reduction order gives the same winner.
+__device__ __forceinline__ bool Better(float v, int i, float bv, int bi) {
+  return v > bv || (v == bv && i < bi);
+}
+
+struct Shared {
+  float v[kSampleWarps];
+  int i[kSampleWarps];
+  float v2[kSampleWarps];
+  int i2[kSampleWarps];
+  float bcast_v, bcast_v2;
+  int bcast_i, bcast_i2;
+};
+
+__device__ __forceinline__ void WarpBest(float* v, int* i) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(kFullMask, *v, off);
+    const int oi = __shfl_xor_sync(kFullMask, *i, off);
+    if (Better(ov, oi, *v, *i)) {
+      *v = ov;
+      *i = oi;
+    }
+  }
+}
+
+// Block-wide best (v, i); every thread gets the result.
+__device__ void BlockBest(Shared& sh, float* v, int* i) {
+  WarpBest(v, i);
+  const int warp = threadIdx.x / 32;
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+    sh.v[warp] = *v;
+    sh.i[warp] = *i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float bv = sh.v[0];
+    int bi = sh.i[0];
+    for (int w = 1; w < kSampleWarps; ++w) {
+      if (Better(sh.v[w], sh.i[w], bv, bi)) {
+        bv = sh.v[w];
+        bi = sh.i[w];
+      }
+    }
+    sh.bcast_v = bv;
+    sh.bcast_i = bi;
+  }
+  __syncthreads();
+  *v = sh.bcast_v;
+  *i = sh.bcast_i;
+}
+
+__global__ void __launch_bounds__(kSampleThreads)
+    ProcessLogitsKernel(const float* logits, int32_t vocab, const LogitsRowSpec* specs,
+                        LogitsRowResult* results) {
+  __shared__ Shared sh;
+  __shared__ float warp_sums[kSampleWarps];
+  __shared__ float bcast_max, bcast_sum;
+  const int64_t r = blockIdx.x;
+  const LogitsRowSpec spec = specs[r];
+  const float* row = logits + r * static_cast<int64_t>(vocab);
+  const float t = spec.temperature;
+  const int tid = threadIdx.x;
+
+  // Pass 1: max of x; greedy argmax of the raw logits or the Gumbel-max key.
+  float tmax = -INFINITY;
+  float best_v = -INFINITY;
+  int best_i = INT_MAX;
+  for (int i = tid; i < vocab; i += kSampleThreads) {
+    const float l = row[i];
+    const float x = ScaledLogit(l, t);
+    tmax = fmaxf(tmax, x);
+    if (spec.mode == kRowGreedy) {
+      const float g = isnan(l) ? -INFINITY : l;
+      if (Better(g, i, best_v, best_i)) {
+        best_v = g;
+        best_i = i;
+      }
+    } else if (spec.mode == kRowSample) {
+      const float u = UniformNoise(spec.seed, spec.position, i);
+      const float key = __fadd_rn(x, -logf(-logf(u)));
+      if (Better(key, i, best_v, best_i)) {
+        best_v = key;
+        best_i = i;
+      }
+    }
+  }
+  tmax = WarpMax(tmax);
+  if (tid % 32 == 0) warp_sums[tid / 32] = tmax;
+  __syncthreads();
+  if (tid == 0) {
+    float m = warp_sums[0];
+    for (int w = 1; w < kSampleWarps; ++w) m = fmaxf(m, warp_sums[w]);
+    bcast_max = m;
+  }
+  __syncthreads();
+  const float m = bcast_max;
+  if (spec.mode == kRowGreedy || spec.mode == kRowSample) BlockBest(sh, &best_v, &best_i);
+
+  // Pass 2: sum of expf(x - m) in the fixed order of the header.
+  float s = 0.0f;
+  if (m != -INFINITY) {
+    for (int i = tid; i < vocab; i += kSampleThreads) {
+      s = __fadd_rn(s, expf(__fsub_rn(ScaledLogit(row[i], t), m)));
+    }
+  }
+  s = WarpSum(s);
+  __syncthreads();
+  if (tid % 32 == 0) warp_sums[tid / 32] = s;
+  __syncthreads();
+  if (tid == 0) {
+    float total = warp_sums[0];
+    for (int w = 1; w < kSampleWarps; ++w) total = __fadd_rn(total, warp_sums[w]);
+    bcast_sum = logf(total);
+  }
+  __syncthreads();
+  const float log_sum = bcast_sum;
+  const bool all_inf = m == -INFINITY;
+  const float uniform_lp = -logf(static_cast<float>(vocab));
+  auto lp_of = [&](float x) { return all_inf ? uniform_lp : __fsub_rn(__fsub_rn(x, m), log_sum); };
+
+  // Top-N: N block-wide searches, each for the best entry after the previous one in the order
+  // (lp desc, id asc).
+  const int top_n = min(spec.top_n, min(kMaxDeviceTopN, vocab));
+  float prev_v = INFINITY;
+  int prev_i = -1;
+  for (int j = 0; j < top_n; ++j) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int i = tid; i < vocab; i += kSampleThreads) {
+      const float lp = lp_of(ScaledLogit(row[i], t));
+      const bool after = lp < prev_v || (lp == prev_v && i > prev_i);
+      if (after && Better(lp, i, bv, bi)) {
+        bv = lp;
+        bi = i;
+      }
+    }
+    BlockBest(sh, &bv, &bi);
+    if (tid == 0) {
+      results[r].top_ids[j] = bi;
+      results[r].top_lps[j] = bv;
+    }
+    prev_v = bv;
+    prev_i = bi;
+  }
+  if (tid == 0) {
+    int token = -1;
+    if (spec.mode == kRowGreedy || spec.mode == kRowSample) token = best_i;
+    if (spec.mode == kRowScore) token = spec.score_token;
+    LogitsRowResult& out = results[r];
+    out.token = token;
+    out.logprob = token >= 0 && token < vocab ? lp_of(ScaledLogit(row[token], t)) : 0.0f;
+    out.max = m;
+    out.log_sum = log_sum;
+    out.uniform_lp = uniform_lp;
+    out.top_n = top_n;
+  }
+}
+
+__global__ void UniformNoiseKernel(uint64_t seed, int64_t position, int32_t n, float* out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = UniformNoise(seed, position, i);
+}
+
+}  // namespace
+
+cudaError_t ProcessLogitsRows(const float* logits, int64_t num_rows, int32_t vocab,
+                              const LogitsRowSpec* specs, LogitsRowResult* results,
+                              cudaStream_t stream) {
+  if (num_rows <= 0) return cudaSuccess;
+  if (vocab <= 0 || num_rows > INT_MAX) return cudaErrorInvalidValue;
+  ProcessLogitsKernel<<<static_cast<unsigned>(num_rows), kSampleThreads, 0, stream>>>(
+      logits, vocab, specs, results);
+  return cudaGetLastError();
+}
+
+cudaError_t UniformNoiseRow(uint64_t seed, int64_t position, int32_t n, float* out,
+                            cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  UniformNoiseKernel<<<(n + 255) / 256, 256, 0, stream>>>(seed, position, n, out);
+  return cudaGetLastError();
+}
+
+}  // namespace rollout::cuda
