@@ -1,5 +1,7 @@
 #include "engine/model_config.h"
 
+#include <cmath>
+
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -65,7 +67,12 @@ absl::Status GetFloat(const json& j, const char* field, float fallback, float* o
   }
   if (!j[field].is_number())
     return FieldError(field, absl::StrCat("must be a number, got ", j[field].dump()));
-  *out = static_cast<float>(j[field].get<double>());
+  const double value = j[field].get<double>();
+  *out = static_cast<float>(value);
+  // A value beyond float's range would load as inf and serve garbage.
+  if (!std::isfinite(*out)) {
+    return FieldError(field, absl::StrCat("must be a finite float, got ", j[field].dump()));
+  }
   return absl::OkStatus();
 }
 

@@ -355,3 +355,25 @@ TEST(ModelConfigTest, ExpectedTensorsAddsBiasesAndDropsTiedLmHead) {
 
 }  // namespace
 }  // namespace rollout
+
+namespace rollout {
+namespace {
+
+// Found by fuzzing (tests/fuzz/regressions/model_config): 1e39 overflows float to +inf.
+TEST(ModelConfigTest, FloatsBeyondFloatRangeAreRejectedNotLoadedAsInfinity) {
+  for (const char* field : {"rms_norm_eps", "rope_theta"}) {
+    nlohmann::json j = nlohmann::json::parse(R"({
+      "architectures": ["Qwen3ForCausalLM"],
+      "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+      "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 512
+    })");
+    j[field] = 1e39;
+    absl::Status status = ParseModelConfig(j.dump()).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(status.message().find(field), std::string::npos) << status;
+    EXPECT_NE(status.message().find("finite"), std::string::npos) << status;
+  }
+}
+
+}  // namespace
+}  // namespace rollout

@@ -3,7 +3,7 @@
 #include <utility>
 #include <vector>
 
-#include "CivetServer.h"
+#include "civetweb.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -172,41 +172,46 @@ grpc::experimental::Interceptor* MetricsInterceptorFactory::CreateServerIntercep
   return new MetricsInterceptor(metrics_, info->method());
 }
 
-class MetricsHttpServer::Handler : public CivetHandler {
- public:
-  explicit Handler(std::function<std::string()> render) : render_(std::move(render)) {}
-  bool handleGet(CivetServer* server, struct mg_connection* conn) override {
-    const std::string body = render_();
-    mg_printf(conn,
-              "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-              "Content-Length: %zu\r\nConnection: close\r\n\r\n",
-              body.size());
-    mg_write(conn, body.data(), body.size());
-    return true;
-  }
-
- private:
-  std::function<std::string()> render_;
-};
+int MetricsHttpServer::HandleRequest(struct mg_connection* conn, void* self) {
+  const std::string body = static_cast<MetricsHttpServer*>(self)->render_();
+  mg_printf(conn,
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+            "Content-Length: %zu\r\nConnection: close\r\n\r\n",
+            body.size());
+  mg_write(conn, body.data(), body.size());
+  return 200;
+}
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& address, std::function<std::string()> render) {
   auto server = std::unique_ptr<MetricsHttpServer>(new MetricsHttpServer());
-  const std::vector<std::string> options = {"listening_ports", address, "num_threads", "2"};
-  try {
-    // civetweb reports a port it cannot bind by throwing; nothing else here throws.
-    server->server_ = std::make_unique<CivetServer>(options);
-  } catch (const std::exception& e) {
+  server->render_ = std::move(render);
+  static const bool initialised = [] {
+    mg_init_library(0);
+    return true;
+  }();
+  (void)initialised;
+  const char* options[] = {"listening_ports", address.c_str(), "num_threads", "4", nullptr};
+  mg_callbacks callbacks = {};
+  mg_init_data init = {};
+  init.callbacks = &callbacks;
+  init.configuration_options = options;
+  char text[256] = {0};
+  unsigned code = 0;
+  mg_error_data error = {&code, text, sizeof(text)};
+  server->context_ = mg_start2(&init, &error);
+  if (server->context_ == nullptr) {
     return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+        absl::StrCat("cannot serve metrics on ", address, ": ", text[0] ? text : "unknown error",
+                     " (error ", code, ")"));
   }
-  server->handler_ = std::make_unique<Handler>(std::move(render));
-  server->server_->addHandler("/metrics", server->handler_.get());
+  mg_set_request_handler(server->context_, "/metrics", &MetricsHttpServer::HandleRequest,
+                         server.get());
   return server;
 }
 
 MetricsHttpServer::~MetricsHttpServer() {
-  if (server_ != nullptr) server_->close();
+  if (context_ != nullptr) mg_stop(context_);
 }
 
 }  // namespace rollout

@@ -12,7 +12,8 @@
 #include "engine/engine.h"
 #include "grpcpp/support/server_interceptor.h"
 
-class CivetServer;
+struct mg_connection;
+struct mg_context;
 
 namespace rollout {
 
@@ -48,8 +49,8 @@ class MetricsInterceptorFactory
   ServiceMetrics* const metrics_;
 };
 
-// Serves GET /metrics over HTTP (civetweb) with the text `render` returns. Owns civetweb's
-// threads; stops them on destruction.
+// Serves GET /metrics over HTTP (civetweb's C API, which reports why a start failed) with the
+// text `render` returns. Owns civetweb's threads; stops them on destruction.
 class MetricsHttpServer {
  public:
   // `address` like "0.0.0.0:9400" (port 0 is not supported by civetweb; pick one).
@@ -58,10 +59,11 @@ class MetricsHttpServer {
   ~MetricsHttpServer();
 
  private:
-  class Handler;
   MetricsHttpServer() = default;
-  std::unique_ptr<CivetServer> server_;
-  std::unique_ptr<Handler> handler_;
+  static int HandleRequest(struct mg_connection* conn, void* self);
+
+  std::function<std::string()> render_;
+  mg_context* context_ = nullptr;
 };
 
 }  // namespace rollout

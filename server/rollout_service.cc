@@ -202,6 +202,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(
   l->set_max_batch_tokens(engine_->options().max_batch_tokens);
   l->set_kv_block_size(engine_->kv_block_size());
   l->set_attention_split_size(engine_->attention_split_size());
+  l->set_tensor_parallel(static_cast<uint32_t>(model_.tensor_parallel));
   const EngineCounters counters = engine_->counters();
   v1::EngineCounters* k = response->mutable_counters();
   k->set_running_samples(counters.running);

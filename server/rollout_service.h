@@ -16,6 +16,7 @@ namespace rollout {
 // Facts about the served model that the engine does not know.
 struct ServedModel {
   std::string source;  // checkpoint directory
+  int32_t tensor_parallel = 1;  // ranks the runner splits the model over (ServerInfo reports it)
 };
 
 // Who may call what. With a token, control RPCs (UpdateWeights*, Pause, Resume, Abort,

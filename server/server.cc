@@ -129,6 +129,13 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
         "backend '%s' is not available in this build (available: cpu%s)", options.backend,
         ROLLOUT_CUDA_BACKEND_AVAILABLE ? ", cuda" : ""));
   }
+  // --- tensor parallelism ---
+  if (options.tensor_parallel != 1 && cuda_backend) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tensor parallelism (--tp %d) is implemented on the cpu backend only so far",
+        options.tensor_parallel));
+  }
+  // --- end tensor parallelism ---
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(server->model_dir_);
   if (!checkpoint.ok()) return checkpoint.status();
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner;
@@ -138,6 +145,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
     runner_options.kv_block_size = options.kv_block_size;
     runner_options.attention_split_size = options.attention_split_size;
     runner_options.num_threads = options.num_threads;
+    runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
     runner_options.batch_variant_for_testing = options.batch_variant_for_testing;
     runner = CpuModelRunner::Create(**checkpoint, runner_options);
   }
@@ -157,10 +165,11 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   const ModelConfig& c = (*runner)->config();
   LOG(INFO) << absl::StrFormat(
       "loaded %s from %s: %d layers, hidden %d, %d/%d heads x %d, vocab %d; KV cache %d blocks "
-      "x %d tokens (%.1f MiB) on the %s backend",
+      "x %d tokens (%.1f MiB) on the %s backend, tensor parallel %d",
       c.architecture, server->model_dir_, c.num_layers, c.hidden_size, c.num_attention_heads,
       c.num_key_value_heads, c.head_dim, c.vocab_size, (*runner)->num_kv_blocks(),
-      (*runner)->kv_block_size(), options.kv_cache_bytes / 1048576.0, (*runner)->backend_name());
+      (*runner)->kv_block_size(), options.kv_cache_bytes / 1048576.0, (*runner)->backend_name(),
+      options.tensor_parallel);
   EngineOptions engine_options;
   engine_options.max_running_samples = options.max_running_samples;
   engine_options.max_batch_tokens = options.max_batch_tokens;
@@ -172,7 +181,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   server->engine_ = *std::move(engine);
   server->metrics_ = std::make_unique<ServiceMetrics>();
   server->service_ = std::make_unique<RolloutServiceImpl>(
-      server->engine_.get(), ServedModel{server->model_dir_},
+      server->engine_.get(), ServedModel{server->model_dir_, options.tensor_parallel},
       AccessPolicy{options.auth_token, options.auth_all_rpcs}, server->metrics_.get(),
       options.max_queued_samples);
 

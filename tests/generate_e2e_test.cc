@@ -1,6 +1,7 @@
 // End-to-end: a real server on loopback, driven through the real gRPC stack.
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <set>
 #include <thread>
 
@@ -258,7 +259,8 @@ TEST_F(GenerateE2eTest, ServerInfoReportsModelLimitsAndCounters) {
   EXPECT_EQ(info.model().vocab_size(), 4096u);
   EXPECT_EQ(info.model().num_layers(), 4u);
   EXPECT_GT(info.model().max_context(), 0u);
-  EXPECT_EQ(info.backend(), "cpu");
+  const char* backend = std::getenv("ROLLOUT_TEST_BACKEND");
+  EXPECT_EQ(info.backend(), backend != nullptr && *backend ? backend : "cpu");
   EXPECT_FALSE(info.weight_version().empty());
   EXPECT_GT(info.limits().max_batch_tokens(), 0u);
   EXPECT_GT(info.counters().kv_blocks_total(), 0u);

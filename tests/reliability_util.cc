@@ -20,9 +20,9 @@
 
 extern char** environ;
 
-namespace rollout::testing {
+namespace rollout::testing::reliability {
 
-v1::ServerInfo GetInfo(v1::RolloutService::Stub* stub) {
+v1::ServerInfo FetchServerInfo(v1::RolloutService::Stub* stub) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::ServerInfo info;
@@ -35,7 +35,7 @@ bool WaitForQuiescence(v1::RolloutService::Stub* stub, std::chrono::milliseconds
                        std::string* last) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {
-    const v1::EngineCounters c = GetInfo(stub).counters();
+    const v1::EngineCounters c = FetchServerInfo(stub).counters();
     if (c.kv_blocks_free() + c.kv_blocks_cached() == c.kv_blocks_total() &&
         c.running_samples() == 0 && c.waiting_samples() == 0) {
       return true;
@@ -334,4 +334,4 @@ int ChildProcess::Wait(std::chrono::milliseconds timeout) {
   }
 }
 
-}  // namespace rollout::testing
+}  // namespace rollout::testing::reliability

@@ -17,10 +17,10 @@
 #include "grpcpp/grpcpp.h"
 #include "rollout/v1/rollout.grpc.pb.h"
 
-namespace rollout::testing {
+namespace rollout::testing::reliability {
 
 // GetServerInfo, failing the test on error.
-v1::ServerInfo GetInfo(v1::RolloutService::Stub* stub);
+v1::ServerInfo FetchServerInfo(v1::RolloutService::Stub* stub);
 
 // True when every KV block is back (free + cached == total) and nothing runs or waits. Polls
 // GetServerInfo for up to `timeout`; on failure `last` (if given) describes the last counters.
@@ -89,4 +89,4 @@ class ChildProcess {
   std::thread reader_;
 };
 
-}  // namespace rollout::testing
+}  // namespace rollout::testing::reliability

@@ -17,6 +17,10 @@ std::unique_ptr<TestServer> StartTestServer(ServerOptions options) {
   }();
   (void)cache_set;
   if (options.address == ServerOptions().address) options.address = "127.0.0.1:0";
+  // ROLLOUT_TEST_BACKEND=cuda runs the suites against the CUDA backend (on a GPU host).
+  if (const char* backend = std::getenv("ROLLOUT_TEST_BACKEND"); backend != nullptr && *backend) {
+    options.backend = backend;
+  }
   auto t = std::make_unique<TestServer>();
   absl::StatusOr<std::unique_ptr<RolloutServer>> server = RolloutServer::Start(options);
   EXPECT_TRUE(server.ok()) << server.status();

@@ -78,8 +78,11 @@ inline __attribute__((always_inline)) float FinishDot(const Float8& lanes_lo,
 // products share each load. Lanes 0-7 and 8-15 of a dot product never interact before the final
 // tree, so the two halves run as separate passes over k: one 8-wide accumulator per dot keeps the
 // whole tile in registers. Per lane, the FMAs are exactly Dot's, in Dot's order.
+// x rows are ldx floats apart and w rows ldw apart (both k for a plain MatMul; longer when the
+// tile reads one K segment of wider rows).
 template <int MR, int NR>
-void DotTile(const float* x, const float* w, int64_t k, const float* bias, float* y, int64_t ldy) {
+void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k,
+             const float* bias, float* y, int64_t ldy) {
   const int64_t k_full = k / kLanes * kLanes;
   Float8 lanes_lo[MR][NR];  // lanes 0-7 of each dot, parked while lanes 8-15 run
   for (int half = 0; half < 2; ++half) {
@@ -89,9 +92,9 @@ void DotTile(const float* x, const float* w, int64_t k, const float* bias, float
     }
     for (int64_t i = half * 8; i < k_full; i += kLanes) {
       Float8 wv[NR];
-      for (int c = 0; c < NR; ++c) wv[c] = Load8(w + c * k + i);
+      for (int c = 0; c < NR; ++c) wv[c] = Load8(w + c * ldw + i);
       for (int r = 0; r < MR; ++r) {
-        const Float8 xv = Load8(x + r * k + i);
+        const Float8 xv = Load8(x + r * ldx + i);
         for (int c = 0; c < NR; ++c) sum[r][c] = Fma8(xv, wv[c], sum[r][c]);
       }
     }
@@ -103,7 +106,7 @@ void DotTile(const float* x, const float* w, int64_t k, const float* bias, float
     }
     for (int r = 0; r < MR; ++r) {
       for (int c = 0; c < NR; ++c) {
-        float d = FinishDot(lanes_lo[r][c], sum[r][c], x + r * k, w + c * k, k_full, k);
+        float d = FinishDot(lanes_lo[r][c], sum[r][c], x + r * ldx, w + c * ldw, k_full, k);
         if (bias != nullptr) d += bias[c];
         y[r * ldy + c] = d;
       }
@@ -117,7 +120,8 @@ void DotTile(const float* x, const float* w, int64_t k, const float* bias, float
 constexpr int kTileRows = 4;
 constexpr int kTileCols = 3;
 
-using DotTileFn = void (*)(const float*, const float*, int64_t, const float*, float*, int64_t);
+using DotTileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*,
+                          float*, int64_t);
 
 // kTileFns[mr - 1][nr - 1] handles the edge tiles of a matrix whose sides are not multiples of
 // the tile.
@@ -146,8 +150,158 @@ void MatMulColumns(const float* x, int64_t m, int64_t k, const float* w, int64_t
       const int64_t mr = std::min<int64_t>(kTileRows, m - r0);
       for (int64_t c0 = p0; c0 < p1; c0 += kTileCols) {
         const int64_t nr = std::min<int64_t>(kTileCols, p1 - c0);
-        kTileFns[mr - 1][nr - 1](x + r0 * k, w + c0 * k, k, bias == nullptr ? nullptr : bias + c0,
-                                 y + r0 * n + c0, n);
+        kTileFns[mr - 1][nr - 1](x + r0 * k, k, w + c0 * k, k, k,
+                                 bias == nullptr ? nullptr : bias + c0, y + r0 * n + c0, n);
+      }
+    }
+  }
+}
+
+// In place: vals[0] becomes the canonical tree's value of `count` (a power of two) adjacent
+// node values of `stride`-spaced runs of `width` floats, combined as adjacent pairs level by level:
+// (v0 + v1), (v2 + v3), ... then ((v0 + v1) + (v2 + v3)), ...
+inline void TreeCombine(float* vals, int count, int64_t stride, int64_t width) {
+  for (int span = 1; span < count; span *= 2) {
+    for (int i = 0; i + span < count; i += 2 * span) {
+      float* a = vals + i * stride;
+      const float* b = vals + (i + span) * stride;
+      for (int64_t j = 0; j < width; ++j) a[j] = a[j] + b[j];
+    }
+  }
+}
+
+#if defined(__clang__)
+#define ROLLOUT_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int Int8 __attribute__((vector_size(32)));
+#define ROLLOUT_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, Int8{__VA_ARGS__})
+#endif
+
+// FinishDot without a tail for 8 dot products at once: s8[j] = lanes 0-7 + lanes 8-15 of dot j.
+// Per dot exactly FinishDot's additions, with the same operands in the same order (s4[l] =
+// s8[l] + s8[l + 4]; s2_0 = s4[0] + s4[2], s2_1 = s4[1] + s4[3]; s2_0 + s2_1) -- only
+// transposed so each add serves 2, 4 or 8 dots. Dot j ends in lane kFinishLane[j].
+constexpr int kFinishLane[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+inline __attribute__((always_inline)) Float8 FinishDots8(const Float8* s8) {
+  auto s4 = [](const Float8& a, const Float8& b) {  // [s4 of a, s4 of b]
+    return ROLLOUT_SHUFFLE8(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+           ROLLOUT_SHUFFLE8(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  };
+  auto s2 = [](const Float8& a, const Float8& b) {  // from [a0, a1], [b0, b1]: s2 of a0, b0, a1, b1
+    return ROLLOUT_SHUFFLE8(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+           ROLLOUT_SHUFFLE8(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  };
+  const Float8 s2_0123 = s2(s4(s8[0], s8[1]), s4(s8[2], s8[3]));  // dots 0, 2, 1, 3
+  const Float8 s2_4567 = s2(s4(s8[4], s8[5]), s4(s8[6], s8[7]));  // dots 4, 6, 5, 7
+  return ROLLOUT_SHUFFLE8(s2_0123, s2_4567, 0, 2, 8, 10, 4, 6, 12, 14) +
+         ROLLOUT_SHUFFLE8(s2_0123, s2_4567, 1, 3, 9, 11, 5, 7, 13, 15);  // 0, 2, 4, 6, 1, 3, 5, 7
+}
+#undef ROLLOUT_SHUFFLE8
+
+// The tree node over `num_segments` canonical K segments for MR rows of x and NR rows of w:
+// x and w point at the first segment's first column (rows ldx and ldw floats apart), seg[i] and
+// seg[i + 1] bound segment i relative to that. Per segment, exactly DotTile's arithmetic (so
+// each leaf is Dot of the segment: lanes 0-7 in one pass, 8-15 in another, then the tail and
+// the 16-lane tree of FinishDot -- for the tile's dots at once when there is no tail); then the
+// leaves meet in the fixed pairwise tree. One call per tile, not one DotTile per segment, and
+// the batched finish keep short segments (K / 8 = 32 on small models) affordable.
+template <int MR, int NR>
+void SegmentedTile(const float* x, int64_t ldx, const float* w, int64_t ldw, const int64_t* seg,
+                   int num_segments, const float* bias, float* y, int64_t ldy) {
+  constexpr int kDots = MR * NR;              // dot j = (r, c) with j = r * NR + c
+  constexpr int kGroups = (kDots + 7) / 8;    // of 8 dots
+  // leaves[s][g * 8 + kFinishLane[i]]: the leaf of dot g * 8 + i in segment s.
+  alignas(32) float leaves[kNumKSegments][kGroups * 8];
+  for (int s = 0; s < num_segments; ++s) {
+    const float* xs = x + seg[s];
+    const float* ws = w + seg[s];
+    const int64_t k = seg[s + 1] - seg[s];
+    const int64_t k_full = k / kLanes * kLanes;
+    Float8 lanes_lo[MR][NR];
+    Float8 sum[MR][NR];
+    for (int half = 0; half < 2; ++half) {
+      for (int r = 0; r < MR; ++r) {
+        for (int c = 0; c < NR; ++c) sum[r][c] = Float8{};
+      }
+      for (int64_t i = half * 8; i < k_full; i += kLanes) {
+        Float8 wv[NR];
+        for (int c = 0; c < NR; ++c) wv[c] = Load8(ws + c * ldw + i);
+        for (int r = 0; r < MR; ++r) {
+          const Float8 xv = Load8(xs + r * ldx + i);
+          for (int c = 0; c < NR; ++c) sum[r][c] = Fma8(xv, wv[c], sum[r][c]);
+        }
+      }
+      if (half == 0) {
+        for (int r = 0; r < MR; ++r) {
+          for (int c = 0; c < NR; ++c) lanes_lo[r][c] = sum[r][c];
+        }
+      }
+    }
+    if (k_full == k) {
+      Float8 s8[kGroups * 8];
+      for (int j = 0; j < kGroups * 8; ++j) {
+        s8[j] = j < kDots ? lanes_lo[j / NR][j % NR] + sum[j / NR][j % NR] : Float8{};
+      }
+      for (int g = 0; g < kGroups; ++g) {
+        const Float8 finished = FinishDots8(s8 + g * 8);
+        std::memcpy(&leaves[s][g * 8], &finished, sizeof(finished));
+      }
+    } else {
+      for (int j = 0; j < kDots; ++j) {
+        const int r = j / NR, c = j % NR;
+        leaves[s][j / 8 * 8 + kFinishLane[j % 8]] =
+            FinishDot(lanes_lo[r][c], sum[r][c], xs + r * ldx, ws + c * ldw, k_full, k);
+      }
+    }
+  }
+  // Adjacent pairs, level by level: node [i, i + 2 * span) = node [i, i + span) + its neighbour.
+  for (int span = 1; span < num_segments; span *= 2) {
+    for (int i = 0; i + span < num_segments; i += 2 * span) {
+      for (int l = 0; l < kGroups * 8; ++l) leaves[i][l] = leaves[i][l] + leaves[i + span][l];
+    }
+  }
+  for (int j = 0; j < kDots; ++j) {
+    const int r = j / NR, c = j % NR;
+    float d = leaves[0][j / 8 * 8 + kFinishLane[j % 8]];
+    if (bias != nullptr) d += bias[c];
+    y[r * ldy + c] = d;
+  }
+}
+
+using SegmentedTileFn = void (*)(const float*, int64_t, const float*, int64_t, const int64_t*,
+                                 int, const float*, float*, int64_t);
+constexpr SegmentedTileFn kSegmentedTileFns[kTileRows][kTileCols] = {
+    {SegmentedTile<1, 1>, SegmentedTile<1, 2>, SegmentedTile<1, 3>},
+    {SegmentedTile<2, 1>, SegmentedTile<2, 2>, SegmentedTile<2, 3>},
+    {SegmentedTile<3, 1>, SegmentedTile<3, 2>, SegmentedTile<3, 3>},
+    {SegmentedTile<4, 1>, SegmentedTile<4, 2>, SegmentedTile<4, 3>},
+};
+
+// Columns [col_begin, col_end) of the tree node over canonical K segments [seg_begin, seg_end):
+// x: [m, k_slice], w: [n, k_slice] hold the columns [KSegmentBegin(k_full, seg_begin),
+// KSegmentBegin(k_full, seg_end)) of the full operands.
+void SegmentedColumns(const float* x, int64_t m, const float* w, int64_t n, int64_t k_full,
+                      int seg_begin, int seg_end, const float* bias, float* y,
+                      int64_t col_begin, int64_t col_end) {
+  const int num_segments = seg_end - seg_begin;
+  int64_t seg[kNumKSegments + 1];  // segment bounds relative to the slice
+  for (int s = 0; s <= num_segments; ++s) {
+    seg[s] = KSegmentBegin(k_full, seg_begin + s) - KSegmentBegin(k_full, seg_begin);
+  }
+  const int64_t k_slice = seg[num_segments];
+  const int64_t row_bytes = std::max<int64_t>(k_slice, 1) * static_cast<int64_t>(sizeof(float));
+  const int64_t panel =
+      std::max<int64_t>(kTileCols, kPanelBytes / row_bytes / kTileCols * kTileCols);
+  for (int64_t p0 = col_begin; p0 < col_end; p0 += panel) {
+    const int64_t p1 = std::min(col_end, p0 + panel);
+    for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+      const int64_t mr = std::min<int64_t>(kTileRows, m - r0);
+      for (int64_t c0 = p0; c0 < p1; c0 += kTileCols) {
+        const int64_t nr = std::min<int64_t>(kTileCols, p1 - c0);
+        kSegmentedTileFns[mr - 1][nr - 1](x + r0 * k_slice, k_slice, w + c0 * k_slice, k_slice,
+                                          seg, num_segments,
+                                          bias == nullptr ? nullptr : bias + c0,
+                                          y + r0 * n + c0, n);
       }
     }
   }
@@ -182,6 +336,63 @@ void MatMul(ThreadPool* pool, const float* x, int64_t m, int64_t k, const float*
     columns(0, num_groups);
   } else {
     pool->ParallelFor(num_groups, grain, columns);
+  }
+}
+
+bool IsCanonicalSegmentBlock(int seg_begin, int seg_end) {
+  const int size = seg_end - seg_begin;
+  return seg_begin >= 0 && seg_end <= kNumKSegments && size > 0 && (size & (size - 1)) == 0 &&
+         seg_begin % size == 0;
+}
+
+void SegmentedPartialMatMul(ThreadPool* pool, const float* x, int64_t m, const float* w,
+                            int64_t n, int64_t k_full, int seg_begin, int seg_end, float* y) {
+  if (m <= 0 || n <= 0) return;
+  // Same column split as MatMul: a column's arithmetic is fixed, whoever computes it.
+  const int64_t k_slice = KSegmentBegin(k_full, seg_end) - KSegmentBegin(k_full, seg_begin);
+  const int64_t num_groups = (n + kTileCols - 1) / kTileCols;
+  const int64_t macs_per_group = std::max<int64_t>(1, m * k_slice * kTileCols);
+  const int64_t grain = std::max<int64_t>(1, kMinChunkMacs / macs_per_group);
+  auto columns = [&](int64_t g0, int64_t g1) {
+    SegmentedColumns(x, m, w, n, k_full, seg_begin, seg_end, nullptr, y, g0 * kTileCols,
+                     std::min(n, g1 * kTileCols));
+  };
+  if (pool == nullptr) {
+    columns(0, num_groups);
+  } else {
+    pool->ParallelFor(num_groups, grain, columns);
+  }
+}
+
+void SegmentedMatMul(ThreadPool* pool, const float* x, int64_t m, int64_t k, const float* w,
+                     int64_t n, const float* bias, float* y) {
+  if (m <= 0 || n <= 0) return;
+  const int64_t num_groups = (n + kTileCols - 1) / kTileCols;
+  const int64_t macs_per_group = std::max<int64_t>(1, m * k * kTileCols);
+  const int64_t grain = std::max<int64_t>(1, kMinChunkMacs / macs_per_group);
+  auto columns = [&](int64_t g0, int64_t g1) {
+    SegmentedColumns(x, m, w, n, k, 0, kNumKSegments, bias, y, g0 * kTileCols,
+                     std::min(n, g1 * kTileCols));
+  };
+  if (pool == nullptr) {
+    columns(0, num_groups);
+  } else {
+    pool->ParallelFor(num_groups, grain, columns);
+  }
+}
+
+void CombinePartials(const float* parts, int num_parts, int64_t count, float* y) {
+  // In chunks: the parts' columns are copied side by side, then each tree level is one
+  // contiguous (vectorisable) add; per element the same additions in the same order.
+  constexpr int64_t kChunk = 512;
+  alignas(32) float buf[kNumKSegments * kChunk];
+  for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
+    const int64_t width = std::min(kChunk, count - j0);
+    for (int i = 0; i < num_parts; ++i) {
+      std::memcpy(buf + i * kChunk, parts + i * count + j0, width * sizeof(float));
+    }
+    TreeCombine(buf, num_parts, kChunk, width);
+    std::memcpy(y + j0, buf, width * sizeof(float));
   }
 }
 

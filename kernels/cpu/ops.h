@@ -25,6 +25,47 @@ float Dot(const float* a, const float* b, int64_t n);
 void MatMul(ThreadPool* pool, const float* x, int64_t m, int64_t k, const float* w, int64_t n,
             const float* bias, float* y);
 
+// --- The canonical K reduction of row-parallel layers (tensor-parallel invariance, D10) ---
+//
+// A row-parallel layer (o_proj, down_proj) reduces over K in one fixed tree, whatever the
+// tensor-parallel degree: K is cut into kNumKSegments = 8 canonical segments, segment s being
+// [KSegmentBegin(k, s), KSegmentBegin(k, s + 1)) with KSegmentBegin(k, s) = s * k / 8 (integer
+// division, so any k works; segments differ by at most one element). Leaf s is Dot over the
+// segment (Dot's 16-lane order, restarted at the segment's first element). The leaves are
+// combined by the fixed pairwise tree
+//     ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)).
+// A TP rank (degree 1, 2, 4 or 8) owns the aligned block of 8 / tp segments under one node of
+// this tree; it computes that node's value from its K slice alone, the ranks' node values are
+// gathered in rank order and combined by the tree's top levels (CombinePartials). Every degree
+// performs the same floating-point operations in the same order, so TP 1, 2, 4 and 8 give the
+// same bits -- and the messages are as large as a plain all-reduce's (one value per output).
+constexpr int kNumKSegments = 8;
+inline int64_t KSegmentBegin(int64_t k, int s) { return k * s / kNumKSegments; }
+
+// True when [seg_begin, seg_end) is a node of the tree: a power-of-two number of segments
+// starting at a multiple of it (what a rank of TP degree 1, 2, 4 or 8 owns).
+bool IsCanonicalSegmentBlock(int seg_begin, int seg_end);
+
+// y[r, c] = the tree node over segments [seg_begin, seg_end) of sum_k x[r, k] * w[c, k], for the
+// reduction of full length k_full. x: [m, k_slice], w: [n, k_slice] hold only the columns
+// [KSegmentBegin(k_full, seg_begin), KSegmentBegin(k_full, seg_end)) = k_slice of the full
+// operands (a rank's shard). REQUIRES IsCanonicalSegmentBlock(seg_begin, seg_end).
+// Threads split output columns as in MatMul; bits never depend on m, n or the thread count.
+void SegmentedPartialMatMul(ThreadPool* pool, const float* x, int64_t m, const float* w,
+                            int64_t n, int64_t k_full, int seg_begin, int seg_end, float* y);
+
+// The row-parallel matmul on one rank holding all of K: the root of the tree (segments
+// [0, 8)), then + bias[c] (optional). Bitwise equal to CombinePartials of the nodes that any
+// TP degree computes with SegmentedPartialMatMul. Note: not bitwise MatMul (a different tree).
+void SegmentedMatMul(ThreadPool* pool, const float* x, int64_t m, int64_t k, const float* w,
+                     int64_t n, const float* bias, float* y);
+
+// parts: [num_parts][count], part i the node over segments [i * 8 / num_parts,
+// (i + 1) * 8 / num_parts) (num_parts = 1, 2, 4 or 8: the ranks' values in rank order).
+// y[j] = the tree's root from those nodes, combined as adjacent pairs level by level. y may
+// alias parts (the first part).
+void CombinePartials(const float* parts, int num_parts, int64_t count, float* y);
+
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for `rows` rows of `dim`. y may alias x.
 void RmsNorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps, float* y);
 
