@@ -9,61 +9,19 @@
 #include "engine/safetensors.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/reliability_util.h"
 #include "tests/test_server.h"
 
 namespace rollout::testing {
 namespace {
 
+using reliability::MakeDataChunks;
+using reliability::MakeWeightsHeader;
+using reliability::ReadCheckpointTensor;
+using reliability::ScaledBf16;
+
 constexpr char kTensor[] = "model.layers.1.mlp.down_proj.weight";
 const std::vector<uint32_t> kPrompt = {21, 8, 1000, 77, 3, 512, 64};
-
-HostTensor ReadTensor(const std::string& dir, const std::string& name) {
-  auto checkpoint = Checkpoint::Open(dir);
-  EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
-  const TensorView* view = (*checkpoint)->Find(name);
-  EXPECT_NE(view, nullptr);
-  return HostTensor{name, view->dtype, view->shape,
-                    std::vector<uint8_t>(view->data, view->data + view->nbytes)};
-}
-
-HostTensor Scaled(HostTensor t, float scale) {
-  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
-    uint16_t v;
-    std::memcpy(&v, &t.bytes[i], 2);
-    v = F32ToBF16(BF16ToF32(v) * scale);
-    std::memcpy(&t.bytes[i], &v, 2);
-  }
-  return t;
-}
-
-v1::WeightsHeader Header(const std::string& version, v1::InFlightPolicy policy,
-                         const std::vector<HostTensor>& tensors) {
-  v1::WeightsHeader header;
-  header.set_version(version);
-  header.set_policy(policy);
-  for (const HostTensor& t : tensors) {
-    v1::TensorDecl* decl = header.add_tensors();
-    decl->set_name(t.name);
-    decl->set_dtype(DTypeName(t.dtype));
-    for (int64_t d : t.shape) decl->add_shape(static_cast<uint64_t>(d));
-  }
-  return header;
-}
-
-// The chunks that carry `tensors` in pieces of at most `chunk_bytes`.
-std::vector<v1::WeightsChunk> DataChunks(const std::vector<HostTensor>& tensors,
-                                         size_t chunk_bytes) {
-  std::vector<v1::WeightsChunk> chunks;
-  for (const HostTensor& t : tensors) {
-    for (size_t off = 0; off < t.bytes.size(); off += chunk_bytes) {
-      v1::TensorData* data = chunks.emplace_back().mutable_data();
-      data->set_name(t.name);
-      data->set_offset(off);
-      data->set_data(t.bytes.data() + off, std::min(chunk_bytes, t.bytes.size() - off));
-    }
-  }
-  return chunks;
-}
 
 struct PushOutcome {
   grpc::Status status;
@@ -106,7 +64,7 @@ class WeightsE2eTest : public ::testing::Test {
   void SetUp() override {
     server_ = StartTestServer();
     ASSERT_NE(server_, nullptr);
-    original_ = ReadTensor(server_->server->model_dir(), kTensor);
+    original_ = ReadCheckpointTensor(server_->server->model_dir(), kTensor);
   }
   v1::RolloutService::Stub* stub() { return server_->stub.get(); }
   std::unique_ptr<TestServer> server_;
@@ -117,9 +75,9 @@ TEST_F(WeightsE2eTest, PushChangesOutputsAndVersionAndOriginalBytesRestoreThemBi
   std::string version;
   const std::string before = Generate(stub(), &version);
   EXPECT_EQ(version, "0");
-  const std::vector<HostTensor> changed = {Scaled(original_, 2.5f)};
-  PushOutcome push = Push(stub(), Header("step-1", v1::IN_FLIGHT_POLICY_DRAIN, changed),
-                          DataChunks(changed, 1000));
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.5f)};
+  PushOutcome push = Push(stub(), MakeWeightsHeader("step-1", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                          MakeDataChunks(changed, 1000));
   ASSERT_TRUE(push.status.ok()) << push.status.error_message();
   EXPECT_EQ(push.response.version(), "step-1");
   EXPECT_EQ(push.response.previous_version(), "0");
@@ -128,16 +86,16 @@ TEST_F(WeightsE2eTest, PushChangesOutputsAndVersionAndOriginalBytesRestoreThemBi
   const std::string after = Generate(stub(), &version);
   EXPECT_EQ(version, "step-1");
   EXPECT_NE(after, before);
-  PushOutcome back = Push(stub(), Header("step-2", v1::IN_FLIGHT_POLICY_ABORT, {original_}),
-                          DataChunks({original_}, 1 << 20));
+  PushOutcome back = Push(stub(), MakeWeightsHeader("step-2", v1::IN_FLIGHT_POLICY_ABORT, {original_}),
+                          MakeDataChunks({original_}, 1 << 20));
   ASSERT_TRUE(back.status.ok()) << back.status.error_message();
   EXPECT_EQ(Generate(stub()), before);
 }
 
 TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
   const std::string before = Generate(stub());
-  const std::vector<HostTensor> changed = {Scaled(original_, 2.0f)};
-  const std::vector<v1::WeightsChunk> good_data = DataChunks(changed, 4096);
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
+  const std::vector<v1::WeightsChunk> good_data = MakeDataChunks(changed, 4096);
   struct Case {
     std::string name;
     std::function<void(v1::WeightsHeader*, std::vector<v1::WeightsChunk>*)> tamper;
@@ -200,7 +158,7 @@ TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
        "second WeightsHeader"},
   };
   for (const Case& c : cases) {
-    v1::WeightsHeader header = Header("bad", v1::IN_FLIGHT_POLICY_DRAIN, changed);
+    v1::WeightsHeader header = MakeWeightsHeader("bad", v1::IN_FLIGHT_POLICY_DRAIN, changed);
     std::vector<v1::WeightsChunk> data = good_data;
     c.tamper(&header, &data);
     PushOutcome push = Push(stub(), header, data);
@@ -212,32 +170,32 @@ TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
     EXPECT_EQ(version, "0") << c.name;
   }
   // A stream cancelled halfway applies nothing either.
-  PushOutcome cancelled = Push(stub(), Header("cancelled", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+  PushOutcome cancelled = Push(stub(), MakeWeightsHeader("cancelled", v1::IN_FLIGHT_POLICY_DRAIN, changed),
                                good_data, "", /*cancel_midway=*/true);
   EXPECT_EQ(cancelled.status.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_EQ(Generate(stub()), before);
 }
 
 TEST_F(WeightsE2eTest, ASecondConcurrentUpdateIsRefusedWhileTheFirstStreams) {
-  const std::vector<HostTensor> changed = {Scaled(original_, 2.0f)};
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
   grpc::ClientContext context;
   v1::UpdateWeightsResponse response;
   auto writer = stub()->UpdateWeights(&context, &response);
   v1::WeightsChunk first;
-  *first.mutable_header() = Header("first", v1::IN_FLIGHT_POLICY_DRAIN, changed);
+  *first.mutable_header() = MakeWeightsHeader("first", v1::IN_FLIGHT_POLICY_DRAIN, changed);
   ASSERT_TRUE(writer->Write(first));
   // Give the server time to claim the slot for the first stream.
   grpc::Status second;
   for (int i = 0; i < 50; ++i) {
-    second = Push(stub(), Header("second", v1::IN_FLIGHT_POLICY_DRAIN, changed),
-                  DataChunks(changed, 1 << 20))
+    second = Push(stub(), MakeWeightsHeader("second", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                  MakeDataChunks(changed, 1 << 20))
                  .status;
     if (second.error_code() == grpc::StatusCode::ABORTED) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   EXPECT_EQ(second.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_NE(second.error_message().find("another weight update"), std::string::npos);
-  for (const v1::WeightsChunk& c : DataChunks(changed, 1 << 20)) ASSERT_TRUE(writer->Write(c));
+  for (const v1::WeightsChunk& c : MakeDataChunks(changed, 1 << 20)) ASSERT_TRUE(writer->Write(c));
   writer->WritesDone();
   ASSERT_TRUE(writer->Finish().ok());
   EXPECT_EQ(response.version(), "first");
@@ -260,7 +218,7 @@ PolicyRun RunWithUpdate(v1::RolloutService::Stub* stub, v1::InFlightPolicy polic
   v1::GenerateResponse response;
   EXPECT_TRUE(reader->Read(&response));
   auto pushed = std::async(std::launch::async, [&] {
-    return Push(stub, Header("new", policy, tensors), DataChunks(tensors, 1 << 20));
+    return Push(stub, MakeWeightsHeader("new", policy, tensors), MakeDataChunks(tensors, 1 << 20));
   });
   while (reader->Read(&response)) {
     if (response.has_completion()) run.completion = response.completion();
@@ -271,7 +229,7 @@ PolicyRun RunWithUpdate(v1::RolloutService::Stub* stub, v1::InFlightPolicy polic
 }
 
 TEST_F(WeightsE2eTest, AbortPolicyEndsInFlightSamples) {
-  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_ABORT, {Scaled(original_, 2.0f)});
+  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_ABORT, {ScaledBf16(original_, 2.0f)});
   ASSERT_TRUE(run.push.status.ok()) << run.push.status.error_message();
   EXPECT_EQ(run.push.response.aborted_samples(), 1u);
   EXPECT_EQ(run.completion.finish_reason(), v1::FINISH_REASON_ABORT);
@@ -279,7 +237,7 @@ TEST_F(WeightsE2eTest, AbortPolicyEndsInFlightSamples) {
 }
 
 TEST_F(WeightsE2eTest, DrainPolicyFinishesInFlightSamplesOnTheOldWeights) {
-  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_DRAIN, {Scaled(original_, 2.0f)});
+  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_DRAIN, {ScaledBf16(original_, 2.0f)});
   ASSERT_TRUE(run.push.status.ok()) << run.push.status.error_message();
   EXPECT_EQ(run.completion.finish_reason(), v1::FINISH_REASON_LENGTH);
   EXPECT_EQ(run.completion.weight_version(), "0");
@@ -291,7 +249,7 @@ TEST_F(WeightsE2eTest, DrainPolicyFinishesInFlightSamplesOnTheOldWeights) {
 }
 
 TEST_F(WeightsE2eTest, ContinuePolicyReportsTheVersionOfEveryToken) {
-  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_CONTINUE, {Scaled(original_, 2.0f)});
+  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_CONTINUE, {ScaledBf16(original_, 2.0f)});
   ASSERT_TRUE(run.push.status.ok()) << run.push.status.error_message();
   const v1::Completion& c = run.completion;
   EXPECT_EQ(c.finish_reason(), v1::FINISH_REASON_LENGTH);
@@ -362,11 +320,11 @@ TEST(AccessControlE2eTest, ControlCallsNeedTheTokenAndNothingChangesWithoutIt) {
   ASSERT_NE(server, nullptr);
   v1::RolloutService::Stub* stub = server->stub.get();
   const std::string before = Generate(stub);  // Generate stays open
-  const HostTensor original = ReadTensor(server->server->model_dir(), kTensor);
-  const std::vector<HostTensor> changed = {Scaled(original, 2.0f)};
+  const HostTensor original = ReadCheckpointTensor(server->server->model_dir(), kTensor);
+  const std::vector<HostTensor> changed = {ScaledBf16(original, 2.0f)};
   for (const std::string& token : {std::string(), std::string("wrong")}) {
-    PushOutcome push = Push(stub, Header("x", v1::IN_FLIGHT_POLICY_DRAIN, changed),
-                            DataChunks(changed, 1 << 20), token);
+    PushOutcome push = Push(stub, MakeWeightsHeader("x", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                            MakeDataChunks(changed, 1 << 20), token);
     EXPECT_EQ(push.status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << token;
     grpc::ClientContext context;
     if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
@@ -385,8 +343,8 @@ TEST(AccessControlE2eTest, ControlCallsNeedTheTokenAndNothingChangesWithoutIt) {
               grpc::StatusCode::UNAUTHENTICATED);
   }
   EXPECT_EQ(Generate(stub), before) << "refused calls change nothing";
-  PushOutcome push = Push(stub, Header("x", v1::IN_FLIGHT_POLICY_DRAIN, changed),
-                          DataChunks(changed, 1 << 20), "s3cret");
+  PushOutcome push = Push(stub, MakeWeightsHeader("x", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                          MakeDataChunks(changed, 1 << 20), "s3cret");
   EXPECT_TRUE(push.status.ok()) << push.status.error_message();
   EXPECT_NE(Generate(stub), before);
 }
