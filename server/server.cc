@@ -211,9 +211,13 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
         MetricsHttpServer::Start(address, [engine, metrics] {
           return metrics->Render(engine->counters(), engine->weight_version(), engine->paused());
         });
-    if (!http.ok()) return http.status();
-    server->metrics_http_ = *std::move(http);
-    LOG(INFO) << "metrics at http://" << address << "/metrics";
+    if (http.ok()) {
+      server->metrics_http_ = *std::move(http);
+      LOG(INFO) << "metrics at http://" << address << "/metrics";
+    } else {
+      // Metrics are an aid, not the service: rollouts go on without them.
+      LOG(WARNING) << "serving without metrics: " << http.status();
+    }
   }
   LOG(INFO) << "rollout server listening on port " << server->port_ << " (" << options.address
             << ")";

@@ -8,8 +8,9 @@
 #
 # Environment: ROLLOUT_FUZZ_BUILD_DIR (default <repo>/build-fuzz), ROLLOUT_FUZZ_SECONDS (default
 # 20), ROLLOUT_FUZZ_CXX (default clang++), ROLLOUT_FUZZ_JOBS (build parallelism, default 2),
-# ROLLOUT_FUZZ_STRICT=1 (also fail on the known open findings of regressions/*/open/, which are
-# otherwise skipped while fuzzing so that a known problem does not fail every run).
+# ROLLOUT_FUZZ_STRICT (set to 1 when replaying regressions/*/open/): the convention for an open
+# finding is that its fuzz target skips such inputs unless ROLLOUT_FUZZ_STRICT=1, so that a known
+# problem does not fail every fuzzing run (no target needs that now).
 # The ctest fuzz_smoke runs this script (registered only when clang with libFuzzer exists).
 set -euo pipefail
 
