@@ -15,8 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "engine/cuda/cuda_runner_state.h"
-#include "kernels/cuda/sampling.h"
+#include "glog/logging.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sampling.h"
 
 namespace rollout {
 
@@ -108,8 +109,8 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
   // vocab of a multiple of 64 floats keeps every row's start 256-byte aligned for the GEMM, or
   // one slice writes them in one pass from row 0); otherwise each pass is copied to the host.
   const int64_t rows = static_cast<int64_t>(batch.logit_rows.size());
-  const bool keep_on_device = rows <= options_.max_logit_rows &&
-                              (c.vocab_size % 64 == 0 || t <= options_.max_batch_tokens);
+  const bool keep_on_device =
+      rows <= options_.max_logit_rows && (c.vocab_size % 64 == 0 || t <= options_.max_batch_tokens);
   s.last_rows = rows;
   s.last_on_device = keep_on_device;
   if (!keep_on_device && host_logits == nullptr) {
@@ -135,16 +136,30 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
   return absl::OkStatus();
 }
 
-// Tokens [begin, end) of the batch through every layer, then their logit rows.
+int64_t CudaModelRunner::GraphBucket(int64_t n) const {
+  const int64_t largest = std::min<int64_t>(
+      {options_.max_graph_batch, options_.max_logit_rows, options_.max_batch_tokens});
+  if (!options_.cuda_graphs || n < 1 || n > largest) return 0;
+  int64_t bucket = 1;
+  while (bucket < n && bucket < 32) bucket *= 2;
+  if (bucket < n) bucket = (n + 31) / 32 * 32;
+  return std::min(bucket, largest);
+}
+
+int64_t CudaModelRunner::graphs_captured() const { return state_->graphs_captured; }
+int64_t CudaModelRunner::graph_launches() const { return state_->graph_launches; }
+
+// Tokens [begin, end) of the batch through every layer, then their logit rows: the metadata
+// built on the host and uploaded, then the slice enqueued -- as a decode graph's replay when the
+// slice is a decode step that fits a bucket, else kernel by kernel.
 absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
                                            float* host_logits, bool keep_on_device) {
   const ModelConfig& c = config_;
   State& s = *state_;
   const int64_t n = end - begin;
-  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
-                nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
+  const int64_t nh = c.num_attention_heads, hd = c.head_dim, vocab = c.vocab_size;
   const int32_t bs = options_.kv_block_size;
-  const int group = static_cast<int>(nh / nkv);
+  const int group = static_cast<int>(nh / c.num_key_value_heads);
   const int item_tokens = cuda::AttentionItemTokens(group);
 
   // Logit rows inside this slice: [row_begin, row_end) of batch.logit_rows (ascending).
@@ -166,8 +181,8 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
     items.push_back(static_cast<int32_t>(j - i));
     i = j;
   }
-  // Attention split partials, [n, heads, max_splits, head_dim + 2] fp32: for every token with
-  // the tensor-core kernel, for the one-token items with the SIMT kernel's split-parallel decode.
+  // Split partials are needed for every token with the tensor-core kernel, for the one-token
+  // items with the SIMT kernel's split-parallel decode.
   const bool mma = options_.attention_kernel == CudaAttentionKernel::kTensorCore;
   int32_t max_splits = 1;
   for (int64_t i = begin; i < end; ++i) {
@@ -177,14 +192,33 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
       max_splits = std::max(max_splits, batch.positions[i] / options_.attention_split_size + 1);
     }
   }
-  if (mma || options_.split_parallel_decode) {
-    const size_t bytes = static_cast<size_t>(n) * nh * max_splits * (hd + 2) * sizeof(float);
-    if (s.partials.bytes() < bytes) {
-      ROLLOUT_RETURN_IF_ERROR(
-          CudaError(s.partials.Allocate(bytes + bytes / 2), "allocating attention partials"));
+
+  // A decode step -- one token per sequence, every one with logits, the whole batch in this
+  // slice -- runs as a graph padded to its bucket; its split grid is padded to a power of two.
+  const bool decode = items_many.empty() && num_rows == n && begin == 0 && row_begin == 0 &&
+                      keep_on_device && !s.profiling && !s.graphs_failed;
+  const int64_t bucket = decode ? GraphBucket(n) : 0;
+  cuda_runner_internal::SliceShape shape;
+  shape.n = bucket > 0 ? bucket : n;
+  shape.num_rows = bucket > 0 ? bucket : num_rows;
+  shape.num_one = static_cast<int64_t>(items_one.size() / 2) + (shape.n - n);
+  shape.num_many = static_cast<int64_t>(items_many.size() / 2);
+  shape.row_begin = row_begin;
+  shape.max_splits = max_splits;
+  if (bucket > 0) {
+    while (shape.max_splits < max_splits || (shape.max_splits & (shape.max_splits - 1)) != 0) {
+      ++shape.max_splits;
     }
   }
-  // Block tables of the sequences in the slice, concatenated in order of first use.
+  if (mma || options_.split_parallel_decode) {
+    const size_t bytes =
+        static_cast<size_t>(shape.n) * nh * shape.max_splits * (hd + 2) * sizeof(float);
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(s.Grow(&s.partials, bytes, bytes + bytes / 2), "allocating attention partials"));
+  }
+
+  // Block tables of the sequences in the slice, concatenated in order of first use; the
+  // padding rows' one-block table (the reserved block) last.
   std::map<int32_t, int32_t> table_offset_of;
   int64_t tables_size = 0;
   for (int64_t i = begin; i < end; ++i) {
@@ -192,54 +226,123 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
       tables_size += static_cast<int64_t>(batch.block_tables[batch.token_seq[i]].size());
     }
   }
+  const int32_t pad_table = static_cast<int32_t>(tables_size);
+  if (shape.n > n) ++tables_size;
 
-  // Metadata, int32, one upload: token_ids [n], positions [n], kv_slots [n], table_offsets [n],
-  // logit rows [num_rows], items_one [2 * k1], items_many [2 * k2], tables [tables_size]; the
-  // item arrays start on even offsets (int2 loads).
-  auto even = [](int64_t x) { return (x + 1) / 2 * 2; };
-  const int64_t off_tokens = 0, off_pos = n, off_slots = 2 * n, off_tab = 3 * n, off_rows = 4 * n;
-  const int64_t off_one = even(off_rows + num_rows);
-  const int64_t off_many = even(off_one + static_cast<int64_t>(items_one.size()));
-  const int64_t off_tables = off_many + static_cast<int64_t>(items_many.size());
-  const int64_t meta_ints = off_tables + tables_size;
-  if (s.meta.bytes() < static_cast<size_t>(meta_ints) * 4) {
-    const size_t bytes = static_cast<size_t>(meta_ints) * 4 * 2;  // headroom against regrowth
-    ROLLOUT_RETURN_IF_ERROR(CudaError(s.meta.Allocate(bytes), "allocating batch metadata"));
-    ROLLOUT_RETURN_IF_ERROR(CudaError(s.meta_host.Allocate(bytes), "allocating batch metadata"));
+  const int64_t meta_ints = shape.off_tables() + tables_size;
+  const size_t meta_bytes = static_cast<size_t>(meta_ints) * 4;
+  if (s.meta_host.bytes() < meta_bytes) {
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(s.meta_host.Allocate(2 * meta_bytes), "allocating batch metadata"));
   }
+  // Headroom against regrowth (which drops the graphs).
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(s.Grow(&s.meta, meta_bytes, 2 * meta_bytes), "allocating batch metadata"));
   int32_t* m = s.meta_host.get<int32_t>();
   for (int64_t i = 0; i < n; ++i) {
     const int32_t pos = batch.positions[begin + i];
     const std::vector<int32_t>& table = batch.block_tables[batch.token_seq[begin + i]];
-    m[off_tokens + i] = batch.token_ids[begin + i];
-    m[off_pos + i] = pos;
-    m[off_slots + i] = table[pos / bs] * bs + pos % bs;
-    m[off_tab + i] = table_offset_of.at(batch.token_seq[begin + i]);
+    m[shape.off_tokens() + i] = batch.token_ids[begin + i];
+    m[shape.off_pos() + i] = pos;
+    m[shape.off_slots() + i] = table[pos / bs] * bs + pos % bs;
+    m[shape.off_tab() + i] = table_offset_of.at(batch.token_seq[begin + i]);
+  }
+  // Padding rows: token 0 at position 0 of the reserved block, attending to itself only.
+  for (int64_t i = n; i < shape.n; ++i) {
+    m[shape.off_tokens() + i] = 0;
+    m[shape.off_pos() + i] = 0;
+    m[shape.off_slots() + i] = s.pad_block * bs;
+    m[shape.off_tab() + i] = pad_table;
   }
   for (int64_t r = 0; r < num_rows; ++r) {
-    m[off_rows + r] = static_cast<int32_t>(batch.logit_rows[row_begin + r] - begin);
+    m[shape.off_rows() + r] = static_cast<int32_t>(batch.logit_rows[row_begin + r] - begin);
   }
-  std::copy(items_one.begin(), items_one.end(), m + off_one);
-  std::copy(items_many.begin(), items_many.end(), m + off_many);
+  for (int64_t r = num_rows; r < shape.num_rows; ++r)
+    m[shape.off_rows() + r] = static_cast<int32_t>(r);
+  std::copy(items_one.begin(), items_one.end(), m + shape.off_one());
+  for (int64_t i = n; i < shape.n; ++i) {
+    m[shape.off_one() + 2 * (shape.num_one - (shape.n - i))] = static_cast<int32_t>(i);
+    m[shape.off_one() + 2 * (shape.num_one - (shape.n - i)) + 1] = 1;
+  }
+  std::copy(items_many.begin(), items_many.end(), m + shape.off_many());
   for (const auto& [seq, offset] : table_offset_of) {
     const std::vector<int32_t>& table = batch.block_tables[seq];
-    std::copy(table.begin(), table.end(), m + off_tables + offset);
+    std::copy(table.begin(), table.end(), m + shape.off_tables() + offset);
   }
+  if (shape.n > n) m[shape.off_tables() + pad_table] = s.pad_block;
   ROLLOUT_RETURN_IF_ERROR(
-      CudaError(cudaMemcpyAsync(s.meta.get(), m, meta_ints * 4, cudaMemcpyHostToDevice, s.stream),
+      CudaError(cudaMemcpyAsync(s.meta.get(), m, meta_bytes, cudaMemcpyHostToDevice, s.stream),
                 "uploading batch metadata"));
-  const int32_t* d = s.meta.get<int32_t>();
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMeta));
 
+  if (bucket > 0) {
+    ROLLOUT_RETURN_IF_ERROR(LaunchDecodeGraph(shape));
+    if (host_logits != nullptr) {
+      ROLLOUT_RETURN_IF_ERROR(
+          CudaError(cudaMemcpyAsync(host_logits, s.logits.get(), num_rows * vocab * 4,
+                                    cudaMemcpyDeviceToHost, s.stream),
+                    "copying logits"));
+    }
+  } else {
+    ROLLOUT_RETURN_IF_ERROR(EnqueueSlice(shape, host_logits, keep_on_device));
+  }
+  // The pinned metadata buffer is rewritten by the next slice.
+  return CudaError(cudaStreamSynchronize(s.stream), "forward pass");
+}
+
+absl::Status CudaModelRunner::LaunchDecodeGraph(const cuda_runner_internal::SliceShape& shape) {
+  State& s = *state_;
+  const std::pair<int64_t, int32_t> key(shape.n, shape.max_splits);
+  auto it = s.graphs.find(key);
+  if (it == s.graphs.end()) {
+    // Capture on this thread only (the engine thread owns the stream); a failure is reported
+    // once and decode runs eagerly from then on.
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    absl::Status captured = CudaError(
+        cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    if (captured.ok()) {
+      captured = EnqueueSlice(shape, nullptr, /*keep_on_device=*/true);
+      const absl::Status ended = CudaError(cudaStreamEndCapture(s.stream, &graph), "end capture");
+      if (captured.ok()) captured = ended;
+    }
+    if (captured.ok()) {
+      captured = CudaError(cudaGraphInstantiate(&exec, graph, 0), "instantiating a graph");
+    }
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!captured.ok()) {
+      (void)cudaGetLastError();  // clear a sticky launch error of the failed capture
+      s.graphs_failed = true;
+      LOG(WARNING) << "capturing the decode graph of batch " << shape.n
+                   << " failed; decode runs without CUDA graphs from now on: " << captured;
+      return EnqueueSlice(shape, nullptr, /*keep_on_device=*/true);
+    }
+    it = s.graphs.emplace(key, exec).first;
+    ++s.graphs_captured;
+  }
+  ++s.graph_launches;
+  return CudaError(cudaGraphLaunch(it->second, s.stream), "launching a decode graph");
+}
+
+absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShape& shape,
+                                           float* host_logits, bool keep_on_device) {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  const int64_t n = shape.n;
+  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
+                nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
+  const int32_t bs = options_.kv_block_size;
+  const bool mma = options_.attention_kernel == CudaAttentionKernel::kTensorCore;
+  const int32_t* d = s.meta.get<int32_t>();
   float* x = s.x.get<float>();
   bf16* xn = s.xn.get<bf16>();
   bf16* attn = s.attn.get<bf16>();
   bf16* gate_up = s.gate_up.get<bf16>();
   bf16* act = s.act.get<bf16>();
-  ROLLOUT_RETURN_IF_ERROR(CudaError(
-      cuda::EmbeddingGather(d + off_tokens, n, s.embed, h, x, s.stream), "embedding gather"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cuda::EmbeddingGather(d + shape.off_tokens(), n, s.embed, h, x, s.stream),
+                "embedding gather"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kEmbed));
-
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int layer = 0; layer < c.num_layers; ++layer) {
     const LayerWeights& l = s.layers[layer];
@@ -257,8 +360,8 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
     cuda::QkvParams qp;
     qp.qkv = s.qkv.get<float>();
     qp.num_tokens = n;
-    qp.positions = d + off_pos;
-    qp.kv_slots = d + off_slots;
+    qp.positions = d + shape.off_pos();
+    qp.kv_slots = d + shape.off_slots();
     if (l.qkv_bias != nullptr) {
       qp.q_bias = l.qkv_bias;
       qp.k_bias = l.qkv_bias + nh * hd;
@@ -277,23 +380,23 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
 
     cuda::AttentionParams ap;
     ap.q = s.q.get<float>();
-    ap.positions = d + off_pos;
-    ap.table_offsets = d + off_tab;
-    ap.tables = d + off_tables;
+    ap.positions = d + shape.off_pos();
+    ap.table_offsets = d + shape.off_tab();
+    ap.tables = d + shape.off_tables();
     ap.num_heads = static_cast<int32_t>(nh);
     ap.split_size = options_.attention_split_size;
     ap.scale = scale;
     ap.out = attn;
-    ap.items = reinterpret_cast<const int2*>(d + off_one);
-    ap.num_items = static_cast<int32_t>(items_one.size() / 2);
+    ap.items = reinterpret_cast<const int2*>(d + shape.off_one());
+    ap.num_items = static_cast<int32_t>(shape.num_one);
     if (mma) {
       ap.partials = s.partials.get<float>();
-      ap.max_splits = max_splits;
+      ap.max_splits = shape.max_splits;
       ROLLOUT_RETURN_IF_ERROR(CudaError(
           cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kOneToken, cache, s.stream),
           "attention (one-token items)"));
-      ap.items = reinterpret_cast<const int2*>(d + off_many);
-      ap.num_items = static_cast<int32_t>(items_many.size() / 2);
+      ap.items = reinterpret_cast<const int2*>(d + shape.off_many());
+      ap.num_items = static_cast<int32_t>(shape.num_many);
       ROLLOUT_RETURN_IF_ERROR(CudaError(
           cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kManyTokens, cache, s.stream),
           "attention (many-token items)"));
@@ -303,15 +406,15 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
     } else {
       if (options_.split_parallel_decode) {
         ap.partials = s.partials.get<float>();
-        ap.max_splits = max_splits;
+        ap.max_splits = shape.max_splits;
       }
       ROLLOUT_RETURN_IF_ERROR(
           CudaError(cuda::PagedAttention(ap, cuda::AttentionBlockShape::kOneToken, cache, s.stream),
                     "attention (one-token items)"));
       ap.partials = nullptr;
       ap.max_splits = 0;
-      ap.items = reinterpret_cast<const int2*>(d + off_many);
-      ap.num_items = static_cast<int32_t>(items_many.size() / 2);
+      ap.items = reinterpret_cast<const int2*>(d + shape.off_many());
+      ap.num_items = static_cast<int32_t>(shape.num_many);
       ROLLOUT_RETURN_IF_ERROR(CudaError(
           cuda::PagedAttention(ap, cuda::AttentionBlockShape::kManyTokens, cache, s.stream),
           "attention (many-token items)"));
@@ -335,27 +438,27 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   }
 
   // Logits, max_logit_rows rows at a time: final RMSNorm of the gathered rows, then lm_head.
-  for (int64_t r0 = 0; r0 < num_rows; r0 += options_.max_logit_rows) {
-    const int64_t rn = std::min<int64_t>(options_.max_logit_rows, num_rows - r0);
+  for (int64_t r0 = 0; r0 < shape.num_rows; r0 += options_.max_logit_rows) {
+    const int64_t rn = std::min<int64_t>(options_.max_logit_rows, shape.num_rows - r0);
     ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::RmsNorm(x, d + off_rows + r0, rn, h, s.final_norm, c.rms_norm_eps,
+        CudaError(cuda::RmsNorm(x, d + shape.off_rows() + r0, rn, h, s.final_norm, c.rms_norm_eps,
                                 s.final_rows.get<bf16>(), s.stream),
                   "final rmsnorm"));
-    float* device_rows = s.logits.get<float>() + (keep_on_device ? (row_begin + r0) * vocab : 0);
+    float* device_rows =
+        s.logits.get<float>() + (keep_on_device ? (shape.row_begin + r0) * vocab : 0);
     ROLLOUT_RETURN_IF_ERROR(CublasError(
         s.gemm_lm_head->Run(s.final_rows.get<bf16>(), rn, s.lm_head, device_rows, s.stream),
         "lm_head"));
     ROLLOUT_RETURN_IF_ERROR(s.Mark(kLmHead));
     if (host_logits != nullptr) {
-      float* dst = host_logits + (row_begin + r0) * vocab;
+      float* dst = host_logits + (shape.row_begin + r0) * vocab;
       ROLLOUT_RETURN_IF_ERROR(CudaError(
           cudaMemcpyAsync(dst, device_rows, rn * vocab * 4, cudaMemcpyDeviceToHost, s.stream),
           "copying logits"));
       ROLLOUT_RETURN_IF_ERROR(s.Mark(kLogitsCopy));
     }
   }
-  // The pinned metadata buffer is rewritten by the next slice.
-  return CudaError(cudaStreamSynchronize(s.stream), "forward pass");
+  return absl::OkStatus();
 }
 
 namespace {
@@ -389,15 +492,15 @@ absl::Status CudaModelRunner::ProcessLogits(const std::vector<LogitsRowTask>& ta
         "%d logits rows of %d expected, %d values given", rows, vocab, logits.size()));
   }
   if (!from_caller && rows != s.last_rows) {
-    return absl::InternalError(absl::StrFormat(
-        "%d tasks for the %d logits rows of the last Forward", rows, s.last_rows));
+    return absl::InternalError(
+        absl::StrFormat("%d tasks for the %d logits rows of the last Forward", rows, s.last_rows));
   }
   for (const LogitsRowTask& task : tasks) {
     if (task.params == nullptr) return absl::InvalidArgumentError("task without params");
     if (task.params->top_logprobs > cuda::kMaxDeviceTopN) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "top_logprobs %d: at most %d on the CUDA backend", task.params->top_logprobs,
-          cuda::kMaxDeviceTopN));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("top_logprobs %d: at most %d on the CUDA backend",
+                          task.params->top_logprobs, cuda::kMaxDeviceTopN));
     }
     if (task.score_token.has_value() && (*task.score_token < 0 || *task.score_token >= vocab)) {
       return absl::InvalidArgumentError(absl::StrCat("score token ", *task.score_token));
@@ -416,10 +519,9 @@ absl::Status CudaModelRunner::ProcessLogits(const std::vector<LogitsRowTask>& ta
     }
     const float* device_rows = s.logits.get<float>() + (source == nullptr ? first * vocab : 0);
     if (source != nullptr) {
-      ROLLOUT_RETURN_IF_ERROR(CudaError(
-          cudaMemcpyAsync(s.logits.get(), source, count * vocab * 4, cudaMemcpyHostToDevice,
-                          s.stream),
-          "uploading logits"));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemcpyAsync(s.logits.get(), source, count * vocab * 4,
+                                                        cudaMemcpyHostToDevice, s.stream),
+                                        "uploading logits"));
     }
     ROLLOUT_RETURN_IF_ERROR(ProcessDeviceRows(device_rows, tasks, first, count, results));
   }
@@ -454,14 +556,14 @@ absl::Status CudaModelRunner::ProcessDeviceRows(const float* rows,
       spec.mode = cuda::kRowSample;
     }
   }
-  ROLLOUT_RETURN_IF_ERROR(CudaError(
-      cudaMemcpyAsync(s.row_specs.get(), specs, count * sizeof(cuda::LogitsRowSpec),
-                      cudaMemcpyHostToDevice, s.stream),
-      "uploading sampling specs"));
-  ROLLOUT_RETURN_IF_ERROR(CudaError(
-      cuda::ProcessLogitsRows(rows, count, vocab, s.row_specs.get<cuda::LogitsRowSpec>(),
-                              s.row_results.get<cuda::LogitsRowResult>(), s.stream),
-      "sampling kernel"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cudaMemcpyAsync(s.row_specs.get(), specs, count * sizeof(cuda::LogitsRowSpec),
+                                cudaMemcpyHostToDevice, s.stream),
+                "uploading sampling specs"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cuda::ProcessLogitsRows(rows, count, vocab, s.row_specs.get<cuda::LogitsRowSpec>(),
+                                        s.row_results.get<cuda::LogitsRowResult>(), s.stream),
+                "sampling kernel"));
   ROLLOUT_RETURN_IF_ERROR(CudaError(
       cudaMemcpyAsync(s.row_results_host.get(), s.row_results.get(),
                       count * sizeof(cuda::LogitsRowResult), cudaMemcpyDeviceToHost, s.stream),
@@ -483,19 +585,18 @@ absl::Status CudaModelRunner::ProcessDeviceRows(const float* rows,
     // top-k / top-p / min-p: the host's SampleToken picks the token from the row; the logprob
     // is the device's formula on the device's max and log-sum.
     row.resize(vocab);
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cudaMemcpy(row.data(), rows + i * static_cast<int64_t>(vocab), vocab * sizeof(float),
-                   cudaMemcpyDeviceToHost),
-        "copying a filtered row"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemcpy(row.data(), rows + i * static_cast<int64_t>(vocab),
+                                                 vocab * sizeof(float), cudaMemcpyDeviceToHost),
+                                      "copying a filtered row"));
     SamplingParams params = *task.params;
     params.top_logprobs = 0;
     const SampleResult picked =
         SampleToken(row.data(), vocab, params, task.sample_seed, task.position, &scratch);
     result.token = picked.token;
-    result.logprob = o.max == -INFINITY
-                         ? o.uniform_lp
-                         : (HostScaledLogit(row[picked.token], specs[i].temperature) - o.max) -
-                               o.log_sum;
+    result.logprob =
+        o.max == -INFINITY
+            ? o.uniform_lp
+            : (HostScaledLogit(row[picked.token], specs[i].temperature) - o.max) - o.log_sum;
   }
   return absl::OkStatus();
 }

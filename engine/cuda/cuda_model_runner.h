@@ -11,6 +11,10 @@
 
 namespace rollout {
 
+namespace cuda_runner_internal {
+struct SliceShape;
+}  // namespace cuda_runner_internal
+
 // Which attention kernel computes every row (kernels/cuda/ops.h). Each is batch invariant and
 // prefill == decode bitwise; they differ from each other in bits, so the choice is part of the
 // engine configuration the determinism contract is stated for.
@@ -43,6 +47,15 @@ struct CudaRunnerOptions {
   // kSimt only: decode tokens' attention as one block per (token, kv head, split) and an ordered
   // merge, instead of one block walking all splits. Same bits, more parallelism.
   bool split_parallel_decode = true;
+  // Decode steps (every token its sequence's only one, all with logits) replay a CUDA graph
+  // captured per (batch-size bucket, attention-split bucket): the batch is padded to the bucket
+  // (1, 2, 4, 8, 16, 32, then multiples of 32 up to the largest bucket) with rows that write a
+  // reserved KV block and are never read, and the split grid to a power of two. Rows are batch
+  // invariant, so a row's bits are the same with graphs on or off (tests/gpu/model_test.cc).
+  bool cuda_graphs = true;
+  // The largest decode batch run as a graph (capped at max_logit_rows and max_batch_tokens);
+  // larger decode batches run eagerly.
+  int32_t max_graph_batch = 512;
 };
 
 // Time spent per kernel family, summed over profiled Forward calls (CUDA events).
@@ -104,6 +117,9 @@ class CudaModelRunner final : public ModelRunner {
   const std::vector<std::string>& gemm_descriptions() const;
   int64_t weight_bytes() const;
   int64_t kv_cache_bytes() const;
+  // Decode graphs captured so far, and decode steps that replayed one.
+  int64_t graphs_captured() const;
+  int64_t graph_launches() const;
 
  private:
   struct State;
@@ -115,6 +131,14 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits);
   absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
                             float* host_logits, bool keep_on_device);
+  // Enqueues a slice whose metadata is on the device: the layers, then the logits rows (copied
+  // to `host_logits` pass by pass when it is set).
+  absl::Status EnqueueSlice(const cuda_runner_internal::SliceShape& shape, float* host_logits,
+                            bool keep_on_device);
+  // Replays (capturing it the first time) the decode graph of `shape`'s bucket.
+  absl::Status LaunchDecodeGraph(const cuda_runner_internal::SliceShape& shape);
+  // The bucket a decode batch of n tokens is padded to; 0 when n is above every bucket.
+  int64_t GraphBucket(int64_t n) const;
   absl::Status ProcessDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
                                  int64_t first, int64_t count, std::vector<SampleResult>* results);
 

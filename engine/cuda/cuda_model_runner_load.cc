@@ -423,14 +423,17 @@ absl::Status CudaModelRunner::Finish() {
                              : static_cast<int64_t>(free_bytes * options_.kv_cache_fraction);
   // Slots (block * block_size + offset) are int32 in the kernels.
   const int64_t max_blocks = (int64_t{1} << 31) / options_.kv_block_size - 1;
+  // One block beyond the engine's pool is reserved for the padding rows of decode graphs.
   const int64_t blocks = std::min(budget / bytes_per_block, max_blocks);
-  if (blocks < 1) {
+  if (blocks < 2) {
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "KV cache of %d bytes holds no block of %d tokens (%d bytes each); %d bytes free", budget,
+        "KV cache of %d bytes holds fewer than 2 blocks of %d tokens (%d bytes each); %d bytes "
+        "free", budget,
         options_.kv_block_size, bytes_per_block, free_bytes));
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaDeviceSynchronize(), "uploading RoPE tables"));
-  num_kv_blocks_ = static_cast<int32_t>(blocks);
+  num_kv_blocks_ = static_cast<int32_t>(blocks - 1);
+  s.pad_block = static_cast<int32_t>(blocks - 1);
   s.kv_layer_elems = blocks * block_elems;
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(s.kv.Allocate(blocks * bytes_per_block),

@@ -87,6 +87,30 @@ inline constexpr const char* kFamilyNames[kNumFamilies] = {"metadata h2d",
                                                            "lm_head (+final norm)",
                                                            "logits d2h"};
 
+// One slice's launch shape, and where its int32 metadata lives in State::meta: token_ids [n],
+// positions [n], kv_slots [n], table_offsets [n], logit rows [num_rows], one-token items
+// [2 * num_one], many-token items [2 * num_many], then the block tables. The item arrays start
+// on even offsets (int2 loads). A decode graph is captured for one shape and replayed with new
+// metadata at the same offsets.
+struct SliceShape {
+  int64_t n = 0;
+  int64_t num_rows = 0;
+  int64_t num_one = 0;   // items of one token
+  int64_t num_many = 0;  // items of several tokens
+  int32_t max_splits = 1;
+  int64_t row_begin = 0;  // the slice's first logits row among the Forward's
+
+  static int64_t Even(int64_t x) { return (x + 1) / 2 * 2; }
+  int64_t off_tokens() const { return 0; }
+  int64_t off_pos() const { return n; }
+  int64_t off_slots() const { return 2 * n; }
+  int64_t off_tab() const { return 3 * n; }
+  int64_t off_rows() const { return 4 * n; }
+  int64_t off_one() const { return Even(off_rows() + num_rows); }
+  int64_t off_many() const { return Even(off_one() + 2 * num_one); }
+  int64_t off_tables() const { return off_many() + 2 * num_many; }
+};
+
 }  // namespace cuda_runner_internal
 
 // Everything a runner holds on the device. Engine thread only, like the runner.
@@ -96,6 +120,7 @@ struct CudaModelRunner::State {
   using bf16 = cuda::bf16;
 
   ~State() {
+    DropGraphs();
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     gemm_qkv.reset();
     gemm_o.reset();
@@ -149,6 +174,26 @@ struct CudaModelRunner::State {
 
   std::unique_ptr<cuda::PinnedGemm> gemm_qkv, gemm_o, gemm_gate_up, gemm_down, gemm_lm_head;
   std::vector<std::string> gemm_descriptions;
+
+  // Decode graphs by (padded batch size, split bucket). They hold the device pointers of the
+  // buffers above: reallocating one (Grow) drops them all.
+  std::map<std::pair<int64_t, int32_t>, cudaGraphExec_t> graphs;
+  bool graphs_failed = false;  // a capture failed once: decode runs eagerly from then on
+  int64_t graphs_captured = 0;
+  int64_t graph_launches = 0;
+  // A KV block outside the engine's pool: padding rows of a decode graph write and read it.
+  int32_t pad_block = 0;
+
+  void DropGraphs() {
+    for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
+    graphs.clear();
+  }
+  // Makes `buffer` hold at least `bytes` (allocating `alloc_bytes` when it must grow).
+  cudaError_t Grow(cuda::DeviceBuffer* buffer, size_t bytes, size_t alloc_bytes) {
+    if (buffer->bytes() >= bytes) return cudaSuccess;
+    DropGraphs();
+    return buffer->Allocate(alloc_bytes);
+  }
 
   bool profiling = false;
   std::vector<cudaEvent_t> events;  // recorded in order during one Forward
