@@ -202,6 +202,40 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
     return FieldError("rope_scaling",
                       absl::StrCat("is not supported, got ", j["rope_scaling"].dump()));
   }
+  // transformers 5 writes RoPE as "rope_parameters": {"rope_type": "default", "rope_theta": x}.
+  // Only plain RoPE is implemented; its theta must agree with a top-level rope_theta if both
+  // are present.
+  if (!IsNull(j, "rope_parameters")) {
+    const json& rp = j["rope_parameters"];
+    if (!rp.is_object()) return FieldError("rope_parameters", "must be an object");
+    for (const auto& [key, value] : rp.items()) {
+      if (key == "rope_type") {
+        if (!value.is_string() || value.get<std::string>() != "default") {
+          return FieldError("rope_parameters",
+                            absl::StrCat("rope_type ", value.dump(),
+                                         " is not supported (only \"default\")"));
+        }
+      } else if (key == "rope_theta") {
+        if (!value.is_number() || !(value.get<double>() > 0.0)) {
+          return FieldError("rope_parameters",
+                            absl::StrCat("rope_theta must be a positive number, got ",
+                                         value.dump()));
+        }
+        const float theta = static_cast<float>(value.get<double>());
+        if (!IsNull(j, "rope_theta") && theta != c.rope_theta) {
+          return FieldError("rope_parameters",
+                            absl::StrCat("rope_theta ", value.dump(),
+                                         " disagrees with the top-level rope_theta ",
+                                         j["rope_theta"].dump()));
+        }
+        c.rope_theta = theta;
+      } else {
+        return FieldError("rope_parameters",
+                          absl::StrCat("key \"", key, "\" is not supported (RoPE scaling is not "
+                                       "implemented), got ", rp.dump()));
+      }
+    }
+  }
   bool flag = false;
   check(GetBool(j, "use_sliding_window", false, &flag));
   if (s.ok() && flag) return FieldError("use_sliding_window", "is not supported");

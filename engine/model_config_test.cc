@@ -272,6 +272,35 @@ TEST(ModelConfigTest, UnsupportedFeaturesAreRefusedByName) {
   }
 }
 
+// transformers 5 moved rope_theta into "rope_parameters".
+TEST(ModelConfigTest, RopeParametersOfTransformers5AreRead) {
+  json j = MinimalConfig();
+  j.erase("rope_theta");
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1000000.0}};
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_theta, 1e6f);
+
+  j["rope_theta"] = 1000000;  // both, agreeing
+  c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_theta, 1e6f);
+}
+
+TEST(ModelConfigTest, RopeParametersThatAreNotPlainRopeAreRefused) {
+  for (const json& rp : {json{{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}},
+                         json{{"rope_type", "default"}, {"rope_theta", -1}},
+                         json{{"rope_theta", 1e6}, {"factor", 2.0}}, json("default"),
+                         json{{"rope_theta", 5e5}}}) {
+    json j = MinimalConfig();
+    j["rope_theta"] = 1000000;  // disagrees with the last case
+    j["rope_parameters"] = rp;
+    const absl::Status s = ParseStatus(j);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << rp.dump();
+    EXPECT_THAT(s.message(), HasSubstr("rope_parameters")) << rp.dump();
+  }
+}
+
 TEST(ModelConfigTest, InvalidJsonIsInvalidArgument) {
   EXPECT_EQ(ParseModelConfig("{\"hidden_size\": ").status().code(),
             absl::StatusCode::kInvalidArgument);
