@@ -16,6 +16,8 @@ struct PrefixCache::Node {
   uint64_t last_use = 0;
   bool detached = false;      // flushed: unreachable, freed when refs drop to 0
   std::map<std::vector<int32_t>, Node*> children;
+  bool evictable = false;     // in PrefixCache::evictable_ under (indexed_use, id)
+  uint64_t indexed_use = 0;
 };
 
 PrefixCache::PrefixCache(KvBlockManager* blocks, bool enabled)
@@ -29,7 +31,24 @@ PrefixCache::Node* PrefixCache::Root(const std::string& version) {
   return root.get();
 }
 
-void PrefixCache::Touch(Node* node) { node->last_use = ++clock_; }
+void PrefixCache::Touch(Node* node) {
+  node->last_use = ++clock_;
+  Reindex(node);
+}
+
+// Keeps evictable_ equal to the set of unlocked, reachable leaves (roots excluded: they hold no
+// block), keyed by (last use, creation order): the eviction order.
+void PrefixCache::Reindex(Node* node) {
+  if (node->evictable) {
+    evictable_.erase({node->indexed_use, node->id});
+    node->evictable = false;
+  }
+  if (node->refs == 0 && node->children.empty() && !node->detached && node->parent != nullptr) {
+    evictable_.emplace(node->last_use, node->id);
+    node->evictable = true;
+    node->indexed_use = node->last_use;
+  }
+}
 
 std::vector<PrefixCache::Node*> PrefixCache::Match(const std::string& version,
                                                    const std::vector<int32_t>& tokens,
@@ -73,6 +92,7 @@ bool PrefixCache::Extend(const std::string& version, const std::vector<int32_t>&
     node = fresh.get();
     parent->children.emplace(std::move(key), node);
     nodes_.emplace(node->id, std::move(fresh));
+    Reindex(parent);  // no longer a leaf
     owned = true;
   }
   ++node->refs;
@@ -88,7 +108,12 @@ bool PrefixCache::OwnsBlock(const std::vector<Node*>& path, size_t index, int32_
 void PrefixCache::Free(Node* node) {
   CHECK_EQ(node->refs, 0);
   CHECK(node->children.empty());
-  if (node->parent != nullptr) node->parent->children.erase(node->page);
+  node->detached = true;
+  Reindex(node);  // out of the index
+  if (node->parent != nullptr) {
+    node->parent->children.erase(node->page);
+    Reindex(node->parent);  // may have become an evictable leaf
+  }
   std::vector<int32_t> one = {node->block};
   blocks_->Release(&one);
   nodes_.erase(node->id);
@@ -108,14 +133,8 @@ void PrefixCache::Unlock(std::vector<Node*>* path) {
 
 int32_t PrefixCache::Evict(int32_t num_blocks) {
   int32_t freed = 0;
-  while (freed < num_blocks) {
-    Node* victim = nullptr;
-    for (auto& [id, node] : nodes_) {
-      if (node->refs != 0 || !node->children.empty() || node->detached) continue;
-      if (victim == nullptr || node->last_use < victim->last_use) victim = node.get();
-    }
-    if (victim == nullptr) break;
-    Free(victim);
+  while (freed < num_blocks && !evictable_.empty()) {
+    Free(nodes_.at(evictable_.begin()->second).get());
     ++freed;
   }
   return freed;
@@ -131,7 +150,9 @@ PrefixCache::FlushResult PrefixCache::Flush() {
   // along any path, so descending id order visits children before parents).
   for (auto& [id, node] : nodes_) {
     node->detached = true;
+    node->evictable = false;
   }
+  evictable_.clear();
   std::vector<Node*> order;
   for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it) order.push_back(it->second.get());
   for (Node* node : order) {

@@ -3,7 +3,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/kv_block_manager.h"
@@ -67,6 +69,7 @@ class PrefixCache {
  private:
   Node* Root(const std::string& version);
   void Touch(Node* node);
+  void Reindex(Node* node);
   void Free(Node* node);
 
   KvBlockManager* const blocks_;
@@ -76,6 +79,8 @@ class PrefixCache {
   uint64_t next_id_ = 0;  // creation order: the stable tie-break
   std::map<std::string, std::unique_ptr<Node>> roots_;  // by weight version
   std::map<uint64_t, std::unique_ptr<Node>> nodes_;     // every node holding a block, by id
+  // Unlocked leaves as (last use, id), the next victim first: Evict is O(log n) per block.
+  std::set<std::pair<uint64_t, uint64_t>> evictable_;
 };
 
 }  // namespace rollout
