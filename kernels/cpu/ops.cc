@@ -74,19 +74,19 @@ inline __attribute__((always_inline)) float FinishDot(const Float8& lanes_lo,
   return s2_0 + s2_1;
 }
 
-// y[r, c] = Dot(x[r], w[c], k) (+ bias[c]) for MR rows of x and NR rows of w: MR * NR dot
-// products share each load. Lanes 0-7 and 8-15 of a dot product never interact before the final
-// tree, so the two halves run as separate passes over k: one 8-wide accumulator per dot keeps the
-// whole tile in registers. Per lane, the FMAs are exactly Dot's, in Dot's order.
-// x rows are ldx floats apart and w rows ldw apart (both k for a plain MatMul; longer when the
-// tile reads one K segment of wider rows).
+// The 16-lane accumulators of MR x NR dot products over the first k_full (a multiple of 16)
+// elements of MR rows of x and NR rows of w: lanes 0-7 of every dot in one pass over k (`lo`),
+// lanes 8-15 in a second pass (`hi`). Lanes 0-7 and 8-15 never interact before the final tree,
+// so each pass keeps the whole tile in registers and shares each load among the MR * NR dots.
+// Per lane, exactly Dot's FMAs in Dot's order. x rows are ldx floats apart and w rows ldw apart
+// (both k for a plain MatMul; longer when the tile reads one K segment of wider rows).
 template <int MR, int NR>
-void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k,
-             const float* bias, float* y, int64_t ldy) {
-  const int64_t k_full = k / kLanes * kLanes;
-  Float8 lanes_lo[MR][NR];  // lanes 0-7 of each dot, parked while lanes 8-15 run
+inline __attribute__((always_inline)) void AccumulateTile(const float* x, int64_t ldx,
+                                                          const float* w, int64_t ldw,
+                                                          int64_t k_full, Float8 (&lo)[MR][NR],
+                                                          Float8 (&hi)[MR][NR]) {
   for (int half = 0; half < 2; ++half) {
-    Float8 sum[MR][NR];
+    Float8(&sum)[MR][NR] = half == 0 ? lo : hi;
     for (int r = 0; r < MR; ++r) {
       for (int c = 0; c < NR; ++c) sum[r][c] = Float8{};
     }
@@ -98,18 +98,22 @@ void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k
         for (int c = 0; c < NR; ++c) sum[r][c] = Fma8(xv, wv[c], sum[r][c]);
       }
     }
-    if (half == 0) {
-      for (int r = 0; r < MR; ++r) {
-        for (int c = 0; c < NR; ++c) lanes_lo[r][c] = sum[r][c];
-      }
-      continue;
-    }
-    for (int r = 0; r < MR; ++r) {
-      for (int c = 0; c < NR; ++c) {
-        float d = FinishDot(lanes_lo[r][c], sum[r][c], x + r * ldx, w + c * ldw, k_full, k);
-        if (bias != nullptr) d += bias[c];
-        y[r * ldy + c] = d;
-      }
+  }
+}
+
+// y[r, c] = Dot(x[r], w[c], k) (+ bias[c]) for MR rows of x and NR rows of w: AccumulateTile,
+// then each dot's tail and 16-lane tree (FinishDot).
+template <int MR, int NR>
+void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k,
+             const float* bias, float* y, int64_t ldy) {
+  const int64_t k_full = k / kLanes * kLanes;
+  Float8 lo[MR][NR], hi[MR][NR];
+  AccumulateTile<MR, NR>(x, ldx, w, ldw, k_full, lo, hi);
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NR; ++c) {
+      float d = FinishDot(lo[r][c], hi[r][c], x + r * ldx, w + c * ldw, k_full, k);
+      if (bias != nullptr) d += bias[c];
+      y[r * ldy + c] = d;
     }
   }
 }
@@ -217,26 +221,8 @@ void SegmentedTile(const float* x, int64_t ldx, const float* w, int64_t ldw, con
     const float* ws = w + seg[s];
     const int64_t k = seg[s + 1] - seg[s];
     const int64_t k_full = k / kLanes * kLanes;
-    Float8 lanes_lo[MR][NR];
-    Float8 sum[MR][NR];
-    for (int half = 0; half < 2; ++half) {
-      for (int r = 0; r < MR; ++r) {
-        for (int c = 0; c < NR; ++c) sum[r][c] = Float8{};
-      }
-      for (int64_t i = half * 8; i < k_full; i += kLanes) {
-        Float8 wv[NR];
-        for (int c = 0; c < NR; ++c) wv[c] = Load8(ws + c * ldw + i);
-        for (int r = 0; r < MR; ++r) {
-          const Float8 xv = Load8(xs + r * ldx + i);
-          for (int c = 0; c < NR; ++c) sum[r][c] = Fma8(xv, wv[c], sum[r][c]);
-        }
-      }
-      if (half == 0) {
-        for (int r = 0; r < MR; ++r) {
-          for (int c = 0; c < NR; ++c) lanes_lo[r][c] = sum[r][c];
-        }
-      }
-    }
+    Float8 lanes_lo[MR][NR], sum[MR][NR];  // lanes 0-7 and 8-15 of each dot
+    AccumulateTile<MR, NR>(xs, ldx, ws, ldw, k_full, lanes_lo, sum);
     if (k_full == k) {
       Float8 s8[kGroups * 8];
       for (int j = 0; j < kGroups * 8; ++j) {
