@@ -447,43 +447,30 @@ TEST_F(RolloutClientTest, GenerateAllIndexesCompletionsByRolloutAndSample) {
   EXPECT_EQ(result->chunks[1].token_ids(0), 21u);
 }
 
-TEST_F(RolloutClientTest, GenerateAllFailsWhenASampleHasNoCompletion) {
-  service_.Script({CompletionOf(0, 0, 1)}, grpc::Status::OK);
-  std::unique_ptr<RolloutClient> client = Connect();
-  ASSERT_NE(client, nullptr);
-  absl::StatusOr<GenerateResult> result = client->GenerateAll(RequestWithSamples({2}));
-  EXPECT_EQ(result.status().code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(result.status().message(), HasSubstr("rollout 0 sample 1"));
-}
-
-TEST_F(RolloutClientTest, GenerateAllFailsOnASecondCompletionForOneSample) {
-  service_.Script({CompletionOf(0, 0, 1), CompletionOf(0, 0, 1)}, grpc::Status::OK);
-  std::unique_ptr<RolloutClient> client = Connect();
-  ASSERT_NE(client, nullptr);
-  absl::StatusOr<GenerateResult> result = client->GenerateAll(RequestWithSamples({1}));
-  EXPECT_EQ(result.status().code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(result.status().message(), HasSubstr("second completion"));
-}
-
-TEST_F(RolloutClientTest, GenerateAllFailsOnIndicesOutsideTheRequest) {
-  for (const GenerateResponse& stray :
-       {CompletionOf(1, 0, 1), CompletionOf(0, 1, 1), ChunkOf(0, 5, 1)}) {
-    service_.Script({stray, CompletionOf(0, 0, 1)}, grpc::Status::OK);
+// Streams that break the protocol (each scripted reply, then OK) fail GenerateAll with INTERNAL
+// and a message naming what was wrong.
+TEST_F(RolloutClientTest, GenerateAllFailsOnStreamsThatBreakTheProtocol) {
+  struct Case {
+    std::vector<GenerateResponse> replies;
+    std::vector<uint32_t> samples;  // the request's samples per rollout
+    const char* message;
+  };
+  const Case cases[] = {
+      {{CompletionOf(0, 0, 1)}, {2}, "rollout 0 sample 1"},  // a sample without a completion
+      {{CompletionOf(0, 0, 1), CompletionOf(0, 0, 1)}, {1}, "second completion"},
+      {{CompletionOf(1, 0, 1), CompletionOf(0, 0, 1)}, {1}, "outside the request"},
+      {{CompletionOf(0, 1, 1), CompletionOf(0, 0, 1)}, {1}, "outside the request"},
+      {{ChunkOf(0, 5, 1), CompletionOf(0, 0, 1)}, {1}, "outside the request"},
+      {{CompletionOf(0, 0, 1), ChunkOf(0, 0, 2)}, {1}, "after its completion"},
+  };
+  for (const Case& c : cases) {
+    service_.Script(c.replies, grpc::Status::OK);
     std::unique_ptr<RolloutClient> client = Connect();
     ASSERT_NE(client, nullptr);
-    absl::StatusOr<GenerateResult> result = client->GenerateAll(RequestWithSamples({1}));
-    EXPECT_EQ(result.status().code(), absl::StatusCode::kInternal) << stray.ShortDebugString();
-    EXPECT_THAT(result.status().message(), HasSubstr("outside the request"));
+    absl::StatusOr<GenerateResult> result = client->GenerateAll(RequestWithSamples(c.samples));
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInternal) << c.message;
+    EXPECT_THAT(result.status().message(), HasSubstr(c.message));
   }
-}
-
-TEST_F(RolloutClientTest, GenerateAllFailsOnAChunkAfterItsSamplesCompletion) {
-  service_.Script({CompletionOf(0, 0, 1), ChunkOf(0, 0, 2)}, grpc::Status::OK);
-  std::unique_ptr<RolloutClient> client = Connect();
-  ASSERT_NE(client, nullptr);
-  absl::StatusOr<GenerateResult> result = client->GenerateAll(RequestWithSamples({1}));
-  EXPECT_EQ(result.status().code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(result.status().message(), HasSubstr("after its completion"));
 }
 
 TEST_F(RolloutClientTest, GenerateAllReportsTheServerErrorOverAnIncompleteStream) {
