@@ -143,8 +143,10 @@ constexpr int64_t kPanelBytes = 128 * 1024;
 constexpr int64_t kMinChunkMacs = 32 * 1024;
 
 // Columns [col_begin, col_end) of y for all m rows.
-void MatMulColumns(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
-                   const float* bias, float* y, int64_t col_begin, int64_t col_end) {
+// Calls tile(r0, mr, c0, nr) for the register tiles of columns [col_begin, col_end) of an
+// [m, *] output, panel by panel, for operand rows of `k` floats.
+template <typename TileFn>
+void ForEachTile(int64_t m, int64_t k, int64_t col_begin, int64_t col_end, TileFn tile) {
   const int64_t row_bytes = std::max<int64_t>(k, 1) * static_cast<int64_t>(sizeof(float));
   const int64_t panel =
       std::max<int64_t>(kTileCols, kPanelBytes / row_bytes / kTileCols * kTileCols);
@@ -153,12 +155,18 @@ void MatMulColumns(const float* x, int64_t m, int64_t k, const float* w, int64_t
     for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
       const int64_t mr = std::min<int64_t>(kTileRows, m - r0);
       for (int64_t c0 = p0; c0 < p1; c0 += kTileCols) {
-        const int64_t nr = std::min<int64_t>(kTileCols, p1 - c0);
-        kTileFns[mr - 1][nr - 1](x + r0 * k, k, w + c0 * k, k, k,
-                                 bias == nullptr ? nullptr : bias + c0, y + r0 * n + c0, n);
+        tile(r0, mr, c0, std::min<int64_t>(kTileCols, p1 - c0));
       }
     }
   }
+}
+
+void MatMulColumns(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
+                   const float* bias, float* y, int64_t col_begin, int64_t col_end) {
+  ForEachTile(m, k, col_begin, col_end, [&](int64_t r0, int64_t mr, int64_t c0, int64_t nr) {
+    kTileFns[mr - 1][nr - 1](x + r0 * k, k, w + c0 * k, k, k,
+                             bias == nullptr ? nullptr : bias + c0, y + r0 * n + c0, n);
+  });
 }
 
 // In place: vals[0] becomes the canonical tree's value of `count` (a power of two) adjacent
@@ -275,22 +283,13 @@ void SegmentedColumns(const float* x, int64_t m, const float* w, int64_t n, int6
     seg[s] = KSegmentBegin(k_full, seg_begin + s) - KSegmentBegin(k_full, seg_begin);
   }
   const int64_t k_slice = seg[num_segments];
-  const int64_t row_bytes = std::max<int64_t>(k_slice, 1) * static_cast<int64_t>(sizeof(float));
-  const int64_t panel =
-      std::max<int64_t>(kTileCols, kPanelBytes / row_bytes / kTileCols * kTileCols);
-  for (int64_t p0 = col_begin; p0 < col_end; p0 += panel) {
-    const int64_t p1 = std::min(col_end, p0 + panel);
-    for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
-      const int64_t mr = std::min<int64_t>(kTileRows, m - r0);
-      for (int64_t c0 = p0; c0 < p1; c0 += kTileCols) {
-        const int64_t nr = std::min<int64_t>(kTileCols, p1 - c0);
-        kSegmentedTileFns[mr - 1][nr - 1](x + r0 * k_slice, k_slice, w + c0 * k_slice, k_slice,
-                                          seg, num_segments,
-                                          bias == nullptr ? nullptr : bias + c0,
-                                          y + r0 * n + c0, n);
-      }
-    }
-  }
+  ForEachTile(m, k_slice, col_begin, col_end,
+              [&](int64_t r0, int64_t mr, int64_t c0, int64_t nr) {
+                kSegmentedTileFns[mr - 1][nr - 1](x + r0 * k_slice, k_slice, w + c0 * k_slice,
+                                                  k_slice, seg, num_segments,
+                                                  bias == nullptr ? nullptr : bias + c0,
+                                                  y + r0 * n + c0, n);
+              });
 }
 
 }  // namespace
