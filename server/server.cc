@@ -16,12 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "engine/cpu_model_runner.h"
-#ifdef ROLLOUT_HAVE_CUDA
-#include "engine/cuda/cuda_model_runner.h"
-#define ROLLOUT_CUDA_BACKEND_AVAILABLE true
-#else
-#define ROLLOUT_CUDA_BACKEND_AVAILABLE false
-#endif
+#include "engine/cuda_backend.h"
 #include "engine/random_model.h"
 #include "engine/safetensors.h"
 #include "glog/logging.h"
@@ -123,11 +118,15 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   } else {
     server->model_dir_ = options.model_dir;
   }
-  const bool cuda_backend = ROLLOUT_CUDA_BACKEND_AVAILABLE && options.backend == "cuda";
-  if (options.backend != "cpu" && !cuda_backend) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "backend '%s' is not available in this build (available: cpu%s)", options.backend,
-        ROLLOUT_CUDA_BACKEND_AVAILABLE ? ", cuda" : ""));
+  if (options.backend != "cpu" && options.backend != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("unknown backend '%s' (cpu or cuda)", options.backend));
+  }
+  const bool cuda_backend = options.backend == "cuda";
+  // A build without the CUDA backend, or a module that cannot load, fails here, before the
+  // model is read (no GPU is touched yet; CreateCudaModelRunner checks that).
+  if (cuda_backend) {
+    if (absl::Status s = LoadCudaBackend(); !s.ok()) return s;
   }
   // --- tensor parallelism ---
   if (options.tensor_parallel != 1 && cuda_backend) {
@@ -149,18 +148,16 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
     runner_options.batch_variant_for_testing = options.batch_variant_for_testing;
     runner = CpuModelRunner::Create(**checkpoint, runner_options);
   }
-#ifdef ROLLOUT_HAVE_CUDA
-  // --- CUDA backend ---
+  // --- CUDA backend (a module loaded on demand: engine/cuda_backend.h) ---
   if (cuda_backend) {
     CudaRunnerOptions runner_options;
     runner_options.kv_cache_bytes = options.kv_cache_bytes;
     runner_options.kv_block_size = options.kv_block_size;
     runner_options.attention_split_size = options.attention_split_size;
     runner_options.max_batch_tokens = std::clamp(options.max_batch_tokens, 1, 8192);
-    runner = CudaModelRunner::Create(**checkpoint, runner_options);
+    runner = CreateCudaModelRunner(**checkpoint, runner_options);
   }
   // --- end CUDA backend ---
-#endif
   if (!runner.ok()) return runner.status();
   const ModelConfig& c = (*runner)->config();
   LOG(INFO) << absl::StrFormat(
