@@ -155,6 +155,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
     runner_options.kv_block_size = options.kv_block_size;
     runner_options.attention_split_size = options.attention_split_size;
     runner_options.max_batch_tokens = std::clamp(options.max_batch_tokens, 1, 8192);
+    runner_options.cuda_graphs = options.cuda_graphs;
     runner = CreateCudaModelRunner(**checkpoint, runner_options);
   }
   // --- end CUDA backend ---

@@ -23,6 +23,8 @@ struct ServerOptions {
   int32_t max_running_samples = 64;
   int32_t max_batch_tokens = 512;
   int32_t num_threads = 0;  // CPU backend: 0 = all cores
+  // CUDA backend: decode steps replay CUDA graphs over padded batch buckets (same bits on or off).
+  bool cuda_graphs = true;
   // Tensor-parallel degree (--tp): 1, 2, 4 or 8 ranks (CPU backend: threads with an in-process
   // communicator). Every degree gives the same bits (D10, docs/determinism.md).
   int32_t tensor_parallel = 1;

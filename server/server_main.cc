@@ -27,6 +27,8 @@ ABSL_FLAG(int32_t, attention_split_size, 64,
 ABSL_FLAG(int32_t, max_running_samples, 64, "samples decoded together in one step");
 ABSL_FLAG(int32_t, max_batch_tokens, 512, "token budget of one engine step");
 ABSL_FLAG(int32_t, threads, 0, "CPU backend worker threads; 0 = all cores");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "cuda backend: replay decode steps as CUDA graphs (padded batch buckets; same bits)");
 ABSL_FLAG(int32_t, tp, 1,
           "tensor-parallel degree: 1, 2, 4 or 8 ranks (cpu backend: threads); same bits at every "
           "degree");
@@ -74,6 +76,7 @@ int main(int argc, char** argv) {
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.tensor_parallel = absl::GetFlag(FLAGS_tp);
+  options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   options.weight_version = absl::GetFlag(FLAGS_weight_version);
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   options.auth_token = absl::GetFlag(FLAGS_auth_token);
