@@ -1,8 +1,11 @@
 // End-to-end: a real server on loopback, driven through the real gRPC stack.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <set>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -57,6 +60,12 @@ TEST_F(GenerateE2eTest, StreamedChunksConcatenateToTheCompletion) {
 TEST_F(GenerateE2eTest, LogprobsEqualAnIndependentNaiveForward) {
   absl::StatusOr<NaiveModel> naive = NaiveModel::Load(server_->server->model_dir());
   ASSERT_TRUE(naive.ok()) << naive.status();
+  // The CPU backend computes in fp32; the CUDA backend (ROLLOUT_TEST_BACKEND=cuda) rounds
+  // weights, activations and KV to bf16, so its logprobs sit within bf16 error of the
+  // double-precision forward, and its greedy pick may differ only at near-ties.
+  const char* backend = std::getenv("ROLLOUT_TEST_BACKEND");
+  const bool bf16 = backend != nullptr && std::string(backend) == "cuda";
+  const double tolerance = bf16 ? 3e-2 : 2e-3;
   for (float temperature : {0.0f, 0.7f, 1.0f, 1.3f}) {
     v1::GenerateRequest request;
     *request.add_rollouts() = MakeRollout(kPrompt, 9, 12, temperature);
@@ -74,17 +83,21 @@ TEST_F(GenerateE2eTest, LogprobsEqualAnIndependentNaiveForward) {
       const float lp = c.logprobs(i);
       EXPECT_TRUE(std::isfinite(lp));
       EXPECT_LE(lp, 0.0f);
-      EXPECT_NEAR(lp, NaiveLogprob(row, temperature, c.token_ids(i)), 2e-3)
+      EXPECT_NEAR(lp, NaiveLogprob(row, temperature, c.token_ids(i)), tolerance)
           << "T=" << temperature << " position " << i;
       if (temperature == 0.0f) {
         const int32_t argmax = std::max_element(row.begin(), row.end()) - row.begin();
-        EXPECT_EQ(c.token_ids(i), argmax) << "greedy must pick the argmax at " << i;
+        std::vector<double> sorted(row);
+        std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+        if (!bf16 || sorted[0] - sorted[1] > 2 * tolerance) {
+          EXPECT_EQ(c.token_ids(i), argmax) << "greedy must pick the argmax at " << i;
+        }
       }
       const v1::TopLogprobs& top = c.top_logprobs(i);
       ASSERT_EQ(top.entries_size(), 2);
       EXPECT_GE(top.entries(0).logprob(), top.entries(1).logprob());
       EXPECT_NEAR(top.entries(0).logprob(),
-                  NaiveLogprob(row, temperature, top.entries(0).token_id()), 2e-3);
+                  NaiveLogprob(row, temperature, top.entries(0).token_id()), tolerance);
     }
   }
 }
