@@ -10,6 +10,21 @@
 // MergeAttentionSplits folds them in split order: which rows share a block, or how many splits
 // run at once, changes nothing but speed. Why it replaced version 1 for speed: version 1 spends
 // ~256 scalar FMAs per (row, key); here the same work is 1/128 of an MMA instruction.
+//
+// Staging, reworked for issue #4 (same bits: bench/attention_bench.cu compares every output and
+// split partial with a copy of the kernel before, over random caches). Decode attention is a
+// stream of K/V reads, and the copies in flight per SM are bounded by how many blocks fit there,
+// not by how one block overlaps its copies with its math: q no longer sits in shared memory (it
+// goes from global memory straight into the MMA fragments: 17.4 instead of 21.8 KB per decode
+// block), registers are capped to admit as many warps as shared memory does (12 per SM), each
+// lane looks up one key's page per tile and shuffles it to the copying lanes (before: a table
+// read, a division and a modulo per 16-byte chunk), and K fragments come by ldmatrix.x4. H200,
+// Qwen3-8B shapes, one layer: decode of 256 sequences at context ~1536 0.52 -> 0.42-0.43 ms
+// (73% -> 88-91% of the device copy rate), prefill of 8 x 1024 tokens 1.03 -> 0.77-0.78 ms.
+// Measured and not kept, as no faster: rings of 2..6 tiles for decode (each stage costs a block
+// per SM: 2%..115% slower; a second stage does gain prefill 3%, so kManyTokens keeps it), K and
+// V in separate cp.async groups refilled right after their MMAs, blocks of 2 or 4 kv heads
+// (longer contiguous copies), 8-warp prefill blocks (half the K/V re-reads, fewer blocks per SM).
 #include <cmath>
 #include <cstdint>
 
@@ -39,6 +54,16 @@ __device__ __forceinline__ void LdMatrixX2Trans(uint32_t* r0, uint32_t* r1, cons
                : "r"(addr));
 }
 
+// Four 8x8 bf16 matrices (lanes 8m .. 8m + 7 give the row addresses of matrix m); lane l receives
+// row l / 4, columns 2 (l % 4) + {0, 1} of each: the B fragments of m16n8k16 when the rows are
+// keys and the columns dims.
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const bf16* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
 __device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
@@ -47,9 +72,13 @@ __device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid
                "r"(src_bytes));
 }
 
-__device__ __forceinline__ void CpAsyncWaitAll() {
-  asm volatile("cp.async.commit_group;\n" ::);
-  asm volatile("cp.async.wait_group 0;\n" ::);
+// Closes this thread's current group of cp.async copies.
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
@@ -66,13 +95,6 @@ __device__ __forceinline__ float QuadSum(float v) {
   v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
-
-template <int kHeadDim, int kWarps>
-struct MmaSmem {
-  static constexpr int kStride = kHeadDim + 8;  // bf16 per staged row: 16 B pad, no conflicts
-  static constexpr int kRows = 16 * kWarps;
-  static constexpr size_t kBytes = sizeof(bf16) * kStride * (kRows + 2 * kTile);
-};
 
 // The online-softmax update of one row for one tile: s[8] are the thread's scores of the row
 // (keys 8j + 2t + {0, 1}, j = 0..3), already masked; p[8] receives the probabilities.
@@ -96,18 +118,52 @@ __device__ __forceinline__ float RowUpdate(const float (&s)[8], float* m, float*
   return alpha;
 }
 
-template <int kHeadDim, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32)
+// A block's shape: kWarps warps of 16 query rows of one kv head, and a ring of kStages K/V tiles
+// in shared memory that all of them fill.
+template <int kHeadDim, int kWarps, int kStages>
+struct MmaShape {
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kStride = kHeadDim + 8;  // bf16 per staged key: 16 B pad, no conflicts
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per key
+  // One stage: K then V, each [kTile, kStride] bf16.
+  static constexpr int kTileElems = kTile * kStride;
+  static constexpr size_t kSmemBytes = sizeof(bf16) * kStages * 2 * kTileElems;
+  // Registers capped so that they admit as many warps per SM as shared memory does for one-stage
+  // decode blocks (17.4 KB + 1 KB reserved each, 228 KB per SM): 168 per thread.
+  static constexpr int kMinBlocks = 12 / kWarps;
+};
+
+// Issues the cp.async copies of one K/V tile (keys tile_start .. tile_start + 31) into
+// k_s / v_s, zero-filling keys past max_pos. lane_row: the cache offset (elements) of lane l's
+// key tile_start + l at the block's kv head (any value past max_pos). Every lane of a warp runs
+// the same iterations (the chunk count is a multiple of 32): the shuffle is warp-uniform.
+template <class Shape>
+__device__ __forceinline__ void IssueTile(const KvCacheView& cache, int tile_start, int max_pos,
+                                          int64_t lane_row, bf16* k_s, bf16* v_s) {
+  for (int i = threadIdx.x; i < kTile * Shape::kChunks; i += Shape::kThreads) {
+    const int j = i / Shape::kChunks;  // key of the tile
+    const int c = i % Shape::kChunks;
+    const int64_t src = __shfl_sync(0xffffffffu, lane_row, j) + c * 8;
+    const int dst = j * Shape::kStride + c * 8;
+    const bool valid = tile_start + j <= max_pos;
+    CpAsync16(k_s + dst, cache.k + src, valid);
+    CpAsync16(v_s + dst, cache.v + src, valid);
+  }
+}
+
+// Tile t of the block's split is staged in ring stage t % kStages while tiles t + 1 ..
+// t + kStages - 1 are in flight (kOneToken: one stage, kManyTokens: two; the file comment says
+// why).
+template <int kHeadDim, int kWarps, int kStages>
+__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages>::kThreads,
+                                  MmaShape<kHeadDim, kWarps, kStages>::kMinBlocks)
     MmaAttentionKernel(AttentionParams p, KvCacheView cache) {
-  using Smem = MmaSmem<kHeadDim, kWarps>;
-  constexpr int kStride = Smem::kStride;
+  using Shape = MmaShape<kHeadDim, kWarps, kStages>;
+  constexpr int kStride = Shape::kStride;
   constexpr int kSteps = kHeadDim / 16;    // k-steps of Q K^T
   constexpr int kDimTiles = kHeadDim / 8;  // n-tiles of P V
-  constexpr int kChunks = kHeadDim / 8;    // 16-byte chunks per key
   extern __shared__ uint4 smem[];
-  bf16* q_s = reinterpret_cast<bf16*>(smem);  // [16 * kWarps, kStride]
-  bf16* k_s = q_s + Smem::kRows * kStride;    // [kTile, kStride]
-  bf16* v_s = k_s + kTile * kStride;          // [kTile, kStride]
+  bf16* ring = reinterpret_cast<bf16*>(smem);  // [kStages][K, V][kTile, kStride]
 
   const int2 item = p.items[blockIdx.x];  // (first token, count)
   const int kv_head = blockIdx.y;
@@ -122,24 +178,34 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int i = 0; i < item.y; ++i) max_pos = max(max_pos, p.positions[item.x + i]);
   const int walk_begin = split * p.split_size;
   const int walk_end = min(max_pos + 1, walk_begin + p.split_size);
-  if (walk_begin >= walk_end) return;  // idle split: block-uniform, before any barrier
+  if (walk_begin >= walk_end) return;  // idle split: block-uniform, before any load or barrier
+  const int num_tiles = (walk_end - walk_begin + kTile - 1) / kTile;
   const int32_t* table = p.tables + p.table_offsets[item.x];
-
-  // Query rows as bf16; row r = (token item.x + r / group, head kv_head * group + r % group).
-  for (int i = threadIdx.x; i < Smem::kRows * (kHeadDim / 4); i += kWarps * 32) {
-    const int r = i / (kHeadDim / 4);
-    const int c = i % (kHeadDim / 4);
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (r < num_rows) {
-      const int64_t t = item.x + r / group;
-      const int h = kv_head * group + r % group;
-      v = reinterpret_cast<const float4*>(p.q + (t * p.num_heads + h) * kHeadDim)[c];
+  // The cache offset of lane l's key l of tile t (0 past max_pos, where no copy reads it).
+  auto lane_row = [&](int t) -> int64_t {
+    const int key = walk_begin + t * kTile + lane;
+    if (t >= num_tiles || key > max_pos) return 0;
+    const int64_t slot = static_cast<int64_t>(table[key / cache.block_size]) * cache.block_size +
+                         key % cache.block_size;
+    return (slot * num_kv_heads + kv_head) * kHeadDim;
+  };
+  auto k_stage = [&](int t) { return ring + (t % kStages) * 2 * Shape::kTileElems; };
+  // Tile t as one commit group (empty past the last tile): tile t has landed once at most
+  // kStages - 1 groups are pending after tile t + kStages - 1 was issued.
+  auto issue = [&](int t, int64_t row) {
+    if (t < num_tiles) {
+      IssueTile<Shape>(cache, walk_begin + t * kTile, max_pos, row, k_stage(t),
+                       k_stage(t) + Shape::kTileElems);
     }
-    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(q_s + r * kStride + 4 * c);
-    dst[0] = __floats2bfloat162_rn(v.x, v.y);
-    dst[1] = __floats2bfloat162_rn(v.z, v.w);
-  }
-  // This thread's two rows: g and g + 8 of the warp's 16.
+    CpAsyncCommit();
+  };
+  // The first kStages - 1 tiles go in flight before anything else.
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) issue(t, lane_row(t));
+  int64_t next_row = lane_row(kStages - 1);  // of the next tile to issue: read a tile early
+
+  // This thread's two rows: g and g + 8 of the warp's 16. Row r is (token item.x + r / group,
+  // head kv_head * group + r % group).
   const int r0 = warp * 16 + g, r1 = r0 + 8;
   const int pos0 = r0 < num_rows ? p.positions[item.x + r0 / group] : -1;
   const int pos1 = r1 < num_rows ? p.positions[item.x + r1 / group] : -1;
@@ -148,18 +214,30 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int o = 16; o > 0; o >>= 1) {
     warp_max_pos = max(warp_max_pos, __shfl_xor_sync(0xffffffffu, warp_max_pos, o));
   }
-  __syncthreads();
 
-  uint32_t qa[kSteps][4];  // A fragments of the warp's 16 query rows
+  // A fragments of the warp's 16 query rows, q rounded to bf16 (padding rows 0): of rows r0 and
+  // r1, the dim pairs 16 kk + 2 t4 + {0, 1} and 16 kk + 8 + 2 t4 + {0, 1}.
+  uint32_t qa[kSteps][4];
   {
-    const bf16* q0 = q_s + r0 * kStride + 2 * t4;
-    const bf16* q1 = q_s + r1 * kStride + 2 * t4;
+    auto q_row = [&](int r) -> const float* {
+      if (r >= num_rows) return nullptr;
+      const int64_t row =
+          (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
+      return p.q + row * kHeadDim + 2 * t4;
+    };
+    auto pair = [](const float* q, int d) {
+      if (q == nullptr) return 0u;
+      const float2 v = *reinterpret_cast<const float2*>(q + d);
+      return PackBf16(v.x, v.y);
+    };
+    const float* q0 = q_row(r0);
+    const float* q1 = q_row(r1);
 #pragma unroll
     for (int kk = 0; kk < kSteps; ++kk) {
-      qa[kk][0] = *reinterpret_cast<const uint32_t*>(q0 + 16 * kk);
-      qa[kk][1] = *reinterpret_cast<const uint32_t*>(q1 + 16 * kk);
-      qa[kk][2] = *reinterpret_cast<const uint32_t*>(q0 + 16 * kk + 8);
-      qa[kk][3] = *reinterpret_cast<const uint32_t*>(q1 + 16 * kk + 8);
+      qa[kk][0] = pair(q0, 16 * kk);
+      qa[kk][1] = pair(q1, 16 * kk);
+      qa[kk][2] = pair(q0, 16 * kk + 8);
+      qa[kk][3] = pair(q1, 16 * kk + 8);
     }
   }
 
@@ -168,38 +246,30 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int n = 0; n < kDimTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
 
-  for (int tile_start = walk_begin; tile_start < walk_end; tile_start += kTile) {
-    __syncthreads();  // every warp is done with the previous tile
-    for (int i = threadIdx.x; i < kTile * kChunks; i += kWarps * 32) {
-      const int j = i / kChunks;
-      const int c = i % kChunks;
-      const int key = tile_start + j;
-      const bool valid = key <= max_pos;
-      int64_t offset = 0;
-      if (valid) {
-        const int64_t slot =
-            static_cast<int64_t>(table[key / cache.block_size]) * cache.block_size +
-            key % cache.block_size;
-        offset = (slot * num_kv_heads + kv_head) * kHeadDim + c * 8;
-      }
-      CpAsync16(k_s + j * kStride + c * 8, cache.k + offset, valid);
-      CpAsync16(v_s + j * kStride + c * 8, cache.v + offset, valid);
-    }
-    CpAsyncWaitAll();
-    __syncthreads();
+  for (int t = 0; t < num_tiles; ++t) {
+    __syncthreads();  // every warp is done with tile t - 1, whose stage tile t + kStages - 1 takes
+    issue(t + kStages - 1, next_row);
+    next_row = lane_row(t + kStages);
+    CpAsyncWait<kStages - 1>();  // this thread's copies of tile t have landed ...
+    __syncthreads();             // ... and every thread's
+    const int tile_start = walk_begin + t * kTile;
     if (tile_start > warp_max_pos) continue;  // warp-uniform: no row of this warp reaches it
+    const bf16* k_s = k_stage(t);
+    const bf16* v_s = k_s + Shape::kTileElems;
 
-    // S = Q K^T: key tile j (keys 8j..8j+7), dims in increasing k-steps.
+    // S = Q K^T: key tile j (keys 8j..8j+7), dims in increasing k-steps. ldmatrix.x4 gives each
+    // lane the B fragments (key 8j + g, dims 16 kk + 2 t4 + {0, 1} and + 8) of two k-steps.
     float acc[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-      const bf16* k_row = k_s + (8 * j + g) * kStride + 2 * t4;
+      const bf16* k_row = k_s + (8 * j + lane % 8) * kStride + 8 * (lane / 8);
 #pragma unroll
-      for (int kk = 0; kk < kSteps; ++kk) {
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(k_row + 16 * kk);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(k_row + 16 * kk + 8);
-        Mma16816(acc[j], qa[kk], b0, b1);
+      for (int kk = 0; kk < kSteps; kk += 2) {
+        uint32_t b[4];
+        LdMatrixX4(b, k_row + 16 * kk);
+        Mma16816(acc[j], qa[kk], b[0], b[1]);
+        Mma16816(acc[j], qa[kk + 1], b[2], b[3]);
       }
     }
     float s0[8], s1[8];  // rows g and g + 8: keys 8j + 2 t4 + {0, 1}
@@ -289,26 +359,26 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(big_o[e] / big_l);
 }
 
-template <int kHeadDim, int kWarps>
+template <int kHeadDim, int kWarps, int kStages>
 cudaError_t LaunchMma(const AttentionParams& p, KvCacheView cache, cudaStream_t stream) {
-  constexpr size_t kSmem = MmaSmem<kHeadDim, kWarps>::kBytes;
-  auto kernel = MmaAttentionKernel<kHeadDim, kWarps>;
-  if (kSmem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  using Shape = MmaShape<kHeadDim, kWarps, kStages>;
+  auto kernel = MmaAttentionKernel<kHeadDim, kWarps, kStages>;
+  if (Shape::kSmemBytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Shape::kSmemBytes));
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(cache.num_kv_heads),
                   static_cast<unsigned>(p.max_splits));
-  kernel<<<grid, kWarps * 32, kSmem, stream>>>(p, cache);
+  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, cache);
   return cudaGetLastError();
 }
 
 template <int kHeadDim>
 cudaError_t LaunchMmaShape(const AttentionParams& p, AttentionBlockShape shape, KvCacheView cache,
                            cudaStream_t stream) {
-  if (shape == AttentionBlockShape::kOneToken) return LaunchMma<kHeadDim, 1>(p, cache, stream);
-  return LaunchMma<kHeadDim, 4>(p, cache, stream);
+  if (shape == AttentionBlockShape::kOneToken) return LaunchMma<kHeadDim, 1, 1>(p, cache, stream);
+  return LaunchMma<kHeadDim, 4, 2>(p, cache, stream);
 }
 
 }  // namespace

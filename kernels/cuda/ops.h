@@ -130,8 +130,10 @@ cudaError_t PagedAttention(const AttentionParams& params, AttentionBlockShape sh
 // 2), o = o * a, then o += bf16(P) . V as (head_dim / 8) dim-tiles x 2 key chunks of MMAs in
 // increasing order. Rows of an MMA are independent, so padding rows and neighbours cannot touch
 // a row's bits: kOneToken (one warp: a token's GQA group padded to 16 rows) and kManyTokens
-// (four warps of 16 rows) compute the same bits. REQUIRES: head_dim in {32, 64, 128}; group
-// <= 16 for kOneToken; split_size % 32 == 0; params.partials set.
+// (four warps of 16 rows) compute the same bits; so does any staging of the K/V tiles (how many
+// are in flight, how they reach shared memory: speed only, bench/attention_bench.cu checks it
+// against the previous kernel bitwise). REQUIRES: head_dim in {32, 64, 128}; group <= 16 for
+// kOneToken; split_size % 32 == 0; params.partials set.
 cudaError_t PagedAttentionMma(const AttentionParams& params, AttentionBlockShape shape,
                               KvCacheView cache, cudaStream_t stream);
 

@@ -1,0 +1,728 @@
+// rollout-attention-bench: the tensor-core paged attention (PagedAttentionMma, kernels/cuda/
+// attention_mma.cu) against the same kernel before its staging was reworked for issue #4 (a copy
+// below, kept here only, as the reference for bits and for speed); Qwen3-8B shapes.
+//
+//   rollout-attention-bench [--quick]
+//
+// 1. Bit identity: the split partials and the merged outputs of the library kernel equal the old
+//    kernel's bitwise, over random caches (pages shuffled), head dims 32/64/128, GQA groups
+//    1..32, page sizes 16/32, split sizes 32..256, decode batches of contexts 1..4096 (with idle
+//    splits) and prefills cut into items of every size. A mismatch fails the run (exit code 1).
+// 2. Timing (CUDA events, median of repeats): one layer's decode attention for 256 sequences at
+//    context ~1536 (the benchmark's mean decode step) and 32 at ~4K, and one layer's prefill
+//    attention for 8 x 1024 tokens, old vs new, kernel and split merge apart; the decode's K/V
+//    bytes per second against a measured device-to-device copy (bytes read + written).
+//
+// Built with --fmad=false like the kernel library, so the copy below compiles to the same
+// arithmetic as the library's kernel did. The sweep of staging variants behind the rework (ring
+// depths, split K/V groups, several kv heads per block, 8-warp prefill blocks) ran from an
+// earlier revision of this file; attention_mma.cu's comment has its results.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/attention_fold.cuh"
+#include "kernels/cuda/compare.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/ops.h"
+
+namespace rollout {
+namespace {
+
+using cuda::AttentionBlockShape;
+using cuda::AttentionParams;
+using cuda::bf16;
+using cuda::DeviceBuffer;
+using cuda::KvCacheView;
+
+void Check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
+    std::exit(1);
+  }
+}
+
+// kernels/cuda/attention_mma.cu as of commit 6c20307, verbatim but for this namespace and the
+// dispatch at its end: q staged in shared memory, each 32-key tile copied with cp.async and
+// waited for before its math.
+namespace old_v2 {
+
+constexpr int kTile = cuda::kAttentionTile;  // keys per tile
+
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two 8x8 bf16 matrices, transposed into the B fragment of m16n8k16: lanes 0-15 give the row
+// addresses (rows 0-7 of matrix 0, then of matrix 1).
+__device__ __forceinline__ void LdMatrixX2Trans(uint32_t* r0, uint32_t* r1, const bf16* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(*r0), "=r"(*r1)
+               : "r"(addr));
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void CpAsyncWaitAll() {
+  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.wait_group 0;\n" ::);
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The quad (4 lanes of one MMA row) reductions, in one fixed order.
+__device__ __forceinline__ float QuadMax(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float QuadSum(float v) {
+  v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+template <int kHeadDim, int kWarps>
+struct MmaSmem {
+  static constexpr int kStride = kHeadDim + 8;  // bf16 per staged row: 16 B pad, no conflicts
+  static constexpr int kRows = 16 * kWarps;
+  static constexpr size_t kBytes = sizeof(bf16) * kStride * (kRows + 2 * kTile);
+};
+
+// The online-softmax update of one row for one tile: s[8] are the thread's scores of the row
+// (keys 8j + 2t + {0, 1}, j = 0..3), already masked; p[8] receives the probabilities.
+__device__ __forceinline__ float RowUpdate(const float (&s)[8], float* m, float* l, float (&p)[8]) {
+  float tile_max = s[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) tile_max = fmaxf(tile_max, s[i]);
+  tile_max = QuadMax(tile_max);
+  const float m_new = fmaxf(*m, tile_max);
+  // A row with no key so far (only padding rows) stays at m = -inf with p = 0, o untouched.
+  const bool none = m_new == -INFINITY;
+  const float alpha = none ? 1.0f : expf(*m - m_new);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    p[i] = (none || s[i] == -INFINITY) ? 0.0f : expf(s[i] - m_new);
+    sum = sum + p[i];
+  }
+  *l = *l * alpha + QuadSum(sum);
+  *m = m_new;
+  return alpha;
+}
+
+template <int kHeadDim, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+    MmaAttentionKernel(AttentionParams p, KvCacheView cache) {
+  using Smem = MmaSmem<kHeadDim, kWarps>;
+  constexpr int kStride = Smem::kStride;
+  constexpr int kSteps = kHeadDim / 16;    // k-steps of Q K^T
+  constexpr int kDimTiles = kHeadDim / 8;  // n-tiles of P V
+  constexpr int kChunks = kHeadDim / 8;    // 16-byte chunks per key
+  extern __shared__ uint4 smem[];
+  bf16* q_s = reinterpret_cast<bf16*>(smem);  // [16 * kWarps, kStride]
+  bf16* k_s = q_s + Smem::kRows * kStride;    // [kTile, kStride]
+  bf16* v_s = k_s + kTile * kStride;          // [kTile, kStride]
+
+  const int2 item = p.items[blockIdx.x];  // (first token, count)
+  const int kv_head = blockIdx.y;
+  const int split = blockIdx.z;
+  const int num_kv_heads = cache.num_kv_heads;
+  const int group = p.num_heads / num_kv_heads;
+  const int num_rows = item.y * group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t4 = lane % 4;
+
+  int max_pos = 0;
+  for (int i = 0; i < item.y; ++i) max_pos = max(max_pos, p.positions[item.x + i]);
+  const int walk_begin = split * p.split_size;
+  const int walk_end = min(max_pos + 1, walk_begin + p.split_size);
+  if (walk_begin >= walk_end) return;  // idle split: block-uniform, before any barrier
+  const int32_t* table = p.tables + p.table_offsets[item.x];
+
+  // Query rows as bf16; row r = (token item.x + r / group, head kv_head * group + r % group).
+  for (int i = threadIdx.x; i < Smem::kRows * (kHeadDim / 4); i += kWarps * 32) {
+    const int r = i / (kHeadDim / 4);
+    const int c = i % (kHeadDim / 4);
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (r < num_rows) {
+      const int64_t t = item.x + r / group;
+      const int h = kv_head * group + r % group;
+      v = reinterpret_cast<const float4*>(p.q + (t * p.num_heads + h) * kHeadDim)[c];
+    }
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(q_s + r * kStride + 4 * c);
+    dst[0] = __floats2bfloat162_rn(v.x, v.y);
+    dst[1] = __floats2bfloat162_rn(v.z, v.w);
+  }
+  // This thread's two rows: g and g + 8 of the warp's 16.
+  const int r0 = warp * 16 + g, r1 = r0 + 8;
+  const int pos0 = r0 < num_rows ? p.positions[item.x + r0 / group] : -1;
+  const int pos1 = r1 < num_rows ? p.positions[item.x + r1 / group] : -1;
+  int warp_max_pos = max(pos0, pos1);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    warp_max_pos = max(warp_max_pos, __shfl_xor_sync(0xffffffffu, warp_max_pos, o));
+  }
+  __syncthreads();
+
+  uint32_t qa[kSteps][4];  // A fragments of the warp's 16 query rows
+  {
+    const bf16* q0 = q_s + r0 * kStride + 2 * t4;
+    const bf16* q1 = q_s + r1 * kStride + 2 * t4;
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      qa[kk][0] = *reinterpret_cast<const uint32_t*>(q0 + 16 * kk);
+      qa[kk][1] = *reinterpret_cast<const uint32_t*>(q1 + 16 * kk);
+      qa[kk][2] = *reinterpret_cast<const uint32_t*>(q0 + 16 * kk + 8);
+      qa[kk][3] = *reinterpret_cast<const uint32_t*>(q1 + 16 * kk + 8);
+    }
+  }
+
+  float o[kDimTiles][4];
+#pragma unroll
+  for (int n = 0; n < kDimTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+
+  for (int tile_start = walk_begin; tile_start < walk_end; tile_start += kTile) {
+    __syncthreads();  // every warp is done with the previous tile
+    for (int i = threadIdx.x; i < kTile * kChunks; i += kWarps * 32) {
+      const int j = i / kChunks;
+      const int c = i % kChunks;
+      const int key = tile_start + j;
+      const bool valid = key <= max_pos;
+      int64_t offset = 0;
+      if (valid) {
+        const int64_t slot =
+            static_cast<int64_t>(table[key / cache.block_size]) * cache.block_size +
+            key % cache.block_size;
+        offset = (slot * num_kv_heads + kv_head) * kHeadDim + c * 8;
+      }
+      CpAsync16(k_s + j * kStride + c * 8, cache.k + offset, valid);
+      CpAsync16(v_s + j * kStride + c * 8, cache.v + offset, valid);
+    }
+    CpAsyncWaitAll();
+    __syncthreads();
+    if (tile_start > warp_max_pos) continue;  // warp-uniform: no row of this warp reaches it
+
+    // S = Q K^T: key tile j (keys 8j..8j+7), dims in increasing k-steps.
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+      const bf16* k_row = k_s + (8 * j + g) * kStride + 2 * t4;
+#pragma unroll
+      for (int kk = 0; kk < kSteps; ++kk) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(k_row + 16 * kk);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(k_row + 16 * kk + 8);
+        Mma16816(acc[j], qa[kk], b0, b1);
+      }
+    }
+    float s0[8], s1[8];  // rows g and g + 8: keys 8j + 2 t4 + {0, 1}
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int key = tile_start + 8 * j + 2 * t4 + c;
+        s0[2 * j + c] = key <= pos0 ? acc[j][c] * p.scale : -INFINITY;
+        s1[2 * j + c] = key <= pos1 ? acc[j][2 + c] * p.scale : -INFINITY;
+      }
+    }
+    float p0[8], p1[8];
+    const float alpha0 = RowUpdate(s0, &m0, &l0, p0);
+    const float alpha1 = RowUpdate(s1, &m1, &l1, p1);
+#pragma unroll
+    for (int n = 0; n < kDimTiles; ++n) {
+      o[n][0] = o[n][0] * alpha0;
+      o[n][1] = o[n][1] * alpha0;
+      o[n][2] = o[n][2] * alpha1;
+      o[n][3] = o[n][3] * alpha1;
+    }
+    // P as A fragments of the two 16-key chunks (the S accumulator layout is the A layout).
+    uint32_t pa[2][4];
+#pragma unroll
+    for (int kc = 0; kc < 2; ++kc) {
+      pa[kc][0] = PackBf16(p0[4 * kc + 0], p0[4 * kc + 1]);
+      pa[kc][1] = PackBf16(p1[4 * kc + 0], p1[4 * kc + 1]);
+      pa[kc][2] = PackBf16(p0[4 * kc + 2], p0[4 * kc + 3]);
+      pa[kc][3] = PackBf16(p1[4 * kc + 2], p1[4 * kc + 3]);
+    }
+    // O += P V: dim tile n, key chunks in increasing order.
+#pragma unroll
+    for (int n = 0; n < kDimTiles; ++n) {
+#pragma unroll
+      for (int kc = 0; kc < 2; ++kc) {
+        uint32_t b0, b1;
+        LdMatrixX2Trans(&b0, &b1, v_s + (16 * kc + lane % 16) * kStride + 8 * n);
+        Mma16816(o[n], pa[kc], b0, b1);
+      }
+    }
+  }
+
+  // This split's partial of each real row with keys in it.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = half == 0 ? r0 : r1;
+    const int pos = half == 0 ? pos0 : pos1;
+    if (pos < walk_begin) continue;  // padding row, or no key of this split
+    const int64_t row =
+        (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
+    float* dst = p.partials + (row * p.max_splits + split) * (kHeadDim + 2);
+    if (t4 == 0) {
+      dst[0] = half == 0 ? m0 : m1;
+      dst[1] = half == 0 ? l0 : l1;
+    }
+#pragma unroll
+    for (int n = 0; n < kDimTiles; ++n) {
+      dst[2 + 8 * n + 2 * t4] = o[n][2 * half];
+      dst[2 + 8 * n + 2 * t4 + 1] = o[n][2 * half + 1];
+    }
+  }
+}
+
+template <int kHeadDim, int kWarps>
+cudaError_t LaunchMma(const AttentionParams& p, KvCacheView cache, cudaStream_t stream) {
+  constexpr size_t kSmem = MmaSmem<kHeadDim, kWarps>::kBytes;
+  auto kernel = MmaAttentionKernel<kHeadDim, kWarps>;
+  if (kSmem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(cache.num_kv_heads),
+                  static_cast<unsigned>(p.max_splits));
+  kernel<<<grid, kWarps * 32, kSmem, stream>>>(p, cache);
+  return cudaGetLastError();
+}
+
+cudaError_t PagedAttentionMma(const AttentionParams& p, AttentionBlockShape shape,
+                              KvCacheView cache, cudaStream_t stream) {
+  const int group = p.num_heads / cache.num_kv_heads;
+  const bool one = shape == AttentionBlockShape::kOneToken && group <= 16;
+  switch (cache.head_dim) {
+    case 32:
+      return one ? LaunchMma<32, 1>(p, cache, stream) : LaunchMma<32, 4>(p, cache, stream);
+    case 64:
+      return one ? LaunchMma<64, 1>(p, cache, stream) : LaunchMma<64, 4>(p, cache, stream);
+    case 128:
+      return one ? LaunchMma<128, 1>(p, cache, stream) : LaunchMma<128, 4>(p, cache, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace old_v2
+
+// Uniform values in [-1, 1): a hash of (seed, index), rounded to T.
+template <typename T>
+__global__ void FillKernel(T* x, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t h = (static_cast<uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    h *= 0x94D049BB133111EBull;
+    h ^= h >> 32;
+    x[i] = static_cast<T>(static_cast<float>(h >> 40) * (2.0f / 16777216.0f) - 1.0f);
+  }
+}
+
+template <typename T>
+void Fill(DeviceBuffer* buf, int64_t n, uint64_t seed) {
+  Check(buf->Allocate(std::max<int64_t>(n, 1) * sizeof(T)), "allocate");
+  FillKernel<T><<<132 * 8, 256>>>(buf->get<T>(), n, seed);
+  Check(cudaGetLastError(), "fill");
+}
+
+struct Shape {
+  int nh, nkv, hd, bs, split;
+};
+
+std::string Describe(const Shape& s) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "heads %d/%d, dim %d, page %d, split %d", s.nh, s.nkv, s.hd, s.bs,
+                s.split);
+  return buf;
+}
+
+// Sequences in a paged cache with shuffled pages, and the tokens whose attention is computed
+// (each at its own position, its sequence's K/V already in the cache).
+struct Problem {
+  Shape shape;
+  std::vector<int32_t> token_seq, positions;  // [num_tokens]
+  DeviceBuffer k, v, q, d_positions, d_offsets, d_tables;
+  int max_splits = 0;  // what the tokens need; a launch may use more (idle splits)
+
+  int num_tokens() const { return static_cast<int>(positions.size()); }
+  KvCacheView view() const {
+    return KvCacheView{k.get<bf16>(), v.get<bf16>(), shape.bs, shape.nkv, shape.hd};
+  }
+  // Bytes of K and V the tokens' rows read: (position + 1) keys of every kv head each.
+  double KeyBytes() const {
+    double keys = 0;
+    for (int32_t pos : positions) keys += pos + 1;
+    return keys * shape.nkv * shape.hd * 2 * 2;
+  }
+};
+
+template <typename T>
+DeviceBuffer Upload(const std::vector<T>& host) {
+  DeviceBuffer buf;
+  Check(buf.Allocate(std::max<size_t>(host.size(), 1) * sizeof(T)), "allocate");
+  Check(cudaMemcpy(buf.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+        "upload");
+  return buf;
+}
+
+// decode: one token per sequence at its last position; else every position of every sequence.
+void Build(const Shape& shape, const std::vector<int32_t>& lengths, bool decode, uint64_t seed,
+           Problem* pb) {
+  pb->shape = shape;
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> first_page(lengths.size() + 1, 0);
+  for (size_t s = 0; s < lengths.size(); ++s) {
+    first_page[s + 1] = first_page[s] + (lengths[s] + shape.bs - 1) / shape.bs;
+  }
+  std::vector<int32_t> tables(first_page.back());
+  std::iota(tables.begin(), tables.end(), 0);
+  std::shuffle(tables.begin(), tables.end(), rng);
+  pb->token_seq.clear();
+  pb->positions.clear();
+  std::vector<int32_t> offsets;
+  for (size_t s = 0; s < lengths.size(); ++s) {
+    for (int32_t pos = decode ? lengths[s] - 1 : 0; pos < lengths[s]; ++pos) {
+      pb->token_seq.push_back(static_cast<int32_t>(s));
+      pb->positions.push_back(pos);
+      offsets.push_back(first_page[s]);
+    }
+  }
+  const int64_t cache_elems = static_cast<int64_t>(tables.size()) * shape.bs * shape.nkv * shape.hd;
+  Fill<bf16>(&pb->k, cache_elems, seed * 3 + 1);
+  Fill<bf16>(&pb->v, cache_elems, seed * 3 + 2);
+  Fill<float>(&pb->q, static_cast<int64_t>(pb->positions.size()) * shape.nh * shape.hd,
+              seed * 3 + 3);
+  pb->d_positions = Upload(pb->positions);
+  pb->d_offsets = Upload(offsets);
+  pb->d_tables = Upload(tables);
+  pb->max_splits = *std::max_element(pb->positions.begin(), pb->positions.end()) / shape.split + 1;
+}
+
+// Work items as the engine cuts them: runs of one sequence's consecutive tokens, at most
+// `sizes[k]` tokens each (cycling through `sizes`), never more than max_tokens.
+std::vector<int32_t> Items(const Problem& pb, const std::vector<int>& sizes, int max_tokens) {
+  std::vector<int32_t> items;
+  size_t k = 0;
+  for (int i = 0; i < pb.num_tokens();) {
+    const int limit = std::min(sizes[k++ % sizes.size()], max_tokens);
+    int j = i + 1;
+    while (j < pb.num_tokens() && j - i < limit && pb.token_seq[j] == pb.token_seq[i]) ++j;
+    items.insert(items.end(), {i, j - i});
+    i = j;
+  }
+  return items;
+}
+
+// One kernel configuration under test: a launcher and the block shape it is given.
+struct Kernel {
+  std::string name;
+  std::function<cudaError_t(const AttentionParams&, KvCacheView, cudaStream_t)> launch;
+};
+
+Kernel Old(AttentionBlockShape shape) {
+  return {shape == AttentionBlockShape::kOneToken ? "old one-token" : "old many-token",
+          [shape](const AttentionParams& p, KvCacheView c, cudaStream_t s) {
+            return old_v2::PagedAttentionMma(p, shape, c, s);
+          }};
+}
+Kernel New(AttentionBlockShape shape) {
+  return {shape == AttentionBlockShape::kOneToken ? "new one-token" : "new many-token",
+          [shape](const AttentionParams& p, KvCacheView c, cudaStream_t s) {
+            return cuda::PagedAttentionMma(p, shape, c, s);
+          }};
+}
+
+// The partials and outputs of one launch (+ merge), left on the device.
+struct Run {
+  DeviceBuffer items, partials, out;
+  int64_t partial_bytes = 0, out_bytes = 0;
+  AttentionParams params;
+};
+
+void Launch(const Problem& pb, const Kernel& kernel, const std::vector<int32_t>& items,
+            int max_splits, Run* run) {
+  const Shape& s = pb.shape;
+  run->items = Upload(items);
+  run->partial_bytes = static_cast<int64_t>(pb.num_tokens()) * s.nh * max_splits * (s.hd + 2) * 4;
+  run->out_bytes = static_cast<int64_t>(pb.num_tokens()) * s.nh * s.hd * 2;
+  if (run->partials.bytes() < static_cast<size_t>(run->partial_bytes)) {
+    Check(run->partials.Allocate(run->partial_bytes), "allocate partials");
+  }
+  if (run->out.bytes() < static_cast<size_t>(run->out_bytes)) {
+    Check(run->out.Allocate(run->out_bytes), "allocate out");
+  }
+  Check(cudaMemset(run->partials.get(), 0xff, run->partial_bytes), "memset");
+  Check(cudaMemset(run->out.get(), 0xff, run->out_bytes), "memset");
+  AttentionParams& p = run->params;
+  p.q = pb.q.get<float>();
+  p.positions = pb.d_positions.get<int32_t>();
+  p.table_offsets = pb.d_offsets.get<int32_t>();
+  p.tables = pb.d_tables.get<int32_t>();
+  p.items = run->items.get<int2>();
+  p.num_items = static_cast<int32_t>(items.size() / 2);
+  p.num_heads = s.nh;
+  p.split_size = s.split;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(s.hd));
+  p.out = run->out.get<bf16>();
+  p.partials = run->partials.get<float>();
+  p.max_splits = max_splits;
+  Check(kernel.launch(p, pb.view(), nullptr), kernel.name.c_str());
+  Check(cuda::MergeAttentionSplits(p, pb.num_tokens(), s.hd, nullptr), "merge");
+  Check(cudaDeviceSynchronize(), kernel.name.c_str());
+}
+
+uint64_t DifferentWords(const void* a, const void* b, int64_t bytes) {
+  static DeviceBuffer count;
+  if (count.bytes() == 0) Check(count.Allocate(8), "allocate");
+  Check(cuda::CountDifferentWords(a, b, bytes, count.get<unsigned long long>(), nullptr),
+        "compare");
+  unsigned long long host = 0;
+  Check(cudaMemcpy(&host, count.get(), 8, cudaMemcpyDeviceToHost), "download");
+  return host;
+}
+
+int g_checks = 0, g_failures = 0;
+
+// Runs `kernel` on `items` and compares its partials and outputs with `ref`'s, bitwise.
+void ExpectSameBits(const Problem& pb, const Run& ref, const Kernel& kernel,
+                    const std::vector<int32_t>& items, const char* what) {
+  Run run;
+  Launch(pb, kernel, items, ref.params.max_splits, &run);
+  const uint64_t partials =
+      DifferentWords(ref.partials.get(), run.partials.get(), ref.partial_bytes);
+  const uint64_t outs = DifferentWords(ref.out.get(), run.out.get(), ref.out_bytes);
+  ++g_checks;
+  if (partials != 0 || outs != 0) {
+    ++g_failures;
+    std::printf("  MISMATCH %s, %s (%s): %llu partial words, %llu output words differ\n",
+                kernel.name.c_str(), what, Describe(pb.shape).c_str(),
+                static_cast<unsigned long long>(partials), static_cast<unsigned long long>(outs));
+  }
+}
+
+// Not vacuous: the reference wrote partials, and every output (all rows have keys) is finite.
+void ExpectWritten(const Run& ref) {
+  DeviceBuffer untouched;
+  Check(untouched.Allocate(ref.partial_bytes), "allocate");
+  Check(cudaMemset(untouched.get(), 0xff, ref.partial_bytes), "memset");
+  const uint64_t written = DifferentWords(untouched.get(), ref.partials.get(), ref.partial_bytes);
+  std::vector<uint16_t> out(ref.out_bytes / 2);
+  Check(cudaMemcpy(out.data(), ref.out.get(), ref.out_bytes, cudaMemcpyDeviceToHost), "download");
+  int64_t bad = 0;
+  for (uint16_t h : out) bad += (h & 0x7f80) == 0x7f80 ? 1 : 0;  // inf or nan
+  ++g_checks;
+  if (written == 0 || bad != 0) {
+    ++g_failures;
+    std::printf("  REFERENCE VACUOUS: %llu partial words written, %lld non-finite outputs\n",
+                static_cast<unsigned long long>(written), static_cast<long long>(bad));
+  }
+}
+
+void CheckBits(bool quick) {
+  std::printf("== bit identity: new vs old (partials and merged outputs, bitwise)\n");
+  const std::vector<Shape> shapes = {
+      {32, 8, 128, 32, 256},  {32, 8, 128, 16, 64}, {8, 2, 32, 16, 64},    {16, 2, 64, 32, 32},
+      {16, 16, 128, 32, 128}, {32, 2, 64, 16, 256}, {64, 8, 128, 32, 256}, {32, 1, 128, 16, 32}};
+  std::mt19937 rng(7);
+  uint64_t seed = 1;
+  for (const Shape& s : shapes) {
+    const int group = s.nh / s.nkv;
+    // Decode batches, contexts 1..4096 (1 and 4096 included), with idle splits past the need
+    // (a CUDA graph's fixed max_splits).
+    for (int batch : quick ? std::vector<int>{1, 64} : std::vector<int>{1, 7, 64, 256}) {
+      std::vector<int32_t> lengths(batch);
+      std::uniform_int_distribution<int32_t> len(1, 4096);
+      for (int32_t& l : lengths) l = len(rng);
+      lengths[0] = batch == 1 ? 777 : 1;
+      if (batch > 1) lengths[1] = 4096;
+      Problem pb;
+      Build(s, lengths, /*decode=*/true, seed++, &pb);
+      const std::vector<int32_t> items = Items(pb, {1}, 1);
+      Run ref;
+      Launch(pb, Old(AttentionBlockShape::kOneToken), items, pb.max_splits + 3, &ref);
+      ExpectWritten(ref);
+      ExpectSameBits(pb, ref, New(AttentionBlockShape::kOneToken), items, "decode");
+      ExpectSameBits(pb, ref, New(AttentionBlockShape::kManyTokens), items, "decode items");
+    }
+    // Prefills: every position of a few sequences, cut into items of the most tokens a block
+    // takes (the reference) and at odd places.
+    for (int round = 0; round < (quick ? 1 : 3); ++round) {
+      std::uniform_int_distribution<int32_t> len(1, 1500);
+      std::vector<int32_t> lengths = {len(rng), 1, len(rng), 33};
+      Problem pb;
+      Build(s, lengths, /*decode=*/false, seed++, &pb);
+      const int cap = cuda::AttentionItemTokens(group);
+      Run ref;
+      Launch(pb, Old(AttentionBlockShape::kManyTokens), Items(pb, {cap}, cap), pb.max_splits + 1,
+             &ref);
+      ExpectWritten(ref);
+      const Kernel many = New(AttentionBlockShape::kManyTokens);
+      ExpectSameBits(pb, ref, many, Items(pb, {cap}, cap), "prefill");
+      ExpectSameBits(pb, ref, many, Items(pb, {3, 1, cap, 7, 2}, cap), "prefill, chunked");
+      ExpectSameBits(pb, ref, Old(AttentionBlockShape::kManyTokens), Items(pb, {5, cap, 1}, cap),
+                     "prefill, chunked (old vs old)");
+      if (group <= 16) {
+        ExpectSameBits(pb, ref, New(AttentionBlockShape::kOneToken), Items(pb, {1}, 1),
+                       "prefill as one-token items");
+      }
+    }
+    std::printf("  %-45s done (%d checks, %d failures so far)\n", Describe(s).c_str(), g_checks,
+                g_failures);
+  }
+  std::printf("bitwise equal: %s (%d checks, %d failures)\n", g_failures == 0 ? "yes" : "NO",
+              g_checks, g_failures);
+}
+
+// Median milliseconds of `reps` launches of f (after two warm-ups).
+template <typename F>
+double MedianMs(int reps, F f) {
+  cudaEvent_t start, stop;
+  Check(cudaEventCreate(&start), "event");
+  Check(cudaEventCreate(&stop), "event");
+  std::vector<float> ms;
+  for (int i = 0; i < reps + 2; ++i) {
+    Check(cudaEventRecord(start), "record");
+    f();
+    Check(cudaEventRecord(stop), "record");
+    Check(cudaEventSynchronize(stop), "sync");
+    float t = 0;
+    Check(cudaEventElapsedTime(&t, start, stop), "elapsed");
+    if (i >= 2) ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// Device-to-device copy rate, bytes read + written per second.
+double CopyBandwidth() {
+  const size_t bytes = size_t{1} << 31;
+  DeviceBuffer a, b;
+  Check(a.Allocate(bytes), "allocate");
+  Check(b.Allocate(bytes), "allocate");
+  Check(cudaMemset(a.get(), 1, bytes), "memset");
+  const double ms = MedianMs(5, [&] {
+    Check(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice), "copy");
+  });
+  return 2.0 * bytes / (ms * 1e-3);
+}
+
+constexpr int kLayers = 36;  // Qwen3-8B: figures per step are one layer's times 36
+
+double TimeKernel(const Problem& pb, const Kernel& kernel, const std::vector<int32_t>& items,
+                  int max_splits, int reps) {
+  Run run;
+  Launch(pb, kernel, items, max_splits, &run);
+  return MedianMs(reps, [&] { Check(kernel.launch(run.params, pb.view(), nullptr), "launch"); });
+}
+
+double TimeMerge(const Problem& pb, int max_splits, int reps) {
+  Run run;
+  Launch(pb, New(AttentionBlockShape::kOneToken), Items(pb, {1}, 1), max_splits, &run);
+  return MedianMs(reps, [&] {
+    Check(cuda::MergeAttentionSplits(run.params, pb.num_tokens(), pb.shape.hd, nullptr), "merge");
+  });
+}
+
+// One layer's decode attention for `batch` sequences of lengths lo..hi, old vs new.
+void TimeDecode(int batch, int lo, int hi, double copy_bw, bool quick) {
+  const Shape s{32, 8, 128, 32, 256};
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int32_t> len(lo, hi);
+  std::vector<int32_t> lengths(batch);
+  for (int32_t& l : lengths) l = len(rng);
+  Problem pb;
+  Build(s, lengths, /*decode=*/true, 99, &pb);
+  const std::vector<int32_t> items = Items(pb, {1}, 1);
+  const double bytes = pb.KeyBytes();
+  const int reps = quick ? 5 : 21;
+  std::printf("\n== decode: %d sequences at context %d..%d (%s), one layer; step = x%d\n", batch,
+              lo, hi, Describe(s).c_str(), kLayers);
+  std::printf("   K/V read per layer %.1f MB; device copy %.2f TB/s\n", bytes / 1e6,
+              copy_bw / 1e12);
+  const double merge = TimeMerge(pb, pb.max_splits, reps);
+  std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
+  const int padded = 2 * pb.max_splits;  // half the blocks idle, as in a padded CUDA graph
+  double old_ms = 0;
+  for (const Kernel& k :
+       {Old(AttentionBlockShape::kOneToken), New(AttentionBlockShape::kOneToken)}) {
+    const double ms = TimeKernel(pb, k, items, pb.max_splits, reps);
+    const double idle = TimeKernel(pb, k, items, padded, reps);
+    if (old_ms == 0) old_ms = ms;
+    std::printf(
+        "   %-15s %.4f ms/layer = %6.2f ms/step (with merge %6.2f)  %4.2f TB/s = %3.0f%% of copy"
+        "  x%.2f  [max_splits %d -> %d: %.4f ms]\n",
+        k.name.c_str(), ms, ms * kLayers, (ms + merge) * kLayers, bytes / (ms * 1e-3) / 1e12,
+        100.0 * bytes / (ms * 1e-3) / copy_bw, old_ms / ms, pb.max_splits, padded, idle);
+  }
+}
+
+// One layer's prefill attention for 8 x 1024 tokens, old vs new.
+void TimePrefill(bool quick) {
+  const Shape s{32, 8, 128, 32, 256};
+  Problem pb;
+  Build(s, std::vector<int32_t>(8, 1024), /*decode=*/false, 5, &pb);
+  const int reps = quick ? 3 : 9;
+  const int cap = cuda::AttentionItemTokens(s.nh / s.nkv);
+  std::printf("\n== prefill: 8 x 1024 tokens (%s), items of %d tokens, one layer; step = x%d\n",
+              Describe(s).c_str(), cap, kLayers);
+  const double merge = TimeMerge(pb, pb.max_splits, reps);
+  std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
+  double old_ms = 0;
+  for (const Kernel& k :
+       {Old(AttentionBlockShape::kManyTokens), New(AttentionBlockShape::kManyTokens)}) {
+    const double ms = TimeKernel(pb, k, Items(pb, {cap}, cap), pb.max_splits, reps);
+    if (old_ms == 0) old_ms = ms;
+    std::printf("   %-15s %.4f ms/layer = %6.2f ms/step (with merge %6.2f)  x%.2f\n",
+                k.name.c_str(), ms, ms * kLayers, (ms + merge) * kLayers, old_ms / ms);
+  }
+}
+
+}  // namespace
+}  // namespace rollout
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  cudaDeviceProp prop;
+  rollout::Check(cudaGetDeviceProperties(&prop, 0), "device");
+  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  rollout::CheckBits(quick);
+  const double copy_bw = rollout::CopyBandwidth();
+  rollout::TimeDecode(256, 1473, 1600, copy_bw, quick);  // the benchmark's mean decode step
+  rollout::TimeDecode(32, 3800, 4096, copy_bw, quick);
+  rollout::TimePrefill(quick);
+  return rollout::g_failures == 0 ? 0 : 1;
+}
