@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "kernels/cpu/thread_pool.h"
 #include "nlohmann/json.hpp"
 
 namespace rollout {
@@ -25,7 +26,7 @@ namespace {
 // enough for sampling to matter, far from one-hot.
 constexpr double kLogitStd = 3.0;
 constexpr double kBiasStd = 0.02;
-constexpr size_t kChunkElements = 1 << 16;
+constexpr size_t kChunkElements = 1 << 22;
 
 ModelConfig Qwen3Base() {
   ModelConfig c;
@@ -91,9 +92,8 @@ float RandomValue(const TensorInit& init, double scale, uint64_t key, uint64_t i
   return static_cast<float>(static_cast<double>(sum) * scale);
 }
 
-void Encode(DType dtype, const float* values, size_t n, std::vector<uint8_t>* out) {
-  out->resize(n * DTypeSize(dtype));
-  uint8_t* p = out->data();
+// values[0, n) in `dtype` at p (n * DTypeSize(dtype) bytes).
+void EncodeInto(DType dtype, const float* values, size_t n, uint8_t* p) {
   for (size_t i = 0; i < n; ++i) {
     if (dtype == DType::kF32) {
       std::memcpy(p + 4 * i, &values[i], 4);
@@ -276,6 +276,7 @@ absl::Status WriteRandomModelForConfig(const ModelConfig& config_in,
   const std::vector<int> shard_of = AssignShards(bytes, options.num_shards);
 
   uint64_t bytes_done = 0;
+  cpu::ThreadPool pool;  // all cores: a Qwen3-8B checkpoint is 8 billion values
   std::vector<float> values;
   std::vector<uint8_t> encoded;
   const uint64_t seed_key = Mix64(options.seed);
@@ -288,8 +289,13 @@ absl::Status WriteRandomModelForConfig(const ModelConfig& config_in,
     for (uint64_t begin = 0; begin < count; begin += kChunkElements) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunkElements, count - begin));
       values.resize(n);
-      for (size_t i = 0; i < n; ++i) values[i] = RandomValue(init, scale, key, begin + i);
-      Encode(t.dtype, values.data(), n, &encoded);
+      encoded.resize(n * DTypeSize(t.dtype));
+      // Each value depends only on (key, index): the threads cannot change a byte.
+      pool.ParallelFor(static_cast<int64_t>(n), 1 << 14, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) values[i] = RandomValue(init, scale, key, begin + i);
+        EncodeInto(t.dtype, values.data() + lo, static_cast<size_t>(hi - lo),
+                   encoded.data() + lo * DTypeSize(t.dtype));
+      });
       absl::Status status = sink(encoded.data(), encoded.size());
       if (!status.ok()) return status;
     }
