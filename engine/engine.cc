@@ -9,6 +9,17 @@
 #include "glog/logging.h"
 
 namespace rollout {
+
+namespace {
+
+// An update that was not applied, and why.
+UpdateResult FailedUpdate(absl::Status status) {
+  UpdateResult result;
+  result.status = std::move(status);
+  return result;
+}
+
+}  // namespace
 namespace {
 
 constexpr int32_t kMaxTopLogprobs = 20;
@@ -193,10 +204,11 @@ void Engine::FlushCache(std::function<void(FlushResult)> done) {
   cv_.notify_all();
 }
 
-void Engine::UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done) {
+void Engine::UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done,
+                           std::function<bool()> cancelled) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    updates_.push_back(PendingUpdate{std::move(update), std::move(done)});
+    updates_.push_back(PendingUpdate{std::move(update), std::move(done), std::move(cancelled)});
   }
   cv_.notify_all();
 }
@@ -237,10 +249,11 @@ std::string Engine::weight_version() const {
 void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
                             std::map<uint64_t, std::vector<SampleEvent>>* events) {
   for (PendingUpdate& pending : updates) {
+    if (DropIfCancelled(&pending)) continue;
     if (draining_.has_value()) {
-      pending.done(UpdateResult{absl::AbortedError(absl::StrFormat(
+      pending.done(FailedUpdate(absl::AbortedError(absl::StrFormat(
           "weight update to '%s' is still draining; one update at a time",
-          draining_->update.version))});
+          draining_->update.version))));
       continue;
     }
     switch (pending.update.policy) {
@@ -263,10 +276,10 @@ void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
           paused = paused_;
         }
         if (paused && !scheduler_.idle()) {
-          pending.done(UpdateResult{absl::FailedPreconditionError(absl::StrFormat(
+          pending.done(FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
               "the server is paused with %d samples in flight, which DRAIN cannot finish; "
               "resume first, or update with policy ABORT or CONTINUE",
-              scheduler_.num_running() + scheduler_.num_waiting()))});
+              scheduler_.num_running() + scheduler_.num_waiting()))));
           break;
         }
         draining_ = std::move(pending);
@@ -274,14 +287,28 @@ void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
       }
     }
   }
-  if (draining_.has_value() && scheduler_.idle()) {
+  if (!draining_.has_value()) return;
+  // A cancelled DRAIN update stops holding new work at once, not when the old work ends.
+  const bool cancelled = DropIfCancelled(&*draining_);
+  if (cancelled || scheduler_.idle()) {
     PendingUpdate pending = *std::move(draining_);
     draining_.reset();
-    ApplyUpdate(std::move(pending), 0);
+    if (!cancelled) ApplyUpdate(std::move(pending), 0);
     std::vector<Submission> held;
     held.swap(held_);
     for (Submission& s : held) Admit(std::move(s));
   }
+}
+
+bool Engine::DropIfCancelled(PendingUpdate* pending) {
+  if (!pending->cancelled || !pending->cancelled()) return false;
+  UpdateResult result;
+  result.status = absl::CancelledError(absl::StrFormat(
+      "the update to '%s' was cancelled by its caller before the swap; nothing was applied",
+      pending->update.version));
+  result.previous_version = version_;
+  pending->done(std::move(result));
+  return true;
 }
 
 void Engine::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
@@ -389,7 +416,7 @@ void Engine::Loop() {
       for (Submission& s : held_) Admit(std::move(s));
       held_.clear();
       if (draining_.has_value()) {
-        draining_->done(UpdateResult{absl::UnavailableError("the server is shutting down")});
+        draining_->done(FailedUpdate(absl::UnavailableError("the server is shutting down")));
         draining_.reset();
       }
       for (const auto& [job_id, job] : jobs_) AbortJob(job_id, std::nullopt, &events);
@@ -398,8 +425,8 @@ void Engine::Loop() {
       return;
     }
     if (!paused && !scheduler_.idle()) Step(&events);
-    // A DRAIN update may have become ready in this step.
-    if (draining_.has_value() && scheduler_.idle()) ProcessUpdates({}, &events);
+    // A DRAIN update may have become ready (or been cancelled) in this step.
+    if (draining_.has_value()) ProcessUpdates({}, &events);
     // Counters first: a caller that has seen an event sees the state that produced it.
     PublishCounters();
     Deliver(&events);

@@ -164,8 +164,12 @@ class Engine {
   void FlushCache(std::function<void(FlushResult)> done);
 
   // Queues a weight update; `done` runs on the engine thread (must not block) once the swap
-  // happened or failed. On failure the old weights keep serving, unchanged.
-  void UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done);
+  // happened or failed. On failure the old weights keep serving, unchanged. `cancelled`
+  // (optional; thread-safe, must not block) is asked on the engine thread before the update
+  // acts (an ABORT update aborts nothing first), while a DRAIN update waits, and right before
+  // the swap: once it answers true, nothing is applied and `done` gets CANCELLED.
+  void UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done,
+                     std::function<bool()> cancelled = nullptr);
 
   // Stops running steps (and so admissions); submissions are queued, not failed. With
   // `abort_in_flight`, every job is aborted too. Returns whether it was paused already.
@@ -196,6 +200,7 @@ class Engine {
   struct PendingUpdate {
     WeightUpdate update;
     std::function<void(UpdateResult)> done;
+    std::function<bool()> cancelled;  // may be empty
   };
   struct AbortOrder {
     std::optional<uint64_t> job_id;        // none: every job
@@ -217,6 +222,8 @@ class Engine {
   void ProcessUpdates(std::vector<PendingUpdate> updates,
                       std::map<uint64_t, std::vector<SampleEvent>>* events);
   void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
+  // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
+  bool DropIfCancelled(PendingUpdate* pending);
 
   // Constant after construction.
   const EngineOptions options_;

@@ -1,4 +1,5 @@
 // Weight updates and pause/resume, driven offline through the engine.
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <future>
@@ -190,6 +191,48 @@ TEST(EngineUpdateTest, ContinueRecordsTheVersionOfEveryToken) {
   EXPECT_EQ(c.version_spans[1].version, "v1");
   EXPECT_EQ(c.version_spans[1].first_token, c.version_spans[0].last_token + 1);
   EXPECT_EQ(c.version_spans[1].last_token, 299);
+}
+
+TEST(EngineUpdateTest, AnUpdateCancelledBeforeItActsAppliesNothingWhateverItsPolicy) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  auto in_flight =
+      std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(200)}); });
+  while (engine->counters().generated_tokens < 2) std::this_thread::yield();
+  for (UpdatePolicy policy :
+       {UpdatePolicy::kAbort, UpdatePolicy::kContinue, UpdatePolicy::kDrain}) {
+    std::promise<UpdateResult> promise;
+    engine->UpdateWeights(
+        WeightUpdate{"v1", policy, {ScaledTensor(2.0f)}},
+        [&promise](UpdateResult r) { promise.set_value(std::move(r)); }, [] { return true; });
+    const UpdateResult r = promise.get_future().get();
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kCancelled) << r.status;
+    EXPECT_EQ(r.previous_version, "v0");
+    EXPECT_EQ(engine->weight_version(), "v0");
+  }
+  const SampleCompletion c = in_flight.get()[0];
+  EXPECT_EQ(c.finish_reason, FinishReason::kLength) << "a cancelled ABORT update aborts nothing";
+  EXPECT_EQ(c.weight_version, "v0");
+}
+
+TEST(EngineUpdateTest, ADrainUpdateCancelledWhileItWaitsAppliesNothingAndReleasesHeldWork) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  const uint64_t steps = engine->counters().steps;
+  auto in_flight =
+      std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(400)}); });
+  while (engine->counters().steps < steps + 3) std::this_thread::yield();
+  std::atomic<bool> cancelled{false};
+  std::promise<UpdateResult> promise;
+  engine->UpdateWeights(
+      WeightUpdate{"v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)}},
+      [&promise](UpdateResult r) { promise.set_value(std::move(r)); },
+      [&cancelled] { return cancelled.load(); });
+  auto held = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec()}); });
+  cancelled = true;
+  const UpdateResult r = promise.get_future().get();
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kCancelled) << r.status;
+  EXPECT_EQ(held.get()[0].weight_version, "v0");
+  EXPECT_EQ(in_flight.get()[0].weight_version, "v0");
+  EXPECT_EQ(engine->weight_version(), "v0");
 }
 
 TEST(EngineUpdateTest, PauseHoldsRequestsAndResumeRunsThemUnchanged) {

@@ -31,6 +31,18 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 
 std::string ErrnoText() { return std::strerror(errno); }
 
+// A failed open of a checkpoint file, from errno. A path that does not lead to a file
+// (ENOENT, or ENOTDIR: a component of it is a file) is the caller's to fix, never INTERNAL.
+absl::Status OpenFailure(const std::string& path) {
+  const int error = errno;
+  std::string message = absl::StrCat(path, ": ", std::strerror(error));
+  if (error == ENOENT || error == ENOTDIR) return absl::NotFoundError(std::move(message));
+  if (error == EISDIR) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is a directory, not a file"));
+  }
+  return absl::InternalError(std::move(message));
+}
+
 uint32_t FloatBits(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
@@ -167,10 +179,7 @@ absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size
 
 absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    std::string message = absl::StrCat(path, ": ", ErrnoText());
-    return errno == ENOENT ? absl::NotFoundError(message) : absl::InternalError(message);
-  }
+  if (f == nullptr) return OpenFailure(path);
   std::string text;
   char chunk[1 << 16];
   size_t n;
@@ -202,10 +211,7 @@ struct Checkpoint::MappedFile {
 
   static absl::StatusOr<std::unique_ptr<MappedFile>> Map(const std::string& path) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      std::string message = absl::StrCat(path, ": ", ErrnoText());
-      return errno == ENOENT ? absl::NotFoundError(message) : absl::InternalError(message);
-    }
+    if (fd < 0) return OpenFailure(path);
     auto file = std::make_unique<MappedFile>();
     file->path = path;
     struct stat st;
@@ -233,6 +239,13 @@ struct Checkpoint::MappedFile {
 Checkpoint::~Checkpoint() = default;
 
 absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
+  struct stat st;
+  if (::stat(dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, S_ISREG(st.st_mode) ? " is a file" : " is not a directory",
+        "; expected a checkpoint directory containing config.json and model.safetensors (or "
+        "model.safetensors.index.json and its shards)"));
+  }
   std::unique_ptr<Checkpoint> checkpoint(new Checkpoint());
   checkpoint->dir_ = dir;
   const std::string config_path = dir + "/config.json";

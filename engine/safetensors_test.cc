@@ -175,6 +175,21 @@ TEST(SafetensorsTest, MissingConfigJsonIsNotFoundNamingThePath) {
   EXPECT_THAT(s.message(), HasSubstr(dir + "/config.json"));
 }
 
+TEST(SafetensorsTest, APathThatIsAFileIsInvalidArgumentAskingForTheDirectory) {
+  const std::string dir = TestDir();
+  const std::string file = SingleFileCheckpoint(dir);
+  for (const std::string& path : {file, dir + "/config.json"}) {
+    absl::Status s = OpenError(path);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(path + " is a file"));
+    EXPECT_THAT(s.message(), HasSubstr("expected a checkpoint directory containing config.json"));
+  }
+  // A path that runs through a file (ENOTDIR) does not lead to a checkpoint: NOT_FOUND.
+  absl::Status through = OpenError(file + "/sub");
+  EXPECT_EQ(through.code(), absl::StatusCode::kNotFound) << through;
+  EXPECT_THAT(through.message(), HasSubstr(file + "/sub"));
+}
+
 TEST(SafetensorsTest, MissingWeightsIsNotFoundListingBothLayouts) {
   const std::string dir = TestDir();
   WriteText(dir + "/config.json", "{}");

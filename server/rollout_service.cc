@@ -1,6 +1,10 @@
 #include "server/rollout_service.h"
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -12,13 +16,62 @@
 
 namespace rollout {
 
+// One worker thread that runs checkpoint loads in the order they were posted. One is enough:
+// the update slot admits one update at a time. Reused for every load, so a server that takes a
+// checkpoint path every training step keeps one thread, not one per update. Thread-safe.
+class RolloutServiceImpl::CheckpointLoader {
+ public:
+  CheckpointLoader() : thread_([this] { Run(); }) {}
+  // Runs the loads still queued (each finishes a call), then joins the worker.
+  ~CheckpointLoader() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  CheckpointLoader(const CheckpointLoader&) = delete;
+  CheckpointLoader& operator=(const CheckpointLoader&) = delete;
+
+  void Post(std::function<void()> load) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      loads_.push_back(std::move(load));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      std::function<void()> load;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !loads_.empty(); });
+        if (loads_.empty()) return;
+        load = std::move(loads_.front());
+        loads_.pop_front();
+      }
+      load();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> loads_;  // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
+  std::thread thread_;                       // last: starts once the members above exist
+};
+
 RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access,
                                        ServiceMetrics* metrics, int64_t max_unfinished_samples)
     : engine_(engine),
       model_(std::move(model)),
       access_(std::move(access)),
       metrics_(metrics),
-      max_unfinished_samples_(max_unfinished_samples) {}
+      max_unfinished_samples_(max_unfinished_samples),
+      loader_(std::make_unique<CheckpointLoader>()) {}
 
 void RolloutServiceImpl::StopAdmission() { admitting_ = false; }
 
@@ -29,12 +82,8 @@ absl::Status RolloutServiceImpl::CheckAdmission() const {
 }
 
 RolloutServiceImpl::~RolloutServiceImpl() {
-  std::vector<std::thread> loaders;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    loaders.swap(loaders_);
-  }
-  for (std::thread& t : loaders) t.join();
+  // Before the members a load touches (mu_, the update slot) go away.
+  loader_.reset();
 }
 
 absl::Status RolloutServiceImpl::CheckAccess(const grpc::CallbackServerContext* context,
@@ -86,11 +135,11 @@ grpc::ServerUnaryReactor* DenyUnless(const absl::Status& access,
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::WeightsChunk>* RolloutServiceImpl::UpdateWeights(
-    grpc::CallbackServerContext* context, v1::UpdateWeightsResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* RolloutServiceImpl::UpdateWeights(
+    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
   absl::Status admission = CheckAccess(context, /*control=*/true);
   if (admission.ok()) admission = ClaimUpdateSlot();
-  return new UpdateWeightsReactor(this, response, admission);
+  return new UpdateWeightsReactor(this, context, response, admission);
 }
 
 grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
@@ -100,10 +149,17 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
   if (admission.ok()) admission = ClaimUpdateSlot();
   if (grpc::ServerUnaryReactor* denied = DenyUnless(admission, context)) return denied;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  // Reading a checkpoint can take minutes; it runs on its own thread, not a gRPC one.
-  std::lock_guard<std::mutex> lock(mu_);
-  loaders_.emplace_back([this, reactor, response, path = request->path(),
-                         version = request->version(), policy = request->policy()] {
+  // Reading a checkpoint can take minutes; it runs on the loader thread, not a gRPC one. The
+  // context and response live until reactor->Finish, which only this load calls.
+  loader_->Post([this, context, reactor, response, path = request->path(),
+                 version = request->version(), policy = request->policy()] {
+    if (context->IsCancelled()) {
+      ReleaseUpdateSlot();
+      reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED,
+                                   "the call was cancelled before the checkpoint was read; "
+                                   "nothing was applied"));
+      return;
+    }
     const auto start = std::chrono::steady_clock::now();
     absl::StatusOr<WeightUpdate> update =
         LoadUpdateFromCheckpoint(engine_->weight_specs(), path, version, FromProto(policy));
@@ -121,19 +177,22 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
     response->set_receive_seconds(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     const auto swap_start = std::chrono::steady_clock::now();
-    engine_->UpdateWeights(*std::move(update), [this, reactor, response,
-                                                swap_start](UpdateResult r) {
-      response->set_previous_version(r.previous_version);
-      response->set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
-      response->set_swap_seconds(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - swap_start).count());
-      if (metrics_ != nullptr) {
-        metrics_->RecordUpdate(response->receive_seconds() + response->swap_seconds(),
-                               r.status.ok());
-      }
-      ReleaseUpdateSlot();
-      reactor->Finish(ToGrpcStatus(r.status));
-    });
+    engine_->UpdateWeights(
+        *std::move(update),
+        [this, reactor, response, swap_start](UpdateResult r) {
+          response->set_previous_version(r.previous_version);
+          response->set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
+          response->set_swap_seconds(
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - swap_start).count());
+          if (metrics_ != nullptr) {
+            metrics_->RecordUpdate(response->receive_seconds() + response->swap_seconds(),
+                                   r.status.ok());
+          }
+          ReleaseUpdateSlot();
+          reactor->Finish(ToGrpcStatus(r.status));
+        },
+        // A caller that gave up (deadline, cancel) before the swap gets nothing applied.
+        [context] { return context->IsCancelled(); });
   });
   return reactor;
 }

@@ -2,9 +2,9 @@
 
 #include <atomic>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "engine/engine.h"
@@ -28,7 +28,10 @@ struct AccessPolicy {
 
 // The RolloutService over one engine, on gRPC's callback API: every handler returns at once;
 // work happens on the engine thread and results are written by reactors. Thread-safe.
-class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
+// UpdateWeights is served on raw bytes (see UpdateWeightsReactor for why); the wire format is
+// the proto's.
+class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMethod_UpdateWeights<
+                                     v1::RolloutService::CallbackService> {
  public:
   // `engine` is borrowed and must outlive the service and every call it started.
   // `metrics` (optional) is borrowed. `max_unfinished_samples` bounds the queue: Generate
@@ -51,8 +54,9 @@ class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
   grpc::ServerUnaryReactor* FlushCache(grpc::CallbackServerContext* context,
                                        const v1::FlushCacheRequest* request,
                                        v1::FlushCacheResponse* response) override;
-  grpc::ServerReadReactor<v1::WeightsChunk>* UpdateWeights(
-      grpc::CallbackServerContext* context, v1::UpdateWeightsResponse* response) override;
+  // Reads WeightsChunk messages, answers an UpdateWeightsResponse.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* UpdateWeights(grpc::CallbackServerContext* context,
+                                                           grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* UpdateWeightsFromPath(grpc::CallbackServerContext* context,
                                                   const v1::UpdateWeightsFromPathRequest* request,
                                                   v1::UpdateWeightsResponse* response) override;
@@ -90,6 +94,7 @@ class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
     uint64_t job_id;
     int32_t rollout_index;
   };
+  class CheckpointLoader;
 
   Engine* const engine_;
   const ServedModel model_;
@@ -97,9 +102,10 @@ class RolloutServiceImpl final : public v1::RolloutService::CallbackService {
   ServiceMetrics* const metrics_;
   const int64_t max_unfinished_samples_;
   std::atomic<bool> admitting_{true};
+  // Reads UpdateWeightsFromPath checkpoints off gRPC's threads; the destructor joins it first.
+  std::unique_ptr<CheckpointLoader> loader_;
   std::mutex mu_;
-  bool update_in_progress_ = false;      // guarded by mu_
-  std::vector<std::thread> loaders_;     // UpdateWeightsFromPath workers; guarded by mu_
+  bool update_in_progress_ = false;  // guarded by mu_
   // Guarded by mu_.
   std::map<std::string, InFlight> in_flight_ids_;
   std::map<uint64_t, int32_t> in_flight_jobs_;  // job id -> number of rollouts

@@ -128,13 +128,6 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   if (cuda_backend) {
     if (absl::Status s = LoadCudaBackend(); !s.ok()) return s;
   }
-  // --- tensor parallelism ---
-  if (options.tensor_parallel != 1 && cuda_backend) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "tensor parallelism (--tp %d) is implemented on the cpu backend only so far",
-        options.tensor_parallel));
-  }
-  // --- end tensor parallelism ---
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(server->model_dir_);
   if (!checkpoint.ok()) return checkpoint.status();
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner;
@@ -156,6 +149,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
     runner_options.attention_split_size = options.attention_split_size;
     runner_options.max_batch_tokens = std::clamp(options.max_batch_tokens, 1, 8192);
     runner_options.cuda_graphs = options.cuda_graphs;
+    runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
     runner = CreateCudaModelRunner(**checkpoint, runner_options);
   }
   // --- end CUDA backend ---

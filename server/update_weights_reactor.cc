@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "server/status_util.h"
 
 namespace rollout {
@@ -14,38 +15,42 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
 }  // namespace
 
 UpdateWeightsReactor::UpdateWeightsReactor(RolloutServiceImpl* service,
-                                           v1::UpdateWeightsResponse* response,
-                                           absl::Status admission)
+                                           grpc::CallbackServerContext* context,
+                                           grpc::ByteBuffer* response, absl::Status admission)
     : service_(service),
-      response_(response),
-      holds_slot_(admission.ok()),
-      staging_(&service->engine()->weight_specs()) {
+      context_(context),
+      response_bytes_(response),
+      staging_(&service->engine()->weight_specs()),
+      holds_slot_(admission.ok()) {
   if (!admission.ok()) {
     FinishOnce(ToGrpcStatus(admission));
     return;
   }
-  StartRead(&chunk_);
+  StartRead(&message_);
 }
 
 void UpdateWeightsReactor::OnReadDone(bool ok) {
   if (!ok) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (cancelled_) {
-        if (!finished_) {
-          finished_ = true;
-          ReleaseSlotLocked();
-          Finish(grpc::Status(grpc::StatusCode::CANCELLED,
-                              "the update stream was cancelled; nothing was applied"));
-        }
-        return;
-      }
+    // The stream ended: by the client's half-close, or because the call failed (cancel,
+    // deadline, disconnect). gRPC marks the context cancelled before this reaction when the
+    // transport failed the read, so IsCancelled() tells the two apart here.
+    if (context_->IsCancelled()) {
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
+                              "the update stream was cancelled before the client half-closed "
+                              "it; nothing was applied"));
+      return;
     }
     Submit();
     return;
   }
+  ++messages_read_;
   absl::Status status;
-  if (chunk_.has_header()) {
+  if (!grpc::SerializationTraits<v1::WeightsChunk>::Deserialize(&message_, &chunk_).ok()) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("message ", messages_read_,
+                     " of the stream is not a valid WeightsChunk (a client bug or "
+                     "a corrupted stream)"));
+  } else if (chunk_.has_header()) {
     status = staging_.SetHeader(chunk_.header());
   } else if (chunk_.has_data()) {
     status = staging_.AddData(chunk_.data());
@@ -57,7 +62,7 @@ void UpdateWeightsReactor::OnReadDone(bool ok) {
         status.code(), absl::StrCat(status.message(), "; nothing was applied"))));
     return;
   }
-  StartRead(&chunk_);
+  StartRead(&message_);
 }
 
 void UpdateWeightsReactor::Submit() {
@@ -66,21 +71,29 @@ void UpdateWeightsReactor::Submit() {
     FinishOnce(ToGrpcStatus(update.status()));
     return;
   }
-  response_->set_version(update->version);
-  response_->set_tensors_updated(static_cast<uint32_t>(update->tensors.size()));
-  response_->set_bytes_received(staging_.bytes_received());
-  response_->set_receive_seconds(SecondsSince(start_));
+  response_.set_version(update->version);
+  response_.set_tensors_updated(static_cast<uint32_t>(update->tensors.size()));
+  response_.set_bytes_received(staging_.bytes_received());
+  response_.set_receive_seconds(SecondsSince(start_));
   const auto swap_start = std::chrono::steady_clock::now();
-  // The reactor lives until Finish, which only this callback calls from here on.
-  service_->engine()->UpdateWeights(*std::move(update), [this, swap_start](UpdateResult r) {
-    response_->set_previous_version(r.previous_version);
-    response_->set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
-    response_->set_swap_seconds(SecondsSince(swap_start));
-    if (service_->metrics() != nullptr) {
-      service_->metrics()->RecordUpdate(SecondsSince(start_), r.status.ok());
-    }
-    FinishOnce(ToGrpcStatus(r.status));
-  });
+  // The reactor (and so the context) lives until Finish, which only the engine's answer calls
+  // from here on; both callbacks run on the engine thread.
+  service_->engine()->UpdateWeights(
+      *std::move(update),
+      [this, swap_start](UpdateResult r) {
+        response_.set_previous_version(r.previous_version);
+        response_.set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
+        response_.set_swap_seconds(SecondsSince(swap_start));
+        if (service_->metrics() != nullptr) {
+          service_->metrics()->RecordUpdate(SecondsSince(start_), r.status.ok());
+        }
+        if (r.status.ok()) {
+          grpc::Slice bytes(response_.SerializeAsString());
+          *response_bytes_ = grpc::ByteBuffer(&bytes, 1);
+        }
+        FinishOnce(ToGrpcStatus(r.status));
+      },
+      [this] { return context_->IsCancelled(); });
 }
 
 void UpdateWeightsReactor::FinishOnce(const grpc::Status& status) {
@@ -94,12 +107,6 @@ void UpdateWeightsReactor::FinishOnce(const grpc::Status& status) {
 void UpdateWeightsReactor::ReleaseSlotLocked() {
   if (holds_slot_) service_->ReleaseUpdateSlot();
   holds_slot_ = false;
-}
-
-void UpdateWeightsReactor::OnCancel() {
-  // A read is always outstanding until the stream ends; OnReadDone(false) finishes the call.
-  std::lock_guard<std::mutex> lock(mu_);
-  cancelled_ = true;
 }
 
 void UpdateWeightsReactor::OnDone() {

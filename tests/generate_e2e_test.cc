@@ -65,7 +65,7 @@ TEST_F(GenerateE2eTest, LogprobsEqualAnIndependentNaiveForward) {
   // double-precision forward, and its greedy pick may differ only at near-ties.
   const char* backend = std::getenv("ROLLOUT_TEST_BACKEND");
   const bool bf16 = backend != nullptr && std::string(backend) == "cuda";
-  const double tolerance = bf16 ? 3e-2 : 2e-3;
+  const double tolerance = bf16 ? 5e-2 : 2e-3;
   for (float temperature : {0.0f, 0.7f, 1.0f, 1.3f}) {
     v1::GenerateRequest request;
     *request.add_rollouts() = MakeRollout(kPrompt, 9, 12, temperature);

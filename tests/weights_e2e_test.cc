@@ -281,8 +281,12 @@ TEST_F(WeightsE2eTest, UpdateFromPathSwapsToAnotherCheckpointAndBack) {
     std::string served;
     const std::string out = Generate(stub(), &served);
     EXPECT_EQ(served, version);
-    if (version == "seed7") EXPECT_NE(out, before);
-    if (version == "seed0") EXPECT_EQ(out, before);
+    if (version == "seed7") {
+      EXPECT_NE(out, before);
+    }
+    if (version == "seed0") {
+      EXPECT_EQ(out, before);
+    }
   }
   grpc::ClientContext context;
   v1::UpdateWeightsFromPathRequest missing;

@@ -39,6 +39,7 @@ using cuda_runner_internal::kNumFamilies;
 using cuda_runner_internal::kQkvRope;
 using cuda_runner_internal::kSiluMul;
 using cuda_runner_internal::LayerWeights;
+using cuda_runner_internal::RankState;
 
 void CudaModelRunner::EnableProfiling(bool on) { state_->profiling = on; }
 
@@ -157,9 +158,10 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   const ModelConfig& c = config_;
   State& s = *state_;
   const int64_t n = end - begin;
-  const int64_t nh = c.num_attention_heads, hd = c.head_dim, vocab = c.vocab_size;
+  const int64_t hd = c.head_dim, vocab = c.vocab_size;
   const int32_t bs = options_.kv_block_size;
-  const int group = static_cast<int>(nh / c.num_key_value_heads);
+  // Query heads per KV head in each rank (fewer than the model's when KV heads are replicated).
+  const int group = static_cast<int>(s.ranks[0].heads / s.ranks[0].kv_heads);
   const int item_tokens = cuda::AttentionItemTokens(group);
 
   // Logit rows inside this slice: [row_begin, row_end) of batch.logit_rows (ascending).
@@ -211,10 +213,12 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
     }
   }
   if (mma || options_.split_parallel_decode) {
-    const size_t bytes =
-        static_cast<size_t>(shape.n) * nh * shape.max_splits * (hd + 2) * sizeof(float);
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(s.Grow(&s.partials, bytes, bytes + bytes / 2), "allocating attention partials"));
+    for (RankState& rk : s.ranks) {
+      const size_t bytes =
+          static_cast<size_t>(shape.n) * rk.heads * shape.max_splits * (hd + 2) * sizeof(float);
+      ROLLOUT_RETURN_IF_ERROR(CudaError(s.Grow(&rk.partials, bytes, bytes + bytes / 2),
+                                        "allocating attention partials"));
+    }
   }
 
   // Block tables of the sequences in the slice, concatenated in order of first use; the
@@ -328,127 +332,286 @@ absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShap
                                            float* host_logits, bool keep_on_device) {
   const ModelConfig& c = config_;
   State& s = *state_;
-  const int64_t n = shape.n;
-  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
-                nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
+  // Ranks > 0 start after what rank 0's stream holds so far (the metadata upload); inside a
+  // graph capture this forks their streams into it. They join rank 0's stream at the end.
+  if (s.tp > 1) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventRecord(s.fork, s.stream), "cudaEventRecord"));
+    for (RankState& rk : s.ranks) {
+      if (rk.index == 0) continue;
+      ROLLOUT_RETURN_IF_ERROR(
+          CudaError(cudaStreamWaitEvent(rk.stream, s.fork, 0), "cudaStreamWaitEvent"));
+    }
+  }
+  ROLLOUT_RETURN_IF_ERROR(EnqueueEmbedding(shape));
+  for (int layer = 0; layer < c.num_layers; ++layer) {
+    for (RankState& rk : s.ranks) ROLLOUT_RETURN_IF_ERROR(EnqueueAttention(rk, layer, shape));
+    ROLLOUT_RETURN_IF_ERROR(CombineRowParallel(shape.n));
+    ROLLOUT_RETURN_IF_ERROR(s.Mark(kGemmO));
+    for (RankState& rk : s.ranks) ROLLOUT_RETURN_IF_ERROR(EnqueueMlp(rk, layer, shape.n));
+    ROLLOUT_RETURN_IF_ERROR(CombineRowParallel(shape.n));
+    ROLLOUT_RETURN_IF_ERROR(s.Mark(kGemmDown));
+  }
+  ROLLOUT_RETURN_IF_ERROR(EnqueueLogits(shape, host_logits, keep_on_device));
+  for (RankState& rk : s.ranks) {
+    if (rk.index == 0) continue;
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventRecord(rk.done, rk.stream), "cudaEventRecord"));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cudaStreamWaitEvent(s.stream, rk.done, 0), "cudaStreamWaitEvent"));
+  }
+  return absl::OkStatus();
+}
+
+// The embedding rows into every rank's x: gathered directly at tp = 1; else each rank gathers
+// the rows of the tokens it owns (zeros elsewhere), the ranks all-gather them, and each takes
+// every token's row from its owner.
+absl::Status CudaModelRunner::EnqueueEmbedding(const cuda_runner_internal::SliceShape& shape) {
+  State& s = *state_;
+  const int64_t n = shape.n, h = config_.hidden_size;
+  const int32_t* tokens = s.meta.get<int32_t>() + shape.off_tokens();
+  if (s.tp == 1) {
+    RankState& rk = s.ranks[0];
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::EmbeddingGather(tokens, n, rk.embed, h, rk.x.get<float>(), rk.stream),
+                  "embedding gather"));
+    return s.Mark(kEmbed);
+  }
+  std::vector<const float*> send;
+  std::vector<float*> recv;
+  for (RankState& rk : s.ranks) {
+    float* mine = rk.gathered.get<float>() + rk.index * n * h;
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::EmbeddingGatherShard(tokens, n, rk.embed, rk.vocab_begin, rk.vocab_end, h,
+                                             mine, rk.stream),
+                  "embedding gather (vocab shard)"));
+    send.push_back(mine);
+    recv.push_back(rk.gathered.get<float>());
+  }
+  const cuda::GroupStatus gathered = s.group->AllGather(send.data(), n * h, recv.data());
+  if (!gathered.ok()) return absl::InternalError("embedding all-gather: " + gathered.message());
+  for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::SelectOwnerRows(tokens, n, rk.gathered.get<float>(), n * h, s.vocab_rows, h,
+                                        rk.x.get<float>(), rk.stream),
+                  "embedding owner select"));
+  }
+  return s.Mark(kEmbed);
+}
+
+// One rank's attention block of `layer`: input norm, its q/k/v heads, qk-norm + RoPE + its KV
+// write, attention over its heads, then its part of o_proj.
+absl::Status CudaModelRunner::EnqueueAttention(RankState& rk, int layer,
+                                               const cuda_runner_internal::SliceShape& shape) {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  const int64_t n = shape.n, h = c.hidden_size, hd = c.head_dim, nh = rk.heads, nkv = rk.kv_heads;
   const int32_t bs = options_.kv_block_size;
   const bool mma = options_.attention_kernel == CudaAttentionKernel::kTensorCore;
   const int32_t* d = s.meta.get<int32_t>();
-  float* x = s.x.get<float>();
-  bf16* xn = s.xn.get<bf16>();
-  bf16* attn = s.attn.get<bf16>();
-  bf16* gate_up = s.gate_up.get<bf16>();
-  bf16* act = s.act.get<bf16>();
-  ROLLOUT_RETURN_IF_ERROR(
-      CudaError(cuda::EmbeddingGather(d + shape.off_tokens(), n, s.embed, h, x, s.stream),
-                "embedding gather"));
-  ROLLOUT_RETURN_IF_ERROR(s.Mark(kEmbed));
+  cudaStream_t stream = rk.stream;
+  // Profiling marks follow rank 0's stream.
+  auto mark = [&](int family) { return rk.index == 0 ? s.Mark(family) : absl::OkStatus(); };
+  float* x = rk.x.get<float>();
+  bf16* xn = rk.xn.get<bf16>();
+  bf16* attn = rk.attn.get<bf16>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  for (int layer = 0; layer < c.num_layers; ++layer) {
-    const LayerWeights& l = s.layers[layer];
-    bf16* k_cache = s.kv.get<bf16>() + 2 * layer * s.kv_layer_elems;
-    const cuda::KvCacheView cache{k_cache, k_cache + s.kv_layer_elems, bs,
-                                  static_cast<int32_t>(nkv), static_cast<int32_t>(hd)};
+  const LayerWeights& l = rk.layers[layer];
+  bf16* k_cache = rk.kv.get<bf16>() + 2 * layer * rk.kv_layer_elems;
+  const cuda::KvCacheView cache{k_cache, k_cache + rk.kv_layer_elems, bs, static_cast<int32_t>(nkv),
+                                static_cast<int32_t>(hd)};
 
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::RmsNorm(x, nullptr, n, h, l.input_norm, c.rms_norm_eps, xn, s.stream), "rmsnorm"));
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kNorm));
-    ROLLOUT_RETURN_IF_ERROR(
-        CublasError(s.gemm_qkv->Run(xn, n, l.qkv, s.qkv.get(), s.stream), "qkv projection"));
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kGemmQkv));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cuda::RmsNorm(x, nullptr, n, h, l.input_norm, c.rms_norm_eps, xn, stream), "rmsnorm"));
+  ROLLOUT_RETURN_IF_ERROR(mark(kNorm));
+  ROLLOUT_RETURN_IF_ERROR(
+      CublasError(rk.gemm_qkv->Run(xn, n, l.qkv, rk.qkv.get(), stream), "qkv projection"));
+  ROLLOUT_RETURN_IF_ERROR(mark(kGemmQkv));
 
-    cuda::QkvParams qp;
-    qp.qkv = s.qkv.get<float>();
-    qp.num_tokens = n;
-    qp.positions = d + shape.off_pos();
-    qp.kv_slots = d + shape.off_slots();
-    if (l.qkv_bias != nullptr) {
-      qp.q_bias = l.qkv_bias;
-      qp.k_bias = l.qkv_bias + nh * hd;
-      qp.v_bias = l.qkv_bias + (nh + nkv) * hd;
-    }
-    qp.q_norm = l.q_norm;
-    qp.k_norm = l.k_norm;
-    qp.eps = c.rms_norm_eps;
-    qp.rope_cos = s.rope_cos.get<float>();
-    qp.rope_sin = s.rope_sin.get<float>();
-    qp.num_heads = static_cast<int32_t>(nh);
-    qp.q_out = s.q.get<float>();
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::QkvNormRopeWriteKv(qp, cache, s.stream), "qk norm, rope and KV write"));
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kQkvRope));
-
-    cuda::AttentionParams ap;
-    ap.q = s.q.get<float>();
-    ap.positions = d + shape.off_pos();
-    ap.table_offsets = d + shape.off_tab();
-    ap.tables = d + shape.off_tables();
-    ap.num_heads = static_cast<int32_t>(nh);
-    ap.split_size = options_.attention_split_size;
-    ap.scale = scale;
-    ap.out = attn;
-    ap.items = reinterpret_cast<const int2*>(d + shape.off_one());
-    ap.num_items = static_cast<int32_t>(shape.num_one);
-    if (mma) {
-      ap.partials = s.partials.get<float>();
-      ap.max_splits = shape.max_splits;
-      ROLLOUT_RETURN_IF_ERROR(CudaError(
-          cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kOneToken, cache, s.stream),
-          "attention (one-token items)"));
-      ap.items = reinterpret_cast<const int2*>(d + shape.off_many());
-      ap.num_items = static_cast<int32_t>(shape.num_many);
-      ROLLOUT_RETURN_IF_ERROR(CudaError(
-          cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kManyTokens, cache, s.stream),
-          "attention (many-token items)"));
-      ROLLOUT_RETURN_IF_ERROR(
-          CudaError(cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), s.stream),
-                    "attention split merge"));
-    } else {
-      if (options_.split_parallel_decode) {
-        ap.partials = s.partials.get<float>();
-        ap.max_splits = shape.max_splits;
-      }
-      ROLLOUT_RETURN_IF_ERROR(
-          CudaError(cuda::PagedAttention(ap, cuda::AttentionBlockShape::kOneToken, cache, s.stream),
-                    "attention (one-token items)"));
-      ap.partials = nullptr;
-      ap.max_splits = 0;
-      ap.items = reinterpret_cast<const int2*>(d + shape.off_many());
-      ap.num_items = static_cast<int32_t>(shape.num_many);
-      ROLLOUT_RETURN_IF_ERROR(CudaError(
-          cuda::PagedAttention(ap, cuda::AttentionBlockShape::kManyTokens, cache, s.stream),
-          "attention (many-token items)"));
-    }
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kAttention));
-
-    ROLLOUT_RETURN_IF_ERROR(CublasError(s.gemm_o->Run(attn, n, l.o, x, s.stream), "o projection"));
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kGemmO));
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::RmsNorm(x, nullptr, n, h, l.post_norm, c.rms_norm_eps, xn, s.stream), "rmsnorm"));
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kNorm));
-    ROLLOUT_RETURN_IF_ERROR(CublasError(s.gemm_gate_up->Run(xn, n, l.gate_up, gate_up, s.stream),
-                                        "gate/up projection"));
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kGemmGateUp));
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::SiluMul(gate_up, n, inter, act, s.stream), "silu * up"));
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kSiluMul));
-    ROLLOUT_RETURN_IF_ERROR(
-        CublasError(s.gemm_down->Run(act, n, l.down, x, s.stream), "down projection"));
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kGemmDown));
+  cuda::QkvParams qp;
+  qp.qkv = rk.qkv.get<float>();
+  qp.num_tokens = n;
+  qp.positions = d + shape.off_pos();
+  qp.kv_slots = d + shape.off_slots();
+  if (l.qkv_bias != nullptr) {
+    qp.q_bias = l.qkv_bias;
+    qp.k_bias = l.qkv_bias + nh * hd;
+    qp.v_bias = l.qkv_bias + (nh + nkv) * hd;
   }
+  qp.q_norm = l.q_norm;
+  qp.k_norm = l.k_norm;
+  qp.eps = c.rms_norm_eps;
+  qp.rope_cos = s.rope_cos.get<float>();
+  qp.rope_sin = s.rope_sin.get<float>();
+  qp.num_heads = static_cast<int32_t>(nh);
+  qp.q_out = rk.q.get<float>();
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cuda::QkvNormRopeWriteKv(qp, cache, stream), "qk norm, rope and KV write"));
+  ROLLOUT_RETURN_IF_ERROR(mark(kQkvRope));
 
-  // Logits, max_logit_rows rows at a time: final RMSNorm of the gathered rows, then lm_head.
+  cuda::AttentionParams ap;
+  ap.q = rk.q.get<float>();
+  ap.positions = d + shape.off_pos();
+  ap.table_offsets = d + shape.off_tab();
+  ap.tables = d + shape.off_tables();
+  ap.num_heads = static_cast<int32_t>(nh);
+  ap.split_size = options_.attention_split_size;
+  ap.scale = scale;
+  ap.out = attn;
+  ap.items = reinterpret_cast<const int2*>(d + shape.off_one());
+  ap.num_items = static_cast<int32_t>(shape.num_one);
+  if (mma) {
+    ap.partials = rk.partials.get<float>();
+    ap.max_splits = shape.max_splits;
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kOneToken, cache, stream),
+                  "attention (one-token items)"));
+    ap.items = reinterpret_cast<const int2*>(d + shape.off_many());
+    ap.num_items = static_cast<int32_t>(shape.num_many);
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kManyTokens, cache, stream),
+        "attention (many-token items)"));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), stream),
+                  "attention split merge"));
+  } else {
+    if (options_.split_parallel_decode) {
+      ap.partials = rk.partials.get<float>();
+      ap.max_splits = shape.max_splits;
+    }
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::PagedAttention(ap, cuda::AttentionBlockShape::kOneToken, cache, stream),
+                  "attention (one-token items)"));
+    ap.partials = nullptr;
+    ap.max_splits = 0;
+    ap.items = reinterpret_cast<const int2*>(d + shape.off_many());
+    ap.num_items = static_cast<int32_t>(shape.num_many);
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::PagedAttention(ap, cuda::AttentionBlockShape::kManyTokens, cache, stream),
+                  "attention (many-token items)"));
+  }
+  ROLLOUT_RETURN_IF_ERROR(mark(kAttention));
+  return EnqueueRowParallel(rk, layer, /*mlp=*/false, n);
+}
+
+// One rank's MLP of `layer`: post-attention norm, its gate/up rows, SiLU * up, its part of
+// down_proj.
+absl::Status CudaModelRunner::EnqueueMlp(RankState& rk, int layer, int64_t n) {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  auto mark = [&](int family) { return rk.index == 0 ? s.Mark(family) : absl::OkStatus(); };
+  const LayerWeights& l = rk.layers[layer];
+  bf16* xn = rk.xn.get<bf16>();
+  bf16* gate_up = rk.gate_up.get<bf16>();
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::RmsNorm(rk.x.get<float>(), nullptr, n, c.hidden_size,
+                                                  l.post_norm, c.rms_norm_eps, xn, rk.stream),
+                                    "rmsnorm"));
+  ROLLOUT_RETURN_IF_ERROR(mark(kNorm));
+  ROLLOUT_RETURN_IF_ERROR(CublasError(rk.gemm_gate_up->Run(xn, n, l.gate_up, gate_up, rk.stream),
+                                      "gate/up projection"));
+  ROLLOUT_RETURN_IF_ERROR(mark(kGemmGateUp));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cuda::SiluMul(gate_up, n, rk.inter, rk.act.get<bf16>(), rk.stream), "silu * up"));
+  ROLLOUT_RETURN_IF_ERROR(mark(kSiluMul));
+  return EnqueueRowParallel(rk, layer, /*mlp=*/true, n);
+}
+
+// A rank's part of o_proj (mlp = false: input attn, K = heads * head_dim) or down_proj (mlp:
+// input act, K = intermediate). Without the canonical tree (tp = 1): x += in . w^T in one GEMM.
+// With it: the rank's 8 / tp leaves, one [n, K / 8] x [hidden, K / 8]^T GEMM each (one batched
+// call), summed by the tree into the rank's node -- its slot of `gathered` for the all-gather;
+// at tp = 1 the whole tree plus the residual goes straight into x.
+absl::Status CudaModelRunner::EnqueueRowParallel(RankState& rk, int layer, bool mlp, int64_t n) {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  const LayerWeights& l = rk.layers[layer];
+  const int64_t h = c.hidden_size;
+  const bf16* in = mlp ? rk.act.get<bf16>() : rk.attn.get<bf16>();
+  const bf16* w = mlp ? l.down : l.o;
+  cuda::PinnedGemm* gemm = mlp ? rk.gemm_down.get() : rk.gemm_o.get();
+  const char* what = mlp ? "down projection" : "o projection";
+  float* x = rk.x.get<float>();
+  if (!s.canonical) return CublasError(gemm->Run(in, n, w, x, rk.stream), what);
+
+  const int64_t k_full = mlp ? c.intermediate_size : int64_t{c.num_attention_heads} * c.head_dim;
+  const int64_t k_local = k_full / s.tp, seg = k_full / cuda::kNumKSegments;
+  const int local = cuda::kNumKSegments / s.tp;
+  const int64_t count = n * h;
+  float* node = s.tp == 1 ? nullptr : rk.gathered.get<float>() + rk.index * count;
+  float* leaves = local == 1 ? node : rk.leaves.get<float>();
+  ROLLOUT_RETURN_IF_ERROR(CublasError(
+      gemm->RunBatched(in, k_local, seg, n, w, h * seg, leaves, count, local, rk.stream), what));
+  if (s.tp == 1) {
+    return CudaError(cuda::SumTree(leaves, local, count, count, x, /*accumulate=*/true, rk.stream),
+                     "K tree + residual");
+  }
+  if (local == 1) return absl::OkStatus();
+  return CudaError(
+      cuda::SumTree(leaves, local, count, count, node, /*accumulate=*/false, rk.stream),
+      "K tree node");
+}
+
+// tp > 1, after every rank's EnqueueRowParallel: the nodes all-gathered in rank order, then on
+// every rank x += the tree's top levels over them (the same bits on every rank).
+absl::Status CudaModelRunner::CombineRowParallel(int64_t n) {
+  State& s = *state_;
+  if (s.tp == 1) return absl::OkStatus();
+  const int64_t count = n * config_.hidden_size;
+  std::vector<const float*> send;
+  std::vector<float*> recv;
+  for (RankState& rk : s.ranks) {
+    send.push_back(rk.gathered.get<float>() + rk.index * count);
+    recv.push_back(rk.gathered.get<float>());
+  }
+  const cuda::GroupStatus gathered = s.group->AllGather(send.data(), count, recv.data());
+  if (!gathered.ok()) return absl::InternalError("K tree all-gather: " + gathered.message());
+  for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::SumTree(rk.gathered.get<float>(), s.tp, count, count, rk.x.get<float>(),
+                                /*accumulate=*/true, rk.stream),
+                  "K tree top + residual"));
+  }
+  return absl::OkStatus();
+}
+
+// Logits, max_logit_rows rows at a time: final RMSNorm of the gathered rows, then lm_head. At
+// tp > 1 every rank computes its vocab columns ([rows, vocab_rows], one GEMM shape for all),
+// the ranks all-gather them and rank 0 copies each rank's real columns into the full rows.
+absl::Status CudaModelRunner::EnqueueLogits(const cuda_runner_internal::SliceShape& shape,
+                                            float* host_logits, bool keep_on_device) {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  const int64_t h = c.hidden_size, vocab = c.vocab_size, vr = s.vocab_rows;
+  const int32_t* d = s.meta.get<int32_t>();
   for (int64_t r0 = 0; r0 < shape.num_rows; r0 += options_.max_logit_rows) {
     const int64_t rn = std::min<int64_t>(options_.max_logit_rows, shape.num_rows - r0);
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::RmsNorm(x, d + shape.off_rows() + r0, rn, h, s.final_norm, c.rms_norm_eps,
-                                s.final_rows.get<bf16>(), s.stream),
-                  "final rmsnorm"));
     float* device_rows =
         s.logits.get<float>() + (keep_on_device ? (shape.row_begin + r0) * vocab : 0);
-    ROLLOUT_RETURN_IF_ERROR(CublasError(
-        s.gemm_lm_head->Run(s.final_rows.get<bf16>(), rn, s.lm_head, device_rows, s.stream),
-        "lm_head"));
+    std::vector<const float*> send;
+    std::vector<float*> recv;
+    for (RankState& rk : s.ranks) {
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cuda::RmsNorm(rk.x.get<float>(), d + shape.off_rows() + r0, rn, h, rk.final_norm,
+                        c.rms_norm_eps, rk.final_rows.get<bf16>(), rk.stream),
+          "final rmsnorm"));
+      float* out = s.tp == 1 ? device_rows : rk.gathered.get<float>() + rk.index * rn * vr;
+      ROLLOUT_RETURN_IF_ERROR(CublasError(
+          rk.gemm_lm_head->Run(rk.final_rows.get<bf16>(), rn, rk.lm_head, out, rk.stream),
+          "lm_head"));
+      send.push_back(out);
+      recv.push_back(rk.gathered.get<float>());
+    }
+    if (s.tp > 1) {
+      const cuda::GroupStatus gathered = s.group->AllGather(send.data(), rn * vr, recv.data());
+      if (!gathered.ok()) return absl::InternalError("logits all-gather: " + gathered.message());
+      const float* all = s.ranks[0].gathered.get<float>();
+      for (const RankState& src : s.ranks) {
+        const int64_t width = src.vocab_end - src.vocab_begin;
+        if (width == 0) continue;
+        ROLLOUT_RETURN_IF_ERROR(CudaError(
+            cudaMemcpy2DAsync(device_rows + src.vocab_begin, vocab * 4, all + src.index * rn * vr,
+                              vr * 4, width * 4, rn, cudaMemcpyDeviceToDevice, s.stream),
+            "assembling logits rows"));
+      }
+    }
     ROLLOUT_RETURN_IF_ERROR(s.Mark(kLmHead));
     if (host_logits != nullptr) {
       float* dst = host_logits + (shape.row_begin + r0) * vocab;

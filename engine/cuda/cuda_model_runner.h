@@ -13,6 +13,7 @@ namespace rollout {
 
 namespace cuda_runner_internal {
 struct SliceShape;
+struct RankState;
 }  // namespace cuda_runner_internal
 
 // Which attention kernel computes every row (kernels/cuda/ops.h). Each is batch invariant and
@@ -56,6 +57,20 @@ struct CudaRunnerOptions {
   // The largest decode batch run as a graph (capped at max_logit_rows and max_batch_tokens);
   // larger decode batches run eagerly.
   int32_t max_graph_batch = 512;
+  // Tensor-parallel degree (docs/determinism.md, D10): 1, 2, 4 or 8 ranks on this one device,
+  // Megatron-partitioned as CpuModelRunner's (column-parallel q/k/v and gate/up, row-parallel
+  // o_proj and down_proj, vocab-parallel embedding and lm_head, norms and residual replicated),
+  // each rank with its own weights shard, KV-cache shard and stream. Every degree gives the
+  // logits of tp = 1 with canonical_k_tree, bitwise. Requires what CheckTensorParallel
+  // (engine/cpu_model_runner.h) requires, pinned GEMMs (gemm_pin_m > 0), and heads * head_dim
+  // and the intermediate size multiples of 64.
+  int32_t tensor_parallel = 1;
+  // o_proj and down_proj as the canonical 8-segment K tree (kernels/cuda/tensor_parallel.h):
+  // eight segment GEMMs (fp32 partials) combined, with the residual, by one fixed tree -- the
+  // computation every tensor-parallel degree performs. Always on when tensor_parallel > 1. Off by
+  // default at tp = 1, where the row-parallel GEMMs are one fused GEMM + residual epilogue
+  // (faster; other bits); on, tp = 1 gives exactly the bits of tp = 2, 4 and 8.
+  bool canonical_k_tree = false;
 };
 
 // Time spent per kernel family, summed over profiled Forward calls (CUDA events).
@@ -68,7 +83,18 @@ struct CudaForwardProfile {
 // The CUDA backend: bf16 weights and KV cache, fp32 accumulation and residual stream, fp32
 // logits. Every row is batch invariant (kernels/cuda/ops.h, kernels/cuda/gemm.h): its logits
 // depend only on the weights and its sequence's tokens [0, position], bitwise. Owned and called
-// by one thread (the engine thread); uses one CUDA stream on `options.device`.
+// by one thread (the engine thread); uses one CUDA stream on `options.device` per
+// tensor-parallel rank.
+//
+// Tensor parallelism (options.tensor_parallel = tp > 1) on one device: the calling thread
+// enqueues every rank's work on the rank's stream, phase by phase; the ranks meet only in
+// all-gathers (kernels/cuda/rank_group.h: device copies in rank order between their streams,
+// ordered by events): of the embedding rows (each token's row selected from its owner), of the
+// row-parallel projections' tree nodes (combined, with the residual, by the tree's top levels on
+// every rank), and of the logits columns (rank 0 assembles full rows; sampling is unchanged).
+// Column-parallel GEMMs run the full weight's pinned algorithm on the rank's slice, so each
+// output column has the unsliced GEMM's bits. Decode steps still replay CUDA graphs: the ranks'
+// streams fork from and join into rank 0's, which is what a capture follows.
 class CudaModelRunner final : public ModelRunner {
  public:
   // Loads every tensor of `checkpoint` (bf16, f16 or f32; converted to bf16, norms to fp32),
@@ -113,6 +139,9 @@ class CudaModelRunner final : public ModelRunner {
   CudaForwardProfile profile() const;
   void ResetProfile();
 
+  int32_t tensor_parallel() const { return options_.tensor_parallel; }
+  // True when tensor_parallel > 1 even if the options said false.
+  bool canonical_k_tree() const { return options_.canonical_k_tree; }
   // What was pinned per weight shape, one line each.
   const std::vector<std::string>& gemm_descriptions() const;
   int64_t weight_bytes() const;
@@ -128,6 +157,8 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status LoadCheckpoint(const Checkpoint& checkpoint);
   absl::Status LoadSynthetic(uint64_t seed);
   absl::Status Finish();
+  absl::Status PinGemms();
+  absl::Status PinCanonicalGemms();
   absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits);
   absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
                             float* host_logits, bool keep_on_device);
@@ -135,6 +166,20 @@ class CudaModelRunner final : public ModelRunner {
   // to `host_logits` pass by pass when it is set).
   absl::Status EnqueueSlice(const cuda_runner_internal::SliceShape& shape, float* host_logits,
                             bool keep_on_device);
+  // The parts of EnqueueSlice. Per rank: the attention block up to its o_proj part, the MLP up
+  // to its down_proj part, and a row-parallel projection's part (mlp: down_proj, else o_proj;
+  // the fused GEMM + residual, or the rank's leaves of the K tree into its node -- at tp = 1
+  // the whole tree into x). Across ranks: the embedding, the all-gather of the nodes and the
+  // tree's top into x, the logits.
+  absl::Status EnqueueEmbedding(const cuda_runner_internal::SliceShape& shape);
+  absl::Status EnqueueAttention(cuda_runner_internal::RankState& rk, int layer,
+                                const cuda_runner_internal::SliceShape& shape);
+  absl::Status EnqueueMlp(cuda_runner_internal::RankState& rk, int layer, int64_t n);
+  absl::Status EnqueueRowParallel(cuda_runner_internal::RankState& rk, int layer, bool mlp,
+                                  int64_t n);
+  absl::Status CombineRowParallel(int64_t n);
+  absl::Status EnqueueLogits(const cuda_runner_internal::SliceShape& shape, float* host_logits,
+                             bool keep_on_device);
   // Replays (capturing it the first time) the decode graph of `shape`'s bucket.
   absl::Status LaunchDecodeGraph(const cuda_runner_internal::SliceShape& shape);
   // The bucket a decode batch of n tokens is padded to; 0 when n is above every bucket.

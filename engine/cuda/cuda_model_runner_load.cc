@@ -6,12 +6,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string_view>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "engine/cpu_model_runner.h"  // CheckTensorParallel
 #include "engine/cuda/cuda_model_runner.h"
 #include "engine/cuda/cuda_runner_state.h"
 #include "glog/logging.h"
@@ -20,10 +22,12 @@ namespace rollout {
 namespace {
 
 using cuda::bf16;
+using cuda_runner_internal::Binding;
 using cuda_runner_internal::CublasError;
 using cuda_runner_internal::CudaError;
-using cuda_runner_internal::Destination;
 using cuda_runner_internal::LayerWeights;
+using cuda_runner_internal::Piece;
+using cuda_runner_internal::RankState;
 
 uint64_t Fnv1a64(std::string_view s) {
   uint64_t h = 0xcbf29ce484222325ull;
@@ -82,9 +86,18 @@ class Arena {
   int64_t used_ = 0;
 };
 
-// Copies one tensor of `count` elements in `dtype` (host bytes) to its destination: bf16
-// matrices are rounded to nearest even, fp32 vectors widened.
-absl::Status Upload(const Destination& dst, DType dtype, const uint8_t* data, int64_t count,
+// Copies a piece of a [b.rows, b.cols] tensor of `elem` bytes per element from `src` (host or
+// device memory, per `kind`) to where it lives.
+cudaError_t CopyPiece(const Binding& b, const Piece& p, const void* src, size_t elem,
+                      cudaMemcpyKind kind, cudaStream_t stream) {
+  const char* from = static_cast<const char*>(src) + (p.row_begin * b.cols + p.col_begin) * elem;
+  return cudaMemcpy2DAsync(p.ptr, p.cols * elem, from, b.cols * elem, p.cols * elem, p.rows, kind,
+                           stream);
+}
+
+// Copies one tensor of `count` elements in `dtype` (host bytes) to its pieces: bf16 matrices
+// are rounded to nearest even, fp32 vectors widened. Synchronous.
+absl::Status Upload(const Binding& dst, DType dtype, const uint8_t* data, int64_t count,
                     const std::string& name) {
   auto value = [&](int64_t i) {
     uint16_t half;
@@ -103,18 +116,29 @@ absl::Status Upload(const Destination& dst, DType dtype, const uint8_t* data, in
     return BF16ToF32(half);
   };
   const std::string what = absl::StrCat("uploading ", name);
+  // The tensor in the device's element type, on the host.
+  std::vector<float> values;
+  std::vector<uint16_t> converted;
+  const void* src = data;
   if (dst.f32) {
-    std::vector<float> values(count);
+    values.resize(count);
     for (int64_t i = 0; i < count; ++i) values[i] = value(i);
-    return CudaError(
-        cudaMemcpy(dst.ptr, values.data(), count * sizeof(float), cudaMemcpyHostToDevice), what);
+    src = values.data();
+  } else if (dtype != DType::kBF16) {
+    converted.resize(count);
+    for (int64_t i = 0; i < count; ++i) converted[i] = F32ToBF16(value(i));
+    src = converted.data();
   }
-  if (dtype == DType::kBF16) {
-    return CudaError(cudaMemcpy(dst.ptr, data, count * 2, cudaMemcpyHostToDevice), what);
+  const size_t elem = dst.f32 ? sizeof(float) : 2;
+  if (dst.whole()) {
+    return CudaError(cudaMemcpy(dst.pieces[0].ptr, src, count * elem, cudaMemcpyHostToDevice),
+                     what);
   }
-  std::vector<uint16_t> converted(count);
-  for (int64_t i = 0; i < count; ++i) converted[i] = F32ToBF16(value(i));
-  return CudaError(cudaMemcpy(dst.ptr, converted.data(), count * 2, cudaMemcpyHostToDevice), what);
+  for (const Piece& p : dst.pieces) {
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(CopyPiece(dst, p, src, elem, cudaMemcpyHostToDevice, 0), what));
+  }
+  return CudaError(cudaStreamSynchronize(0), what);
 }
 
 void SortSpecs(std::vector<WeightSpec>* specs) {
@@ -122,13 +146,24 @@ void SortSpecs(std::vector<WeightSpec>* specs) {
             [](const WeightSpec& a, const WeightSpec& b) { return a.name < b.name; });
 }
 
+// The canonical K tree is what every tensor-parallel degree computes.
+CudaRunnerOptions WithCanonicalTree(CudaRunnerOptions options) {
+  if (options.tensor_parallel > 1) options.canonical_k_tree = true;
+  return options;
+}
+
 }  // namespace
 
 CudaModelRunner::CudaModelRunner(ModelConfig config, CudaRunnerOptions options)
-    : config_(std::move(config)), options_(options), state_(std::make_unique<State>()) {}
+    : config_(std::move(config)),
+      options_(WithCanonicalTree(options)),
+      state_(std::make_unique<State>()) {}
 
 CudaModelRunner::~CudaModelRunner() {
-  if (state_ != nullptr && state_->stream != nullptr) cudaStreamSynchronize(state_->stream);
+  if (state_ == nullptr) return;
+  for (const RankState& rk : state_->ranks) {
+    if (rk.stream != nullptr) cudaStreamSynchronize(rk.stream);
+  }
 }
 
 absl::StatusOr<std::unique_ptr<CudaModelRunner>> CudaModelRunner::Create(
@@ -187,26 +222,79 @@ absl::Status CudaModelRunner::Init() {
   if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0) {
     return absl::InvalidArgumentError("hidden and intermediate sizes must be multiples of 8");
   }
+  const int tp = o.tensor_parallel;
+  ROLLOUT_RETURN_IF_ERROR(CheckTensorParallel(c, tp));
+  if (o.canonical_k_tree) {
+    // Segment offsets of K / 8 elements stay 16-byte aligned for the GEMMs, at every degree.
+    if ((c.num_attention_heads * c.head_dim) % 64 != 0 || c.intermediate_size % 64 != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the canonical K tree (tensor parallelism) needs heads * head_dim (%d) and the "
+          "intermediate size (%d) to be multiples of 64",
+          c.num_attention_heads * c.head_dim, c.intermediate_size));
+    }
+    if (o.gemm_pin_m <= 0) {
+      return absl::InvalidArgumentError(
+          "the canonical K tree (tensor parallelism) needs pinned GEMM algorithms "
+          "(gemm_pin_m > 0): a rank's slice must run the algorithm of the full shape");
+    }
+  }
   State& s = *state_;
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(o.device), "cudaSetDevice"));
-  ROLLOUT_RETURN_IF_ERROR(
-      CudaError(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-  ROLLOUT_RETURN_IF_ERROR(CublasError(cublasLtCreate(&s.lt), "cublasLtCreate"));
-
-  // Two passes over the same sequence of Take() calls: sizes, then pointers.
   const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
                 nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
-  const int64_t qkv_rows = (nh + 2 * nkv) * hd;
-  auto layout = [&](Arena* mats, Arena* vecs) {
-    s.embed = mats->Take<bf16>(vocab * h);
-    s.lm_head = c.tie_word_embeddings ? s.embed : mats->Take<bf16>(vocab * h);
-    s.final_norm = vecs->Take<float>(h);
-    s.layers.assign(c.num_layers, LayerWeights{});
-    for (LayerWeights& l : s.layers) {
+  s.tp = tp;
+  s.canonical = o.canonical_k_tree;
+  // Vocab shards of ceil(vocab / tp) rows rounded up to 64, so that every rank's lm_head GEMM
+  // has one shape and its logits rows stay aligned; the last shards are shorter (or empty).
+  s.vocab_rows = tp == 1 ? vocab : ((vocab + tp - 1) / tp + 63) / 64 * 64;
+  s.ranks.resize(tp);
+  for (int r = 0; r < tp; ++r) {
+    RankState& rk = s.ranks[r];
+    rk.index = r;
+    rk.heads = nh / tp;
+    rk.inter = inter / tp;
+    if (nkv >= tp) {
+      rk.kv_heads = nkv / tp;
+      rk.kv_head_begin = r * rk.kv_heads;
+    } else {  // fewer KV heads than ranks: each rank holds the one its query heads read
+      rk.kv_heads = 1;
+      rk.kv_head_begin = r / (tp / nkv);
+    }
+    rk.vocab_begin = std::min<int64_t>(vocab, r * s.vocab_rows);
+    rk.vocab_end = std::min<int64_t>(vocab, (r + 1) * s.vocab_rows);
+  }
+
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(o.device), "cudaSetDevice"));
+  std::vector<cudaStream_t> streams;
+  for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamCreateWithFlags(&rk.stream, cudaStreamNonBlocking),
+                                      "cudaStreamCreate"));
+    streams.push_back(rk.stream);
+    if (rk.index > 0) {
+      ROLLOUT_RETURN_IF_ERROR(
+          CudaError(cudaEventCreateWithFlags(&rk.done, cudaEventDisableTiming), "cudaEventCreate"));
+    }
+  }
+  s.stream = s.ranks[0].stream;
+  if (tp > 1) {
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), "cudaEventCreate"));
+    const cuda::GroupStatus group = cuda::CreateSameDeviceGroup(streams, &s.group);
+    if (!group.ok()) return absl::InternalError(group.message());
+  }
+  ROLLOUT_RETURN_IF_ERROR(CublasError(cublasLtCreate(&s.lt), "cublasLtCreate"));
+
+  // Each rank's weights: two passes over the same sequence of Take() calls, sizes then pointers.
+  auto layout = [&](RankState& rk, Arena* mats, Arena* vecs) {
+    const int64_t qkv_rows = (rk.heads + 2 * rk.kv_heads) * hd;
+    rk.embed = mats->Take<bf16>(s.vocab_rows * h);
+    rk.lm_head = c.tie_word_embeddings ? rk.embed : mats->Take<bf16>(s.vocab_rows * h);
+    rk.final_norm = vecs->Take<float>(h);
+    rk.layers.assign(c.num_layers, LayerWeights{});
+    for (LayerWeights& l : rk.layers) {
       l.qkv = mats->Take<bf16>(qkv_rows * h);
-      l.o = mats->Take<bf16>(h * nh * hd);
-      l.gate_up = mats->Take<bf16>(2 * inter * h);
-      l.down = mats->Take<bf16>(h * inter);
+      l.o = mats->Take<bf16>(h * rk.heads * hd);
+      l.gate_up = mats->Take<bf16>(2 * rk.inter * h);
+      l.down = mats->Take<bf16>(h * rk.inter);
       l.input_norm = vecs->Take<float>(h);
       l.post_norm = vecs->Take<float>(h);
       if (c.qk_norm) {
@@ -216,46 +304,90 @@ absl::Status CudaModelRunner::Init() {
       if (c.qkv_bias) l.qkv_bias = vecs->Take<float>(qkv_rows);
     }
   };
-  Arena size_mats(nullptr), size_vecs(nullptr);
-  layout(&size_mats, &size_vecs);
-  ROLLOUT_RETURN_IF_ERROR(
-      CudaError(s.weights_bf16.Allocate(size_mats.used()),
-                absl::StrCat("allocating ", size_mats.used(), " bytes of bf16 weights")));
-  ROLLOUT_RETURN_IF_ERROR(
-      CudaError(s.weights_f32.Allocate(size_vecs.used()), "allocating fp32 weights"));
-  s.weight_bytes = size_mats.used() + size_vecs.used();
-  Arena mats(s.weights_bf16.get<char>()), vecs(s.weights_f32.get<char>());
-  layout(&mats, &vecs);
-
-  for (int i = 0; i < c.num_layers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    LayerWeights& l = s.layers[i];
-    auto mat = [](bf16* base, int64_t offset) { return Destination{base + offset, false}; };
-    auto vec = [](float* base, int64_t offset) { return Destination{base + offset, true}; };
-    s.destinations[p + "input_layernorm.weight"] = vec(l.input_norm, 0);
-    s.destinations[p + "post_attention_layernorm.weight"] = vec(l.post_norm, 0);
-    s.destinations[p + "self_attn.q_proj.weight"] = mat(l.qkv, 0);
-    s.destinations[p + "self_attn.k_proj.weight"] = mat(l.qkv, nh * hd * h);
-    s.destinations[p + "self_attn.v_proj.weight"] = mat(l.qkv, (nh + nkv) * hd * h);
-    s.destinations[p + "self_attn.o_proj.weight"] = mat(l.o, 0);
-    s.destinations[p + "mlp.gate_proj.weight"] = mat(l.gate_up, 0);
-    s.destinations[p + "mlp.up_proj.weight"] = mat(l.gate_up, inter * h);
-    s.destinations[p + "mlp.down_proj.weight"] = mat(l.down, 0);
-    if (c.qk_norm) {
-      s.destinations[p + "self_attn.q_norm.weight"] = vec(l.q_norm, 0);
-      s.destinations[p + "self_attn.k_norm.weight"] = vec(l.k_norm, 0);
+  for (RankState& rk : s.ranks) {
+    Arena size_mats(nullptr), size_vecs(nullptr);
+    layout(rk, &size_mats, &size_vecs);
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(rk.weights_bf16.Allocate(size_mats.used()),
+                  absl::StrCat("allocating ", size_mats.used(), " bytes of bf16 weights")));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(rk.weights_f32.Allocate(size_vecs.used()), "allocating fp32 weights"));
+    if (tp > 1) {  // the vocab shards' padding rows stay zero
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cudaMemset(rk.weights_bf16.get(), 0, rk.weights_bf16.bytes()), "clearing weights"));
     }
-    if (c.qkv_bias) {
-      s.destinations[p + "self_attn.q_proj.bias"] = vec(l.qkv_bias, 0);
-      s.destinations[p + "self_attn.k_proj.bias"] = vec(l.qkv_bias, nh * hd);
-      s.destinations[p + "self_attn.v_proj.bias"] = vec(l.qkv_bias, (nh + nkv) * hd);
+    s.weight_bytes += size_mats.used() + size_vecs.used();
+    Arena mats(rk.weights_bf16.get<char>()), vecs(rk.weights_f32.get<char>());
+    layout(rk, &mats, &vecs);
+  }
+
+  // Every tensor bound to the pieces of it each rank holds (one whole piece each at tp = 1,
+  // at the same places as ever, except o/down's K segments with the canonical tree).
+  auto add = [&](const std::string& name, bool f32, int64_t rows, int64_t cols, Piece piece) {
+    Binding& b = s.bindings[name];
+    b.f32 = f32;
+    b.rows = rows;
+    b.cols = cols;
+    if (piece.rows > 0 && piece.cols > 0) b.pieces.push_back(piece);
+  };
+  const int local_segments = cuda::kNumKSegments / tp;
+  // A row-parallel weight [hidden, k_full]: whole, or the rank's K segments, each [hidden,
+  // k_full / 8] contiguous, so a segment GEMM reads the same weight layout at every degree.
+  auto add_k_slices = [&](const std::string& name, RankState& rk, bf16* w, int64_t k_full) {
+    if (!s.canonical) {
+      add(name, false, h, k_full, Piece{w, 0, h, 0, k_full});
+      return;
+    }
+    const int64_t seg = k_full / cuda::kNumKSegments;
+    for (int j = 0; j < local_segments; ++j) {
+      add(name, false, h, k_full,
+          Piece{w + j * h * seg, 0, h, (rk.index * local_segments + j) * seg, seg});
+    }
+  };
+  for (RankState& rk : s.ranks) {
+    const int64_t r = rk.index, rh = rk.heads, rkv = rk.kv_heads, kvb = rk.kv_head_begin;
+    add("model.embed_tokens.weight", false, vocab, h,
+        Piece{rk.embed, rk.vocab_begin, rk.vocab_end - rk.vocab_begin, 0, h});
+    if (!c.tie_word_embeddings) {
+      add("lm_head.weight", false, vocab, h,
+          Piece{rk.lm_head, rk.vocab_begin, rk.vocab_end - rk.vocab_begin, 0, h});
+    }
+    add("model.norm.weight", true, h, 1, Piece{rk.final_norm, 0, h, 0, 1});
+    for (int i = 0; i < c.num_layers; ++i) {
+      const std::string p = absl::StrCat("model.layers.", i, ".");
+      LayerWeights& l = rk.layers[i];
+      add(p + "input_layernorm.weight", true, h, 1, Piece{l.input_norm, 0, h, 0, 1});
+      add(p + "post_attention_layernorm.weight", true, h, 1, Piece{l.post_norm, 0, h, 0, 1});
+      // The rank's q heads, then its KV heads' k and v rows: one fused qkv GEMM per rank.
+      add(p + "self_attn.q_proj.weight", false, nh * hd, h,
+          Piece{l.qkv, r * rh * hd, rh * hd, 0, h});
+      add(p + "self_attn.k_proj.weight", false, nkv * hd, h,
+          Piece{l.qkv + rh * hd * h, kvb * hd, rkv * hd, 0, h});
+      add(p + "self_attn.v_proj.weight", false, nkv * hd, h,
+          Piece{l.qkv + (rh + rkv) * hd * h, kvb * hd, rkv * hd, 0, h});
+      add_k_slices(p + "self_attn.o_proj.weight", rk, l.o, nh * hd);
+      add(p + "mlp.gate_proj.weight", false, inter, h,
+          Piece{l.gate_up, r * rk.inter, rk.inter, 0, h});
+      add(p + "mlp.up_proj.weight", false, inter, h,
+          Piece{l.gate_up + rk.inter * h, r * rk.inter, rk.inter, 0, h});
+      add_k_slices(p + "mlp.down_proj.weight", rk, l.down, inter);
+      if (c.qk_norm) {
+        add(p + "self_attn.q_norm.weight", true, hd, 1, Piece{l.q_norm, 0, hd, 0, 1});
+        add(p + "self_attn.k_norm.weight", true, hd, 1, Piece{l.k_norm, 0, hd, 0, 1});
+      }
+      if (c.qkv_bias) {
+        add(p + "self_attn.q_proj.bias", true, nh * hd, 1,
+            Piece{l.qkv_bias, r * rh * hd, rh * hd, 0, 1});
+        add(p + "self_attn.k_proj.bias", true, nkv * hd, 1,
+            Piece{l.qkv_bias + rh * hd, kvb * hd, rkv * hd, 0, 1});
+        add(p + "self_attn.v_proj.bias", true, nkv * hd, 1,
+            Piece{l.qkv_bias + (rh + rkv) * hd, kvb * hd, rkv * hd, 0, 1});
+      }
     }
   }
-  s.destinations["model.embed_tokens.weight"] = Destination{s.embed, false};
-  s.destinations["model.norm.weight"] = Destination{s.final_norm, true};
-  if (!c.tie_word_embeddings) s.destinations["lm_head.weight"] = Destination{s.lm_head, false};
   for (const TensorSpec& spec : ExpectedTensors(c)) {
-    if (s.destinations.count(spec.name) == 0) {
+    auto it = s.bindings.find(spec.name);
+    if (it == s.bindings.end() || it->second.pieces.empty()) {
       return absl::InternalError(absl::StrCat("no device destination for tensor ", spec.name));
     }
   }
@@ -276,7 +408,7 @@ absl::Status CudaModelRunner::LoadCheckpoint(const Checkpoint& checkpoint) {
                                                      ", expected ", ShapeToString(spec.shape)));
     }
     s.weight_specs.push_back(WeightSpec{spec.name, view->dtype, spec.shape});
-    ROLLOUT_RETURN_IF_ERROR(Upload(s.destinations.at(spec.name), view->dtype, view->data,
+    ROLLOUT_RETURN_IF_ERROR(Upload(s.bindings.at(spec.name), view->dtype, view->data,
                                    NumElements(spec.shape), spec.name));
   }
   SortSpecs(&s.weight_specs);
@@ -303,7 +435,7 @@ absl::Status CudaModelRunner::UpdateWeights(const std::vector<HostTensor>& tenso
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "weight update"));
   for (const HostTensor& t : tensors) {
     ROLLOUT_RETURN_IF_ERROR(
-        Upload(s.destinations.at(t.name), t.dtype, t.bytes.data(), NumElements(t.shape), t.name));
+        Upload(s.bindings.at(t.name), t.dtype, t.bytes.data(), NumElements(t.shape), t.name));
   }
   return CudaError(cudaDeviceSynchronize(), "weight update");
 }
@@ -311,18 +443,36 @@ absl::Status CudaModelRunner::UpdateWeights(const std::vector<HostTensor>& tenso
 absl::Status CudaModelRunner::LoadSynthetic(uint64_t seed) {
   State& s = *state_;
   const uint64_t seed_key = Mix64(seed);
+  cuda::DeviceBuffer full;  // a whole tensor, when it is split into pieces
   for (const TensorSpec& spec : ExpectedTensors(config_)) {
     const RandomInit init = InitFor(config_, spec);
     // The sum of four uniforms on {0, ..., 65535} has variance 4 * (65536^2 - 1) / 12.
     const double scale = init.std / std::sqrt((65536.0 * 65536.0 - 1.0) / 3.0);
     const uint64_t key = Mix64(seed_key ^ Fnv1a64(spec.name));
-    const Destination& dst = s.destinations.at(spec.name);
+    const Binding& dst = s.bindings.at(spec.name);
+    const int64_t count = NumElements(spec.shape);
+    const size_t elem = dst.f32 ? sizeof(float) : 2;
     s.weight_specs.push_back(WeightSpec{spec.name, DType::kBF16, spec.shape});
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::FillRandomWeights(key, scale, init.kind, NumElements(spec.shape),
-                                dst.f32 ? nullptr : static_cast<bf16*>(dst.ptr),
-                                dst.f32 ? static_cast<float*>(dst.ptr) : nullptr, s.stream),
-        absl::StrCat("generating ", spec.name)));
+    void* out = dst.pieces[0].ptr;
+    if (!dst.whole()) {
+      if (full.bytes() < count * elem) {
+        ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "generating weights"));
+        ROLLOUT_RETURN_IF_ERROR(CudaError(full.Allocate(count * elem), "generating weights"));
+      }
+      out = full.get();
+    }
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::FillRandomWeights(key, scale, init.kind, count,
+                                          dst.f32 ? nullptr : static_cast<bf16*>(out),
+                                          dst.f32 ? static_cast<float*>(out) : nullptr, s.stream),
+                  absl::StrCat("generating ", spec.name)));
+    if (!dst.whole()) {
+      for (const Piece& p : dst.pieces) {
+        ROLLOUT_RETURN_IF_ERROR(
+            CudaError(CopyPiece(dst, p, full.get(), elem, cudaMemcpyDeviceToDevice, s.stream),
+                      absl::StrCat("slicing ", spec.name)));
+      }
+    }
   }
   SortSpecs(&s.weight_specs);
   return CudaError(cudaStreamSynchronize(s.stream), "generating synthetic weights");
@@ -332,8 +482,8 @@ absl::Status CudaModelRunner::LoadSynthetic(uint64_t seed) {
 absl::Status CudaModelRunner::Finish() {
   const ModelConfig& c = config_;
   State& s = *state_;
-  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
-                nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
+  const int64_t h = c.hidden_size, hd = c.head_dim, nkv = c.num_key_value_heads,
+                vocab = c.vocab_size;
 
   // cos/sin exactly as the CPU reference computes them (double, then rounded to float).
   const int64_t half = hd / 2, max_pos = c.max_position_embeddings;
@@ -360,17 +510,30 @@ absl::Status CudaModelRunner::Finish() {
         cudaMemcpy(s.rope_sin.get(), sin_table.data(), bytes, cudaMemcpyHostToDevice), "RoPE"));
   }
 
+  const int tp = s.tp;
   const int64_t t = options_.max_batch_tokens, r = options_.max_logit_rows;
-  const int64_t qkv_cols = (nh + 2 * nkv) * hd;
+  // A rank's leaves of the canonical K tree: a separate buffer when it owns more than one.
+  const int local_segments = cuda::kNumKSegments / tp;
+  for (RankState& rk : s.ranks) {
+    const int64_t qkv_cols = (rk.heads + 2 * rk.kv_heads) * hd;
+    const int64_t leaves = s.canonical && local_segments > 1 ? local_segments * t * h * 4 : 0;
+    const int64_t gathered = tp > 1 ? tp * std::max(t * h, r * s.vocab_rows) * 4 : 0;
+    for (auto [buffer, bytes] : std::vector<std::pair<cuda::DeviceBuffer*, int64_t>>{
+             {&rk.x, t * h * 4},
+             {&rk.xn, t * h * 2},
+             {&rk.qkv, t * qkv_cols * 4},
+             {&rk.q, t * rk.heads * hd * 4},
+             {&rk.attn, t * rk.heads * hd * 2},
+             {&rk.gate_up, t * 2 * rk.inter * 2},
+             {&rk.act, t * rk.inter * 2},
+             {&rk.final_rows, r * h * 2},
+             {&rk.leaves, leaves},
+             {&rk.gathered, gathered},
+         }) {
+      ROLLOUT_RETURN_IF_ERROR(CudaError(buffer->Allocate(bytes), "allocating activations"));
+    }
+  }
   for (auto [buffer, bytes] : std::vector<std::pair<cuda::DeviceBuffer*, int64_t>>{
-           {&s.x, t * h * 4},
-           {&s.xn, t * h * 2},
-           {&s.qkv, t * qkv_cols * 4},
-           {&s.q, t * nh * hd * 4},
-           {&s.attn, t * nh * hd * 2},
-           {&s.gate_up, t * 2 * inter * 2},
-           {&s.act, t * inter * 2},
-           {&s.final_rows, r * h * 2},
            {&s.logits, r * vocab * 4},
            {&s.row_specs, r * static_cast<int64_t>(sizeof(cuda::LogitsRowSpec))},
            {&s.row_results, r * static_cast<int64_t>(sizeof(cuda::LogitsRowResult))},
@@ -381,7 +544,57 @@ absl::Status CudaModelRunner::Finish() {
       s.row_specs_host.Allocate(r * sizeof(cuda::LogitsRowSpec)), "allocating sampling specs"));
   ROLLOUT_RETURN_IF_ERROR(CudaError(
       s.row_results_host.Allocate(r * sizeof(cuda::LogitsRowResult)), "allocating results"));
+  if (s.canonical) {
+    ROLLOUT_RETURN_IF_ERROR(PinCanonicalGemms());
+  } else {
+    ROLLOUT_RETURN_IF_ERROR(PinGemms());
+  }
 
+  // The KV pool. kv_cache_bytes sizes it as for the unsharded model, so the block count (and
+  // every scheduling decision) is the same at every degree; a fraction of the free memory is
+  // shared by the ranks' shards (which hold more than the model's KV heads when replicated).
+  size_t free_bytes = 0, total_bytes = 0;
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+  auto block_bytes = [&](int64_t kv_heads) {
+    return 2 * c.num_layers * static_cast<int64_t>(options_.kv_block_size) * kv_heads * hd * 2;
+  };
+  int64_t bytes_per_block = block_bytes(nkv);
+  if (options_.kv_cache_bytes <= 0) {
+    bytes_per_block = 0;
+    for (const RankState& rk : s.ranks) bytes_per_block += block_bytes(rk.kv_heads);
+  }
+  const int64_t budget = options_.kv_cache_bytes > 0
+                             ? options_.kv_cache_bytes
+                             : static_cast<int64_t>(free_bytes * options_.kv_cache_fraction);
+  // Slots (block * block_size + offset) are int32 in the kernels.
+  const int64_t max_blocks = (int64_t{1} << 31) / options_.kv_block_size - 1;
+  // One block beyond the engine's pool is reserved for the padding rows of decode graphs.
+  const int64_t blocks = std::min(budget / bytes_per_block, max_blocks);
+  if (blocks < 2) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "KV cache of %d bytes holds fewer than 2 blocks of %d tokens (%d bytes each); %d bytes "
+        "free",
+        budget, options_.kv_block_size, bytes_per_block, free_bytes));
+  }
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaDeviceSynchronize(), "uploading RoPE tables"));
+  num_kv_blocks_ = static_cast<int32_t>(blocks - 1);
+  s.pad_block = static_cast<int32_t>(blocks - 1);
+  for (RankState& rk : s.ranks) {
+    rk.kv_layer_elems = blocks * options_.kv_block_size * rk.kv_heads * hd;
+    const int64_t bytes = blocks * block_bytes(rk.kv_heads);
+    ROLLOUT_RETURN_IF_ERROR(CudaError(rk.kv.Allocate(bytes),
+                                      absl::StrCat("allocating a KV cache of ", bytes, " bytes")));
+  }
+  return absl::OkStatus();
+}
+
+// The unsharded model's GEMMs: one algorithm pinned per weight shape, or the heuristic per m.
+absl::Status CudaModelRunner::PinGemms() {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  RankState& rk = s.ranks[0];
+  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
+                nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
   const int64_t pin_m = options_.gemm_pin_m;
   struct GemmSpec {
     const char* name;
@@ -390,11 +603,11 @@ absl::Status CudaModelRunner::Finish() {
     std::unique_ptr<cuda::PinnedGemm>* gemm;
   };
   for (const GemmSpec& g : std::vector<GemmSpec>{
-           {"qkv", qkv_cols, h, cuda::GemmOutput::kF32, &s.gemm_qkv},
-           {"o", h, nh * hd, cuda::GemmOutput::kF32Accumulate, &s.gemm_o},
-           {"gate_up", 2 * inter, h, cuda::GemmOutput::kBf16, &s.gemm_gate_up},
-           {"down", h, inter, cuda::GemmOutput::kF32Accumulate, &s.gemm_down},
-           {"lm_head", vocab, h, cuda::GemmOutput::kF32, &s.gemm_lm_head},
+           {"qkv", (nh + 2 * nkv) * hd, h, cuda::GemmOutput::kF32, &rk.gemm_qkv},
+           {"o", h, nh * hd, cuda::GemmOutput::kF32Accumulate, &rk.gemm_o},
+           {"gate_up", 2 * inter, h, cuda::GemmOutput::kBf16, &rk.gemm_gate_up},
+           {"down", h, inter, cuda::GemmOutput::kF32Accumulate, &rk.gemm_down},
+           {"lm_head", vocab, h, cuda::GemmOutput::kF32, &rk.gemm_lm_head},
        }) {
     std::string why = "gemm_pin_m <= 0 asks for the heuristic";
     if (pin_m <= 0 || cuda::PinnedGemm::Create(s.lt, g.n, g.k, g.output, pin_m, g.gemm, &why) !=
@@ -412,32 +625,66 @@ absl::Status CudaModelRunner::Finish() {
     s.gemm_descriptions.push_back(
         absl::StrFormat("%-8s n=%-6d k=%-6d %s", g.name, g.n, g.k, (*g.gemm)->Describe()));
   }
+  return absl::OkStatus();
+}
 
-  // The KV pool.
-  size_t free_bytes = 0, total_bytes = 0;
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
-  const int64_t block_elems = static_cast<int64_t>(options_.kv_block_size) * nkv * hd;
-  const int64_t bytes_per_block = 2 * c.num_layers * block_elems * 2;
-  const int64_t budget = options_.kv_cache_bytes > 0
-                             ? options_.kv_cache_bytes
-                             : static_cast<int64_t>(free_bytes * options_.kv_cache_fraction);
-  // Slots (block * block_size + offset) are int32 in the kernels.
-  const int64_t max_blocks = (int64_t{1} << 31) / options_.kv_block_size - 1;
-  // One block beyond the engine's pool is reserved for the padding rows of decode graphs.
-  const int64_t blocks = std::min(budget / bytes_per_block, max_blocks);
-  if (blocks < 2) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "KV cache of %d bytes holds fewer than 2 blocks of %d tokens (%d bytes each); %d bytes "
-        "free", budget,
-        options_.kv_block_size, bytes_per_block, free_bytes));
+// The canonical K tree's GEMMs, every rank's: a column-parallel GEMM runs, on the rank's slice,
+// the algorithm pinned for the full weight's shape (so every output column has the bits of the
+// unsliced GEMM); o_proj and down_proj are [hidden, K / 8] segment GEMMs, one algorithm pinned
+// per segment shape -- the same pins at every degree. No heuristic fallback: an algorithm
+// chosen per slice shape could differ between degrees.
+absl::Status CudaModelRunner::PinCanonicalGemms() {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
+                nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
+  using Member = std::unique_ptr<cuda::PinnedGemm> RankState::*;
+  struct GemmSpec {
+    const char* name;
+    int64_t n, k;  // the shape pinned
+    cuda::GemmOutput output;
+    Member gemm;
+    std::function<int64_t(const RankState&)> rank_n;  // the rank's slice of n
+    int max_batch;                                    // leaves per RunBatched call
+  };
+  const int64_t seg_o = nh * hd / cuda::kNumKSegments, seg_down = inter / cuda::kNumKSegments;
+  const std::vector<GemmSpec> specs = {
+      {"qkv", (nh + 2 * nkv) * hd, h, cuda::GemmOutput::kF32, &RankState::gemm_qkv,
+       [hd](const RankState& rk) { return (rk.heads + 2 * rk.kv_heads) * hd; }, 1},
+      {"o leaf", h, seg_o, cuda::GemmOutput::kF32, &RankState::gemm_o,
+       [h](const RankState&) { return h; }, cuda::kNumKSegments},
+      {"gate_up", 2 * inter, h, cuda::GemmOutput::kBf16, &RankState::gemm_gate_up,
+       [](const RankState& rk) { return 2 * rk.inter; }, 1},
+      {"downleaf", h, seg_down, cuda::GemmOutput::kF32, &RankState::gemm_down,
+       [h](const RankState&) { return h; }, cuda::kNumKSegments},
+      {"lm_head", vocab, h, cuda::GemmOutput::kF32, &RankState::gemm_lm_head,
+       [&s](const RankState&) { return s.vocab_rows; }, 1},
+  };
+  for (const GemmSpec& g : specs) {
+    std::unique_ptr<cuda::PinnedGemm> full;
+    std::string why;
+    if (cuda::PinnedGemm::Create(s.lt, g.n, g.k, g.output, options_.gemm_pin_m, &full, &why) !=
+        CUBLAS_STATUS_SUCCESS) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "no split-K-free cuBLASLt algorithm could be pinned for %s [%d x %d], which the "
+          "canonical K tree (tensor parallelism) needs:\n%s",
+          g.name, g.n, g.k, why));
+    }
+    for (RankState& rk : s.ranks) {
+      const int64_t n = g.rank_n(rk);
+      why.clear();
+      if (cuda::PinnedGemm::CreateWithAlgo(s.lt, n, g.k, g.output, full->algo(), &(rk.*g.gemm),
+                                           &why, g.max_batch) != CUBLAS_STATUS_SUCCESS) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "the algorithm pinned for %s [%d x %d] does not run rank %d's slice [%d x %d]:\n%s",
+            g.name, g.n, g.k, rk.index, n, g.k, why));
+      }
+    }
+    const int64_t slice = g.rank_n(s.ranks[0]);
+    s.gemm_descriptions.push_back(absl::StrFormat(
+        "%-8s n=%-6d k=%-6d %s%s", g.name, g.n, g.k, (s.ranks[0].*g.gemm)->Describe(),
+        slice != g.n ? absl::StrFormat(" (rank slices n=%d)", slice) : ""));
   }
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaDeviceSynchronize(), "uploading RoPE tables"));
-  num_kv_blocks_ = static_cast<int32_t>(blocks - 1);
-  s.pad_block = static_cast<int32_t>(blocks - 1);
-  s.kv_layer_elems = blocks * block_elems;
-  ROLLOUT_RETURN_IF_ERROR(
-      CudaError(s.kv.Allocate(blocks * bytes_per_block),
-                absl::StrCat("allocating a KV cache of ", blocks * bytes_per_block, " bytes")));
   return absl::OkStatus();
 }
 
@@ -447,6 +694,10 @@ const std::vector<std::string>& CudaModelRunner::gemm_descriptions() const {
 
 int64_t CudaModelRunner::weight_bytes() const { return state_->weight_bytes; }
 
-int64_t CudaModelRunner::kv_cache_bytes() const { return static_cast<int64_t>(state_->kv.bytes()); }
+int64_t CudaModelRunner::kv_cache_bytes() const {
+  int64_t bytes = 0;
+  for (const RankState& rk : state_->ranks) bytes += static_cast<int64_t>(rk.kv.bytes());
+  return bytes;
+}
 
 }  // namespace rollout

@@ -17,7 +17,9 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/rank_group.h"
 #include "kernels/cuda/sampling.h"
+#include "kernels/cuda/tensor_parallel.h"
 
 namespace rollout {
 namespace cuda_runner_internal {
@@ -41,11 +43,16 @@ inline absl::Status CublasError(cublasStatus_t status, const std::string& what) 
     if (!_status.ok()) return _status; \
   } while (0)
 
+// One layer's weights as one rank holds them (heads, kv_heads, intermediate: the rank's own;
+// the whole layer at tensor_parallel = 1).
 struct LayerWeights {
   bf16* qkv = nullptr;      // [(heads + 2 * kv_heads) * head_dim, hidden]: q rows, k rows, v rows
-  bf16* o = nullptr;        // [hidden, heads * head_dim]
+  // [hidden, heads * head_dim]; with the canonical K tree [segments, hidden, K / 8], the rank's
+  // segments of K = all heads * head_dim, each contiguous.
+  bf16* o = nullptr;
   bf16* gate_up = nullptr;  // [2 * intermediate, hidden]: gate rows then up rows
-  bf16* down = nullptr;     // [hidden, intermediate]
+  // [hidden, intermediate]; with the canonical K tree [segments, hidden, K / 8] as o.
+  bf16* down = nullptr;
   float* input_norm = nullptr;  // [hidden]
   float* post_norm = nullptr;   // [hidden]
   float* q_norm = nullptr;      // [head_dim]; nullptr unless qk_norm
@@ -53,10 +60,70 @@ struct LayerWeights {
   float* qkv_bias = nullptr;    // [(heads + 2 * kv_heads) * head_dim]; nullptr unless qkv_bias
 };
 
-// Where a checkpoint tensor goes on the device.
-struct Destination {
+// A piece of a checkpoint tensor on the device: the tensor seen as [rows, cols] (1-D: [n, 1]),
+// rows [row_begin, row_begin + rows) x columns [col_begin, col_begin + cols) of it, stored
+// row-major as [rows, cols] at ptr.
+struct Piece {
   void* ptr = nullptr;
-  bool f32 = false;  // fp32 (norms, biases) or bf16 (matrices)
+  int64_t row_begin = 0, rows = 0, col_begin = 0, cols = 0;
+};
+
+// Where a checkpoint tensor goes: its pieces in the ranks (one whole piece at tensor_parallel =
+// 1, except the K segments of o/down with the canonical K tree). Loading and weight updates
+// write through the same bindings.
+struct Binding {
+  bool f32 = false;            // fp32 (norms, biases) or bf16 (matrices)
+  int64_t rows = 0, cols = 0;  // the full tensor
+  std::vector<Piece> pieces;
+  bool whole() const {
+    return pieces.size() == 1 && pieces[0].rows == rows && pieces[0].cols == cols;
+  }
+};
+
+// One tensor-parallel rank on the device: its shard of the weights and of the KV cache, its
+// activations, GEMMs and stream (the whole model at tensor_parallel = 1). Every rank's work is
+// enqueued by the runner's thread.
+struct RankState {
+  int index = 0;
+  // The rank's own query heads, KV heads (from kv_head_begin: split, or the one its query heads
+  // read when there are fewer KV heads than ranks), intermediate features, and rows
+  // [vocab_begin, vocab_end) of the embedding and lm_head (its shards hold vocab_rows rows, the
+  // ones beyond vocab_end zero).
+  int64_t heads = 0, kv_heads = 0, kv_head_begin = 0, inter = 0;
+  int64_t vocab_begin = 0, vocab_end = 0;
+
+  cudaStream_t stream = nullptr;  // owned by State; rank 0's is State::stream
+  cudaEvent_t done = nullptr;     // ranks > 0: joins its stream into rank 0's after a slice
+
+  cuda::DeviceBuffer weights_bf16;
+  cuda::DeviceBuffer weights_f32;
+  bf16* embed = nullptr;        // [vocab_rows, hidden]
+  bf16* lm_head = nullptr;      // [vocab_rows, hidden]; == embed when tied
+  float* final_norm = nullptr;  // [hidden]
+  std::vector<LayerWeights> layers;
+
+  cuda::DeviceBuffer kv;       // [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]
+  int64_t kv_layer_elems = 0;  // elements of one layer's K (or V)
+
+  // Activations for max_batch_tokens tokens.
+  cuda::DeviceBuffer x;           // [tokens, hidden] fp32: the residual stream (replicated)
+  cuda::DeviceBuffer xn;          // [tokens, hidden] bf16: normed GEMM input
+  cuda::DeviceBuffer qkv;         // [tokens, (heads + 2 * kv_heads) * head_dim] fp32
+  cuda::DeviceBuffer q;           // [tokens, heads, head_dim] fp32
+  cuda::DeviceBuffer attn;        // [tokens, heads * head_dim] bf16
+  cuda::DeviceBuffer gate_up;     // [tokens, 2 * intermediate] bf16
+  cuda::DeviceBuffer act;         // [tokens, intermediate] bf16
+  cuda::DeviceBuffer final_rows;  // [max_logit_rows, hidden] bf16
+  cuda::DeviceBuffer partials;    // [tokens, heads, splits, head_dim + 2] fp32
+  // Canonical K tree, when the rank owns more than one leaf: [8 / tp, tokens, hidden] fp32.
+  cuda::DeviceBuffer leaves;
+  // tensor_parallel > 1: [tp, max(tokens * hidden, max_logit_rows * vocab_rows)] fp32, what the
+  // all-gathers receive (the rank's own part in its slot).
+  cuda::DeviceBuffer gathered;
+
+  // Column-parallel GEMMs run the algorithm pinned for the full weight's shape; with the
+  // canonical K tree, gemm_o and gemm_down are the [hidden, K / 8] segment GEMMs.
+  std::unique_ptr<cuda::PinnedGemm> gemm_qkv, gemm_o, gemm_gate_up, gemm_down, gemm_lm_head;
 };
 
 enum Family {
@@ -116,51 +183,54 @@ struct SliceShape {
 // Everything a runner holds on the device. Engine thread only, like the runner.
 struct CudaModelRunner::State {
   using LayerWeights = cuda_runner_internal::LayerWeights;
-  using Destination = cuda_runner_internal::Destination;
+  using Binding = cuda_runner_internal::Binding;
+  using RankState = cuda_runner_internal::RankState;
   using bf16 = cuda::bf16;
 
   ~State() {
     DropGraphs();
     for (cudaEvent_t e : events) cudaEventDestroy(e);
-    gemm_qkv.reset();
-    gemm_o.reset();
-    gemm_gate_up.reset();
-    gemm_down.reset();
-    gemm_lm_head.reset();
+    group.reset();
+    if (fork != nullptr) cudaEventDestroy(fork);
+    for (RankState& rk : ranks) {
+      if (rk.stream != nullptr) cudaStreamSynchronize(rk.stream);
+      rk.gemm_qkv.reset();
+      rk.gemm_o.reset();
+      rk.gemm_gate_up.reset();
+      rk.gemm_down.reset();
+      rk.gemm_lm_head.reset();
+      if (rk.done != nullptr) cudaEventDestroy(rk.done);
+    }
     if (lt != nullptr) cublasLtDestroy(lt);
-    if (stream != nullptr) cudaStreamDestroy(stream);
+    for (RankState& rk : ranks) {
+      if (rk.stream != nullptr) cudaStreamDestroy(rk.stream);
+    }
   }
 
-  cudaStream_t stream = nullptr;
+  // Tensor parallelism: tp ranks (1 = the whole model in ranks[0]); canonical: o_proj and
+  // down_proj as the canonical K tree (always when tp > 1); vocab_rows: rows of each rank's
+  // embedding / lm_head shard (vocab at tp = 1, else ceil(vocab / tp) rounded up to 64).
+  int tp = 1;
+  bool canonical = false;
+  int64_t vocab_rows = 0;
+  std::vector<RankState> ranks;
+  // tp > 1: the ranks' exchanges, and the event that starts ranks > 0 after what rank 0's
+  // stream enqueued before a slice (the metadata upload; in a capture, what forks them into it).
+  std::unique_ptr<cuda::RankGroup> group;
+  cudaEvent_t fork = nullptr;
+
+  cudaStream_t stream = nullptr;  // rank 0's: metadata, logits, sampling, capture origin
   cublasLtHandle_t lt = nullptr;
 
-  cuda::DeviceBuffer weights_bf16;
-  cuda::DeviceBuffer weights_f32;
   int64_t weight_bytes = 0;
-  bf16* embed = nullptr;        // [vocab, hidden]
-  bf16* lm_head = nullptr;      // [vocab, hidden]; == embed when tied
-  float* final_norm = nullptr;  // [hidden]
-  std::vector<LayerWeights> layers;
-  std::map<std::string, Destination> destinations;
+  std::map<std::string, Binding> bindings;
   std::vector<WeightSpec> weight_specs;  // sorted by name
 
   cuda::DeviceBuffer rope_cos;  // [max_position, head_dim / 2]
   cuda::DeviceBuffer rope_sin;  // [max_position, head_dim / 2]
-  cuda::DeviceBuffer kv;        // [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]
-  int64_t kv_layer_elems = 0;   // elements of one layer's K (or V)
 
-  // Activations for max_batch_tokens tokens.
-  cuda::DeviceBuffer x;           // [tokens, hidden] fp32: the residual stream
-  cuda::DeviceBuffer xn;          // [tokens, hidden] bf16: normed GEMM input
-  cuda::DeviceBuffer qkv;         // [tokens, (heads + 2 * kv_heads) * head_dim] fp32
-  cuda::DeviceBuffer q;           // [tokens, heads, head_dim] fp32
-  cuda::DeviceBuffer attn;        // [tokens, heads * head_dim] bf16
-  cuda::DeviceBuffer gate_up;     // [tokens, 2 * intermediate] bf16
-  cuda::DeviceBuffer act;         // [tokens, intermediate] bf16
-  cuda::DeviceBuffer final_rows;  // [max_logit_rows, hidden] bf16
-  cuda::DeviceBuffer logits;      // [max_logit_rows, vocab] fp32
-  cuda::DeviceBuffer meta;        // int32 batch metadata (see ForwardSlice)
-  cuda::DeviceBuffer partials;    // [tokens, heads, splits, head_dim + 2] fp32
+  cuda::DeviceBuffer logits;  // [max_logit_rows, vocab] fp32, full rows (rank 0's stream)
+  cuda::DeviceBuffer meta;    // int32 batch metadata (see ForwardSlice), read by every rank
   cuda::PinnedHostBuffer meta_host;
 
   // The last Forward's logits: on the device in `logits` rows [0, last_rows) when they fit
@@ -172,7 +242,6 @@ struct CudaModelRunner::State {
   cuda::DeviceBuffer row_specs, row_results;
   cuda::PinnedHostBuffer row_specs_host, row_results_host;
 
-  std::unique_ptr<cuda::PinnedGemm> gemm_qkv, gemm_o, gemm_gate_up, gemm_down, gemm_lm_head;
   std::vector<std::string> gemm_descriptions;
 
   // Decode graphs by (padded batch size, split bucket). They hold the device pointers of the

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <utility>
 
 namespace rollout::cuda {
 namespace {
@@ -29,6 +30,24 @@ struct Layouts {
     ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k));
     ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, k));
     return cublasLtMatrixLayoutCreate(&c, OutputType(output), n, m, n);
+  }
+  // x rows ldx apart, and `batch` products with these element strides between them.
+  cublasStatus_t InitBatched(int64_t m, int64_t n, int64_t k, GemmOutput output, int64_t ldx,
+                             int batch, int64_t x_step, int64_t w_step, int64_t y_step) {
+    ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k));
+    ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, ldx));
+    ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&c, OutputType(output), n, m, n));
+    if (batch == 1) return CUBLAS_STATUS_SUCCESS;
+    const int32_t count = batch;
+    const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {
+        {a, w_step}, {b, x_step}, {c, y_step}};
+    for (const auto& [layout, step] : strided) {
+      ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutSetAttribute(
+          layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutSetAttribute(
+          layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &step, sizeof(step)));
+    }
+    return CUBLAS_STATUS_SUCCESS;
   }
 };
 
@@ -134,7 +153,7 @@ cublasStatus_t PinnedGemm::Candidates(cublasLtHandle_t handle, int64_t n, int64_
 cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, int64_t k,
                                           GemmOutput output, const cublasLtMatmulAlgo_t& algo,
                                           std::unique_ptr<PinnedGemm>* gemm,
-                                          std::string* diagnostics) {
+                                          std::string* diagnostics, int max_batch) {
   std::unique_ptr<PinnedGemm> g(new PinnedGemm(handle, n, k, output));
   ROLLOUT_RETURN_IF_CUBLAS(CreateDesc(&g->desc_));
   g->algo_ = algo;
@@ -159,6 +178,28 @@ cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, in
       return status != CUBLAS_STATUS_SUCCESS ? status : CUBLAS_STATUS_NOT_SUPPORTED;
     }
     workspace = std::max(workspace, check.workspaceSize);
+  }
+  // Batched layouts as RunBatched uses them for the K segments of a row: b products of [m, k]
+  // column blocks of one [m, b * k] matrix, weights and outputs back to back.
+  g->max_batch_ = std::max(1, max_batch);
+  g->batched_ = g->max_batch_ > 1;
+  for (int batch = 2; g->batched_ && batch <= g->max_batch_; batch *= 2) {
+    for (int64_t m : {1, 7, 64, 1000, 8192}) {
+      Layouts layouts;
+      ROLLOUT_RETURN_IF_CUBLAS(
+          layouts.InitBatched(m, n, k, output, batch * k, batch, k, n * k, m * n));
+      cublasLtMatmulHeuristicResult_t check{};
+      const cublasStatus_t status = cublasLtMatmulAlgoCheck(
+          handle, g->desc_, layouts.a, layouts.b, layouts.c, layouts.c, &g->algo_, &check);
+      if (status != CUBLAS_STATUS_SUCCESS || check.workspaceSize > kMaxPinnedWorkspace) {
+        note("batch " + std::to_string(batch) + " m=" + std::to_string(m) + " check " +
+             CublasStatusName(status) + " workspace " + std::to_string(check.workspaceSize) +
+             ": products run one call each");
+        g->batched_ = false;
+        break;
+      }
+      workspace = std::max(workspace, check.workspaceSize);
+    }
   }
   if (workspace > 0 && g->workspace_.Allocate(workspace) != cudaSuccess) {
     return CUBLAS_STATUS_ALLOC_FAILED;
@@ -196,8 +237,13 @@ cublasStatus_t PinnedGemm::CreateHeuristic(cublasLtHandle_t handle, int64_t n, i
 
 std::string PinnedGemm::Describe() const {
   if (mode_ == Mode::kPinned) {
+    std::string batching;
+    if (max_batch_ > 1) {
+      batching = batched_ ? " batched up to " + std::to_string(max_batch_)
+                          : " (batches run one call per product)";
+    }
     return "pinned " + DescribeAlgo(algo_).ToString() + " workspace " +
-           std::to_string(workspace_.bytes());
+           std::to_string(workspace_.bytes()) + batching;
   }
   return "not pinned: cuBLASLt heuristic per m, no workspace (like cublasGemmEx, workspace 0)";
 }
@@ -226,6 +272,31 @@ cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfl
   }
   return cublasLtMatmul(handle_, desc_, &alpha, w, layouts.a, x, layouts.b, &beta, y, layouts.c, y,
                         layouts.c, algo, workspace_.get(), workspace_.bytes(), stream);
+}
+
+cublasStatus_t PinnedGemm::RunBatched(const __nv_bfloat16* x, int64_t ldx, int64_t x_step,
+                                      int64_t m, const __nv_bfloat16* w, int64_t w_step, void* y,
+                                      int64_t y_step, int batch, cudaStream_t stream) {
+  if (mode_ != Mode::kPinned || batch < 1 || batch > max_batch_ || ldx < k_) {
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (m == 0) return CUBLAS_STATUS_SUCCESS;
+  const float alpha = 1.0f;
+  const float beta = output_ == GemmOutput::kF32Accumulate ? 1.0f : 0.0f;
+  if (batch == 1 || batched_) {
+    Layouts layouts;
+    ROLLOUT_RETURN_IF_CUBLAS(
+        layouts.InitBatched(m, n_, k_, output_, ldx, batch, x_step, w_step, y_step));
+    return cublasLtMatmul(handle_, desc_, &alpha, w, layouts.a, x, layouts.b, &beta, y, layouts.c,
+                          y, layouts.c, &algo_, workspace_.get(), workspace_.bytes(), stream);
+  }
+  const size_t y_bytes = output_ == GemmOutput::kBf16 ? 2 : 4;
+  for (int b = 0; b < batch; ++b) {
+    ROLLOUT_RETURN_IF_CUBLAS(RunBatched(x + b * x_step, ldx, 0, m, w + b * w_step, 0,
+                                        static_cast<char*>(y) + b * y_step * y_bytes, 0, 1,
+                                        stream));
+  }
+  return CUBLAS_STATUS_SUCCESS;
 }
 
 const char* CublasStatusName(cublasStatus_t status) { return cublasLtGetStatusName(status); }

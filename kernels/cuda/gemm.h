@@ -65,11 +65,18 @@ class PinnedGemm {
   static cublasStatus_t Create(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output,
                                int64_t pin_m, std::unique_ptr<PinnedGemm>* gemm,
                                std::string* diagnostics = nullptr);
-  // The same with an explicit algorithm (benchmarks).
+  // The same with an explicit algorithm: benchmarks, and tensor parallelism, where a rank's
+  // slice [n / tp, k] of a column-parallel weight runs the algorithm pinned for the full [n, k]
+  // (so every output column has the bits of the unsliced GEMM's; tests/gpu/tp_test.cc proves it)
+  // and every K segment runs the one algorithm of its shape. max_batch > 1: RunBatched will be
+  // called with up to that many products; the algorithm is also checked (and the workspace sized)
+  // for batched layouts of 2, 4, ... max_batch products, and when any check fails RunBatched
+  // runs the products one call each instead -- a choice fixed here, a function of (GPU model,
+  // cuBLAS version, shape, algorithm, max_batch) like the pin itself.
   static cublasStatus_t CreateWithAlgo(cublasLtHandle_t handle, int64_t n, int64_t k,
                                        GemmOutput output, const cublasLtMatmulAlgo_t& algo,
                                        std::unique_ptr<PinnedGemm>* gemm,
-                                       std::string* diagnostics = nullptr);
+                                       std::string* diagnostics = nullptr, int max_batch = 1);
   // The kHeuristicNoWorkspace fallback.
   static cublasStatus_t CreateHeuristic(cublasLtHandle_t handle, int64_t n, int64_t k,
                                         GemmOutput output, std::unique_ptr<PinnedGemm>* gemm);
@@ -86,12 +93,23 @@ class PinnedGemm {
   // x: [m, k] bf16; w: [n, k] bf16; y: [m, n] (bf16 or fp32 per output()).
   cublasStatus_t Run(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, void* y,
                      cudaStream_t stream);
+  // `batch` products y_b = x_b . w_b^T, b = 0 .. batch - 1: x_b = x + b * x_step, [m, k] with
+  // rows ldx elements apart (ldx >= k: a column block of a wider matrix); w_b = w + b * w_step,
+  // [n, k]; y_b = y + b * y_step, [m, n] (offsets in elements). Each product gets the bits Run
+  // gives it alone (tests/gpu/tp_test.cc). One cuBLASLt call when batching passed the checks at
+  // creation, else one per product. REQUIRES: kPinned; batch <= the max_batch of creation;
+  // x_b, w_b, y_b 16-byte aligned and ldx a multiple of 8.
+  cublasStatus_t RunBatched(const __nv_bfloat16* x, int64_t ldx, int64_t x_step, int64_t m,
+                            const __nv_bfloat16* w, int64_t w_step, void* y, int64_t y_step,
+                            int batch, cudaStream_t stream);
 
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
   GemmOutput output() const { return output_; }
   Mode mode() const { return mode_; }
   const cublasLtMatmulAlgo_t& algo() const { return algo_; }  // kPinned only
+  // Whether RunBatched runs its products in one call (see CreateWithAlgo).
+  bool batched() const { return max_batch_ > 1 && batched_; }
   std::string Describe() const;
 
  private:
@@ -105,6 +123,8 @@ class PinnedGemm {
   Mode mode_ = Mode::kPinned;
   cublasLtMatmulDesc_t desc_ = nullptr;
   cublasLtMatmulAlgo_t algo_{};
+  int max_batch_ = 1;
+  bool batched_ = false;
   DeviceBuffer workspace_;  // kPinned: what the algorithm asks for at the largest m checked
   std::map<int64_t, cublasLtMatmulAlgo_t> per_m_;  // kHeuristicNoWorkspace: m -> its algorithm
 };

@@ -2,7 +2,10 @@
 # Runs the CUDA backend's proofs and benchmarks on a GPU machine, from the repository root, with
 # binaries built elsewhere and bundled in .gpu/ (docs/cuda.md: "Running on a GPU host").
 # Logs go to $OUT (default /tmp/rollout-gpu). Each step is time-boxed; a failing step does not
-# stop the later ones. Steps: STEPS="hf test sweep bench" (default: all).
+# stop the later ones. Steps: STEPS="hf test sweep bench e2e grpc" (default: hf test sweep bench).
+#   e2e:  the end-to-end suites (e2e_test) against servers on the CUDA backend (E2E_FILTER).
+#   grpc: writes a Qwen3-8B-shaped checkpoint (rollout-make-model), serves it with rollout-server
+#         --backend cuda and runs rollout-grpc-bench against it (GRPC_ARGS).
 set -uo pipefail
 OUT=${OUT:-/tmp/rollout-gpu}
 STEPS=${STEPS:-"hf test sweep bench"}
@@ -24,6 +27,35 @@ fi
 if [[ " $STEPS " == *" sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-120} .gpu/bin/rollout-gemm-sweep > "$OUT/gemm_sweep.log" 2>&1
   echo "rollout-gemm-sweep: rc $?"
+fi
+if [[ " $STEPS " == *" e2e "* ]]; then
+  ROLLOUT_TEST_BACKEND=cuda timeout ${E2E_TIMEOUT:-300} .gpu/bin/e2e_test \
+    --gtest_filter="${E2E_FILTER:-Determinism*:TensorParallelServer*:ReliabilityMetrics*:GenerateE2e*}" \
+    > "$OUT/e2e_cuda.log" 2>&1
+  echo "e2e_test (cuda backend): rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED" "$OUT/e2e_cuda.log"
+fi
+if [[ " $STEPS " == *" grpc "* ]]; then
+  model=${GRPC_MODEL_DIR:-/tmp/rollout-qwen3-8b}
+  if [[ ! -f $model/config.json ]]; then
+    /usr/bin/time -f "make-model %e s" timeout 300 .gpu/bin/rollout-make-model --preset qwen3-8b \
+      --out "$model" > "$OUT/make_model.log" 2>&1
+    tail -1 "$OUT/make_model.log"
+  fi
+  .gpu/bin/rollout-server --backend cuda --model "$model" --port 50151 --metrics_port 9491 \
+    --max_running_samples 256 --max_batch_tokens 8192 --kv_block_size 32 \
+    --attention_split_size 256 --kv_cache_mb ${GRPC_KV_MB:-90000} > "$OUT/grpc_server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 600); do
+    grep -q "listening on port" "$OUT/grpc_server.log" && break
+    kill -0 $server 2>/dev/null || break
+    sleep 0.5
+  done
+  grep -E "loaded|listening|metrics" "$OUT/grpc_server.log" | tail -3
+  timeout ${GRPC_TIMEOUT:-300} .gpu/bin/rollout-grpc-bench --target 127.0.0.1:50151 ${GRPC_ARGS:-} \
+    > "$OUT/grpc_bench.log" 2>&1
+  echo "rollout-grpc-bench: rc $?"; grep -A3 RESULT "$OUT/grpc_bench.log"
+  curl -s localhost:9491/metrics > "$OUT/grpc_metrics.txt" 2>/dev/null || true
+  kill -TERM $server; wait $server; echo "rollout-server exit: $?"
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   timeout ${BENCH_TIMEOUT:-420} .gpu/bin/rollout-bench $BENCH_ARGS > "$OUT/bench.log" 2>&1

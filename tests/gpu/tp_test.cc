@@ -1,0 +1,450 @@
+// Tensor parallelism on the CUDA backend (D10), end to end on one device: the logits of TP 1
+// (canonical K tree), 2, 4 and 8 ranks are bitwise equal through prefill, mixed and decode steps
+// (CUDA graphs included), on the device through sampling, and after weight updates; the plain
+// fused GEMM at TP 1 is the control that shows the comparison can fail; and the cost of the
+// canonical tree in whole forward steps. The GEMM-level facts behind it are in
+// tp_kernels_test.cc.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/cuda/cuda_model_runner.h"
+#include "engine/random_model.h"
+#include "gtest/gtest.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace rollout {
+namespace {
+
+// A fixed script of Forward steps, run at every degree.
+
+struct Seq {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> blocks;
+};
+
+// Tokens [begin, end) of sequence `seq` in one Forward; logits for every token
+// or the last.
+struct Chunk {
+  int seq;
+  int begin, end;
+  bool all_logits;
+};
+
+struct Script {
+  std::vector<Seq> seqs;
+  std::vector<std::vector<Chunk>> steps;
+};
+
+std::vector<int32_t> RandomTokens(int n, int vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(n);
+  for (int32_t &x : t) x = static_cast<int32_t>(rng() % vocab);
+  return t;
+}
+
+// Sequences of random prompt lengths up to max_prompt: first mixed steps
+// (prefill chunks of up to 300 tokens of up to three sequences beside one
+// decode token of every sequence whose prompt is done), then pure decode steps
+// of varying batch size -- the ones that replay CUDA graphs.
+Script MakeScript(int vocab, int block_size, int num_seqs, int max_prompt, bool all_logits,
+                  uint64_t seed) {
+  constexpr int kDecodeSteps = 6;
+  std::mt19937 rng(seed);
+  Script script;
+  std::vector<int> prompt(num_seqs), done(num_seqs, 0);
+  for (int i = 0; i < num_seqs; ++i) prompt[i] = 1 + static_cast<int>(rng() % max_prompt);
+  auto prefilling = [&] {
+    std::vector<int> left;
+    for (int i = 0; i < num_seqs; ++i) {
+      if (done[i] < prompt[i]) left.push_back(i);
+    }
+    return left;
+  };
+  for (std::vector<int> left = prefilling(); !left.empty(); left = prefilling()) {
+    std::vector<Chunk> step;
+    for (int i = 0; i < num_seqs; ++i) {  // decode tokens of finished prompts
+      if (done[i] >= prompt[i]) {
+        step.push_back({i, done[i], done[i] + 1, true});
+        ++done[i];
+      }
+    }
+    for (size_t j = 0; j < left.size() && j < 3; ++j) {
+      const int i = left[j];
+      const int len = std::min(prompt[i] - done[i], 1 + static_cast<int>(rng() % 300));
+      step.insert(step.begin() + rng() % (step.size() + 1),
+                  Chunk{i, done[i], done[i] + len, all_logits});
+      done[i] += len;
+    }
+    script.steps.push_back(std::move(step));
+  }
+  const int sizes[kDecodeSteps] = {1, 3, num_seqs, num_seqs / 2 + 1, 2, num_seqs};
+  std::vector<int> order(num_seqs);
+  for (int i = 0; i < num_seqs; ++i) order[i] = i;
+  for (int k = 0; k < kDecodeSteps; ++k) {
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<Chunk> step;
+    for (int j = 0; j < std::min(sizes[k], num_seqs); ++j) {
+      const int i = order[j];
+      step.push_back({i, done[i], done[i] + 1, true});
+      ++done[i];
+    }
+    script.steps.push_back(std::move(step));
+  }
+  // The tokens (prompt, then teacher-forced "generated" ones) and KV blocks
+  // each sequence needs.
+  int32_t next_block = 0;
+  for (int i = 0; i < num_seqs; ++i) {
+    Seq s;
+    s.tokens = RandomTokens(done[i], vocab, seed * 1000 + i);
+    for (int b = 0; b < (done[i] + block_size - 1) / block_size; ++b)
+      s.blocks.push_back(next_block++);
+    script.seqs.push_back(std::move(s));
+  }
+  return script;
+}
+
+ForwardBatch MakeBatch(const Script &script, const std::vector<Chunk> &chunks) {
+  ForwardBatch b;
+  for (const Chunk &c : chunks) {
+    const int32_t index = static_cast<int32_t>(b.block_tables.size());
+    b.block_tables.push_back(script.seqs[c.seq].blocks);
+    for (int pos = c.begin; pos < c.end; ++pos) {
+      if (c.all_logits || pos == c.end - 1) b.logit_rows.push_back(b.num_tokens());
+      b.token_ids.push_back(script.seqs[c.seq].tokens[pos]);
+      b.positions.push_back(pos);
+      b.token_seq.push_back(index);
+    }
+  }
+  return b;
+}
+
+// Every step's logits rows, concatenated.
+std::vector<float> RunScript(CudaModelRunner *runner, const Script &script) {
+  std::vector<float> all;
+  for (const std::vector<Chunk> &step : script.steps) {
+    std::vector<float> logits;
+    const absl::Status s = runner->ForwardToHost(MakeBatch(script, step), &logits);
+    EXPECT_TRUE(s.ok()) << s;
+    if (!s.ok()) return {};
+    all.insert(all.end(), logits.begin(), logits.end());
+  }
+  return all;
+}
+
+int32_t BlocksNeeded(const Script &script) {
+  int32_t blocks = 0;
+  for (const Seq &s : script.seqs) blocks += static_cast<int32_t>(s.blocks.size());
+  return blocks;
+}
+
+// Bitwise comparison of logits rows, naming the first differing row and how
+// many differ.
+::testing::AssertionResult SameBits(const std::vector<float> &got, const std::vector<float> &want,
+                                    int64_t vocab) {
+  if (got.size() != want.size() || want.empty()) {
+    return ::testing::AssertionFailure()
+           << "logits sizes differ: " << got.size() << " vs " << want.size();
+  }
+  const int64_t rows = static_cast<int64_t>(want.size()) / vocab;
+  int64_t first = -1, differing = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (std::memcmp(&got[r * vocab], &want[r * vocab], vocab * sizeof(float)) != 0) {
+      if (first < 0) first = r;
+      ++differing;
+    }
+  }
+  if (differing == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << differing << " of " << rows
+                                       << " logits rows differ bitwise, the first is row " << first;
+}
+
+class TpModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  }
+
+  static CudaRunnerOptions Options(int tp, bool canonical, bool graphs, int64_t kv_bytes,
+                                   int32_t max_batch_tokens) {
+    CudaRunnerOptions o;
+    o.tensor_parallel = tp;
+    o.canonical_k_tree = canonical;
+    o.cuda_graphs = graphs;
+    o.kv_cache_bytes = kv_bytes;
+    o.max_batch_tokens = max_batch_tokens;
+    return o;
+  }
+
+  // The script's logits at TP 1 with the canonical tree (eager: no graphs),
+  // then at each degree (graphs on): every degree bitwise equal to the
+  // reference, every degree > 1 having replayed decode graphs.
+  static void CheckDegrees(const ModelConfig &config, const std::vector<int> &degrees,
+                           const Script &script, int64_t kv_bytes, int32_t max_batch_tokens) {
+    const int64_t vocab = config.vocab_size;
+    std::vector<float> want;
+    {
+      auto ref = CudaModelRunner::CreateSynthetic(
+          config, 7, Options(1, true, false, kv_bytes, max_batch_tokens));
+      ASSERT_TRUE(ref.ok()) << ref.status();
+      ASSERT_GE((*ref)->num_kv_blocks(), BlocksNeeded(script));
+      for (const std::string &line : (*ref)->gemm_descriptions()) {
+        std::printf("[ pinned   ] %s\n", line.c_str());
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      want = RunScript(ref->get(), script);
+      std::printf(
+          "[ tp       ] tp 1 (canonical, eager): %zu logits rows, %.1f ms\n", want.size() / vocab,
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    for (int tp : degrees) {
+      auto runner = CudaModelRunner::CreateSynthetic(
+          config, 7, Options(tp, tp == 1, true, kv_bytes, max_batch_tokens));
+      ASSERT_TRUE(runner.ok()) << "tp " << tp << ": " << runner.status();
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::vector<float> got = RunScript(runner->get(), script);
+      std::printf(
+          "[ tp       ] tp %d (graphs): %.1f ms, %ld decode graphs replayed\n", tp,
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+          static_cast<long>((*runner)->graph_launches()));
+      EXPECT_TRUE(SameBits(got, want, vocab)) << "tensor-parallel degree " << tp;
+      EXPECT_GT((*runner)->graph_launches(), 0) << "tp " << tp << " replayed no decode graph";
+    }
+  }
+};
+
+TEST_F(TpModelTest, SmallModelLogitsAreBitwiseEqualAtTp1Tp2Tp4Tp8) {
+  // 8 heads, 2 KV heads (replicated at TP 4 and 8), vocab 4096; 4 layers. Steps
+  // of up to ~900 tokens run in slices of 512.
+  const ModelConfig config = *PresetConfig("small");
+  const Script script = MakeScript(config.vocab_size, 32, 12, 700, /*all_logits=*/true, 31);
+  CheckDegrees(config, {1, 2, 4, 8}, script, 256ll << 20, 512);
+}
+
+TEST_F(TpModelTest, Qwen3_8bShapedLogitsAreBitwiseEqualAtTp1Tp2Tp4Tp8) {
+  // Hidden 4096, 32 / 8 heads x 128, intermediate 12288, vocab 151936: two
+  // layers.
+  ModelConfig config = *PresetConfig("qwen3-8b");
+  config.num_layers = 2;
+  const Script script = MakeScript(config.vocab_size, 32, 10, 900, /*all_logits=*/false, 32);
+  CheckDegrees(config, {1, 2, 4, 8}, script, 1ll << 30, 1024);
+}
+
+// Qwen2-style: qkv biases, no q/k norm, untied lm_head, 4 KV heads (replicated
+// at TP 8), and a vocabulary of 4000 that no shard size divides: the last
+// rank's shard is shorter.
+TEST_F(TpModelTest, Qwen2StyleBiasesAndUnevenVocabAreBitwiseEqualAtEveryDegree) {
+  ModelConfig config = *PresetConfig("small");
+  config.architecture = "Qwen2ForCausalLM";
+  config.family = ModelFamily::kQwen2;
+  config.qk_norm = false;
+  config.qkv_bias = true;
+  config.tie_word_embeddings = false;
+  config.num_layers = 2;
+  config.num_key_value_heads = 4;
+  config.vocab_size = 4000;
+  const Script script = MakeScript(config.vocab_size, 32, 8, 400, /*all_logits=*/true, 33);
+  CheckDegrees(config, {1, 2, 4, 8}, script, 128ll << 20, 2048);
+}
+
+// The control: at TP 1 the plain fused GEMM (one K walk + residual epilogue)
+// gives other bits than the canonical tree -- close (the same model), but not
+// equal. Without the tree, TP 1 would differ from every TP > 1, and the
+// equality tests above would fail.
+TEST_F(TpModelTest, PlainFusedGemmAtTp1DiffersFromTheCanonicalTree) {
+  const ModelConfig config = *PresetConfig("small");
+  const Script script = MakeScript(config.vocab_size, 32, 6, 300, /*all_logits=*/true, 34);
+  auto plain =
+      CudaModelRunner::CreateSynthetic(config, 7, Options(1, false, true, 128ll << 20, 2048));
+  auto tree =
+      CudaModelRunner::CreateSynthetic(config, 7, Options(1, true, true, 128ll << 20, 2048));
+  ASSERT_TRUE(plain.ok() && tree.ok()) << plain.status() << tree.status();
+  const std::vector<float> a = RunScript(plain->get(), script);
+  const std::vector<float> b = RunScript(tree->get(), script);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_FALSE(SameBits(a, b, config.vocab_size)) << "the fused GEMM gave the tree's bits";
+  double max_err = 0.0, sum_sq = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    max_err = std::max(max_err, std::fabs(static_cast<double>(a[i]) - b[i]));
+    sum_sq += static_cast<double>(b[i]) * b[i];
+  }
+  const double rms = std::sqrt(sum_sq / b.size());
+  std::printf("[ control  ] plain vs tree at tp 1: logits rms %.3f, max |diff| %.4f\n", rms,
+              max_err);
+  EXPECT_LT(max_err, 0.1 * rms) << "plain and tree should be the same model";
+}
+
+// Every kind of binding (vocab rows, head rows, K segments, gate/up rows,
+// norms) after the same update: TP 4 and 8 give TP 1's bits, and the update
+// changed them.
+TEST_F(TpModelTest, WeightUpdatesSliceIntoTheRankShards) {
+  const ModelConfig config = *PresetConfig("small");
+  const Script script = MakeScript(config.vocab_size, 32, 5, 200, /*all_logits=*/true, 35);
+  std::vector<HostTensor> update;
+  std::mt19937 rng(36);
+  for (const TensorSpec &spec : ExpectedTensors(config)) {
+    const bool pick = spec.name.find("layers.1.") != std::string::npos ||
+                      spec.name.find("layers.") == std::string::npos;
+    if (!pick) continue;
+    HostTensor t{spec.name, DType::kBF16, spec.shape, {}};
+    int64_t count = 1;
+    for (int64_t d : spec.shape) count *= d;
+    std::normal_distribution<float> dist(spec.name.find("norm") != std::string::npos ? 1.0f : 0.0f,
+                                         0.05f);
+    t.bytes.resize(count * 2);
+    for (int64_t i = 0; i < count; ++i) {
+      const uint16_t v = F32ToBF16(dist(rng));
+      std::memcpy(&t.bytes[2 * i], &v, 2);
+    }
+    update.push_back(std::move(t));
+  }
+  std::vector<float> before, want;
+  for (int tp : {1, 4, 8}) {
+    auto runner =
+        CudaModelRunner::CreateSynthetic(config, 7, Options(tp, true, true, 128ll << 20, 2048));
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    if (tp == 1) before = RunScript(runner->get(), script);
+    const absl::Status s = (*runner)->UpdateWeights(update);
+    ASSERT_TRUE(s.ok()) << s;
+    const std::vector<float> got = RunScript(runner->get(), script);
+    if (tp == 1) {
+      want = got;
+      EXPECT_FALSE(SameBits(want, before, config.vocab_size)) << "the update changed nothing";
+    } else {
+      EXPECT_TRUE(SameBits(got, want, config.vocab_size)) << "after the update, tp " << tp;
+    }
+  }
+}
+
+TEST_F(TpModelTest, DegreesTheModelCannotSplitAreRefused) {
+  ModelConfig config = *PresetConfig("small");
+  for (int tp : {3, 16}) {
+    auto runner =
+        CudaModelRunner::CreateSynthetic(config, 7, Options(tp, true, true, 64 << 20, 512));
+    EXPECT_FALSE(runner.ok()) << "tp " << tp;
+  }
+  config.intermediate_size = 776;  // divisible by 8 but not by 64: no 16-byte K segments
+  auto runner = CudaModelRunner::CreateSynthetic(config, 7, Options(2, true, true, 64 << 20, 512));
+  ASSERT_FALSE(runner.ok());
+  std::printf("[ refused  ] %s\n", runner.status().ToString().c_str());
+}
+
+// The engine's path: logits left on the device (Forward) and processed there (ProcessLogits) --
+// greedy, sampled with top-N logprobs, and scored rows get the same tokens and logprob bits at
+// every degree.
+TEST_F(TpModelTest, DeviceLogitsSampleAndScoreToTheSameBitsAtEveryDegree) {
+  const ModelConfig config = *PresetConfig("small");
+  const Script script = MakeScript(config.vocab_size, 32, 6, 300, /*all_logits=*/false, 37);
+  SamplingParams greedy, sampled;
+  greedy.temperature = 0.0f;
+  greedy.top_logprobs = 3;
+  sampled.temperature = 0.8f;
+  sampled.top_logprobs = 5;
+  std::vector<std::string> want;
+  for (int tp : {1, 2, 4, 8}) {
+    auto runner =
+        CudaModelRunner::CreateSynthetic(config, 7, Options(tp, true, true, 128ll << 20, 2048));
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    std::vector<std::string> got;
+    for (const std::vector<Chunk> &step : script.steps) {
+      const ForwardBatch batch = MakeBatch(script, step);
+      ASSERT_TRUE((*runner)->Forward(batch, nullptr).ok());
+      std::vector<LogitsRowTask> tasks(batch.logit_rows.size());
+      for (size_t i = 0; i < tasks.size(); ++i) {
+        tasks[i].params = i % 3 == 0 ? &greedy : &sampled;
+        tasks[i].sample_seed = 1000 + i;
+        tasks[i].position = batch.positions[batch.logit_rows[i]] + 1;
+        if (i % 3 == 2) tasks[i].score_token = static_cast<int32_t>((i * 37) % config.vocab_size);
+      }
+      std::vector<SampleResult> results;
+      const absl::Status s = (*runner)->ProcessLogits(tasks, {}, &results);
+      ASSERT_TRUE(s.ok()) << s;
+      for (const SampleResult &r : results) {
+        std::string bits(reinterpret_cast<const char *>(&r.token), 4);
+        bits.append(reinterpret_cast<const char *>(&r.logprob), 4);
+        for (const TokenLogprob &t : r.top)
+          bits.append(reinterpret_cast<const char *>(&t), sizeof(t));
+        got.push_back(bits);
+      }
+    }
+    if (tp == 1) {
+      want = got;
+    } else {
+      ASSERT_EQ(got.size(), want.size());
+      int differing = 0;
+      for (size_t i = 0; i < got.size(); ++i) differing += got[i] != want[i];
+      EXPECT_EQ(differing, 0) << "tp " << tp << ": of " << got.size() << " processed rows";
+    }
+  }
+}
+
+// Whole steps of a 2-layer Qwen3-8B-shaped model with canonical_k_tree off and
+// on (TP 1): a decode step of 256 sequences at context 512 (graph replay) and a
+// prefill step of 16 x 512.
+TEST_F(TpModelTest, CostOfTheCanonicalKTreeInForwardSteps) {
+  ModelConfig config = *PresetConfig("qwen3-8b");
+  config.num_layers = 2;
+  constexpr int kSeqs = 256, kContext = 512;
+  for (bool canonical : {false, true}) {
+    auto runner =
+        CudaModelRunner::CreateSynthetic(config, 7, Options(1, canonical, true, 4ll << 30, 8192));
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    const int32_t bs = (*runner)->kv_block_size();
+    Script script;
+    for (int i = 0; i < kSeqs; ++i) {
+      Seq s;
+      s.tokens = RandomTokens(kContext + 64, config.vocab_size, 800 + i);
+      for (int b = 0; b < (kContext + 64) / bs; ++b)
+        s.blocks.push_back(i * ((kContext + 64) / bs) + b);
+      script.seqs.push_back(std::move(s));
+    }
+    ASSERT_GE((*runner)->num_kv_blocks(), BlocksNeeded(script));
+    std::vector<float> logits;
+    for (int first = 0; first < kSeqs; first += 16) {  // prefill the contexts
+      std::vector<Chunk> step;
+      for (int i = first; i < first + 16; ++i) step.push_back({i, 0, kContext, false});
+      ASSERT_TRUE((*runner)->Forward(MakeBatch(script, step), &logits).ok());
+    }
+    auto time_steps = [&](const std::function<std::vector<Chunk>(int)> &step_at, int steps) {
+      bool ok = (*runner)->Forward(MakeBatch(script, step_at(0)), &logits).ok();  // warm-up
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int k = 1; k <= steps && ok; ++k) {
+        ok = (*runner)->Forward(MakeBatch(script, step_at(k)), &logits).ok();
+      }
+      EXPECT_TRUE(ok);
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                 .count() /
+             steps;
+    };
+    const double decode_ms = time_steps(
+        [&](int k) {
+          std::vector<Chunk> step;
+          for (int i = 0; i < kSeqs; ++i) step.push_back({i, kContext + k, kContext + k + 1, true});
+          return step;
+        },
+        20);
+    // 16 contexts recomputed (the same KV bits): 8192 tokens.
+    const double prefill_ms = time_steps(
+        [&](int k) {
+          std::vector<Chunk> step;
+          for (int i = 0; i < 16; ++i) step.push_back({(i + 16 * k) % kSeqs, 0, kContext, false});
+          return step;
+        },
+        5);
+    std::printf(
+        "[ cost     ] 2-layer forward, canonical_k_tree %-3s: decode step of "
+        "256 seqs at "
+        "context 512: %.3f ms; prefill step of 16 x 512 tokens: %.3f ms\n",
+        canonical ? "on" : "off", decode_ms, prefill_ms);
+  }
+}
+
+}  // namespace
+}  // namespace rollout
