@@ -46,6 +46,9 @@ ABSL_FLAG(int64_t, gemm_pin_m, 256,
           "per m)");
 ABSL_FLAG(std::string, attention, "mma", "attention kernel: mma (tensor cores) or simt");
 ABSL_FLAG(bool, cuda_graphs, true, "replay decode steps as CUDA graphs (padded batch buckets)");
+ABSL_FLAG(bool, tp_invariant, true,
+          "o_proj/down_proj by the canonical K tree (the server's default: tp 1 = tp 2, 4, 8); "
+          "false: one fused GEMM");
 ABSL_FLAG(bool, e2e, true, "run the end-to-end engine benchmark");
 ABSL_FLAG(int32_t, e2e_timeout_s, 0,
           "stop waiting for the end-to-end run after this long and "
@@ -383,8 +386,10 @@ int Main() {
                                  ? CudaAttentionKernel::kSimt
                                  : CudaAttentionKernel::kTensorCore;
   options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
-  std::printf("attention kernel: %s, decode CUDA graphs: %s\n",
-              absl::GetFlag(FLAGS_attention).c_str(), options.cuda_graphs ? "on" : "off");
+  options.canonical_k_tree = absl::GetFlag(FLAGS_tp_invariant);
+  std::printf("attention kernel: %s, decode CUDA graphs: %s, row-parallel K: %s\n",
+              absl::GetFlag(FLAGS_attention).c_str(), options.cuda_graphs ? "on" : "off",
+              options.canonical_k_tree ? "canonical 8-segment tree (tp-invariant)" : "fused GEMM");
   auto t0 = Clock::now();
   auto created = CudaModelRunner::CreateSynthetic(config, 0, options);
   if (!created.ok()) {

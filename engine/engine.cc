@@ -91,6 +91,48 @@ Engine::~Engine() {
   }
   cv_.notify_all();
   thread_.join();
+  delivery_.WaitIdle();  // the final completions reach their sinks while the engine still exists
+}
+
+DeliveryThread::DeliveryThread() : thread_([this] { Loop(); }) {}
+
+DeliveryThread::~DeliveryThread() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void DeliveryThread::Post(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(fn));
+  }
+  cv_.notify_one();
+}
+
+void DeliveryThread::WaitIdle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [this] { return queue_.empty() && !running_; });
+}
+
+void DeliveryThread::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_, and everything posted has run
+    std::vector<std::function<void()>> batch;
+    batch.swap(queue_);
+    running_ = true;
+    lock.unlock();
+    for (std::function<void()>& fn : batch) fn();
+    batch.clear();  // closures (and what they hold) die off the lock
+    lock.lock();
+    running_ = false;
+    if (queue_.empty()) idle_cv_.notify_all();
+  }
 }
 
 int64_t Engine::max_context() const {
@@ -251,7 +293,7 @@ void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
   for (PendingUpdate& pending : updates) {
     if (DropIfCancelled(&pending)) continue;
     if (draining_.has_value()) {
-      pending.done(FailedUpdate(absl::AbortedError(absl::StrFormat(
+      Reply(pending.done, FailedUpdate(absl::AbortedError(absl::StrFormat(
           "weight update to '%s' is still draining; one update at a time",
           draining_->update.version))));
       continue;
@@ -276,7 +318,7 @@ void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
           paused = paused_;
         }
         if (paused && !scheduler_.idle()) {
-          pending.done(FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
+          Reply(pending.done, FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
               "the server is paused with %d samples in flight, which DRAIN cannot finish; "
               "resume first, or update with policy ABORT or CONTINUE",
               scheduler_.num_running() + scheduler_.num_waiting()))));
@@ -307,8 +349,13 @@ bool Engine::DropIfCancelled(PendingUpdate* pending) {
       "the update to '%s' was cancelled by its caller before the swap; nothing was applied",
       pending->update.version));
   result.previous_version = version_;
-  pending->done(std::move(result));
+  Reply(pending->done, std::move(result));
   return true;
+}
+
+void Engine::Reply(const std::function<void(UpdateResult)>& done, UpdateResult result) {
+  delivery_.WaitIdle();  // replies come after the events of earlier steps
+  done(std::move(result));
 }
 
 void Engine::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
@@ -331,7 +378,7 @@ void Engine::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
     LOG(INFO) << "weights updated: " << result.previous_version << " -> " << version_ << " ("
               << pending.update.tensors.size() << " tensors)";
   }
-  pending.done(std::move(result));
+  Reply(pending.done, std::move(result));
 }
 
 int64_t Engine::unfinished_samples() const {
@@ -410,13 +457,14 @@ void Engine::Loop() {
       const PrefixCache::FlushResult r = cache_.Flush();
       // Counters first, so a caller that reads them after the reply sees the flush.
       PublishCounters();
+      delivery_.WaitIdle();  // replies come after the events of earlier steps
       for (auto& done : flushes) done(FlushResult{r.freed_blocks, r.detached_blocks});
     }
     if (stop) {
       for (Submission& s : held_) Admit(std::move(s));
       held_.clear();
       if (draining_.has_value()) {
-        draining_->done(FailedUpdate(absl::UnavailableError("the server is shutting down")));
+        Reply(draining_->done, FailedUpdate(absl::UnavailableError("the server is shutting down")));
         draining_.reset();
       }
       for (const auto& [job_id, job] : jobs_) AbortJob(job_id, std::nullopt, &events);
@@ -616,13 +664,24 @@ void Engine::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
 }
 
 void Engine::Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events) {
+  if (events->empty()) return;
+  // One closure per step: the sinks of its jobs in job order (a job's events stay in order
+  // because the delivery thread runs closures in the order they were posted).
+  std::vector<std::pair<EventSink, std::vector<SampleEvent>>> deliveries;
   for (auto& [job_id, job_events] : *events) {
     auto it = jobs_.find(job_id);
     CHECK(it != jobs_.end());
-    it->second.sink(std::move(job_events));
-    if (it->second.num_unfinished == 0) jobs_.erase(it);
+    if (it->second.num_unfinished == 0) {
+      deliveries.emplace_back(std::move(it->second.sink), std::move(job_events));
+      jobs_.erase(it);
+    } else {
+      deliveries.emplace_back(it->second.sink, std::move(job_events));
+    }
   }
   events->clear();
+  delivery_.Post([deliveries = std::move(deliveries)]() mutable {
+    for (auto& [sink, job_events] : deliveries) sink(std::move(job_events));
+  });
 }
 
 }  // namespace rollout

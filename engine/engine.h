@@ -126,9 +126,37 @@ struct FlushResult {
   int32_t detached_blocks = 0;
 };
 
+// Runs posted closures in order on its own thread: the engine thread hands each step's event
+// sinks to it, so that building and writing a step's responses (hundreds of gRPC writes) overlaps
+// the next step instead of delaying it.
+class DeliveryThread {
+ public:
+  DeliveryThread();
+  ~DeliveryThread();  // runs what is queued, then joins
+  DeliveryThread(const DeliveryThread&) = delete;
+  DeliveryThread& operator=(const DeliveryThread&) = delete;
+
+  void Post(std::function<void()> fn);
+  // Returns once everything posted before the call has run.
+  void WaitIdle();
+
+ private:
+  void Loop();
+
+  std::mutex mu_;
+  std::condition_variable cv_;       // work posted, or stop
+  std::condition_variable idle_cv_;  // the queue ran empty
+  std::vector<std::function<void()>> queue_;
+  bool running_ = false;  // a batch taken off queue_ is running
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 // The inference engine: one thread owns the scheduler, the KV blocks and the model runner and
 // loops schedule -> forward -> sample -> report. Every public method is thread-safe; callers
-// talk to the engine thread through a queue and never wait for a step.
+// talk to the engine thread through a queue and never wait for a step. Event sinks run on a
+// delivery thread, in order; replies to updates and flushes wait until the events of earlier
+// steps were delivered.
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<ModelRunner> runner,
@@ -216,7 +244,10 @@ class Engine {
               std::map<uint64_t, std::vector<SampleEvent>>* events);
   void AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
                 std::map<uint64_t, std::vector<SampleEvent>>* events);
+  // Posts the events to the delivery thread, in job order.
   void Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events);
+  // Calls an update's `done` once the events of earlier steps were delivered.
+  void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
   void PublishCounters();
   // Takes updates off the inbox, applies those that can be applied now.
   void ProcessUpdates(std::vector<PendingUpdate> updates,
@@ -267,6 +298,7 @@ class Engine {
   bool stop_ = false;
   EngineCounters counters_;
 
+  DeliveryThread delivery_;  // event sinks, in step order
   std::thread thread_;  // last: starts after everything above is built
 };
 

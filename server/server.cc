@@ -150,6 +150,18 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
     runner_options.max_batch_tokens = std::clamp(options.max_batch_tokens, 1, 8192);
     runner_options.cuda_graphs = options.cuda_graphs;
     runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
+    runner_options.canonical_k_tree = options.tp_invariant;
+    // A model whose dimensions cannot take the tree cannot be split at any degree either, so
+    // at tp = 1 there is no other degree to agree with: the fused GEMM serves it.
+    absl::StatusOr<ModelConfig> config = ParseModelConfig((*checkpoint)->config_json());
+    if (config.ok() && options.tensor_parallel == 1 && options.tp_invariant &&
+        ((config->num_attention_heads * config->head_dim) % 64 != 0 ||
+         config->intermediate_size % 64 != 0)) {
+      LOG(WARNING) << "this model cannot be split for tensor parallelism on the cuda backend "
+                      "(heads * head_dim and the intermediate size must be multiples of 64); "
+                      "serving it with fused row-parallel GEMMs";
+      runner_options.canonical_k_tree = false;
+    }
     runner = CreateCudaModelRunner(**checkpoint, runner_options);
   }
   // --- end CUDA backend ---

@@ -28,6 +28,10 @@ struct ServerOptions {
   // Tensor-parallel degree (--tp): 1, 2, 4 or 8 ranks (CPU backend: threads with an in-process
   // communicator). Every degree gives the same bits (D10, docs/determinism.md).
   int32_t tensor_parallel = 1;
+  // CUDA backend: o_proj and down_proj reduce K by the canonical 8-segment tree at tp = 1 too,
+  // so tp = 1 gives the bits of tp = 2, 4 and 8 (forced on at tp > 1). false at tp = 1 runs
+  // them as one fused GEMM: faster, other bits (docs/cuda.md has the cost).
+  bool tp_invariant = true;
   std::string weight_version = "0";
   bool prefix_cache = true;
   // Access control: a bearer token for control RPCs (and for all RPCs with auth_all_rpcs).

@@ -29,6 +29,9 @@ ABSL_FLAG(int32_t, max_batch_tokens, 512, "token budget of one engine step");
 ABSL_FLAG(int32_t, threads, 0, "CPU backend worker threads; 0 = all cores");
 ABSL_FLAG(bool, cuda_graphs, true,
           "cuda backend: replay decode steps as CUDA graphs (padded batch buckets; same bits)");
+ABSL_FLAG(bool, tp_invariant, true,
+          "cuda backend at --tp 1: reduce o_proj/down_proj by the canonical K tree, so the bits "
+          "equal those of --tp 2, 4, 8 (false: one fused GEMM, faster, other bits)");
 ABSL_FLAG(int32_t, tp, 1,
           "tensor-parallel degree: 1, 2, 4 or 8 ranks (cpu backend: threads); same bits at every "
           "degree");
@@ -77,6 +80,7 @@ int main(int argc, char** argv) {
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.tensor_parallel = absl::GetFlag(FLAGS_tp);
   options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  options.tp_invariant = absl::GetFlag(FLAGS_tp_invariant);
   options.weight_version = absl::GetFlag(FLAGS_weight_version);
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   options.auth_token = absl::GetFlag(FLAGS_auth_token);
