@@ -38,6 +38,23 @@ void BatchVariantRmsNorm(float* x, const float* weight, int64_t rows, int64_t di
 
 }  // namespace
 
+RankShard ShardOf(const ModelConfig& c, int32_t tp, int32_t rank, int64_t vocab_rows) {
+  RankShard shard;
+  const int64_t nkv = c.num_key_value_heads;
+  shard.heads = c.num_attention_heads / tp;
+  shard.inter = c.intermediate_size / tp;
+  if (nkv >= tp) {
+    shard.kv_heads = nkv / tp;
+    shard.kv_head_begin = rank * shard.kv_heads;
+  } else {  // fewer KV heads than ranks: each rank holds the one its query heads read
+    shard.kv_heads = 1;
+    shard.kv_head_begin = rank / (tp / nkv);
+  }
+  shard.vocab_begin = std::min<int64_t>(c.vocab_size, rank * vocab_rows);
+  shard.vocab_end = std::min<int64_t>(c.vocab_size, (rank + 1) * vocab_rows);
+  return shard;
+}
+
 absl::Status CheckTensorParallel(const ModelConfig& c, int32_t tp) {
   if (tp != 1 && tp != 2 && tp != 4 && tp != 8) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -193,18 +210,13 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
                 nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
   vocab_per_rank_ = (vocab + tp - 1) / tp;
   for (Rank& rk : ranks_) {
-    const int64_t r = rk.index;
-    rk.heads = nh / tp;
-    rk.inter = inter / tp;
-    if (nkv >= tp) {
-      rk.kv_heads = nkv / tp;
-      rk.kv_head_begin = r * rk.kv_heads;
-    } else {  // fewer KV heads than ranks: each rank holds the one its query heads read
-      rk.kv_heads = 1;
-      rk.kv_head_begin = r / (tp / nkv);
-    }
-    rk.vocab_begin = std::min(vocab, r * vocab_per_rank_);
-    rk.vocab_end = std::min(vocab, (r + 1) * vocab_per_rank_);
+    const RankShard shard = ShardOf(c, tp, rk.index, vocab_per_rank_);
+    rk.heads = shard.heads;
+    rk.inter = shard.inter;
+    rk.kv_heads = shard.kv_heads;
+    rk.kv_head_begin = shard.kv_head_begin;
+    rk.vocab_begin = shard.vocab_begin;
+    rk.vocab_end = shard.vocab_end;
     rk.layers.resize(c.num_layers);
   }
   // Every tensor is bound to the pieces of it each rank holds, in fp32; weight updates write

@@ -977,10 +977,10 @@ TEST_F(ReliabilityFaultTest, CancelledAbandonedExpiredAndAbortedStreamsAllReturn
       auto context = std::make_unique<grpc::ClientContext>();
       const int kind = i % 4;
       // The deadline must hit mid-generation on a fast backend too (3000 tokens of the demo
-      // model take about a second on a GPU), so it is short; on a slow one it may hit before
+      // model take about 0.6 s on an H200), so it is short; on a slow one it may hit before
       // the first token, which is an expiry as well.
       context->set_deadline(std::chrono::system_clock::now() +
-                            (kind == 2 ? milliseconds(400 + 25 * i) : milliseconds(120000)));
+                            (kind == 2 ? milliseconds(200 + 5 * i) : milliseconds(120000)));
       auto reader = own_stub->Generate(context.get(), LongRequest(100 + i, 1 + i % 3, id));
       v1::GenerateResponse response;
       if (!reader->Read(&response)) {

@@ -13,7 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "engine/cpu_model_runner.h"  // CheckTensorParallel
+#include "engine/cpu_model_runner.h"  // CheckTensorParallel, ShardOf
 #include "engine/cuda/cuda_model_runner.h"
 #include "engine/cuda/cuda_runner_state.h"
 #include "glog/logging.h"
@@ -250,17 +250,13 @@ absl::Status CudaModelRunner::Init() {
   for (int r = 0; r < tp; ++r) {
     RankState& rk = s.ranks[r];
     rk.index = r;
-    rk.heads = nh / tp;
-    rk.inter = inter / tp;
-    if (nkv >= tp) {
-      rk.kv_heads = nkv / tp;
-      rk.kv_head_begin = r * rk.kv_heads;
-    } else {  // fewer KV heads than ranks: each rank holds the one its query heads read
-      rk.kv_heads = 1;
-      rk.kv_head_begin = r / (tp / nkv);
-    }
-    rk.vocab_begin = std::min<int64_t>(vocab, r * s.vocab_rows);
-    rk.vocab_end = std::min<int64_t>(vocab, (r + 1) * s.vocab_rows);
+    const RankShard shard = ShardOf(c, tp, r, s.vocab_rows);
+    rk.heads = shard.heads;
+    rk.inter = shard.inter;
+    rk.kv_heads = shard.kv_heads;
+    rk.kv_head_begin = shard.kv_head_begin;
+    rk.vocab_begin = shard.vocab_begin;
+    rk.vocab_end = shard.vocab_end;
   }
 
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(o.device), "cudaSetDevice"));

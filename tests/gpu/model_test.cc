@@ -18,23 +18,16 @@
 #include "engine/cuda/cuda_model_runner.h"
 #include "engine/random_model.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/forward_script.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace rollout {
 namespace {
 
-// A sequence under test: its tokens and the KV blocks it owns.
-struct Seq {
-  std::vector<int32_t> tokens;
-  std::vector<int32_t> blocks;
-};
-
-// Tokens [begin, end) of sequence `seq` in one Forward; logits for every token or the last.
-struct Chunk {
-  int seq;
-  int begin, end;
-  bool all_logits;
-};
+using gpu_test::Chunk;
+using gpu_test::MakeBatch;
+using gpu_test::RandomTokens;
+using gpu_test::Seq;
 
 // Hands out KV blocks in order; tests reset it between independent variants.
 class BlockPool {
@@ -52,28 +45,6 @@ class BlockPool {
   int32_t num_, size_;
   int32_t next_ = 0;
 };
-
-ForwardBatch MakeBatch(const std::vector<Seq>& seqs, const std::vector<Chunk>& chunks) {
-  ForwardBatch b;
-  for (const Chunk& c : chunks) {
-    const int32_t index = static_cast<int32_t>(b.block_tables.size());
-    b.block_tables.push_back(seqs[c.seq].blocks);
-    for (int pos = c.begin; pos < c.end; ++pos) {
-      if (c.all_logits || pos == c.end - 1) b.logit_rows.push_back(b.num_tokens());
-      b.token_ids.push_back(seqs[c.seq].tokens[pos]);
-      b.positions.push_back(pos);
-      b.token_seq.push_back(index);
-    }
-  }
-  return b;
-}
-
-std::vector<int32_t> RandomTokens(int n, int vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(n);
-  for (int32_t& x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
-}
 
 // Runs `chunks` as one Forward; returns the logits rows of chunk `which` (all its logits rows).
 std::vector<float> RowsOf(CudaModelRunner* runner, const std::vector<Seq>& seqs,

@@ -18,37 +18,22 @@
 #include "engine/cuda/cuda_model_runner.h"
 #include "engine/random_model.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/forward_script.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace rollout {
 namespace {
 
+using gpu_test::Chunk;
+using gpu_test::RandomTokens;
+using gpu_test::Seq;
+
 // A fixed script of Forward steps, run at every degree.
-
-struct Seq {
-  std::vector<int32_t> tokens;
-  std::vector<int32_t> blocks;
-};
-
-// Tokens [begin, end) of sequence `seq` in one Forward; logits for every token
-// or the last.
-struct Chunk {
-  int seq;
-  int begin, end;
-  bool all_logits;
-};
 
 struct Script {
   std::vector<Seq> seqs;
   std::vector<std::vector<Chunk>> steps;
 };
-
-std::vector<int32_t> RandomTokens(int n, int vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(n);
-  for (int32_t &x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
-}
 
 // Sequences of random prompt lengths up to max_prompt: first mixed steps
 // (prefill chunks of up to 300 tokens of up to three sequences beside one
@@ -112,18 +97,7 @@ Script MakeScript(int vocab, int block_size, int num_seqs, int max_prompt, bool 
 }
 
 ForwardBatch MakeBatch(const Script &script, const std::vector<Chunk> &chunks) {
-  ForwardBatch b;
-  for (const Chunk &c : chunks) {
-    const int32_t index = static_cast<int32_t>(b.block_tables.size());
-    b.block_tables.push_back(script.seqs[c.seq].blocks);
-    for (int pos = c.begin; pos < c.end; ++pos) {
-      if (c.all_logits || pos == c.end - 1) b.logit_rows.push_back(b.num_tokens());
-      b.token_ids.push_back(script.seqs[c.seq].tokens[pos]);
-      b.positions.push_back(pos);
-      b.token_seq.push_back(index);
-    }
-  }
-  return b;
+  return gpu_test::MakeBatch(script.seqs, chunks);
 }
 
 // Every step's logits rows, concatenated.
