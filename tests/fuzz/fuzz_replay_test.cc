@@ -66,15 +66,6 @@ TEST_P(FuzzReplayTest, SeedsAndRegressionInputsRunCleanly) {
   ::testing::Test::RecordProperty("regressions", regressions);
 }
 
-// Findings not fixed yet live in regressions/<target>/open/: they fail (abort) until the code is
-// fixed, so they are replayed only on request (--gtest_also_run_disabled_tests). Once fixed,
-// move the file up to regressions/<target>/ so that it is replayed on every run.
-TEST_P(FuzzReplayTest, DISABLED_OpenFindings) {
-  setenv("ROLLOUT_FUZZ_STRICT", "1", 1);  // check the known-open properties too
-  const fs::path root(ROLLOUT_FUZZ_DIR);
-  Replay(GetParam(), FilesIn(root / "regressions" / GetParam().name / "open"));
-}
-
 INSTANTIATE_TEST_SUITE_P(AllTargets, FuzzReplayTest, ::testing::ValuesIn(Targets()),
                          [](const ::testing::TestParamInfo<Target>& info) {
                            return std::string(info.param.name);
