@@ -228,26 +228,13 @@ constexpr int kMergeWarps = 8;
 // order (FoldPartial, as the in-block walk does) and writes O / L.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kMergeWarps * 32) MergeSplitsKernel(AttentionParams p) {
-  constexpr int E = kHeadDim / 32;
   const int lane = threadIdx.x % 32;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
   if (w >= static_cast<int64_t>(p.num_items) * p.num_heads) return;  // w = (item, head)
   const int64_t t = p.items[w / p.num_heads].x;
   const int64_t row = t * p.num_heads + w % p.num_heads;  // partials row = (token, head)
   const int splits = p.positions[t] / p.split_size + 1;
-  float big_m = -INFINITY, big_l = 0.0f, big_o[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) big_o[e] = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const float* src = p.partials + (row * p.max_splits + s) * (kHeadDim + 2);
-    float o[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) o[e] = src[2 + lane * E + e];
-    FoldPartial<E>(src[0], src[1], o, &big_m, &big_l, big_o);
-  }
-  bf16* dst = p.out + row * kHeadDim + lane * E;
-#pragma unroll
-  for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(big_o[e] / big_l);
+  MergeStoredSplits<kHeadDim>(p.partials, p.max_splits, row, splits, p.out, lane);
 }
 
 template <int kHeadDim, int kWarps, int kRows>

@@ -1,6 +1,10 @@
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
 
 namespace rollout::cuda {
 
@@ -18,6 +22,30 @@ __device__ __forceinline__ void FoldPartial(float m, float l, const float (&o)[E
 #pragma unroll
   for (int e = 0; e < E; ++e) big_o[e] = big_o[e] * a + o[e] * b;
   *big_m = m_new;
+}
+
+// One warp: folds the `splits` stored partials of partials row `row` (= token * heads + head;
+// [max_splits, head_dim + 2] floats each: m, l, o) in increasing split order with FoldPartial,
+// and writes bf16(O / L) to out[row * kHeadDim ...]. Lane `lane` owns kHeadDim / 32 dims. The
+// tail of both attention versions' merge kernels.
+template <int kHeadDim>
+__device__ __forceinline__ void MergeStoredSplits(const float* partials, int32_t max_splits,
+                                                  int64_t row, int splits, __nv_bfloat16* out,
+                                                  int lane) {
+  constexpr int E = kHeadDim / 32;
+  float big_m = -INFINITY, big_l = 0.0f, big_o[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) big_o[e] = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float* src = partials + (row * max_splits + s) * (kHeadDim + 2);
+    float o[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) o[e] = src[2 + lane * E + e];
+    FoldPartial<E>(src[0], src[1], o, &big_m, &big_l, big_o);
+  }
+  __nv_bfloat16* dst = out + row * kHeadDim + lane * E;
+#pragma unroll
+  for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(big_o[e] / big_l);
 }
 
 }  // namespace rollout::cuda

@@ -339,24 +339,11 @@ constexpr int kMergeWarps = 8;
 template <int kHeadDim>
 __global__ void __launch_bounds__(kMergeWarps * 32)
     MergeKernel(AttentionParams p, int64_t num_tokens) {
-  constexpr int E = kHeadDim / 32;
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
   if (row >= num_tokens * p.num_heads) return;  // row = (token, head)
   const int splits = p.positions[row / p.num_heads] / p.split_size + 1;
-  float big_m = -INFINITY, big_l = 0.0f, big_o[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) big_o[e] = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const float* src = p.partials + (row * p.max_splits + s) * (kHeadDim + 2);
-    float o[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) o[e] = src[2 + lane * E + e];
-    FoldPartial<E>(src[0], src[1], o, &big_m, &big_l, big_o);
-  }
-  bf16* dst = p.out + row * kHeadDim + lane * E;
-#pragma unroll
-  for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(big_o[e] / big_l);
+  MergeStoredSplits<kHeadDim>(p.partials, p.max_splits, row, splits, p.out, lane);
 }
 
 template <int kHeadDim, int kWarps, int kStages>
