@@ -83,7 +83,7 @@ ABSL_FLAG(std::string, policy, "drain",
           "update-weights, update-weights-from-path: what happens to samples in flight: drain "
           "(finish them on the old weights first), abort (end them now) or continue (go on with "
           "the new weights).");
-ABSL_FLAG(uint32_t, chunk_mb, 32,
+ABSL_FLAG(uint32_t, chunk_mb, 4,
           "update-weights: MiB of tensor data per message (the server accepts messages up to "
           "64 MiB).");
 ABSL_FLAG(bool, abort_in_flight, false,

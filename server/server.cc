@@ -151,6 +151,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
     runner_options.cuda_graphs = options.cuda_graphs;
     runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
     runner_options.canonical_k_tree = options.tp_invariant;
+    runner_options.devices = options.cuda_devices;  // checked against tensor_parallel there
     // A model whose dimensions cannot take the tree cannot be split at any degree either, so
     // at tp = 1 there is no other degree to agree with: the fused GEMM serves it.
     absl::StatusOr<ModelConfig> config = ParseModelConfig((*checkpoint)->config_json());

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "engine/engine.h"
@@ -32,6 +33,10 @@ struct ServerOptions {
   // so tp = 1 gives the bits of tp = 2, 4 and 8 (forced on at tp > 1). false at tp = 1 runs
   // them as one fused GEMM: faster, other bits (docs/cuda.md has the cost).
   bool tp_invariant = true;
+  // CUDA backend (--cuda_devices): one GPU per tensor-parallel rank (its size must be
+  // tensor_parallel; ranks exchange through NCCL, libnccl.so.2 loaded at run time). Empty: every
+  // rank on GPU 0, as streams of that one device.
+  std::vector<int> cuda_devices;
   std::string weight_version = "0";
   bool prefix_cache = true;
   // Access control: a bearer token for control RPCs (and for all RPCs with auth_all_rpcs).

@@ -5,10 +5,12 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "server/server.h"
@@ -35,6 +37,9 @@ ABSL_FLAG(bool, tp_invariant, true,
 ABSL_FLAG(int32_t, tp, 1,
           "tensor-parallel degree: 1, 2, 4 or 8 ranks (cpu backend: threads); same bits at every "
           "degree");
+ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
+          "cuda backend: one GPU per tensor-parallel rank, e.g. 0,1 for --tp 2 (ranks exchange "
+          "through NCCL: libnccl.so.2 must load); empty: every rank on GPU 0");
 ABSL_FLAG(std::string, weight_version, "0", "version string reported with every completion");
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of shared prefixes across requests");
 ABSL_FLAG(std::string, auth_token_file, "",
@@ -81,6 +86,15 @@ int main(int argc, char** argv) {
   options.tensor_parallel = absl::GetFlag(FLAGS_tp);
   options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   options.tp_invariant = absl::GetFlag(FLAGS_tp_invariant);
+  for (const std::string& device : absl::GetFlag(FLAGS_cuda_devices)) {
+    int index = 0;
+    if (!absl::SimpleAtoi(device, &index)) {
+      std::fprintf(stderr, "rollout-server: --cuda_devices: '%s' is not a device index\n",
+                   device.c_str());
+      return 1;
+    }
+    options.cuda_devices.push_back(index);
+  }
   options.weight_version = absl::GetFlag(FLAGS_weight_version);
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   options.auth_token = absl::GetFlag(FLAGS_auth_token);

@@ -103,8 +103,8 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
       return absl::InvalidArgumentError("logit_rows must be ascending token indices");
     }
   }
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(options_.device), "cudaSetDevice"));
   State& s = *state_;
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
   s.num_events = 0;
   // The logits stay on the device when every row fits the logits buffer at its own row (a
   // vocab of a multiple of 64 floats keeps every row's start 256-byte aligned for the GEMM, or
@@ -197,8 +197,9 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
 
   // A decode step -- one token per sequence, every one with logits, the whole batch in this
   // slice -- runs as a graph padded to its bucket; its split grid is padded to a power of two.
+  // Not when the ranks span devices: decode then runs eagerly.
   const bool decode = items_many.empty() && num_rows == n && begin == 0 && row_begin == 0 &&
-                      keep_on_device && !s.profiling && !s.graphs_failed;
+                      keep_on_device && !s.profiling && !s.graphs_failed && !s.multi_device;
   const int64_t bucket = decode ? GraphBucket(n) : 0;
   cuda_runner_internal::SliceShape shape;
   shape.n = bucket > 0 ? bucket : n;
@@ -214,11 +215,13 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   }
   if (mma || options_.split_parallel_decode) {
     for (RankState& rk : s.ranks) {
+      ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
       const size_t bytes =
           static_cast<size_t>(shape.n) * rk.heads * shape.max_splits * (hd + 2) * sizeof(float);
       ROLLOUT_RETURN_IF_ERROR(CudaError(s.Grow(&rk.partials, bytes, bytes + bytes / 2),
                                         "allocating attention partials"));
     }
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   }
 
   // Block tables of the sequences in the slice, concatenated in order of first use; the
@@ -277,6 +280,18 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(cudaMemcpyAsync(s.meta.get(), m, meta_bytes, cudaMemcpyHostToDevice, s.stream),
                 "uploading batch metadata"));
+  // Ranks on other devices get their own copy, on their own streams (the slice's fork orders
+  // them after rank 0's upload too).
+  for (RankState& rk : s.ranks) {
+    if (!s.OwnCopies(rk)) continue;
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(s.Grow(&rk.meta, meta_bytes, 2 * meta_bytes), "allocating batch metadata"));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cudaMemcpyAsync(rk.meta.get(), m, meta_bytes, cudaMemcpyHostToDevice, rk.stream),
+                  "uploading batch metadata"));
+  }
+  ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMeta));
 
   if (bucket > 0) {
@@ -334,13 +349,18 @@ absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShap
   State& s = *state_;
   // Ranks > 0 start after what rank 0's stream holds so far (the metadata upload); inside a
   // graph capture this forks their streams into it. They join rank 0's stream at the end.
+  // Ranks on other devices wait on rank 0's event and record their own with their device
+  // current (an event is recorded on a stream of its own device; a stream may wait on an event
+  // of any device).
   if (s.tp > 1) {
     ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventRecord(s.fork, s.stream), "cudaEventRecord"));
     for (RankState& rk : s.ranks) {
       if (rk.index == 0) continue;
+      ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
       ROLLOUT_RETURN_IF_ERROR(
           CudaError(cudaStreamWaitEvent(rk.stream, s.fork, 0), "cudaStreamWaitEvent"));
     }
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   }
   ROLLOUT_RETURN_IF_ERROR(EnqueueEmbedding(shape));
   for (int layer = 0; layer < c.num_layers; ++layer) {
@@ -354,7 +374,9 @@ absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShap
   ROLLOUT_RETURN_IF_ERROR(EnqueueLogits(shape, host_logits, keep_on_device));
   for (RankState& rk : s.ranks) {
     if (rk.index == 0) continue;
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventRecord(rk.done, rk.stream), "cudaEventRecord"));
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(cudaStreamWaitEvent(s.stream, rk.done, 0), "cudaStreamWaitEvent"));
   }
@@ -368,6 +390,7 @@ absl::Status CudaModelRunner::EnqueueEmbedding(const cuda_runner_internal::Slice
   State& s = *state_;
   const int64_t n = shape.n, h = config_.hidden_size;
   const int32_t* tokens = s.meta.get<int32_t>() + shape.off_tokens();
+  auto tokens_of = [&](const RankState& rk) { return s.MetaOf(rk) + shape.off_tokens(); };
   if (s.tp == 1) {
     RankState& rk = s.ranks[0];
     ROLLOUT_RETURN_IF_ERROR(
@@ -378,10 +401,11 @@ absl::Status CudaModelRunner::EnqueueEmbedding(const cuda_runner_internal::Slice
   std::vector<const float*> send;
   std::vector<float*> recv;
   for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     float* mine = rk.gathered.get<float>() + rk.index * n * h;
     ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::EmbeddingGatherShard(tokens, n, rk.embed, rk.vocab_begin, rk.vocab_end, h,
-                                             mine, rk.stream),
+        CudaError(cuda::EmbeddingGatherShard(tokens_of(rk), n, rk.embed, rk.vocab_begin,
+                                             rk.vocab_end, h, mine, rk.stream),
                   "embedding gather (vocab shard)"));
     send.push_back(mine);
     recv.push_back(rk.gathered.get<float>());
@@ -389,11 +413,13 @@ absl::Status CudaModelRunner::EnqueueEmbedding(const cuda_runner_internal::Slice
   const cuda::GroupStatus gathered = s.group->AllGather(send.data(), n * h, recv.data());
   if (!gathered.ok()) return absl::InternalError("embedding all-gather: " + gathered.message());
   for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::SelectOwnerRows(tokens, n, rk.gathered.get<float>(), n * h, s.vocab_rows, h,
-                                        rk.x.get<float>(), rk.stream),
+        CudaError(cuda::SelectOwnerRows(tokens_of(rk), n, rk.gathered.get<float>(), n * h,
+                                        s.vocab_rows, h, rk.x.get<float>(), rk.stream),
                   "embedding owner select"));
   }
+  ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   return s.Mark(kEmbed);
 }
 
@@ -406,7 +432,8 @@ absl::Status CudaModelRunner::EnqueueAttention(RankState& rk, int layer,
   const int64_t n = shape.n, h = c.hidden_size, hd = c.head_dim, nh = rk.heads, nkv = rk.kv_heads;
   const int32_t bs = options_.kv_block_size;
   const bool mma = options_.attention_kernel == CudaAttentionKernel::kTensorCore;
-  const int32_t* d = s.meta.get<int32_t>();
+  ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));  // the caller restores rank 0's
+  const int32_t* d = s.MetaOf(rk);
   cudaStream_t stream = rk.stream;
   // Profiling marks follow rank 0's stream.
   auto mark = [&](int family) { return rk.index == 0 ? s.Mark(family) : absl::OkStatus(); };
@@ -439,8 +466,8 @@ absl::Status CudaModelRunner::EnqueueAttention(RankState& rk, int layer,
   qp.q_norm = l.q_norm;
   qp.k_norm = l.k_norm;
   qp.eps = c.rms_norm_eps;
-  qp.rope_cos = s.rope_cos.get<float>();
-  qp.rope_sin = s.rope_sin.get<float>();
+  qp.rope_cos = s.RopeCosOf(rk);
+  qp.rope_sin = s.RopeSinOf(rk);
   qp.num_heads = static_cast<int32_t>(nh);
   qp.q_out = rk.q.get<float>();
   ROLLOUT_RETURN_IF_ERROR(
@@ -498,6 +525,7 @@ absl::Status CudaModelRunner::EnqueueMlp(RankState& rk, int layer, int64_t n) {
   const ModelConfig& c = config_;
   State& s = *state_;
   auto mark = [&](int family) { return rk.index == 0 ? s.Mark(family) : absl::OkStatus(); };
+  ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));  // the caller restores rank 0's
   const LayerWeights& l = rk.layers[layer];
   bf16* xn = rk.xn.get<bf16>();
   bf16* gate_up = rk.gate_up.get<bf16>();
@@ -564,12 +592,13 @@ absl::Status CudaModelRunner::CombineRowParallel(int64_t n) {
   const cuda::GroupStatus gathered = s.group->AllGather(send.data(), count, recv.data());
   if (!gathered.ok()) return absl::InternalError("K tree all-gather: " + gathered.message());
   for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(cuda::SumTree(rk.gathered.get<float>(), s.tp, count, count, rk.x.get<float>(),
                                 /*accumulate=*/true, rk.stream),
                   "K tree top + residual"));
   }
-  return absl::OkStatus();
+  return s.SetDevice(s.ranks[0]);
 }
 
 // Logits, max_logit_rows rows at a time: final RMSNorm of the gathered rows, then lm_head. At
@@ -580,7 +609,6 @@ absl::Status CudaModelRunner::EnqueueLogits(const cuda_runner_internal::SliceSha
   const ModelConfig& c = config_;
   State& s = *state_;
   const int64_t h = c.hidden_size, vocab = c.vocab_size, vr = s.vocab_rows;
-  const int32_t* d = s.meta.get<int32_t>();
   for (int64_t r0 = 0; r0 < shape.num_rows; r0 += options_.max_logit_rows) {
     const int64_t rn = std::min<int64_t>(options_.max_logit_rows, shape.num_rows - r0);
     float* device_rows =
@@ -588,6 +616,8 @@ absl::Status CudaModelRunner::EnqueueLogits(const cuda_runner_internal::SliceSha
     std::vector<const float*> send;
     std::vector<float*> recv;
     for (RankState& rk : s.ranks) {
+      ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+      const int32_t* d = s.MetaOf(rk);
       ROLLOUT_RETURN_IF_ERROR(CudaError(
           cuda::RmsNorm(rk.x.get<float>(), d + shape.off_rows() + r0, rn, h, rk.final_norm,
                         c.rms_norm_eps, rk.final_rows.get<bf16>(), rk.stream),
@@ -599,6 +629,7 @@ absl::Status CudaModelRunner::EnqueueLogits(const cuda_runner_internal::SliceSha
       send.push_back(out);
       recv.push_back(rk.gathered.get<float>());
     }
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
     if (s.tp > 1) {
       const cuda::GroupStatus gathered = s.group->AllGather(send.data(), rn * vr, recv.data());
       if (!gathered.ok()) return absl::InternalError("logits all-gather: " + gathered.message());
@@ -669,7 +700,7 @@ absl::Status CudaModelRunner::ProcessLogits(const std::vector<LogitsRowTask>& ta
       return absl::InvalidArgumentError(absl::StrCat("score token ", *task.score_token));
     }
   }
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(options_.device), "cudaSetDevice"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
   results->assign(rows, SampleResult());
   const int64_t chunk = options_.max_logit_rows;
   for (int64_t first = 0; first < rows; first += chunk) {

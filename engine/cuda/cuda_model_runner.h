@@ -26,6 +26,20 @@ enum class CudaAttentionKernel {
 
 struct CudaRunnerOptions {
   int device = 0;
+  // Tensor-parallel ranks on separate GPUs: empty (the default) puts every rank on `device`, as
+  // streams of that one GPU. Otherwise one distinct, existing device per rank (its size must be
+  // tensor_parallel; INVALID_ARGUMENT else): rank r's weights shard, KV shard, activations,
+  // stream, cuBLASLt handle and pinned GEMMs live on devices[r] (rank 0's, devices[0], replaces
+  // `device`: metadata, logits and sampling are there), and with more than one device the ranks
+  // exchange through NCCL (kernels/cuda/rank_group.h's CreateNcclGroup; libnccl.so.2 is
+  // dlopen()ed, FAILED_PRECONDITION when it does not load) and decode steps run without CUDA
+  // graphs (cuda_graphs is ignored). The logits are bitwise those of the same degree on one
+  // device. With kv_cache_bytes = 0 the KV pool is sized from the least free memory among the
+  // devices.
+  std::vector<int> devices;
+  // The NCCL library dlopen()ed when `devices` spans devices: a path, or "" for libnccl.so.2 on
+  // the loader's search path (LD_LIBRARY_PATH).
+  std::string nccl_library;
   // KV page size in tokens. Any positive size works; attention tiles are 32 keys.
   int32_t kv_block_size = 32;
   // Split-KV size S: a multiple of 32 and of kv_block_size. Prefill chunks end on multiples of
@@ -53,11 +67,13 @@ struct CudaRunnerOptions {
   // (1, 2, 4, 8, 16, 32, then multiples of 32 up to the largest bucket) with rows that write a
   // reserved KV block and are never read, and the split grid to a power of two. Rows are batch
   // invariant, so a row's bits are the same with graphs on or off (tests/gpu/model_test.cc).
+  // Off when the ranks span devices (`devices`).
   bool cuda_graphs = true;
   // The largest decode batch run as a graph (capped at max_logit_rows and max_batch_tokens);
   // larger decode batches run eagerly.
   int32_t max_graph_batch = 512;
-  // Tensor-parallel degree (docs/determinism.md, D10): 1, 2, 4 or 8 ranks on this one device,
+  // Tensor-parallel degree (docs/determinism.md, D10): 1, 2, 4 or 8 ranks on this one device
+  // (or one device each: `devices`),
   // Megatron-partitioned as CpuModelRunner's (column-parallel q/k/v and gate/up, row-parallel
   // o_proj and down_proj, vocab-parallel embedding and lm_head, norms and residual replicated),
   // each rank with its own weights shard, KV-cache shard and stream. Every degree gives the
@@ -95,6 +111,11 @@ struct CudaForwardProfile {
 // Column-parallel GEMMs run the full weight's pinned algorithm on the rank's slice, so each
 // output column has the unsliced GEMM's bits. Decode steps still replay CUDA graphs: the ranks'
 // streams fork from and join into rank 0's, which is what a capture follows.
+//
+// Ranks on separate devices (options.devices): the same phases, each rank's work enqueued with
+// its device current (rank 0's is current between them), the all-gathers NCCL's (one
+// ncclAllGather per rank in one group call), the fork and join by events across devices; the
+// batch metadata and RoPE tables are copied to every device; decode runs eagerly.
 class CudaModelRunner final : public ModelRunner {
  public:
   // Loads every tensor of `checkpoint` (bf16, f16 or f32; converted to bf16, norms to fp32),

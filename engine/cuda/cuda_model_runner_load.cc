@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "engine/cpu_model_runner.h"  // CheckTensorParallel, ShardOf
 #include "engine/cuda/cuda_model_runner.h"
 #include "engine/cuda/cuda_runner_state.h"
@@ -86,6 +87,53 @@ class Arena {
   int64_t used_ = 0;
 };
 
+// Restores the calling thread's current device on scope exit.
+class DeviceScope {
+ public:
+  DeviceScope() { had_device_ = cudaGetDevice(&device_) == cudaSuccess; }
+  ~DeviceScope() {
+    if (had_device_) cudaSetDevice(device_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int device_ = 0;
+  bool had_device_ = false;
+};
+
+// CudaRunnerOptions::devices: empty, or one distinct, existing device per rank.
+absl::Status CheckDevices(const CudaRunnerOptions& o) {
+  if (o.devices.empty()) return absl::OkStatus();
+  if (static_cast<int64_t>(o.devices.size()) != o.tensor_parallel) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "devices lists %d device(s) for tensor_parallel %d: give one device per rank (or none "
+        "for every rank on device %d)",
+        o.devices.size(), o.tensor_parallel, o.device));
+  }
+  for (size_t i = 0; i < o.devices.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (o.devices[i] == o.devices[j]) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "devices lists device %d twice (ranks %d and %d): ranks on separate devices need "
+            "distinct devices (leave devices empty to put every rank on one device)",
+            o.devices[i], j, i));
+      }
+    }
+  }
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) return CudaError(err, "cudaGetDeviceCount");
+  for (size_t r = 0; r < o.devices.size(); ++r) {
+    if (o.devices[r] < 0 || o.devices[r] >= count) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "devices: rank %d's device %d does not exist (%d CUDA device(s) visible: 0..%d)", r,
+          o.devices[r], count, count - 1));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Copies a piece of a [b.rows, b.cols] tensor of `elem` bytes per element from `src` (host or
 // device memory, per `kind`) to where it lives.
 cudaError_t CopyPiece(const Binding& b, const Piece& p, const void* src, size_t elem,
@@ -135,6 +183,14 @@ absl::Status Upload(const Binding& dst, DType dtype, const uint8_t* data, int64_
                      what);
   }
   for (const Piece& p : dst.pieces) {
+    if (p.device >= 0) {  // ranks on several devices: each piece with its device current
+      DeviceScope scope;
+      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(p.device), what));
+      ROLLOUT_RETURN_IF_ERROR(
+          CudaError(CopyPiece(dst, p, src, elem, cudaMemcpyHostToDevice, 0), what));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(0), what));
+      continue;
+    }
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(CopyPiece(dst, p, src, elem, cudaMemcpyHostToDevice, 0), what));
   }
@@ -224,6 +280,7 @@ absl::Status CudaModelRunner::Init() {
   }
   const int tp = o.tensor_parallel;
   ROLLOUT_RETURN_IF_ERROR(CheckTensorParallel(c, tp));
+  ROLLOUT_RETURN_IF_ERROR(CheckDevices(o));
   if (o.canonical_k_tree) {
     // Segment offsets of K / 8 elements stay 16-byte aligned for the GEMMs, at every degree.
     if ((c.num_attention_heads * c.head_dim) % 64 != 0 || c.intermediate_size % 64 != 0) {
@@ -247,9 +304,11 @@ absl::Status CudaModelRunner::Init() {
   // has one shape and its logits rows stay aligned; the last shards are shorter (or empty).
   s.vocab_rows = tp == 1 ? vocab : ((vocab + tp - 1) / tp + 63) / 64 * 64;
   s.ranks.resize(tp);
+  s.multi_device = o.devices.size() > 1;
   for (int r = 0; r < tp; ++r) {
     RankState& rk = s.ranks[r];
     rk.index = r;
+    rk.device = o.devices.empty() ? o.device : o.devices[r];
     const RankShard shard = ShardOf(c, tp, r, s.vocab_rows);
     rk.heads = shard.heads;
     rk.inter = shard.inter;
@@ -259,25 +318,64 @@ absl::Status CudaModelRunner::Init() {
     rk.vocab_end = shard.vocab_end;
   }
 
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(o.device), "cudaSetDevice"));
+  // Each rank's stream and event on its device (all on one device unless o.devices is set);
+  // rank 0's device is current from here on, between enqueues for other ranks.
   std::vector<cudaStream_t> streams;
+  std::vector<int> devices;
   for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(rk.device), "cudaSetDevice"));
     ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamCreateWithFlags(&rk.stream, cudaStreamNonBlocking),
                                       "cudaStreamCreate"));
     streams.push_back(rk.stream);
+    devices.push_back(rk.device);
     if (rk.index > 0) {
       ROLLOUT_RETURN_IF_ERROR(
           CudaError(cudaEventCreateWithFlags(&rk.done, cudaEventDisableTiming), "cudaEventCreate"));
     }
   }
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
   s.stream = s.ranks[0].stream;
   if (tp > 1) {
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), "cudaEventCreate"));
-    const cuda::GroupStatus group = cuda::CreateSameDeviceGroup(streams, &s.group);
-    if (!group.ok()) return absl::InternalError(group.message());
+    if (!s.multi_device) {
+      const cuda::GroupStatus group = cuda::CreateSameDeviceGroup(streams, &s.group);
+      if (!group.ok()) return absl::InternalError(group.message());
+    } else {
+      // Ranks on separate devices exchange through NCCL, loaded at run time.
+      int version = 0;
+      const cuda::GroupStatus loaded = cuda::NcclLibraryVersion(o.nccl_library, &version);
+      if (!loaded.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "tensor parallelism across devices needs NCCL (",
+            o.nccl_library.empty() ? "libnccl.so.2" : o.nccl_library,
+            ", loaded at run time), which did not load: ",
+            loaded.message(),
+            ". Install NCCL 2.x, or put the directory holding libnccl.so.2 (e.g. a PyTorch "
+            "environment's site-packages/nvidia/nccl/lib) on LD_LIBRARY_PATH; or leave devices "
+            "empty to run every rank on one device"));
+      }
+      const cuda::GroupStatus group =
+          cuda::CreateNcclGroup(devices, streams, o.nccl_library, &s.group);
+      if (!group.ok()) {
+        return absl::InternalError(
+            absl::StrCat("creating the NCCL group of devices ", absl::StrJoin(devices, ","),
+                         " (NCCL ", version, "): ", group.message()));
+      }
+      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
+    }
   }
   ROLLOUT_RETURN_IF_ERROR(CublasError(cublasLtCreate(&s.lt), "cublasLtCreate"));
+  for (RankState& rk : s.ranks) {
+    if (!s.OwnCopies(rk)) {
+      rk.lt = s.lt;
+      continue;
+    }
+    // cuBLASLt handles are per device.
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+    ROLLOUT_RETURN_IF_ERROR(CublasError(cublasLtCreate(&rk.lt), "cublasLtCreate"));
+  }
+  ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
 
   // Each rank's weights: two passes over the same sequence of Take() calls, sizes then pointers.
   auto layout = [&](RankState& rk, Arena* mats, Arena* vecs) {
@@ -301,6 +399,7 @@ absl::Status CudaModelRunner::Init() {
     }
   };
   for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     Arena size_mats(nullptr), size_vecs(nullptr);
     layout(rk, &size_mats, &size_vecs);
     ROLLOUT_RETURN_IF_ERROR(
@@ -316,10 +415,13 @@ absl::Status CudaModelRunner::Init() {
     Arena mats(rk.weights_bf16.get<char>()), vecs(rk.weights_f32.get<char>());
     layout(rk, &mats, &vecs);
   }
+  ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
 
   // Every tensor bound to the pieces of it each rank holds (one whole piece each at tp = 1,
   // at the same places as ever, except o/down's K segments with the canonical tree).
+  int piece_device = -1;  // the device of the rank being bound, when ranks span devices
   auto add = [&](const std::string& name, bool f32, int64_t rows, int64_t cols, Piece piece) {
+    piece.device = piece_device;
     Binding& b = s.bindings[name];
     b.f32 = f32;
     b.rows = rows;
@@ -341,6 +443,7 @@ absl::Status CudaModelRunner::Init() {
     }
   };
   for (RankState& rk : s.ranks) {
+    piece_device = s.multi_device ? rk.device : -1;
     const int64_t r = rk.index, rh = rk.heads, rkv = rk.kv_heads, kvb = rk.kv_head_begin;
     add("model.embed_tokens.weight", false, vocab, h,
         Piece{rk.embed, rk.vocab_begin, rk.vocab_end - rk.vocab_begin, 0, h});
@@ -426,7 +529,7 @@ absl::Status CudaModelRunner::UpdateWeights(const std::vector<HostTensor>& tenso
                                                         t.name, t.bytes.size(), expected));
     }
   }
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(options_.device), "cudaSetDevice"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
   // Between steps: nothing of ours is in flight, but be explicit.
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "weight update"));
   for (const HostTensor& t : tensors) {
@@ -463,7 +566,27 @@ absl::Status CudaModelRunner::LoadSynthetic(uint64_t seed) {
                                           dst.f32 ? static_cast<float*>(out) : nullptr, s.stream),
                   absl::StrCat("generating ", spec.name)));
     if (!dst.whole()) {
+      // Pieces on other devices than rank 0's (ranks spanning devices) through the host.
+      std::vector<char> host;
       for (const Piece& p : dst.pieces) {
+        if (p.device >= 0 && p.device != s.ranks[0].device) {
+          if (host.empty()) {
+            host.resize(count * elem);
+            ROLLOUT_RETURN_IF_ERROR(
+                CudaError(cudaStreamSynchronize(s.stream), "generating weights"));
+            ROLLOUT_RETURN_IF_ERROR(CudaError(
+                cudaMemcpy(host.data(), full.get(), count * elem, cudaMemcpyDeviceToHost),
+                absl::StrCat("staging ", spec.name)));
+          }
+          DeviceScope scope;
+          ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(p.device), "cudaSetDevice"));
+          ROLLOUT_RETURN_IF_ERROR(
+              CudaError(CopyPiece(dst, p, host.data(), elem, cudaMemcpyHostToDevice, 0),
+                        absl::StrCat("slicing ", spec.name)));
+          ROLLOUT_RETURN_IF_ERROR(
+              CudaError(cudaStreamSynchronize(0), absl::StrCat("slicing ", spec.name)));
+          continue;
+        }
         ROLLOUT_RETURN_IF_ERROR(
             CudaError(CopyPiece(dst, p, full.get(), elem, cudaMemcpyDeviceToDevice, s.stream),
                       absl::StrCat("slicing ", spec.name)));
@@ -504,6 +627,17 @@ absl::Status CudaModelRunner::Finish() {
         cudaMemcpy(s.rope_cos.get(), cos_table.data(), bytes, cudaMemcpyHostToDevice), "RoPE"));
     ROLLOUT_RETURN_IF_ERROR(CudaError(
         cudaMemcpy(s.rope_sin.get(), sin_table.data(), bytes, cudaMemcpyHostToDevice), "RoPE"));
+    for (RankState& rk : s.ranks) {  // ranks on other devices: their own copies
+      if (!s.OwnCopies(rk)) continue;
+      ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(rk.rope_cos.Allocate(bytes), "allocating RoPE tables"));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(rk.rope_sin.Allocate(bytes), "allocating RoPE tables"));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cudaMemcpy(rk.rope_cos.get(), cos_table.data(), bytes, cudaMemcpyHostToDevice), "RoPE"));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cudaMemcpy(rk.rope_sin.get(), sin_table.data(), bytes, cudaMemcpyHostToDevice), "RoPE"));
+    }
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   }
 
   const int tp = s.tp;
@@ -511,6 +645,7 @@ absl::Status CudaModelRunner::Finish() {
   // A rank's leaves of the canonical K tree: a separate buffer when it owns more than one.
   const int local_segments = cuda::kNumKSegments / tp;
   for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     const int64_t qkv_cols = (rk.heads + 2 * rk.kv_heads) * hd;
     const int64_t leaves = s.canonical && local_segments > 1 ? local_segments * t * h * 4 : 0;
     const int64_t gathered = tp > 1 ? tp * std::max(t * h, r * s.vocab_rows) * 4 : 0;
@@ -529,6 +664,7 @@ absl::Status CudaModelRunner::Finish() {
       ROLLOUT_RETURN_IF_ERROR(CudaError(buffer->Allocate(bytes), "allocating activations"));
     }
   }
+  ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   for (auto [buffer, bytes] : std::vector<std::pair<cuda::DeviceBuffer*, int64_t>>{
            {&s.logits, r * vocab * 4},
            {&s.row_specs, r * static_cast<int64_t>(sizeof(cuda::LogitsRowSpec))},
@@ -555,9 +691,22 @@ absl::Status CudaModelRunner::Finish() {
     return 2 * c.num_layers * static_cast<int64_t>(options_.kv_block_size) * kv_heads * hd * 2;
   };
   int64_t bytes_per_block = block_bytes(nkv);
-  if (options_.kv_cache_bytes <= 0) {
+  if (options_.kv_cache_bytes <= 0 && !s.multi_device) {
     bytes_per_block = 0;
     for (const RankState& rk : s.ranks) bytes_per_block += block_bytes(rk.kv_heads);
+  } else if (options_.kv_cache_bytes <= 0) {
+    // Ranks on separate devices: each device holds one rank's shard, so the pool is what the
+    // device with the least free memory can hold of the largest shard.
+    bytes_per_block = 0;
+    for (const RankState& rk : s.ranks) {
+      bytes_per_block = std::max(bytes_per_block, block_bytes(rk.kv_heads));
+      size_t rank_free = 0, rank_total = 0;
+      ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+      ROLLOUT_RETURN_IF_ERROR(
+          CudaError(cudaMemGetInfo(&rank_free, &rank_total), "cudaMemGetInfo"));
+      free_bytes = std::min(free_bytes, rank_free);
+    }
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   }
   const int64_t budget = options_.kv_cache_bytes > 0
                              ? options_.kv_cache_bytes
@@ -576,12 +725,13 @@ absl::Status CudaModelRunner::Finish() {
   num_kv_blocks_ = static_cast<int32_t>(blocks - 1);
   s.pad_block = static_cast<int32_t>(blocks - 1);
   for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     rk.kv_layer_elems = blocks * options_.kv_block_size * rk.kv_heads * hd;
     const int64_t bytes = blocks * block_bytes(rk.kv_heads);
     ROLLOUT_RETURN_IF_ERROR(CudaError(rk.kv.Allocate(bytes),
                                       absl::StrCat("allocating a KV cache of ", bytes, " bytes")));
   }
-  return absl::OkStatus();
+  return s.SetDevice(s.ranks[0]);
 }
 
 // The unsharded model's GEMMs: one algorithm pinned per weight shape, or the heuristic per m.
@@ -669,13 +819,15 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
     for (RankState& rk : s.ranks) {
       const int64_t n = g.rank_n(rk);
       why.clear();
-      if (cuda::PinnedGemm::CreateWithAlgo(s.lt, n, g.k, g.output, full->algo(), &(rk.*g.gemm),
+      ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+      if (cuda::PinnedGemm::CreateWithAlgo(rk.lt, n, g.k, g.output, full->algo(), &(rk.*g.gemm),
                                            &why, g.max_batch) != CUBLAS_STATUS_SUCCESS) {
         return absl::FailedPreconditionError(absl::StrFormat(
             "the algorithm pinned for %s [%d x %d] does not run rank %d's slice [%d x %d]:\n%s",
             g.name, g.n, g.k, rk.index, n, g.k, why));
       }
     }
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
     const int64_t slice = g.rank_n(s.ranks[0]);
     s.gemm_descriptions.push_back(absl::StrFormat(
         "%-8s n=%-6d k=%-6d %s%s", g.name, g.n, g.k, (s.ranks[0].*g.gemm)->Describe(),

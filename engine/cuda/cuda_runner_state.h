@@ -66,6 +66,9 @@ struct LayerWeights {
 struct Piece {
   void* ptr = nullptr;
   int64_t row_begin = 0, rows = 0, col_begin = 0, cols = 0;
+  // Ranks on several devices (CudaRunnerOptions::devices): the device ptr is on; -1 otherwise
+  // (every piece on the current device).
+  int device = -1;
 };
 
 // Where a checkpoint tensor goes: its pieces in the ranks (one whole piece at tensor_parallel =
@@ -85,6 +88,8 @@ struct Binding {
 // enqueued by the runner's thread.
 struct RankState {
   int index = 0;
+  // The device the rank lives on: CudaRunnerOptions::device, or devices[index] when set.
+  int device = 0;
   // The rank's own query heads, KV heads (from kv_head_begin: split, or the one its query heads
   // read when there are fewer KV heads than ranks), intermediate features, and rows
   // [vocab_begin, vocab_end) of the embedding and lm_head (its shards hold vocab_rows rows, the
@@ -94,6 +99,12 @@ struct RankState {
 
   cudaStream_t stream = nullptr;  // owned by State; rank 0's is State::stream
   cudaEvent_t done = nullptr;     // ranks > 0: joins its stream into rank 0's after a slice
+  // The cuBLASLt handle its GEMMs were made with: State::lt, or (a rank on another device than
+  // rank 0's) its own, owned by State.
+  cublasLtHandle_t lt = nullptr;
+  // A rank on another device than rank 0's: its copies of the batch metadata and the RoPE tables
+  // (State::meta, rope_cos, rope_sin otherwise).
+  cuda::DeviceBuffer meta, rope_cos, rope_sin;
 
   cuda::DeviceBuffer weights_bf16;
   cuda::DeviceBuffer weights_f32;
@@ -124,6 +135,15 @@ struct RankState {
   // Column-parallel GEMMs run the algorithm pinned for the full weight's shape; with the
   // canonical K tree, gemm_o and gemm_down are the [hidden, K / 8] segment GEMMs.
   std::unique_ptr<cuda::PinnedGemm> gemm_qkv, gemm_o, gemm_gate_up, gemm_down, gemm_lm_head;
+
+  // Frees the rank's device memory (with its device current).
+  void ReleaseBuffers() {
+    for (cuda::DeviceBuffer* b : {&meta, &rope_cos, &rope_sin, &weights_bf16, &weights_f32, &kv,
+                                  &x, &xn, &qkv, &q, &attn, &gate_up, &act, &final_rows,
+                                  &partials, &leaves, &gathered}) {
+      b->Reset();
+    }
+  }
 };
 
 enum Family {
@@ -193,6 +213,7 @@ struct CudaModelRunner::State {
     group.reset();
     if (fork != nullptr) cudaEventDestroy(fork);
     for (RankState& rk : ranks) {
+      if (multi_device) cudaSetDevice(rk.device);
       if (rk.stream != nullptr) cudaStreamSynchronize(rk.stream);
       rk.gemm_qkv.reset();
       rk.gemm_o.reset();
@@ -200,11 +221,16 @@ struct CudaModelRunner::State {
       rk.gemm_down.reset();
       rk.gemm_lm_head.reset();
       if (rk.done != nullptr) cudaEventDestroy(rk.done);
+      if (rk.lt != nullptr && rk.lt != lt) cublasLtDestroy(rk.lt);
+      if (multi_device) rk.ReleaseBuffers();
     }
+    if (multi_device && !ranks.empty()) cudaSetDevice(ranks[0].device);
     if (lt != nullptr) cublasLtDestroy(lt);
     for (RankState& rk : ranks) {
+      if (multi_device) cudaSetDevice(rk.device);
       if (rk.stream != nullptr) cudaStreamDestroy(rk.stream);
     }
+    if (multi_device && !ranks.empty()) cudaSetDevice(ranks[0].device);
   }
 
   // Tensor parallelism: tp ranks (1 = the whole model in ranks[0]); canonical: o_proj and
@@ -218,6 +244,27 @@ struct CudaModelRunner::State {
   // stream enqueued before a slice (the metadata upload; in a capture, what forks them into it).
   std::unique_ptr<cuda::RankGroup> group;
   cudaEvent_t fork = nullptr;
+  // Ranks on several devices (CudaRunnerOptions::devices with more than one): every enqueue for
+  // a rank runs with its device current (SetDevice), the exchanges are NCCL's, and decode runs
+  // without CUDA graphs. False: every rank on ranks[0].device, which stays current throughout.
+  bool multi_device = false;
+
+  // Makes rk's device current when ranks span devices (nothing otherwise).
+  absl::Status SetDevice(const RankState& rk) const {
+    if (!multi_device) return absl::OkStatus();
+    return cuda_runner_internal::CudaError(cudaSetDevice(rk.device), "cudaSetDevice");
+  }
+  // The batch metadata and RoPE tables as rank rk reads them (on its device).
+  bool OwnCopies(const RankState& rk) const { return multi_device && rk.index > 0; }
+  const int32_t* MetaOf(const RankState& rk) const {
+    return OwnCopies(rk) ? rk.meta.get<int32_t>() : meta.get<int32_t>();
+  }
+  const float* RopeCosOf(const RankState& rk) const {
+    return OwnCopies(rk) ? rk.rope_cos.get<float>() : rope_cos.get<float>();
+  }
+  const float* RopeSinOf(const RankState& rk) const {
+    return OwnCopies(rk) ? rk.rope_sin.get<float>() : rope_sin.get<float>();
+  }
 
   cudaStream_t stream = nullptr;  // rank 0's: metadata, logits, sampling, capture origin
   cublasLtHandle_t lt = nullptr;
@@ -231,6 +278,7 @@ struct CudaModelRunner::State {
 
   cuda::DeviceBuffer logits;  // [max_logit_rows, vocab] fp32, full rows (rank 0's stream)
   cuda::DeviceBuffer meta;    // int32 batch metadata (see ForwardSlice), read by every rank
+                              // on rank 0's device (RankState::meta on the others)
   cuda::PinnedHostBuffer meta_host;
 
   // The last Forward's logits: on the device in `logits` rows [0, last_rows) when they fit

@@ -1,6 +1,7 @@
 // Tensor parallelism on the CUDA backend (D10), end to end on one device: the logits of TP 1
 // (canonical K tree), 2, 4 and 8 ranks are bitwise equal through prefill, mixed and decode steps
-// (CUDA graphs included), on the device through sampling, and after weight updates; the plain
+// (CUDA graphs included), on the device through sampling, and after weight updates -- and with
+// the ranks on separate GPUs (TpMultiGpuTest: 2+ GPUs and NCCL, else skipped); the plain
 // fused GEMM at TP 1 is the control that shows the comparison can fail; and the cost of the
 // canonical tree in whole forward steps. The GEMM-level facts behind it are in
 // tp_kernels_test.cc.
@@ -8,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -17,6 +19,7 @@
 
 #include "engine/cuda/cuda_model_runner.h"
 #include "engine/random_model.h"
+#include "kernels/cuda/rank_group.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/forward_script.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -418,6 +421,230 @@ TEST_F(TpModelTest, CostOfTheCanonicalKTreeInForwardSteps) {
         "context 512: %.3f ms; prefill step of 16 x 512 tokens: %.3f ms\n",
         canonical ? "on" : "off", decode_ms, prefill_ms);
   }
+}
+
+// --- Ranks on separate GPUs (CudaRunnerOptions::devices, exchanges through NCCL) ---
+
+std::string NcclLibraryPath() {
+  const char *path = std::getenv("ROLLOUT_NCCL_LIBRARY");
+  return path != nullptr ? path : "";
+}
+
+// Forward + ProcessLogits over the script: greedy, sampled with top-N logprobs and scored rows,
+// each result's token, logprob and top-N as bytes.
+std::vector<std::string> ProcessScript(CudaModelRunner *runner, const Script &script,
+                                       int32_t vocab) {
+  SamplingParams greedy, sampled;
+  greedy.temperature = 0.0f;
+  greedy.top_logprobs = 3;
+  sampled.temperature = 0.8f;
+  sampled.top_logprobs = 5;
+  std::vector<std::string> got;
+  for (const std::vector<Chunk> &step : script.steps) {
+    const ForwardBatch batch = MakeBatch(script, step);
+    const absl::Status forward = runner->Forward(batch, nullptr);
+    EXPECT_TRUE(forward.ok()) << forward;
+    if (!forward.ok()) return {};
+    std::vector<LogitsRowTask> tasks(batch.logit_rows.size());
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      tasks[i].params = i % 3 == 0 ? &greedy : &sampled;
+      tasks[i].sample_seed = 1000 + i;
+      tasks[i].position = batch.positions[batch.logit_rows[i]] + 1;
+      if (i % 3 == 2) tasks[i].score_token = static_cast<int32_t>((i * 37) % vocab);
+    }
+    std::vector<SampleResult> results;
+    const absl::Status s = runner->ProcessLogits(tasks, {}, &results);
+    EXPECT_TRUE(s.ok()) << s;
+    if (!s.ok()) return {};
+    for (const SampleResult &r : results) {
+      std::string bits(reinterpret_cast<const char *>(&r.token), 4);
+      bits.append(reinterpret_cast<const char *>(&r.logprob), 4);
+      for (const TokenLogprob &t : r.top) {
+        bits.append(reinterpret_cast<const char *>(&t), sizeof(t));
+      }
+      got.push_back(bits);
+    }
+  }
+  return got;
+}
+
+// Runs when at least 2 GPUs are visible and NCCL loads; skips, saying what it needs, otherwise.
+class TpMultiGpuTest : public TpModelTest {
+ protected:
+  void SetUp() override {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    if (count < 2) {
+      GTEST_SKIP() << "needs at least 2 visible CUDA devices (found " << count
+                   << ") and NCCL (libnccl.so.2 on LD_LIBRARY_PATH, or ROLLOUT_NCCL_LIBRARY): "
+                      "runs TP 2 on 2 GPUs (TP 4 on 4, TP 8 on 8 when there are that many) "
+                      "against TP 1 on one GPU";
+    }
+    int version = 0;
+    const cuda::GroupStatus loaded = cuda::NcclLibraryVersion(NcclLibraryPath(), &version);
+    if (!loaded.ok()) {
+      GTEST_SKIP() << "needs NCCL (libnccl.so.2 on LD_LIBRARY_PATH, or ROLLOUT_NCCL_LIBRARY) for "
+                      "ranks on separate GPUs; "
+                   << count << " GPUs are visible but it did not load: " << loaded.message();
+    }
+    std::printf("[ multi    ] %d GPUs, NCCL %d\n", count, version);
+    for (int tp : {2, 4, 8}) {
+      if (tp <= count) degrees_.push_back(tp);
+    }
+  }
+
+  static CudaRunnerOptions SpreadOptions(int tp, int64_t kv_bytes, int32_t max_batch_tokens) {
+    CudaRunnerOptions o = Options(tp, true, true, kv_bytes, max_batch_tokens);
+    for (int r = 0; r < tp; ++r) o.devices.push_back(r);
+    o.nccl_library = NcclLibraryPath();
+    return o;
+  }
+
+  // TP 1 (canonical K tree) on GPU 0 vs TP d with rank r on GPU r, for every degree d the host
+  // has GPUs for: the script's logits (ForwardToHost), and Forward + ProcessLogits results.
+  void CheckSpread(const ModelConfig &config, const Script &script, int64_t kv_bytes,
+                   int32_t max_batch_tokens) {
+    const int32_t vocab = config.vocab_size;
+    std::vector<float> want_logits;
+    std::vector<std::string> want_processed;
+    {
+      auto ref = CudaModelRunner::CreateSynthetic(
+          config, 7, Options(1, true, false, kv_bytes, max_batch_tokens));
+      ASSERT_TRUE(ref.ok()) << ref.status();
+      ASSERT_GE((*ref)->num_kv_blocks(), BlocksNeeded(script));
+      want_logits = RunScript(ref->get(), script);
+    }
+    {
+      auto ref = CudaModelRunner::CreateSynthetic(
+          config, 7, Options(1, true, false, kv_bytes, max_batch_tokens));
+      ASSERT_TRUE(ref.ok()) << ref.status();
+      want_processed = ProcessScript(ref->get(), script, vocab);
+    }
+    for (int tp : degrees_) {
+      {
+        auto runner = CudaModelRunner::CreateSynthetic(
+            config, 7, SpreadOptions(tp, kv_bytes, max_batch_tokens));
+        ASSERT_TRUE(runner.ok()) << "tp " << tp << " on " << tp << " GPUs: " << runner.status();
+        EXPECT_GE((*runner)->num_kv_blocks(), BlocksNeeded(script));
+        const auto t0 = std::chrono::steady_clock::now();
+        const std::vector<float> got = RunScript(runner->get(), script);
+        std::printf(
+            "[ multi    ] tp %d on %d GPUs: %zu logits rows, %.1f ms\n", tp, tp,
+            got.size() / vocab,
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count());
+        EXPECT_TRUE(SameBits(got, want_logits, vocab)) << "tp " << tp << " on " << tp << " GPUs";
+        EXPECT_EQ((*runner)->graph_launches(), 0) << "decode graphs are off across devices";
+      }
+      {
+        auto runner = CudaModelRunner::CreateSynthetic(
+            config, 7, SpreadOptions(tp, kv_bytes, max_batch_tokens));
+        ASSERT_TRUE(runner.ok()) << runner.status();
+        const std::vector<std::string> got = ProcessScript(runner->get(), script, vocab);
+        ASSERT_EQ(got.size(), want_processed.size()) << "tp " << tp;
+        int differing = 0;
+        for (size_t i = 0; i < got.size(); ++i) differing += got[i] != want_processed[i];
+        EXPECT_EQ(differing, 0) << "tp " << tp << " on " << tp << " GPUs: of " << got.size()
+                                << " processed rows";
+      }
+    }
+  }
+
+  std::vector<int> degrees_;
+};
+
+TEST_F(TpMultiGpuTest, SmallModelOnSeparateGpusEqualsTp1OnOneGpu) {
+  const ModelConfig config = *PresetConfig("small");
+  const Script script = MakeScript(config.vocab_size, 32, 12, 700, /*all_logits=*/true, 31);
+  CheckSpread(config, script, 256ll << 20, 512);
+}
+
+TEST_F(TpMultiGpuTest, Qwen2StyleOnSeparateGpusEqualsTp1OnOneGpu) {
+  ModelConfig config = *PresetConfig("small");
+  config.architecture = "Qwen2ForCausalLM";
+  config.family = ModelFamily::kQwen2;
+  config.qk_norm = false;
+  config.qkv_bias = true;
+  config.tie_word_embeddings = false;
+  config.num_layers = 2;
+  config.num_key_value_heads = 4;
+  config.vocab_size = 4000;
+  const Script script = MakeScript(config.vocab_size, 32, 8, 400, /*all_logits=*/true, 33);
+  CheckSpread(config, script, 128ll << 20, 2048);
+}
+
+// Weight updates write every rank's pieces on its own device.
+TEST_F(TpMultiGpuTest, WeightUpdatesReachEveryDevice) {
+  const ModelConfig config = *PresetConfig("small");
+  const Script script = MakeScript(config.vocab_size, 32, 5, 200, /*all_logits=*/true, 35);
+  std::vector<HostTensor> update;
+  std::mt19937 rng(36);
+  for (const TensorSpec &spec : ExpectedTensors(config)) {
+    if (spec.name.find("layers.1.") == std::string::npos &&
+        spec.name.find("layers.") != std::string::npos) {
+      continue;
+    }
+    HostTensor t{spec.name, DType::kBF16, spec.shape, {}};
+    int64_t count = 1;
+    for (int64_t d : spec.shape) count *= d;
+    std::normal_distribution<float> dist(spec.name.find("norm") != std::string::npos ? 1.0f : 0.0f,
+                                         0.05f);
+    t.bytes.resize(count * 2);
+    for (int64_t i = 0; i < count; ++i) {
+      const uint16_t v = F32ToBF16(dist(rng));
+      std::memcpy(&t.bytes[2 * i], &v, 2);
+    }
+    update.push_back(std::move(t));
+  }
+  std::vector<float> want;
+  {
+    auto ref =
+        CudaModelRunner::CreateSynthetic(config, 7, Options(1, true, false, 128ll << 20, 2048));
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ASSERT_TRUE((*ref)->UpdateWeights(update).ok());
+    want = RunScript(ref->get(), script);
+  }
+  for (int tp : degrees_) {
+    auto runner = CudaModelRunner::CreateSynthetic(config, 7, SpreadOptions(tp, 128ll << 20, 2048));
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    const absl::Status s = (*runner)->UpdateWeights(update);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_TRUE(SameBits(RunScript(runner->get(), script), want, config.vocab_size))
+        << "after the update, tp " << tp << " on " << tp << " GPUs";
+  }
+}
+
+// The devices option is checked before anything is allocated: runs on a one-GPU host.
+TEST_F(TpModelTest, DevicesOptionIsValidated) {
+  const ModelConfig config = *PresetConfig("small");
+  int count = 0;
+  ASSERT_EQ(cudaSuccess, cudaGetDeviceCount(&count));
+  auto with_devices = [&](int tp, std::vector<int> devices) {
+    CudaRunnerOptions o = Options(tp, true, true, 64 << 20, 512);
+    o.devices = std::move(devices);
+    return CudaModelRunner::CreateSynthetic(config, 7, o);
+  };
+  auto expect_refused = [](const absl::StatusOr<std::unique_ptr<CudaModelRunner>> &runner,
+                           const std::string &needle, const char *what) {
+    ASSERT_FALSE(runner.ok()) << what;
+    EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument) << runner.status();
+    EXPECT_NE(std::string(runner.status().message()).find(needle), std::string::npos)
+        << what << ": " << runner.status();
+    std::printf("[ refused  ] %s: %s\n", what, runner.status().ToString().c_str());
+  };
+  expect_refused(with_devices(2, {0}), "1 device(s) for tensor_parallel 2", "size != tp");
+  expect_refused(with_devices(1, {0, 1}), "2 device(s) for tensor_parallel 1", "size != tp");
+  expect_refused(with_devices(2, {0, 0}), "twice", "duplicate device");
+  expect_refused(with_devices(2, {0, count}), "does not exist", "device beyond the last");
+  expect_refused(with_devices(2, {-1, 0}), "does not exist", "negative device");
+  // One rank listed on one device: that device, the default's bits.
+  const Script script = MakeScript(config.vocab_size, 32, 3, 100, /*all_logits=*/true, 38);
+  auto listed = with_devices(1, {0});
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  auto plain = CudaModelRunner::CreateSynthetic(config, 7, Options(1, true, true, 64 << 20, 512));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(SameBits(RunScript(listed->get(), script), RunScript(plain->get(), script),
+                       config.vocab_size));
 }
 
 }  // namespace

@@ -308,7 +308,7 @@ class RolloutClient:
 
     def update_weights(self, named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
                        version: str, policy: Optional[str] = "drain", *,
-                       dtype: DTypeSpec = "BF16", chunk_bytes: int = 32 << 20,
+                       dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
                        timeout: Optional[float] = None) -> UpdateWeightsResult:
         """Streams new weights to the server: a WeightsHeader declaring every tensor, then each
         tensor's bytes in TensorData chunks of at most chunk_bytes. Nothing changes on the
