@@ -210,13 +210,7 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
                 nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
   vocab_per_rank_ = (vocab + tp - 1) / tp;
   for (Rank& rk : ranks_) {
-    const RankShard shard = ShardOf(c, tp, rk.index, vocab_per_rank_);
-    rk.heads = shard.heads;
-    rk.inter = shard.inter;
-    rk.kv_heads = shard.kv_heads;
-    rk.kv_head_begin = shard.kv_head_begin;
-    rk.vocab_begin = shard.vocab_begin;
-    rk.vocab_end = shard.vocab_end;
+    static_cast<RankShard&>(rk) = ShardOf(c, tp, rk.index, vocab_per_rank_);
     rk.layers.resize(c.num_layers);
   }
   // Every tensor is bound to the pieces of it each rank holds, in fp32; weight updates write

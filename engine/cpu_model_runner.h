@@ -99,10 +99,10 @@ class CpuModelRunner final : public ModelRunner {
 
   // One tensor-parallel rank: its shard sizes (heads, kv_heads, inter are the rank's own) and
   // weights.
-  struct Rank {
+  // What the rank holds (RankShard: heads, KV heads, intermediate features, vocab rows), and
+  // its weights, KV cache and workers.
+  struct Rank : RankShard {
     int index = 0;
-    int64_t heads = 0, kv_heads = 0, kv_head_begin = 0, inter = 0;
-    int64_t vocab_begin = 0, vocab_end = 0;  // its rows of the embedding and lm_head
     std::unique_ptr<Communicator> comm;
     std::unique_ptr<cpu::ThreadPool> pool;
     std::vector<float> embed;    // [vocab_end - vocab_begin, hidden]

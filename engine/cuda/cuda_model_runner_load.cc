@@ -309,13 +309,7 @@ absl::Status CudaModelRunner::Init() {
     RankState& rk = s.ranks[r];
     rk.index = r;
     rk.device = o.devices.empty() ? o.device : o.devices[r];
-    const RankShard shard = ShardOf(c, tp, r, s.vocab_rows);
-    rk.heads = shard.heads;
-    rk.inter = shard.inter;
-    rk.kv_heads = shard.kv_heads;
-    rk.kv_head_begin = shard.kv_head_begin;
-    rk.vocab_begin = shard.vocab_begin;
-    rk.vocab_end = shard.vocab_end;
+    static_cast<RankShard&>(rk) = ShardOf(c, tp, r, s.vocab_rows);
   }
 
   // Each rank's stream and event on its device (all on one device unless o.devices is set);

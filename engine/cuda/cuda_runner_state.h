@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/cpu_model_runner.h"  // RankShard
 #include "engine/cuda/cuda_model_runner.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
@@ -86,16 +87,14 @@ struct Binding {
 // One tensor-parallel rank on the device: its shard of the weights and of the KV cache, its
 // activations, GEMMs and stream (the whole model at tensor_parallel = 1). Every rank's work is
 // enqueued by the runner's thread.
-struct RankState {
+// RankShard: the rank's own query heads, KV heads (from kv_head_begin: split, or the one its
+// query heads read when there are fewer KV heads than ranks), intermediate features, and rows
+// [vocab_begin, vocab_end) of the embedding and lm_head (its shards hold vocab_rows rows, the
+// ones beyond vocab_end zero).
+struct RankState : RankShard {
   int index = 0;
   // The device the rank lives on: CudaRunnerOptions::device, or devices[index] when set.
   int device = 0;
-  // The rank's own query heads, KV heads (from kv_head_begin: split, or the one its query heads
-  // read when there are fewer KV heads than ranks), intermediate features, and rows
-  // [vocab_begin, vocab_end) of the embedding and lm_head (its shards hold vocab_rows rows, the
-  // ones beyond vocab_end zero).
-  int64_t heads = 0, kv_heads = 0, kv_head_begin = 0, inter = 0;
-  int64_t vocab_begin = 0, vocab_end = 0;
 
   cudaStream_t stream = nullptr;  // owned by State; rank 0's is State::stream
   cudaEvent_t done = nullptr;     // ranks > 0: joins its stream into rank 0's after a slice
