@@ -217,7 +217,7 @@ TEST_F(TpModelTest, Qwen3_8bShapedLogitsAreBitwiseEqualAtTp1Tp2Tp4Tp8) {
 // Qwen2-style: qkv biases, no q/k norm, untied lm_head, 4 KV heads (replicated
 // at TP 8), and a vocabulary of 4000 that no shard size divides: the last
 // rank's shard is shorter.
-TEST_F(TpModelTest, Qwen2StyleBiasesAndUnevenVocabAreBitwiseEqualAtEveryDegree) {
+ModelConfig Qwen2StyleConfig() {
   ModelConfig config = *PresetConfig("small");
   config.architecture = "Qwen2ForCausalLM";
   config.family = ModelFamily::kQwen2;
@@ -227,6 +227,11 @@ TEST_F(TpModelTest, Qwen2StyleBiasesAndUnevenVocabAreBitwiseEqualAtEveryDegree) 
   config.num_layers = 2;
   config.num_key_value_heads = 4;
   config.vocab_size = 4000;
+  return config;
+}
+
+TEST_F(TpModelTest, Qwen2StyleBiasesAndUnevenVocabAreBitwiseEqualAtEveryDegree) {
+  const ModelConfig config = Qwen2StyleConfig();
   const Script script = MakeScript(config.vocab_size, 32, 8, 400, /*all_logits=*/true, 33);
   CheckDegrees(config, {1, 2, 4, 8}, script, 128ll << 20, 2048);
 }
@@ -560,15 +565,7 @@ TEST_F(TpMultiGpuTest, SmallModelOnSeparateGpusEqualsTp1OnOneGpu) {
 }
 
 TEST_F(TpMultiGpuTest, Qwen2StyleOnSeparateGpusEqualsTp1OnOneGpu) {
-  ModelConfig config = *PresetConfig("small");
-  config.architecture = "Qwen2ForCausalLM";
-  config.family = ModelFamily::kQwen2;
-  config.qk_norm = false;
-  config.qkv_bias = true;
-  config.tie_word_embeddings = false;
-  config.num_layers = 2;
-  config.num_key_value_heads = 4;
-  config.vocab_size = 4000;
+  const ModelConfig config = Qwen2StyleConfig();
   const Script script = MakeScript(config.vocab_size, 32, 8, 400, /*all_logits=*/true, 33);
   CheckSpread(config, script, 128ll << 20, 2048);
 }
