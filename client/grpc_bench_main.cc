@@ -30,7 +30,9 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
 ABSL_FLAG(int32_t, num_requests, 256, "Generate calls, one rollout of one sample each");
 ABSL_FLAG(int32_t, input_len, 1024, "prompt tokens per request (random ids)");
 ABSL_FLAG(int32_t, output_len, 1024, "generated tokens per request (ignore_eos)");
-ABSL_FLAG(int32_t, concurrency, 0, "calls in flight at once; 0 = all of them");
+ABSL_FLAG(int32_t, concurrency, 0,
+          "calls in flight at once; 0 = all of them (keep it under the server's "
+          "--max_queued_samples, or calls get RESOURCE_EXHAUSTED)");
 ABSL_FLAG(float, temperature, 1.0f, "sampling temperature (0 = greedy)");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the prompts and of the requests");
 ABSL_FLAG(std::string, auth_token, "", "bearer token, if the server requires one for Generate");
@@ -89,6 +91,10 @@ int Main() {
     return 1;
   }
   const uint32_t vocab = info->model().vocab_size();
+  if (vocab == 0) {
+    std::fprintf(stderr, "the server reports a vocabulary of 0 tokens\n");
+    return 1;
+  }
   if (static_cast<uint32_t>(in + out) > info->model().max_context()) {
     std::fprintf(stderr, "input_len + output_len = %d exceeds the model's context of %u\n",
                  in + out, info->model().max_context());
@@ -104,10 +110,12 @@ int Main() {
 
   // Prompts drawn up front so that the clock measures the service only.
   std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  const uint64_t run_id = std::random_device()();
   std::vector<v1::GenerateRequest> calls(requests);
   for (int32_t i = 0; i < requests; ++i) {
     v1::RolloutRequest* r = calls[i].add_rollouts();
-    r->set_request_id(absl::StrCat("bench-", i));
+    // Unique per run, so that two benchmarks against one server do not collide.
+    r->set_request_id(absl::StrCat("bench-", run_id, "-", i));
     for (int32_t t = 0; t < in; ++t) r->add_prompt_token_ids(static_cast<uint32_t>(rng() % vocab));
     r->set_seed(absl::GetFlag(FLAGS_seed) * 1000003 + i);
     v1::SamplingParams* p = r->mutable_sampling();

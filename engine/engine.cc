@@ -305,6 +305,9 @@ void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
           for (const auto& seq : job.sequences) aborted += !seq->finished;
           AbortJob(job_id, std::nullopt, events);
         }
+        // The aborted samples' completions reach their streams before the update's reply.
+        PublishCounters();
+        Deliver(events);
         ApplyUpdate(std::move(pending), aborted);
         break;
       }
@@ -424,10 +427,17 @@ void Engine::Loop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       const bool busy = !scheduler_.idle();
-      cv_.wait(lock, [&] {
+      auto ready = [&] {
         return stop_ || (busy && !paused_) || !inbox_.empty() || !aborts_.empty() ||
                !flushes_.empty() || !updates_.empty();
-      });
+      };
+      if (draining_.has_value()) {
+        // A waiting DRAIN update's caller may cancel while the engine has nothing else to do
+        // (paused, say): its predicate is looked at again at least every 50 ms.
+        cv_.wait_for(lock, std::chrono::milliseconds(50), ready);
+      } else {
+        cv_.wait(lock, ready);
+      }
       submissions.swap(inbox_);
       aborts.swap(aborts_);
       flushes.swap(flushes_);

@@ -30,8 +30,21 @@ const std::string& ModelDir() {
   return dir;
 }
 
-std::unique_ptr<Engine> MakeEngine() {
-  auto ck = Checkpoint::Open(ModelDir());
+// The small preset: slow enough on the CPU that a long sample is still running a while later.
+const std::string& SmallModelDir() {
+  static const std::string dir = [] {
+    std::string d = ::testing::TempDir() + "engine-update-test-small";
+    RandomModelOptions options;
+    options.preset = "small";
+    options.seed = 5;
+    EXPECT_TRUE(WriteRandomModel(options, d).ok());
+    return d;
+  }();
+  return dir;
+}
+
+std::unique_ptr<Engine> MakeEngine(const std::string& dir = ModelDir()) {
+  auto ck = Checkpoint::Open(dir);
   EXPECT_TRUE(ck.ok());
   auto runner = CpuModelRunner::Create(**ck, {});
   EXPECT_TRUE(runner.ok());
@@ -42,8 +55,8 @@ std::unique_ptr<Engine> MakeEngine() {
   return *std::move(engine);
 }
 
-HostTensor OriginalTensor() {
-  auto ck = Checkpoint::Open(ModelDir());
+HostTensor OriginalTensor(const std::string& dir = ModelDir()) {
+  auto ck = Checkpoint::Open(dir);
   const TensorView* view = (*ck)->Find(kTensor);
   HostTensor t{kTensor, view->dtype, view->shape,
                std::vector<uint8_t>(view->data, view->data + view->nbytes)};
@@ -152,6 +165,60 @@ TEST(EngineUpdateTest, AbortPolicyEndsInFlightSamplesThenSwaps) {
     EXPECT_LT(c.token_ids.size(), 400u);
   }
   EXPECT_EQ(RunJob(engine.get(), {Spec()})[0].weight_version, "v1");
+}
+
+// The aborted samples' completions reach their sinks before the ABORT update's reply, so a
+// caller that saw the reply has seen them too.
+TEST(EngineUpdateTest, AbortPolicyDeliversTheAbortedCompletionsBeforeItsReply) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  auto completions = std::make_shared<std::atomic<int>>(0);
+  std::vector<SampleSpec> specs = {Spec(400), Spec(400)};
+  specs[1].sample_index = 1;
+  ASSERT_TRUE(engine
+                  ->Submit(specs,
+                           [completions](std::vector<SampleEvent> events) {
+                             for (const SampleEvent& e : events) *completions += e.completion.has_value();
+                           })
+                  .ok());
+  while (engine->counters().generated_tokens < 4) std::this_thread::yield();
+  std::promise<int> seen_at_reply;
+  engine->UpdateWeights(WeightUpdate{"v1", UpdatePolicy::kAbort, {ScaledTensor(2.0f)}},
+                        [&](UpdateResult r) {
+                          EXPECT_TRUE(r.status.ok()) << r.status;
+                          seen_at_reply.set_value(completions->load());
+                        });
+  EXPECT_EQ(seen_at_reply.get_future().get(), 2);
+}
+
+// A DRAIN update that waits while the engine is paused (nothing to step) still notices its
+// caller's cancel, and the held slot is freed: the update answers CANCELLED promptly.
+TEST(EngineUpdateTest, ADrainUpdateCancelledWhileTheEngineIsPausedIsNoticed) {
+  std::unique_ptr<Engine> engine = MakeEngine(SmallModelDir());
+  const uint64_t steps = engine->counters().steps;
+  auto in_flight =
+      std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(4000)}); });
+  while (engine->counters().steps < steps + 3) std::this_thread::yield();
+  std::atomic<bool> cancelled{false};
+  std::promise<UpdateResult> promise;
+  auto answered = promise.get_future();
+  engine->UpdateWeights(
+      WeightUpdate{"v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}},
+      [&promise](UpdateResult r) { promise.set_value(std::move(r)); },
+      [&cancelled] { return cancelled.load(); });
+  // Let the engine take the update (it waits for the in-flight sample), then pause it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  engine->Pause(false);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  cancelled = true;
+  ASSERT_EQ(answered.wait_for(std::chrono::seconds(10)), std::future_status::ready)
+      << "a cancelled DRAIN update went unnoticed while the engine was paused";
+  EXPECT_EQ(answered.get().status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(engine->weight_version(), "v0");
+  engine->Resume();
+  engine->AbortAll();
+  const SampleCompletion c = in_flight.get()[0];
+  EXPECT_EQ(c.finish_reason, FinishReason::kAbort) << "the sample ended before the pause";
+  EXPECT_EQ(c.weight_version, "v0");
 }
 
 TEST(EngineUpdateTest, DrainFinishesInFlightOnOldWeightsAndNewWorkRunsOnTheNew) {

@@ -40,6 +40,7 @@ absl::Status OpenFailure(const std::string& path) {
   if (error == EISDIR) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is a directory, not a file"));
   }
+  if (error == EACCES || error == EPERM) return absl::PermissionDeniedError(std::move(message));
   return absl::InternalError(std::move(message));
 }
 

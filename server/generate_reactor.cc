@@ -45,7 +45,7 @@ GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::Generate
 }
 
 void GenerateReactor::OnEvents(std::vector<SampleEvent> events) {
-  // Called with stream_->mu held, on the engine thread.
+  // Called with stream_->mu held, on the engine's delivery thread.
   Stream& s = *stream_;
   for (const SampleEvent& event : events) {
     if (event.completion.has_value() && service_->metrics() != nullptr) {

@@ -11,11 +11,11 @@
 
 namespace rollout {
 
-// One Generate call. Validates and submits in its constructor; the engine thread then hands it
-// events, which it queues and writes one at a time (a message lives in the queue until its
-// OnWriteDone). Finishes exactly once: OK after the last completion is written, the validation
-// error, or CANCELLED. A cancelled or broken call aborts its samples, freeing their KV blocks.
-// Deletes itself in OnDone.
+// One Generate call. Validates and submits in its constructor; the engine's delivery thread
+// then hands it events, which it queues and writes one at a time (a message lives in the queue
+// until its OnWriteDone). Finishes exactly once: OK after the last completion is written, the
+// validation error, or CANCELLED. A cancelled or broken call aborts its samples, freeing their
+// KV blocks. Deletes itself in OnDone.
 class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
   // `access`: the caller's access check; a failure finishes the call at once.
@@ -27,8 +27,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   void OnDone() override;
 
  private:
-  // What the engine thread and gRPC's threads share, owned jointly by the reactor and the
-  // engine's event sink so that a late event after OnDone finds it alive.
+  // What the engine's delivery thread and gRPC's threads share, owned jointly by the reactor
+  // and the engine's event sink so that a late event after OnDone finds it alive.
   struct Stream {
     std::mutex mu;
     GenerateReactor* reactor = nullptr;  // null once OnDone ran

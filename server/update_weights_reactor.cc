@@ -32,9 +32,10 @@ UpdateWeightsReactor::UpdateWeightsReactor(RolloutServiceImpl* service,
 void UpdateWeightsReactor::OnReadDone(bool ok) {
   if (!ok) {
     // The stream ended: by the client's half-close, or because the call failed (cancel,
-    // deadline, disconnect). gRPC marks the context cancelled before this reaction when the
-    // transport failed the read, so IsCancelled() tells the two apart here.
-    if (context_->IsCancelled()) {
+    // deadline, disconnect). OnCancel or IsCancelled() tells the two apart when the failure is
+    // known by now; one that is reported later is caught by the engine's check before the swap
+    // (the predicate below).
+    if (Cancelled()) {
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
                               "the update stream was cancelled before the client half-closed "
                               "it; nothing was applied"));
@@ -93,7 +94,7 @@ void UpdateWeightsReactor::Submit() {
         }
         FinishOnce(ToGrpcStatus(r.status));
       },
-      [this] { return context_->IsCancelled(); });
+      [this] { return Cancelled(); });
 }
 
 void UpdateWeightsReactor::FinishOnce(const grpc::Status& status) {

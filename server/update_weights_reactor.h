@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <mutex>
 
@@ -33,18 +34,23 @@ class UpdateWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
 
   void OnReadDone(bool ok) override;
   void OnDone() override;
+  // A cancel (or deadline, or disconnect) may be reported here before, after or instead of
+  // IsCancelled() turning true; both are checked.
+  void OnCancel() override { cancelled_ = true; }
 
  private:
   void FinishOnce(const grpc::Status& status);
   // Staged update to the engine; from here on only the engine's answer finishes the call.
   void Submit();
   void ReleaseSlotLocked();  // before Finish, so the caller's next update is not refused
+  bool Cancelled() const { return cancelled_ || context_->IsCancelled(); }
 
   // Constant after construction.
   RolloutServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
   grpc::ByteBuffer* const response_bytes_;
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::atomic<bool> cancelled_{false};  // OnCancel ran
 
   // Touched by one reaction at a time (each read's OnReadDone, then the engine's answer).
   WeightsStaging staging_;
