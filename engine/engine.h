@@ -192,7 +192,9 @@ class Engine {
   void FlushCache(std::function<void(FlushResult)> done);
 
   // Queues a weight update; `done` runs on the engine thread (must not block) once the swap
-  // happened or failed. On failure the old weights keep serving, unchanged. `cancelled`
+  // happened or failed. On failure the old weights keep serving, unchanged (every check runs
+  // before a byte is copied; only a device failing mid-copy, which leaves the GPU unusable
+  // anyway, could interrupt a swap halfway). `cancelled`
   // (optional; thread-safe, must not block) is asked on the engine thread before the update
   // acts (an ABORT update aborts nothing first), while a DRAIN update waits, and right before
   // the swap: once it answers true, nothing is applied and `done` gets CANCELLED.

@@ -121,6 +121,15 @@ class NcclGroup final : public RankGroup {
     ROLLOUT_RETURN_IF_GROUP_ERROR(nccl_->Check(nccl_->GetUniqueId(&id), "ncclGetUniqueId"));
     const int n = world_size();
     comms_.assign(n, nullptr);
+    // Every device must be usable before the group starts: a group that ends with fewer than
+    // n ncclCommInitRank calls would wait for the missing peers forever.
+    for (int r = 0; r < n; ++r) {
+      const cudaError_t err = cudaSetDevice(devices_[r]);
+      if (err != cudaSuccess) {
+        return GroupStatus::Error(std::string("cudaSetDevice(") + std::to_string(devices_[r]) +
+                                  "): " + cudaGetErrorName(err));
+      }
+    }
     // ncclCommInitRank waits for its peers: inside one group, one thread may
     // create them all.
     ROLLOUT_RETURN_IF_GROUP_ERROR(nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"));
