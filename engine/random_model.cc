@@ -55,32 +55,40 @@ uint64_t Mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-enum class Init { kNormal, kNormWeight };
+}  // namespace
 
-struct TensorInit {
-  Init kind;
-  double std;  // kNormal only
-};
-
-TensorInit InitFor(const ModelConfig& config, const TensorMeta& t) {
+RandomTensorInit RandomInitFor(const ModelConfig& config, uint64_t seed, const std::string& name,
+                               const std::vector<int64_t>& shape) {
   const double h = config.hidden_size;
-  if (absl::EndsWith(t.name, "norm.weight")) return {Init::kNormWeight, 0.0};
-  if (absl::EndsWith(t.name, ".bias")) return {Init::kNormal, kBiasStd};
-  if (t.name == "lm_head.weight") return {Init::kNormal, kLogitStd / std::sqrt(h)};
-  if (t.name == "model.embed_tokens.weight") {
+  double stddev = 0.0;
+  RandomTensorInit init;
+  if (absl::EndsWith(name, "norm.weight")) {
+    init.norm_weight = true;
+  } else if (absl::EndsWith(name, ".bias")) {
+    stddev = kBiasStd;
+  } else if (name == "lm_head.weight") {
+    stddev = kLogitStd / std::sqrt(h);
+  } else if (name == "model.embed_tokens.weight") {
     // The first RMSNorm makes the embedding scale irrelevant to layer 0, but a tied matrix is
     // also the lm_head, where std 1 would make the logits std sqrt(hidden): one-hot.
-    return {Init::kNormal, config.tie_word_embeddings ? kLogitStd / std::sqrt(h) : 1.0};
+    stddev = config.tie_word_embeddings ? kLogitStd / std::sqrt(h) : 1.0;
+  } else {
+    // Linear [out, in]: std 1/sqrt(in) keeps each output's variance equal to the input's.
+    stddev = 1.0 / std::sqrt(static_cast<double>(shape.back()));
   }
-  // Linear [out, in]: std 1/sqrt(in) keeps each output's variance equal to the input's.
-  return {Init::kNormal, 1.0 / std::sqrt(static_cast<double>(t.shape.back()))};
+  // The sum of four uniforms on {0, ..., 65535} has variance 4 * (65536^2 - 1) / 12.
+  init.scale = stddev / std::sqrt((65536.0 * 65536.0 - 1.0) / 3.0);
+  init.key = Mix64(Mix64(seed) ^ Fnv1a64(name));
+  return init;
 }
+
+namespace {
 
 // Value `index` of a tensor. Integer arithmetic plus one multiply (or an exact sum), so FMA
 // contraction or -march flags cannot change a bit: the bytes depend only on (seed, name, index).
-float RandomValue(const TensorInit& init, double scale, uint64_t key, uint64_t index) {
-  const uint64_t bits = Mix64(key + (index + 1) * 0x9e3779b97f4a7c15ull);
-  if (init.kind == Init::kNormWeight) {
+float RandomValue(const RandomTensorInit& init, uint64_t index) {
+  const uint64_t bits = Mix64(init.key + (index + 1) * 0x9e3779b97f4a7c15ull);
+  if (init.norm_weight) {
     // 1 + k / 65536 with |k| <= 3276: within +-0.05 of 1, and exact in float.
     const int64_t k = static_cast<int64_t>((bits >> 32) % 6553) - 3276;
     return static_cast<float>(1.0 + static_cast<double>(k) * (1.0 / 65536.0));
@@ -89,7 +97,7 @@ float RandomValue(const TensorInit& init, double scale, uint64_t key, uint64_t i
   const int64_t sum = static_cast<int64_t>((bits & 0xffff) + ((bits >> 16) & 0xffff) +
                                            ((bits >> 32) & 0xffff) + (bits >> 48)) -
                       2 * 65535;
-  return static_cast<float>(static_cast<double>(sum) * scale);
+  return static_cast<float>(static_cast<double>(sum) * init.scale);
 }
 
 // values[0, n) in `dtype` at p (n * DTypeSize(dtype) bytes).
@@ -279,12 +287,8 @@ absl::Status WriteRandomModelForConfig(const ModelConfig& config_in,
   cpu::ThreadPool pool;  // all cores: a Qwen3-8B checkpoint is 8 billion values
   std::vector<float> values;
   std::vector<uint8_t> encoded;
-  const uint64_t seed_key = Mix64(options.seed);
   TensorProducer produce = [&](const TensorMeta& t, const ByteSink& sink) -> absl::Status {
-    const TensorInit init = InitFor(config, t);
-    // The sum of four uniforms on {0, ..., 65535} has variance 4 * (65536^2 - 1) / 12.
-    const double scale = init.std / std::sqrt((65536.0 * 65536.0 - 1.0) / 3.0);
-    const uint64_t key = Mix64(seed_key ^ Fnv1a64(t.name));
+    const RandomTensorInit init = RandomInitFor(config, options.seed, t.name, t.shape);
     const uint64_t count = NumElements(t.shape);
     for (uint64_t begin = 0; begin < count; begin += kChunkElements) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunkElements, count - begin));
@@ -292,7 +296,7 @@ absl::Status WriteRandomModelForConfig(const ModelConfig& config_in,
       encoded.resize(n * DTypeSize(t.dtype));
       // Each value depends only on (key, index): the threads cannot change a byte.
       pool.ParallelFor(static_cast<int64_t>(n), 1 << 14, [&](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i) values[i] = RandomValue(init, scale, key, begin + i);
+        for (int64_t i = lo; i < hi; ++i) values[i] = RandomValue(init, begin + i);
         EncodeInto(t.dtype, values.data() + lo, static_cast<size_t>(hi - lo),
                    encoded.data() + lo * DTypeSize(t.dtype));
       });

@@ -33,6 +33,17 @@ struct RandomModelOptions {
       progress;
 };
 
+// How WriteRandomModel generates one tensor: element i comes from Mix64(key + (i + 1) * golden),
+// as 1 + k / 65536 for a norm weight, else as an Irwin-Hall sum of four 16-bit uniforms times
+// `scale`. CudaModelRunner::CreateSynthetic generates the same values on the GPU from this.
+struct RandomTensorInit {
+  uint64_t key = 0;
+  double scale = 0.0;        // normal tensors only
+  bool norm_weight = false;  // "...norm.weight": values around 1
+};
+RandomTensorInit RandomInitFor(const ModelConfig& config, uint64_t seed, const std::string& name,
+                               const std::vector<int64_t>& shape);
+
 // Number of parameters (elements of all ExpectedTensors) of `config`.
 int64_t ParameterCount(const ModelConfig& config);
 

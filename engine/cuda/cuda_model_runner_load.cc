@@ -7,16 +7,15 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <string_view>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "engine/cpu_model_runner.h"  // CheckTensorParallel, ShardOf
 #include "engine/cuda/cuda_model_runner.h"
 #include "engine/cuda/cuda_runner_state.h"
+#include "engine/random_model.h"
 #include "glog/logging.h"
 
 namespace rollout {
@@ -29,40 +28,6 @@ using cuda_runner_internal::CudaError;
 using cuda_runner_internal::LayerWeights;
 using cuda_runner_internal::Piece;
 using cuda_runner_internal::RankState;
-
-uint64_t Fnv1a64(std::string_view s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char ch : s) {
-    h ^= ch;
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
-uint64_t Mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// engine/random_model.cc's InitFor: kind 1 = norm weight, else normal with this std.
-struct RandomInit {
-  int kind;
-  double std;
-};
-
-RandomInit InitFor(const ModelConfig& config, const TensorSpec& t) {
-  constexpr double kLogitStd = 3.0;
-  constexpr double kBiasStd = 0.02;
-  const double h = config.hidden_size;
-  if (absl::EndsWith(t.name, "norm.weight")) return {1, 0.0};
-  if (absl::EndsWith(t.name, ".bias")) return {0, kBiasStd};
-  if (t.name == "lm_head.weight") return {0, kLogitStd / std::sqrt(h)};
-  if (t.name == "model.embed_tokens.weight") {
-    return {0, config.tie_word_embeddings ? kLogitStd / std::sqrt(h) : 1.0};
-  }
-  return {0, 1.0 / std::sqrt(static_cast<double>(t.shape.back()))};
-}
 
 int64_t NumElements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -535,13 +500,10 @@ absl::Status CudaModelRunner::UpdateWeights(const std::vector<HostTensor>& tenso
 
 absl::Status CudaModelRunner::LoadSynthetic(uint64_t seed) {
   State& s = *state_;
-  const uint64_t seed_key = Mix64(seed);
   cuda::DeviceBuffer full;  // a whole tensor, when it is split into pieces
   for (const TensorSpec& spec : ExpectedTensors(config_)) {
-    const RandomInit init = InitFor(config_, spec);
-    // The sum of four uniforms on {0, ..., 65535} has variance 4 * (65536^2 - 1) / 12.
-    const double scale = init.std / std::sqrt((65536.0 * 65536.0 - 1.0) / 3.0);
-    const uint64_t key = Mix64(seed_key ^ Fnv1a64(spec.name));
+    // What WriteRandomModel writes for this tensor (engine/random_model.h), on the GPU.
+    const RandomTensorInit init = RandomInitFor(config_, seed, spec.name, spec.shape);
     const Binding& dst = s.bindings.at(spec.name);
     const int64_t count = NumElements(spec.shape);
     const size_t elem = dst.f32 ? sizeof(float) : 2;
@@ -555,7 +517,7 @@ absl::Status CudaModelRunner::LoadSynthetic(uint64_t seed) {
       out = full.get();
     }
     ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::FillRandomWeights(key, scale, init.kind, count,
+        CudaError(cuda::FillRandomWeights(init.key, init.scale, init.norm_weight ? 1 : 0, count,
                                           dst.f32 ? nullptr : static_cast<bf16*>(out),
                                           dst.f32 ? static_cast<float*>(out) : nullptr, s.stream),
                   absl::StrCat("generating ", spec.name)));
