@@ -35,20 +35,23 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Median seconds of `fn` over `runs` runs, each repeated until it lasts >= min_seconds.
+// Seconds per call of `fn`, called repeatedly for at least min_seconds.
+double SecondsPerCall(const std::function<void()>& fn, double min_seconds) {
+  int reps = 0;
+  const auto t0 = Clock::now();
+  double elapsed = 0;
+  do {
+    fn();
+    ++reps;
+    elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+  } while (elapsed < min_seconds);
+  return elapsed / reps;
+}
+
 double Time(const std::function<void()>& fn, int runs = 5, double min_seconds = 0.05) {
   fn();  // warm up
   std::vector<double> samples;
-  for (int r = 0; r < runs; ++r) {
-    int reps = 0;
-    const auto t0 = Clock::now();
-    double elapsed = 0;
-    do {
-      fn();
-      ++reps;
-      elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
-    } while (elapsed < min_seconds);
-    samples.push_back(elapsed / reps);
-  }
+  for (int r = 0; r < runs; ++r) samples.push_back(SecondsPerCall(fn, min_seconds));
   std::sort(samples.begin(), samples.end());
   return samples[samples.size() / 2];
 }
@@ -61,18 +64,8 @@ std::pair<double, double> TimePair(const std::function<void()>& a, const std::fu
   b();
   std::vector<double> sa, sb;
   for (int r = 0; r < rounds; ++r) {
-    for (int which = 0; which < 2; ++which) {
-      const std::function<void()>& fn = which == 0 ? a : b;
-      int reps = 0;
-      const auto t0 = Clock::now();
-      double elapsed = 0;
-      do {
-        fn();
-        ++reps;
-        elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
-      } while (elapsed < min_seconds);
-      (which == 0 ? sa : sb).push_back(elapsed / reps);
-    }
+    sa.push_back(SecondsPerCall(a, min_seconds));
+    sb.push_back(SecondsPerCall(b, min_seconds));
   }
   std::sort(sa.begin(), sa.end());
   std::sort(sb.begin(), sb.end());

@@ -214,6 +214,30 @@ TEST_F(TpModelTest, Qwen3_8bShapedLogitsAreBitwiseEqualAtTp1Tp2Tp4Tp8) {
   CheckDegrees(config, {1, 2, 4, 8}, script, 1ll << 30, 1024);
 }
 
+// New bf16 values (seeded) for every tensor of layer 1 and every tensor outside the layers
+// (embedding, final norm, lm_head): an update that touches each kind of binding.
+std::vector<HostTensor> RandomLayer1AndTopLevelUpdate(const ModelConfig &config, uint32_t seed) {
+  std::vector<HostTensor> update;
+  std::mt19937 rng(seed);
+  for (const TensorSpec &spec : ExpectedTensors(config)) {
+    const bool pick = spec.name.find("layers.1.") != std::string::npos ||
+                      spec.name.find("layers.") == std::string::npos;
+    if (!pick) continue;
+    HostTensor t{spec.name, DType::kBF16, spec.shape, {}};
+    int64_t count = 1;
+    for (int64_t d : spec.shape) count *= d;
+    std::normal_distribution<float> dist(spec.name.find("norm") != std::string::npos ? 1.0f : 0.0f,
+                                         0.05f);
+    t.bytes.resize(count * 2);
+    for (int64_t i = 0; i < count; ++i) {
+      const uint16_t v = F32ToBF16(dist(rng));
+      std::memcpy(&t.bytes[2 * i], &v, 2);
+    }
+    update.push_back(std::move(t));
+  }
+  return update;
+}
+
 // Qwen2-style: qkv biases, no q/k norm, untied lm_head, 4 KV heads (replicated
 // at TP 8), and a vocabulary of 4000 that no shard size divides: the last
 // rank's shard is shorter.
@@ -269,24 +293,7 @@ TEST_F(TpModelTest, PlainFusedGemmAtTp1DiffersFromTheCanonicalTree) {
 TEST_F(TpModelTest, WeightUpdatesSliceIntoTheRankShards) {
   const ModelConfig config = *PresetConfig("small");
   const Script script = MakeScript(config.vocab_size, 32, 5, 200, /*all_logits=*/true, 35);
-  std::vector<HostTensor> update;
-  std::mt19937 rng(36);
-  for (const TensorSpec &spec : ExpectedTensors(config)) {
-    const bool pick = spec.name.find("layers.1.") != std::string::npos ||
-                      spec.name.find("layers.") == std::string::npos;
-    if (!pick) continue;
-    HostTensor t{spec.name, DType::kBF16, spec.shape, {}};
-    int64_t count = 1;
-    for (int64_t d : spec.shape) count *= d;
-    std::normal_distribution<float> dist(spec.name.find("norm") != std::string::npos ? 1.0f : 0.0f,
-                                         0.05f);
-    t.bytes.resize(count * 2);
-    for (int64_t i = 0; i < count; ++i) {
-      const uint16_t v = F32ToBF16(dist(rng));
-      std::memcpy(&t.bytes[2 * i], &v, 2);
-    }
-    update.push_back(std::move(t));
-  }
+  const std::vector<HostTensor> update = RandomLayer1AndTopLevelUpdate(config, 36);
   std::vector<float> before, want;
   for (int tp : {1, 4, 8}) {
     auto runner =
@@ -574,25 +581,7 @@ TEST_F(TpMultiGpuTest, Qwen2StyleOnSeparateGpusEqualsTp1OnOneGpu) {
 TEST_F(TpMultiGpuTest, WeightUpdatesReachEveryDevice) {
   const ModelConfig config = *PresetConfig("small");
   const Script script = MakeScript(config.vocab_size, 32, 5, 200, /*all_logits=*/true, 35);
-  std::vector<HostTensor> update;
-  std::mt19937 rng(36);
-  for (const TensorSpec &spec : ExpectedTensors(config)) {
-    if (spec.name.find("layers.1.") == std::string::npos &&
-        spec.name.find("layers.") != std::string::npos) {
-      continue;
-    }
-    HostTensor t{spec.name, DType::kBF16, spec.shape, {}};
-    int64_t count = 1;
-    for (int64_t d : spec.shape) count *= d;
-    std::normal_distribution<float> dist(spec.name.find("norm") != std::string::npos ? 1.0f : 0.0f,
-                                         0.05f);
-    t.bytes.resize(count * 2);
-    for (int64_t i = 0; i < count; ++i) {
-      const uint16_t v = F32ToBF16(dist(rng));
-      std::memcpy(&t.bytes[2 * i], &v, 2);
-    }
-    update.push_back(std::move(t));
-  }
+  const std::vector<HostTensor> update = RandomLayer1AndTopLevelUpdate(config, 36);
   std::vector<float> want;
   {
     auto ref =
