@@ -256,17 +256,26 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
   int calls_ = 0;
 };
 
+// A server for `service` on a free loopback port; `target` receives its address ("" when it
+// could not start).
+std::unique_ptr<grpc::Server> StartLoopbackServer(
+    grpc::Service* service, std::string* target,
+    std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials()) {
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", std::move(credentials), &port);
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  *target = server != nullptr && port > 0 ? "127.0.0.1:" + std::to_string(port) : "";
+  return server;
+}
+
 class RolloutClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&service_);
-    server_ = builder.BuildAndStart();
+    server_ = StartLoopbackServer(&service_, &target_);
     ASSERT_NE(server_, nullptr);
-    ASSERT_GT(port, 0);
-    target_ = "127.0.0.1:" + std::to_string(port);
+    ASSERT_NE(target_, "");
   }
   void TearDown() override {
     if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -1060,13 +1069,9 @@ TEST(ConnectTest, AClientCertAloneTurnsTlsOn) {
   // A plaintext server: a TLS client cannot complete the handshake, so Connect times out,
   // where a plaintext client would connect.
   rollout::v1::RolloutService::Service bare_service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&bare_service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::string target;
+  std::unique_ptr<grpc::Server> server = StartLoopbackServer(&bare_service, &target);
   ASSERT_NE(server, nullptr);
-  const std::string target = "127.0.0.1:" + std::to_string(port);
   ClientOptions plain;
   plain.connect_timeout = std::chrono::milliseconds(2000);
   EXPECT_TRUE(RolloutClient::Connect(target, plain).ok());
@@ -1094,13 +1099,10 @@ TEST(MutualTlsTest, TheClientCertificateIsPresentedToAServerThatRequiresOne) {
   ssl.pem_root_certs = kTestCaPem;
   ssl.pem_key_cert_pairs.push_back({kTestServerKey, kTestServerPem});
   ScriptedService service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::SslServerCredentials(ssl), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::string target;
+  std::unique_ptr<grpc::Server> server =
+      StartLoopbackServer(&service, &target, grpc::SslServerCredentials(ssl));
   ASSERT_NE(server, nullptr);
-  const std::string target = "127.0.0.1:" + std::to_string(port);
 
   const std::string dir = MakeTempDir("mtls");
   WriteTextFile(dir + "/ca.pem", kTestCaPem);
@@ -1131,14 +1133,11 @@ TEST(UnaryCallsAgainstAnOlderServerTest, AnswerUnimplemented) {
   // The generated base service answers UNIMPLEMENTED for every method, like a server built
   // before these RPCs existed.
   rollout::v1::RolloutService::Service bare_service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&bare_service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::string target;
+  std::unique_ptr<grpc::Server> server = StartLoopbackServer(&bare_service, &target);
   ASSERT_NE(server, nullptr);
   absl::StatusOr<std::unique_ptr<RolloutClient>> client =
-      RolloutClient::Connect("127.0.0.1:" + std::to_string(port), ClientOptions());
+      RolloutClient::Connect(target, ClientOptions());
   ASSERT_TRUE(client.ok()) << client.status();
   for (const UnaryCase& c : UnaryCases()) {
     EXPECT_EQ(c.call(**client).status().code(), absl::StatusCode::kUnimplemented) << c.name;
