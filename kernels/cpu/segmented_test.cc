@@ -11,36 +11,10 @@
 #include <vector>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_test_util.h"
 
 namespace rollout::cpu {
 namespace {
-
-std::vector<float> RandomVector(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-int64_t FirstBitwiseMismatch(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) return static_cast<int64_t>(i);
-  }
-  return -1;
-}
-
-// Dot's documented order, lane by lane (this file is built without -march=x86-64-v3, so only
-// the explicit fma fuses).
-float ScalarDot(const float* a, const float* b, int64_t n) {
-  float acc[16] = {};
-  for (int64_t i = 0; i < n; ++i) acc[i % 16] = std::fma(a[i], b[i], acc[i % 16]);
-  for (int l = 0; l < 8; ++l) acc[l] += acc[l + 8];
-  for (int l = 0; l < 4; ++l) acc[l] += acc[l + 4];
-  for (int l = 0; l < 2; ++l) acc[l] += acc[l + 2];
-  return acc[0] + acc[1];
-}
 
 // The documented tree, written out: segment s = [s * k / 8, (s + 1) * k / 8).
 float NaiveSegmented(const float* x, const float* w, int64_t k) {
