@@ -28,11 +28,13 @@
 #include "engine/cpu_model_runner.h"
 #include "engine/random_model.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_test_util.h"
 
 namespace rollout {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using cpu::Columns;
 
 // Median seconds of `fn` over `runs` runs, each repeated until it lasts >= min_seconds.
 // Seconds per call of `fn`, called repeatedly for at least min_seconds.
@@ -72,23 +74,7 @@ std::pair<double, double> TimePair(const std::function<void()>& a, const std::fu
   return {sa[sa.size() / 2], sb[sb.size() / 2]};
 }
 
-std::vector<float> Random(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
 
-// Columns [c0, c1) of a row-major [rows, cols] matrix, contiguous: a rank's K slice.
-std::vector<float> Columns(const std::vector<float>& a, int64_t rows, int64_t cols, int64_t c0,
-                           int64_t c1) {
-  std::vector<float> out(rows * (c1 - c0));
-  for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(&out[r * (c1 - c0)], &a[r * cols + c0], (c1 - c0) * sizeof(float));
-  }
-  return out;
-}
 
 struct Shape {
   const char* name;
@@ -139,7 +125,8 @@ void Part1And2(bool quick, const std::string& filter) {
     if (quick && s.k > 4096) continue;
     if (std::string(s.name).find(filter) == std::string::npos) continue;
     for (int64_t m : ms) {
-      const std::vector<float> x = Random(m * s.k, 1), w = Random(s.n * s.k, 2);
+      const std::vector<float> x = cpu::RandomVector(m * s.k, 1);
+      const std::vector<float> w = cpu::RandomVector(s.n * s.k, 2);
       for (int tp : {1, 2, 4, 8}) {
         const Shards sh = MakeShards(x, w, m, s, tp);
         std::vector<float> parts(tp * m * s.n), y(m * s.n);
@@ -167,7 +154,8 @@ void Part1And2(bool quick, const std::string& filter) {
     if (s.k > 2048 && s.n > 2048) continue;  // the small and medium shapes suffice here
     if (std::string(s.name).find(filter) == std::string::npos) continue;
     for (int64_t m : ms) {
-      const std::vector<float> x = Random(m * s.k, 1), w = Random(s.n * s.k, 2);
+      const std::vector<float> x = cpu::RandomVector(m * s.k, 1);
+      const std::vector<float> w = cpu::RandomVector(s.n * s.k, 2);
       for (int tp : {1, 2, 4, 8}) {
         const Shards sh = MakeShards(x, w, m, s, tp);
         // Both variants on the same threads and communicator, alternating in rounds (so load

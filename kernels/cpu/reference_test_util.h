@@ -1,8 +1,9 @@
 #pragma once
 
-// Helpers of the CPU kernel tests: seeded inputs, bitwise comparison, and Dot's documented
-// order written out. Include from test files only: they are built without -march=x86-64-v3, so
-// nothing here is contracted (only the explicit fma fuses).
+// Helpers of the CPU kernel tests (and rollout-tp-bench): seeded inputs, column slices,
+// bitwise comparison, and Dot's documented order written out. Include only from code built
+// without -march=x86-64-v3 (tests, tools), so nothing here is contracted (only the explicit fma
+// fuses).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,17 @@ inline std::vector<float> RandomVector(int64_t n, uint32_t seed, float lo = -1.0
   std::vector<float> v(n);
   for (float& x : v) x = dist(rng);
   return v;
+}
+
+// Columns [c0, c1) of a row-major [rows, cols] matrix, as a contiguous [rows, c1 - c0] one: a
+// rank's K slice.
+inline std::vector<float> Columns(const std::vector<float>& a, int64_t rows, int64_t cols,
+                                  int64_t c0, int64_t c1) {
+  std::vector<float> out(rows * (c1 - c0));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(&out[r * (c1 - c0)], &a[r * cols + c0], (c1 - c0) * sizeof(float));
+  }
+  return out;
 }
 
 inline bool BitwiseEqual(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }

@@ -40,16 +40,6 @@ std::vector<float> NaiveSegmentedMatMul(const std::vector<float>& x, int64_t m, 
   return y;
 }
 
-// Columns [c0, c1) of a row-major [rows, cols] matrix, as a contiguous [rows, c1 - c0] one: a
-// rank's K slice.
-std::vector<float> Columns(const std::vector<float>& a, int64_t rows, int64_t cols, int64_t c0,
-                           int64_t c1) {
-  std::vector<float> out(rows * (c1 - c0));
-  for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(&out[r * (c1 - c0)], &a[r * cols + c0], (c1 - c0) * sizeof(float));
-  }
-  return out;
-}
 
 // (m, k, n): k multiple of 8 * 16, multiple of 8 only, not a multiple of 8, shorter than 8.
 const std::vector<std::tuple<int64_t, int64_t, int64_t>> kShapes = {
