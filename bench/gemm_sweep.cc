@@ -1,16 +1,21 @@
 // rollout-gemm-sweep: how fast the pinned (split-K-free, one algorithm for every m) cuBLASLt
 // GEMMs are on the Qwen3-8B weight shapes, per pinning choice, against cuBLASLt's unconstrained
 // best for each m (its heuristic's first pick with a 64 MiB workspace, split-K allowed).
-// Informs CudaRunnerOptions::gemm_pin_m.
+// Informs CudaRunnerOptions::gemm_pin_m. `--equivalence`: instead, for every shape, every
+// single-split candidate cuBLASLt offers (at any m) is run against the m = 256 pin and timed:
+// which algorithms give the pin's bits, and how fast each is per m.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
+#include <random>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/compare.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
@@ -83,13 +88,110 @@ double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, con
   return ms;
 }
 
-int Main() {
+// Bitwise equivalence of the single-split candidates with the m = 256 pin, and their speed.
+int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::DeviceBuffer& x,
+                cuda::DeviceBuffer& w, cuda::DeviceBuffer& y) {
+  constexpr int64_t kCheckMs[] = {1, 3, 8, 61, 64, 200, 256, 300, 1000, 1024, 2048, 3000, 4096,
+                                  5000, 8192};
+  cuda::DeviceBuffer y_ref, y_init, count;
+  const int64_t max_out = 8192ll * 151936;
+  y_ref.Allocate(max_out * 4);
+  y_init.Allocate(max_out * 4);
+  count.Allocate(sizeof(unsigned long long));
+  {
+    // A nonzero C for the accumulate epilogue: the bits of random bf16 weights read as floats
+    // would include NaNs, so fill from the host.
+    std::vector<float> host(8192ll * 4096);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    for (float& v : host) v = dist(rng);
+    cudaMemcpy(y_init.get(), host.data(), host.size() * 4, cudaMemcpyHostToDevice);
+  }
+  auto run = [&](cuda::PinnedGemm& g, int64_t m, void* out) {
+    const size_t bytes = m * g.n() * (g.output() == GemmOutput::kBf16 ? 2 : 4);
+    if (g.output() == GemmOutput::kF32Accumulate) {
+      cudaMemcpyAsync(out, y_init.get(), bytes, cudaMemcpyDeviceToDevice);
+    }
+    return g.Run(x.get<cuda::bf16>(), m, w.get<cuda::bf16>(), out, nullptr);
+  };
+  auto time_run = [&](cuda::PinnedGemm& g, int64_t m) {
+    g.Run(x.get<cuda::bf16>(), m, w.get<cuda::bf16>(), y.get(), nullptr);
+  };
+  for (size_t si = 0; si < num_shapes; ++si) {
+    const Shape& s = shapes[si];
+    std::unique_ptr<cuda::PinnedGemm> pin;
+    cuda::PinnedGemm::Create(lt, s.n, s.k, s.output, 256, &pin);
+    std::printf("\n%s [n %ld, k %ld]  pin: %s\n", s.name, static_cast<long>(s.n),
+                static_cast<long>(s.k), pin->Describe().c_str());
+    std::vector<cublasLtMatmulAlgo_t> all;
+    for (int64_t m : {1, 8, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192}) {
+      std::vector<cublasLtMatmulAlgo_t> algos;
+      cuda::PinnedGemm::Candidates(lt, s.n, s.k, s.output, m, 32, &algos);
+      for (const auto& a : algos) {
+        bool seen = false;
+        for (const auto& b : all) seen = seen || std::memcmp(&a, &b, sizeof(a)) == 0;
+        if (!seen) all.push_back(a);
+      }
+    }
+    std::printf("  %zu distinct candidates; us per GEMM at m =", all.size());
+    for (int64_t m : kMs) std::printf(" %8ld", static_cast<long>(m));
+    std::printf("\n  %-4s %-9s", "", "pin");
+    std::vector<double> pin_us;
+    for (int64_t m : kMs) {
+      pin_us.push_back(TimeMs([&] { time_run(*pin, m); }) * 1e3);
+      std::printf(" %8.1f", pin_us.back());
+    }
+    std::printf("\n");
+    std::vector<double> best_equal(std::size(kMs), 1e30);
+    for (size_t ci = 0; ci < all.size(); ++ci) {
+      std::unique_ptr<cuda::PinnedGemm> g;
+      std::string why;
+      if (cuda::PinnedGemm::CreateWithAlgo(lt, s.n, s.k, s.output, all[ci], &g, &why) !=
+          CUBLAS_STATUS_SUCCESS) {
+        std::printf("  %-4zu refused: %s", ci, why.c_str());
+        continue;
+      }
+      std::string differs;
+      for (int64_t m : kCheckMs) {
+        const size_t bytes = m * s.n * (s.output == GemmOutput::kBf16 ? 2 : 4);
+        run(*pin, m, y_ref.get());
+        if (run(*g, m, y.get()) != CUBLAS_STATUS_SUCCESS) {
+          differs += " m" + std::to_string(m) + ":fail";
+          continue;
+        }
+        cuda::CountDifferentWords(y_ref.get(), y.get(), bytes,
+                                  count.get<unsigned long long>(), nullptr);
+        unsigned long long n_diff = 0;
+        cudaMemcpy(&n_diff, count.get(), sizeof(n_diff), cudaMemcpyDeviceToHost);
+        if (n_diff != 0) differs += " m" + std::to_string(m) + ":" + std::to_string(n_diff);
+      }
+      std::printf("  %-4zu %-9s", ci, differs.empty() ? "EQUAL" : "differs");
+      for (size_t mi = 0; mi < std::size(kMs); ++mi) {
+        const double us = TimeMs([&] { time_run(*g, kMs[mi]); }) * 1e3;
+        if (differs.empty()) best_equal[mi] = std::min(best_equal[mi], us);
+        std::printf(" %8.1f", us);
+      }
+      std::printf("   %s%s\n", cuda::DescribeAlgo(all[ci]).ToString().c_str(), differs.c_str());
+    }
+    std::printf("  best bit-equal / pin:");
+    for (size_t mi = 0; mi < std::size(kMs); ++mi) {
+      std::printf(" m%ld %.2f", static_cast<long>(kMs[mi]), best_equal[mi] / pin_us[mi]);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+int Main(bool equivalence) {
   const Shape shapes[] = {
       {"qkv", 6144, 4096, GemmOutput::kF32},
       {"o", 4096, 4096, GemmOutput::kF32Accumulate},
       {"gate_up", 24576, 4096, GemmOutput::kBf16},
       {"down", 4096, 12288, GemmOutput::kF32Accumulate},
       {"lm_head", 151936, 4096, GemmOutput::kF32},
+      {"o segment", 4096, 512, GemmOutput::kF32},
+      {"down segment", 4096, 1536, GemmOutput::kF32},
   };
   cublasLtHandle_t lt;
   cublasLtCreate(&lt);
@@ -104,6 +206,11 @@ int Main() {
                           0);
   cudaMemset(y.get(), 0, 8192ll * 151936 * 4);
   cudaDeviceSynchronize();
+  if (equivalence) {
+    const int rc = Equivalence(lt, shapes, std::size(shapes), x, w, y);
+    cublasLtDestroy(lt);
+    return rc;
+  }
 
   for (const Shape& s : shapes) {
     std::printf("\n%s [n %ld, k %ld]: microseconds per GEMM (TFLOP/s)\n", s.name,
@@ -141,6 +248,15 @@ int Main() {
         std::printf(" %7.1f (%4.0f)", ms * 1e3, 2.0 * m * s.n * s.k / (ms * 1e-3) / 1e12);
       }
       std::printf("   %s\n", g->Describe().c_str());
+      if (pin == 256 && g->BuildLadder() == CUBLAS_STATUS_SUCCESS) {
+        std::printf("  %-22s", "  + ladder (same bits)");
+        for (int64_t m : kMs) {
+          const double ms = TimeMs(
+              [&] { g->Run(x.get<cuda::bf16>(), m, w.get<cuda::bf16>(), y.get(), nullptr); });
+          std::printf(" %7.1f (%4.0f)", ms * 1e3, 2.0 * m * s.n * s.k / (ms * 1e-3) / 1e12);
+        }
+        std::printf("   %d rungs\n", g->rungs());
+      }
     }
     std::fflush(stdout);
   }
@@ -151,4 +267,6 @@ int Main() {
 }  // namespace
 }  // namespace rollout
 
-int main() { return rollout::Main(); }
+int main(int argc, char** argv) {
+  return rollout::Main(argc > 1 && std::strcmp(argv[1], "--equivalence") == 0);
+}

@@ -44,6 +44,8 @@ ABSL_FLAG(int32_t, num_layers, 0, "override the preset's layer count (0: keep)")
 ABSL_FLAG(int64_t, gemm_pin_m, 256,
           "m at which each weight shape's GEMM algorithm is pinned (<= 0: no-workspace heuristic "
           "per m)");
+ABSL_FLAG(bool, gemm_ladder, true,
+          "pinned GEMMs also run faster algorithms admitted for ranges of m by a same-bits probe");
 ABSL_FLAG(std::string, attention, "mma", "attention kernel: mma (tensor cores) or simt");
 ABSL_FLAG(bool, cuda_graphs, true, "replay decode steps as CUDA graphs (padded batch buckets)");
 ABSL_FLAG(bool, tp_invariant, true,
@@ -382,6 +384,7 @@ int Main() {
   CudaRunnerOptions options;
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.gemm_pin_m = absl::GetFlag(FLAGS_gemm_pin_m);
+  options.gemm_ladder = absl::GetFlag(FLAGS_gemm_ladder);
   options.attention_kernel = absl::GetFlag(FLAGS_attention) == "simt"
                                  ? CudaAttentionKernel::kSimt
                                  : CudaAttentionKernel::kTensorCore;

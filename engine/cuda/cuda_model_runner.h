@@ -58,6 +58,10 @@ struct CudaRunnerOptions {
   // (or no pinnable algorithm) uses the no-workspace heuristic per m instead. Both are checked
   // row-invariant by tests/gpu/gemm_test.cc.
   int64_t gemm_pin_m = 256;
+  // Pinned GEMMs also get a ladder (kernels/cuda/gemm.h): for ranges of m, a faster algorithm
+  // admitted only after it gives the pin's bits on a probe. Same bits, faster at small m (decode
+  // of few sequences) and large m (prefill).
+  bool gemm_ladder = true;
   CudaAttentionKernel attention_kernel = CudaAttentionKernel::kTensorCore;
   // kSimt only: decode tokens' attention as one block per (token, kv head, split) and an ordered
   // merge, instead of one block walking all splits. Same bits, more parallelism.

@@ -723,6 +723,9 @@ absl::Status CudaModelRunner::PinGemms() {
       ROLLOUT_RETURN_IF_ERROR(
           CublasError(cuda::PinnedGemm::CreateHeuristic(s.lt, g.n, g.k, g.output, g.gemm),
                       absl::StrCat("creating the GEMM for ", g.name)));
+    } else if (options_.gemm_ladder) {
+      ROLLOUT_RETURN_IF_ERROR(CublasError((*g.gemm)->BuildLadder(),
+                                          absl::StrCat("the GEMM ladder for ", g.name)));
     }
     s.gemm_descriptions.push_back(
         absl::StrFormat("%-8s n=%-6d k=%-6d %s", g.name, g.n, g.k, (*g.gemm)->Describe()));
@@ -772,6 +775,18 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
           "canonical K tree (tensor parallelism) needs:\n%s",
           g.name, g.n, g.k, why));
     }
+    if (options_.gemm_ladder && g.max_batch > 1) {
+      // The leaves run batched: the ladder is built (and probed) on the batched full shape.
+      const cublasLtMatmulAlgo_t algo = full->algo();
+      ROLLOUT_RETURN_IF_ERROR(CublasError(
+          cuda::PinnedGemm::CreateWithAlgo(s.lt, g.n, g.k, g.output, algo, &full, &why,
+                                           g.max_batch),
+          absl::StrCat("the batched GEMM for ", g.name)));
+    }
+    if (options_.gemm_ladder) {
+      ROLLOUT_RETURN_IF_ERROR(
+          CublasError(full->BuildLadder(), absl::StrCat("the GEMM ladder for ", g.name)));
+    }
     for (RankState& rk : s.ranks) {
       const int64_t n = g.rank_n(rk);
       why.clear();
@@ -781,6 +796,10 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
         return absl::FailedPreconditionError(absl::StrFormat(
             "the algorithm pinned for %s [%d x %d] does not run rank %d's slice [%d x %d]:\n%s",
             g.name, g.n, g.k, rk.index, n, g.k, why));
+      }
+      if (options_.gemm_ladder) {
+        ROLLOUT_RETURN_IF_ERROR(CublasError((rk.*g.gemm)->CopyLadder(*full),
+                                            absl::StrCat("the GEMM ladder for ", g.name)));
       }
     }
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));

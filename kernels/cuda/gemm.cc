@@ -1,8 +1,13 @@
 #include "kernels/cuda/gemm.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
+#include <cstring>
 #include <utility>
+
+#include "kernels/cuda/compare.h"
+#include "kernels/cuda/ops.h"
 
 namespace rollout::cuda {
 namespace {
@@ -226,6 +231,162 @@ cublasStatus_t PinnedGemm::Create(cublasLtHandle_t handle, int64_t n, int64_t k,
   return CUBLAS_STATUS_NOT_SUPPORTED;
 }
 
+// Random inputs for the ladder's admission test: `batch` products as RunBatched lays them out (x
+// [m, batch * k], w and y back to back), m up to max_m, two outputs to compare.
+struct GemmProbe {
+  int64_t n = 0, k = 0;
+  int batch = 1;
+  GemmOutput output = GemmOutput::kF32;
+  int64_t max_m = 0;
+  DeviceBuffer x, w, a, b, count;
+
+  size_t OutBytes(int64_t m) const {
+    return static_cast<size_t>(batch) * m * n * (output == GemmOutput::kBf16 ? 2 : 4);
+  }
+  cudaError_t Init(int64_t n_, int64_t k_, int batch_, GemmOutput output_) {
+    n = n_, k = k_, batch = batch_, output = output_;
+    constexpr int64_t kMaxOutputBytes = int64_t{1} << 30;
+    max_m = std::clamp<int64_t>(kMaxOutputBytes / static_cast<int64_t>(OutBytes(1)), 1, 8192);
+    cudaError_t err = x.Allocate(static_cast<size_t>(max_m) * batch * k * 2);
+    if (err == cudaSuccess) err = w.Allocate(static_cast<size_t>(batch) * n * k * 2);
+    if (err == cudaSuccess) err = a.Allocate(OutBytes(max_m));
+    if (err == cudaSuccess) err = b.Allocate(OutBytes(max_m));
+    if (err == cudaSuccess) err = count.Allocate(sizeof(unsigned long long));
+    if (err == cudaSuccess) {
+      err = FillRandomWeights(0x6c6164646572, 1.0, 0, max_m * batch * k, x.get<bf16>(), nullptr,
+                              nullptr);
+    }
+    if (err == cudaSuccess) {
+      err = FillRandomWeights(0x70726f6265, 0.02, 0, int64_t{batch} * n * k, w.get<bf16>(),
+                              nullptr, nullptr);
+    }
+    return err;
+  }
+  // Whether `candidate` gives `reference`'s bits at m. A fixed nonzero start for accumulating
+  // outputs, so that the residual epilogue is compared too.
+  cublasStatus_t SameBits(PinnedGemm& reference, PinnedGemm& candidate, int64_t m, bool* same) {
+    const size_t bytes = OutBytes(m);
+    cudaMemsetAsync(a.get(), 0x3c, bytes, nullptr);
+    cudaMemsetAsync(b.get(), 0x3c, bytes, nullptr);
+    const int64_t y_step = m * n;
+    ROLLOUT_RETURN_IF_CUBLAS(reference.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
+                                                  n * k, a.get(), y_step, batch, nullptr));
+    ROLLOUT_RETURN_IF_CUBLAS(candidate.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
+                                                  n * k, b.get(), y_step, batch, nullptr));
+    unsigned long long differ = 1;
+    if (CountDifferentWords(a.get(), b.get(), static_cast<int64_t>(bytes),
+                            count.get<unsigned long long>(), nullptr) != cudaSuccess ||
+        cudaMemcpy(&differ, count.get(), sizeof(differ), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      return CUBLAS_STATUS_EXECUTION_FAILED;
+    }
+    *same = differ == 0;
+    return CUBLAS_STATUS_SUCCESS;
+  }
+};
+
+const std::vector<PinnedGemm::LadderRange>& PinnedGemm::Ladder() {
+  static const std::vector<LadderRange> ladder = {
+      {1, 1}, {8, 16}, {48, 64}, {160, 0}, {640, 1024}, {2560, 4096}};
+  return ladder;
+}
+
+PinnedGemm* PinnedGemm::For(int64_t m) {
+  for (Rung& rung : rungs_) {
+    if (m >= rung.min_m && m < rung.end_m) return rung.gemm.get();
+  }
+  return this;
+}
+
+cublasStatus_t PinnedGemm::TryAddRung(int64_t min_m, int64_t end_m, int64_t representative_m,
+                                      const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,
+                                      std::string* diagnostics) {
+  std::unique_ptr<PinnedGemm> rung;
+  std::string why;
+  if (CreateWithAlgo(handle_, n_, k_, output_, algo, &rung, &why, max_batch_) !=
+          CUBLAS_STATUS_SUCCESS ||
+      rung->batched() != batched()) {
+    if (diagnostics != nullptr) *diagnostics += "    refused by the checks:\n" + why;
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  std::vector<int64_t> ms = {min_m, representative_m, std::min<int64_t>(end_m - 1, 8192)};
+  for (int64_t& m : ms) m = std::min(m, probe.max_m);
+  for (int64_t m : ms) {
+    bool same = false;
+    ROLLOUT_RETURN_IF_CUBLAS(probe.SameBits(*this, *rung, m, &same));
+    if (!same) {
+      if (diagnostics != nullptr) {
+        *diagnostics += "    " + DescribeAlgo(algo).ToString() + ": other bits at m=" +
+                        std::to_string(m) + "\n";
+      }
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+  }
+  rungs_.push_back(Rung{min_m, end_m, std::move(rung)});
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+bool PinnedGemm::InitProbe(GemmProbe& probe) {
+  const cudaError_t err = probe.Init(n_, k_, max_batch_, output_);
+  if (err == cudaSuccess) return true;
+  cudaGetLastError();  // an allocation failure is not sticky; clear it
+  ladder_note_ = std::string(" (no ladder: its probe buffers: ") + cudaGetErrorString(err) + ")";
+  return false;
+}
+
+cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
+  if (mode_ != Mode::kPinned) return CUBLAS_STATUS_INVALID_VALUE;
+  rungs_.clear();
+  GemmProbe probe;
+  if (!InitProbe(probe)) return CUBLAS_STATUS_SUCCESS;
+  const std::vector<LadderRange>& ladder = Ladder();
+  for (size_t i = 0; i < ladder.size(); ++i) {
+    const int64_t min_m = ladder[i].min_m;
+    const int64_t end_m = i + 1 < ladder.size() ? ladder[i + 1].min_m : INT64_MAX;
+    const int64_t rep = ladder[i].representative_m;
+    if (rep == 0) continue;  // the pin's range
+    std::vector<cublasLtMatmulAlgo_t> algos;
+    ROLLOUT_RETURN_IF_CUBLAS(Candidates(handle_, n_, k_, output_, rep, 8, &algos));
+    std::string why;
+    bool admitted = false;
+    for (const cublasLtMatmulAlgo_t& algo : algos) {
+      if (std::memcmp(&algo, &algo_, sizeof(algo)) == 0) break;  // the pin itself: no rung
+      const cublasStatus_t status = TryAddRung(min_m, end_m, rep, algo, probe, &why);
+      if (status == CUBLAS_STATUS_SUCCESS) {
+        admitted = true;
+        break;
+      }
+      if (status != CUBLAS_STATUS_NOT_SUPPORTED) return status;
+    }
+    if (diagnostics != nullptr) {
+      *diagnostics += "  m in [" + std::to_string(min_m) + ", " +
+                      (end_m == INT64_MAX ? std::string("inf") : std::to_string(end_m)) + "): " +
+                      (admitted ? DescribeAlgo(rungs_.back().gemm->algo_).ToString()
+                                : std::string("the pin")) +
+                      "\n" + why;
+    }
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t PinnedGemm::CopyLadder(const PinnedGemm& from, std::string* diagnostics) {
+  if (mode_ != Mode::kPinned || from.k_ != k_) return CUBLAS_STATUS_INVALID_VALUE;
+  rungs_.clear();
+  if (from.rungs_.empty()) return CUBLAS_STATUS_SUCCESS;
+  GemmProbe probe;
+  if (!InitProbe(probe)) return CUBLAS_STATUS_SUCCESS;
+  const std::vector<LadderRange>& ladder = Ladder();
+  for (const Rung& rung : from.rungs_) {
+    int64_t rep = rung.min_m;
+    for (const LadderRange& range : ladder) {
+      if (range.min_m == rung.min_m) rep = std::max<int64_t>(range.representative_m, 1);
+    }
+    const cublasStatus_t status =
+        TryAddRung(rung.min_m, rung.end_m, rep, rung.gemm->algo_, probe, diagnostics);
+    if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED) return status;
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 cublasStatus_t PinnedGemm::CreateHeuristic(cublasLtHandle_t handle, int64_t n, int64_t k,
                                            GemmOutput output, std::unique_ptr<PinnedGemm>* gemm) {
   std::unique_ptr<PinnedGemm> g(new PinnedGemm(handle, n, k, output));
@@ -242,8 +403,17 @@ std::string PinnedGemm::Describe() const {
       batching = batched_ ? " batched up to " + std::to_string(max_batch_)
                           : " (batches run one call per product)";
     }
+    std::string ladder;
+    for (const Rung& rung : rungs_) {
+      ladder += "; m in [" + std::to_string(rung.min_m) + ", " +
+                (rung.end_m == INT64_MAX ? std::string("inf") : std::to_string(rung.end_m)) +
+                "): algo tile " + std::to_string(DescribeAlgo(rung.gemm->algo_).tile) +
+                " custom " + std::to_string(DescribeAlgo(rung.gemm->algo_).custom) +
+                " cluster " + std::to_string(DescribeAlgo(rung.gemm->algo_).cluster);
+    }
     return "pinned " + DescribeAlgo(algo_).ToString() + " workspace " +
-           std::to_string(workspace_.bytes()) + batching;
+           std::to_string(workspace_.bytes()) + batching +
+           (rungs_.empty() ? "" : " (same bits, ladder" + ladder + ")") + ladder_note_;
   }
   return "not pinned: cuBLASLt heuristic per m, no workspace (like cublasGemmEx, workspace 0)";
 }
@@ -255,6 +425,7 @@ PinnedGemm::~PinnedGemm() {
 cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, void* y,
                                cudaStream_t stream) {
   if (m == 0) return CUBLAS_STATUS_SUCCESS;
+  if (PinnedGemm* rung = For(m); rung != this) return rung->Run(x, m, w, y, stream);
   Layouts layouts;
   ROLLOUT_RETURN_IF_CUBLAS(layouts.Init(m, n_, k_, output_));
   const float alpha = 1.0f;
@@ -281,6 +452,9 @@ cublasStatus_t PinnedGemm::RunBatched(const __nv_bfloat16* x, int64_t ldx, int64
     return CUBLAS_STATUS_INVALID_VALUE;
   }
   if (m == 0) return CUBLAS_STATUS_SUCCESS;
+  if (PinnedGemm* rung = For(m); rung != this) {
+    return rung->RunBatched(x, ldx, x_step, m, w, w_step, y, y_step, batch, stream);
+  }
   const float alpha = 1.0f;
   const float beta = output_ == GemmOutput::kF32Accumulate ? 1.0f : 0.0f;
   if (batch == 1 || batched_) {

@@ -20,9 +20,18 @@
 // m, and a split-K kernel reduces K in an m-dependent way. A pinned algorithm with split-K 1 and
 // no reduction scheme walks K in one fixed order per output element; tests/gpu/gemm_test.cc
 // checks every row bitwise for m = 1..512 and larger powers of two on every weight shape.
+//
+// The ladder: the pin's bits, faster. Other split-K-free algorithms may walk K in the same order
+// with other tiles (on the H200 with CUDA 13, every Hopper kernel cuBLASLt offers for these
+// shapes does: `rollout-gemm-sweep --equivalence`). BuildLadder picks, for a few ranges of m,
+// the heuristic's algorithm for that range and admits it as a rung only if it gives the pin's
+// bits on a random probe at the range's ends and middle; Run then uses the rung of m's range.
+// The bits stay the pin's -- the probe is the admission test, gemm_test the proof over m.
 namespace rollout::cuda {
 
 inline constexpr size_t kMaxPinnedWorkspace = 1 << 20;
+
+struct GemmProbe;  // gemm.cc: the ladder's admission test
 
 enum class GemmOutput {
   kBf16,           // y bf16, overwritten
@@ -77,6 +86,25 @@ class PinnedGemm {
                                        GemmOutput output, const cublasLtMatmulAlgo_t& algo,
                                        std::unique_ptr<PinnedGemm>* gemm,
                                        std::string* diagnostics = nullptr, int max_batch = 1);
+  // Builds the ladder (see the top of this file) for a kPinned gemm: for each range of m in
+  // kLadder, the first of the heuristic's split-K-free algorithms for the range's representative
+  // m that passes CreateWithAlgo's checks (with this gemm's max_batch) and gives this gemm's bits
+  // on the probe (RunBatched over max_batch products, random inputs, m at the range's ends and
+  // middle) becomes the range's rung. Ranges without such an algorithm keep the pin. Allocates
+  // (and frees) probe buffers of up to ~2.5 GiB; without the memory, no ladder (Describe says
+  // so). `diagnostics` receives one line per range.
+  cublasStatus_t BuildLadder(std::string* diagnostics = nullptr);
+  // The same rungs as `from`'s (a gemm of another n with the same k and pin: a rank's slice of a
+  // column-parallel weight), each admitted again by the probe on this gemm's shape.
+  cublasStatus_t CopyLadder(const PinnedGemm& from, std::string* diagnostics = nullptr);
+  // The ranges of m BuildLadder considers: [min_m, next range's min_m), the heuristic asked at
+  // representative_m; representative_m 0 marks the pin's own range.
+  struct LadderRange {
+    int64_t min_m;
+    int64_t representative_m;
+  };
+  static const std::vector<LadderRange>& Ladder();
+
   // The kHeuristicNoWorkspace fallback.
   static cublasStatus_t CreateHeuristic(cublasLtHandle_t handle, int64_t n, int64_t k,
                                         GemmOutput output, std::unique_ptr<PinnedGemm>* gemm);
@@ -111,6 +139,8 @@ class PinnedGemm {
   // Whether RunBatched runs its products in one call (see CreateWithAlgo).
   bool batched() const { return max_batch_ > 1 && batched_; }
   std::string Describe() const;
+  // Number of rungs admitted (0 without a ladder).
+  int rungs() const { return static_cast<int>(rungs_.size()); }
 
  private:
   PinnedGemm(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output)
@@ -127,6 +157,23 @@ class PinnedGemm {
   bool batched_ = false;
   DeviceBuffer workspace_;  // kPinned: what the algorithm asks for at the largest m checked
   std::map<int64_t, cublasLtMatmulAlgo_t> per_m_;  // kHeuristicNoWorkspace: m -> its algorithm
+
+  // The ladder: rungs_[i] serves m in [rungs_[i].first, the next rung's first or the next pin
+  // range); increasing first. Empty: the pin serves every m.
+  struct Rung {
+    int64_t min_m;
+    int64_t end_m;  // exclusive; INT64_MAX for the last range
+    std::unique_ptr<PinnedGemm> gemm;
+  };
+  std::vector<Rung> rungs_;
+  std::string ladder_note_;  // why there is no ladder, when the probe could not run
+  PinnedGemm* For(int64_t m);
+  // Allocates the probe; on failure (no memory) notes it and returns false: no ladder.
+  bool InitProbe(GemmProbe& probe);
+  // Admits `algo` for [min_m, end_m) if it passes CreateWithAlgo's checks and the probe.
+  cublasStatus_t TryAddRung(int64_t min_m, int64_t end_m, int64_t representative_m,
+                            const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,
+                            std::string* diagnostics);
 };
 
 const char* CublasStatusName(cublasStatus_t status);

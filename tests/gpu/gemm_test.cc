@@ -45,9 +45,10 @@ std::vector<int64_t> RowCounts() {
   return ms;
 }
 
-// 0: the no-workspace heuristic per m (the fallback); else the m an algorithm is pinned at.
+// 0: the no-workspace heuristic per m (the fallback); else the m an algorithm is pinned at;
+// negative: pinned at -m with the ladder (PinnedGemm::BuildLadder), the runner's default.
 // The runner's default pin (CudaRunnerOptions::gemm_pin_m) must be among these.
-constexpr int64_t kPinChoices[] = {0, 256, 2048};
+constexpr int64_t kPinChoices[] = {0, 256, 2048, -256};
 
 class GemmTest : public ::testing::TestWithParam<std::tuple<Shape, int64_t>> {
  protected:
@@ -72,8 +73,16 @@ TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
               cuda::PinnedGemm::CreateHeuristic(lt_, s.n, s.k, s.output, &gemm));
   } else {
     ASSERT_EQ(CUBLAS_STATUS_SUCCESS,
-              cuda::PinnedGemm::Create(lt_, s.n, s.k, s.output, pin_m, &gemm, &why))
+              cuda::PinnedGemm::Create(lt_, s.n, s.k, s.output, std::abs(pin_m), &gemm, &why))
         << why;
+  }
+  if (pin_m < 0) {
+    std::string ladder;
+    ASSERT_EQ(CUBLAS_STATUS_SUCCESS, gemm->BuildLadder(&ladder));
+    std::printf("%s", ladder.c_str());
+    // On the H200 every range gets a rung; elsewhere a ladder may be short, never empty here
+    // (else this case would only repeat the pinned one).
+    EXPECT_GT(gemm->rungs(), 0) << ladder;
   }
   std::printf("[ gemm     ] %-8s n=%-6ld k=%-6ld pin_m=%ld %s\n", s.name, static_cast<long>(s.n),
               static_cast<long>(s.k), static_cast<long>(pin_m), gemm->Describe().c_str());
@@ -137,7 +146,9 @@ INSTANTIATE_TEST_SUITE_P(Qwen3_8b, GemmTest,
                          [](const ::testing::TestParamInfo<std::tuple<Shape, int64_t>>& info) {
                            const int64_t pin = std::get<1>(info.param);
                            return std::string(std::get<0>(info.param).name) +
-                                  (pin == 0 ? "_heuristic" : "_pinned_at_" + std::to_string(pin));
+                                  (pin == 0  ? "_heuristic"
+                                   : pin < 0 ? "_ladder_at_" + std::to_string(-pin)
+                                             : "_pinned_at_" + std::to_string(pin));
                          });
 
 }  // namespace

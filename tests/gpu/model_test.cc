@@ -385,6 +385,58 @@ TEST_F(ModelTest, Qwen3_8bShapedRowsAreBatchAndChunkInvariant) {
   CheckInvariance(runner->get(), 600, 13);
 }
 
+// The GEMM ladder (kernels/cuda/gemm.h) against the pins alone, Qwen3-8B shapes: a prefill of
+// ~8000 rows, then decode steps of 1 .. 300 rows (every ladder range) -- every logits row
+// bitwise equal.
+TEST_F(ModelTest, Qwen3_8bShapedGemmLadderGivesThePinsBits) {
+  ModelConfig config = *PresetConfig("qwen3-8b");
+  config.num_layers = 2;
+  CudaRunnerOptions o;
+  o.kv_cache_bytes = 2ll << 30;
+  o.max_batch_tokens = 8192;
+  o.gemm_ladder = false;
+  auto pinned = CudaModelRunner::CreateSynthetic(config, 5, o);
+  o.gemm_ladder = true;
+  auto ladder = CudaModelRunner::CreateSynthetic(config, 5, o);
+  ASSERT_TRUE(pinned.ok() && ladder.ok()) << pinned.status() << ladder.status();
+  int rungs = 0;
+  for (const std::string& line : (*ladder)->gemm_descriptions()) {
+    std::printf("[ ladder   ] %s\n", line.c_str());
+    rungs += line.find("ladder") != std::string::npos ? 1 : 0;
+  }
+  EXPECT_GT(rungs, 0) << "no GEMM got a ladder: this test would compare the pins with themselves";
+  const int64_t vocab = config.vocab_size;
+  BlockPool pool((*pinned)->num_kv_blocks(), (*pinned)->kv_block_size());
+  auto all_rows = [](CudaModelRunner* runner, const ForwardBatch& batch) {
+    std::vector<float> logits;
+    const absl::Status s = runner->ForwardToHost(batch, &logits);
+    EXPECT_TRUE(s.ok()) << s;
+    return logits;
+  };
+  std::vector<Seq> seqs;
+  std::vector<int> length;
+  std::vector<Chunk> prefill;
+  for (int i = 0; i < 300; ++i) {
+    length.push_back(i < 11 ? 700 + i : 3);  // 11 x ~700 + 289 x 3 = ~8600 rows: two slices
+    seqs.push_back(pool.Make(RandomTokens(length[i] + 4, static_cast<int>(vocab), 900 + i)));
+    prefill.push_back({i, 0, length[i], i % 50 == 0});
+  }
+  ForwardBatch batch = MakeBatch(seqs, prefill);
+  EXPECT_TRUE(SameRows(all_rows(ladder->get(), batch), all_rows(pinned->get(), batch), vocab, 0))
+      << "prefill";
+  for (int rows : {1, 20, 100, 300}) {
+    std::vector<Chunk> step;
+    for (int i = 0; i < rows; ++i) {
+      step.push_back({i, length[i], length[i] + 1, true});
+      ++length[i];
+    }
+    batch = MakeBatch(seqs, step);
+    EXPECT_TRUE(
+        SameRows(all_rows(ladder->get(), batch), all_rows(pinned->get(), batch), vocab, 0))
+        << "decode of " << rows << " rows";
+  }
+}
+
 TEST_F(ModelTest, Qwen3_8bShapedWithSimtAttentionIsInvariant) {
   ModelConfig config = *PresetConfig("qwen3-8b");
   config.num_layers = 2;
