@@ -491,14 +491,22 @@ absl::Status CudaModelRunner::EnqueueAttention(RankState& rk, int layer,
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kOneToken, cache, stream),
                   "attention (one-token items)"));
-    ap.items = reinterpret_cast<const int2*>(d + shape.off_many());
-    ap.num_items = static_cast<int32_t>(shape.num_many);
+    // Many-token items fold their splits inside the block (no partials, no merge: the same bits)
+    // when there are enough of them for the walks to overlap -- prefill; a few items of long
+    // context stay split-parallel. Then only the one-token items' rows are merged.
+    const bool fold = shape.num_many > 0 && shape.num_many <= 65535 &&
+                      (shape.max_splits <= 4 || shape.num_many * nkv >= 256 * shape.max_splits);
+    cuda::AttentionParams many = ap;
+    many.items = reinterpret_cast<const int2*>(d + shape.off_many());
+    many.num_items = static_cast<int32_t>(shape.num_many);
+    if (fold) many.partials = nullptr;
     ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kManyTokens, cache, stream),
+        cuda::PagedAttentionMma(many, cuda::AttentionBlockShape::kManyTokens, cache, stream),
         "attention (many-token items)"));
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), stream),
-                  "attention split merge"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        fold ? cuda::MergeAttentionSplitsOfItems(ap, static_cast<int32_t>(hd), stream)
+             : cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), stream),
+        "attention split merge"));
   } else {
     if (options_.split_parallel_decode) {
       ap.partials = rk.partials.get<float>();

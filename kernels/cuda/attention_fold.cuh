@@ -8,20 +8,43 @@
 
 namespace rollout::cuda {
 
-// Folds a split's partial (m, l, o) into the row's running result (M, L, O). The one formula of
-// the split merge, whichever kernel runs it (in-block after each split, or a merge kernel over
-// stored partials): same operations, same order, so the same bits. Compiled with --fmad=false:
-// no product is fused into a sum here.
-template <int E>
-__device__ __forceinline__ void FoldPartial(float m, float l, const float (&o)[E], float* big_m,
-                                            float* big_l, float (&big_o)[E]) {
+// The scales of one fold: a for the running result, b for the split's partial.
+struct FoldScales {
+  float a, b;
+};
+
+// Folds a split's (m, l) into the row's running (M, L) and returns the scales its o and the
+// running O take: FoldPartial's row part.
+__device__ __forceinline__ FoldScales FoldRow(float m, float l, float* big_m, float* big_l) {
   const float m_new = fmaxf(*big_m, m);
   const float a = expf(*big_m - m_new);
   const float b = expf(m - m_new);
   *big_l = *big_l * a + l * b;
-#pragma unroll
-  for (int e = 0; e < E; ++e) big_o[e] = big_o[e] * a + o[e] * b;
   *big_m = m_new;
+  return {a, b};
+}
+
+// FoldPartial's element part: the new O of one dim.
+__device__ __forceinline__ float FoldElement(float big_o, float o, FoldScales s) {
+  return big_o * s.a + o * s.b;
+}
+
+// A row's output element once every split is folded: bf16(O / L).
+__device__ __forceinline__ __nv_bfloat16 FoldedOutput(float big_o, float big_l) {
+  return __float2bfloat16_rn(big_o / big_l);
+}
+
+// Folds a split's partial (m, l, o) into the row's running result (M, L, O). The one formula of
+// the split merge, whichever kernel runs it (in-block after each split, or a merge kernel over
+// stored partials): same operations, same order, so the same bits. Compiled with --fmad=false:
+// no product is fused into a sum here. (FoldRow + FoldElement per dim; a kernel that keeps O
+// elsewhere than one array calls those two directly.)
+template <int E>
+__device__ __forceinline__ void FoldPartial(float m, float l, const float (&o)[E], float* big_m,
+                                            float* big_l, float (&big_o)[E]) {
+  const FoldScales s = FoldRow(m, l, big_m, big_l);
+#pragma unroll
+  for (int e = 0; e < E; ++e) big_o[e] = FoldElement(big_o[e], o[e], s);
 }
 
 // One warp: folds the `splits` stored partials of partials row `row` (= token * heads + head;
@@ -45,7 +68,7 @@ __device__ __forceinline__ void MergeStoredSplits(const float* partials, int32_t
   }
   __nv_bfloat16* dst = out + row * kHeadDim + lane * E;
 #pragma unroll
-  for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(big_o[e] / big_l);
+  for (int e = 0; e < E; ++e) dst[e] = FoldedOutput(big_o[e], big_l);
 }
 
 }  // namespace rollout::cuda

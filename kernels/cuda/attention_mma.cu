@@ -25,6 +25,18 @@
 // per SM: 2%..115% slower; a second stage does gain prefill 3%, so kManyTokens keeps it), K and
 // V in separate cp.async groups refilled right after their MMAs, blocks of 2 or 4 kv heads
 // (longer contiguous copies), 8-warp prefill blocks (half the K/V re-reads, fewer blocks per SM).
+//
+// Split fold in the block (prefill, same bits: the bench compares the outputs with the old kernel
+// + merge's). Launched without partials, a kManyTokens block walks every split of its item and
+// folds each split's (m, l, o) into the row's (M, L, O) at the split's end with the merge's own
+// FoldRow / FoldElement in increasing split order, then writes FoldedOutput: no partial round
+// trip (8 x 1024 tokens: 340 MB written and read back), q read once instead of once per split,
+// no merge launch. The running (M, L, O) sits in shared memory, thread-private (34 KB per block:
+// 3 blocks per SM still fit; registers are full), touched only at split ends; the fold runs
+// between the tile loops of two splits (inside the tile loop ptxas spilled). Items go in reverse
+// order so that a prefill's longest walks start first. H200, one layer of the 8 x 1024 prefill:
+// kernel + merge 0.754 + 0.154 -> 0.547 ms. Decode keeps split-parallel blocks (a token's splits
+// are its only parallelism) and the merge.
 #include <cmath>
 #include <cstdint>
 
@@ -120,14 +132,20 @@ __device__ __forceinline__ float RowUpdate(const float (&s)[8], float* m, float*
 
 // A block's shape: kWarps warps of 16 query rows of one kv head, and a ring of kStages K/V tiles
 // in shared memory that all of them fill.
-template <int kHeadDim, int kWarps, int kStages>
+template <int kHeadDim, int kWarps, int kStages, bool kFold>
 struct MmaShape {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStride = kHeadDim + 8;  // bf16 per staged key: 16 B pad, no conflicts
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per key
   // One stage: K then V, each [kTile, kStride] bf16.
   static constexpr int kTileElems = kTile * kStride;
-  static constexpr size_t kSmemBytes = sizeof(bf16) * kStages * 2 * kTileElems;
+  static constexpr size_t kRingBytes = sizeof(bf16) * kStages * 2 * kTileElems;
+  // Folding blocks: each thread's running (M, L, O) of its 2 rows (O: kHeadDim / 4 dims each, of
+  // the MMA layout), thread-private, [4 + kHeadDim / 2][kThreads] fp32 after the ring (registers
+  // are full).
+  static constexpr int kFoldElems = 4 + kHeadDim / 2;
+  static constexpr size_t kSmemBytes =
+      kRingBytes + (kFold ? sizeof(float) * kFoldElems * kThreads : 0);
   // Registers capped so that they admit as many warps per SM as shared memory does for one-stage
   // decode blocks (17.4 KB + 1 KB reserved each, 228 KB per SM): 168 per thread.
   static constexpr int kMinBlocks = 12 / kWarps;
@@ -151,23 +169,29 @@ __device__ __forceinline__ void IssueTile(const KvCacheView& cache, int tile_sta
   }
 }
 
-// Tile t of the block's split is staged in ring stage t % kStages while tiles t + 1 ..
+// Tile t of the block's walk is staged in ring stage t % kStages while tiles t + 1 ..
 // t + kStages - 1 are in flight (kOneToken: one stage, kManyTokens: two; the file comment says
-// why).
-template <int kHeadDim, int kWarps, int kStages>
-__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages>::kThreads,
-                                  MmaShape<kHeadDim, kWarps, kStages>::kMinBlocks)
+// why). !kFold: the block walks one split (grid: item, kv head, split) and stores each row's
+// partial. kFold: the block walks every split of its item (grid: kv head, item -- items in
+// reverse order, so that the longest walks of a prefill start first), folds each split's
+// partial into the row's (M, L, O) at the split's end with FoldRow / FoldElement in increasing
+// split order -- what MergeAttentionSplits does with the stored partials -- and writes
+// bf16(O / L) itself.
+template <int kHeadDim, int kWarps, int kStages, bool kFold>
+__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kThreads,
+                                  MmaShape<kHeadDim, kWarps, kStages, kFold>::kMinBlocks)
     MmaAttentionKernel(AttentionParams p, KvCacheView cache) {
-  using Shape = MmaShape<kHeadDim, kWarps, kStages>;
+  using Shape = MmaShape<kHeadDim, kWarps, kStages, kFold>;
   constexpr int kStride = Shape::kStride;
   constexpr int kSteps = kHeadDim / 16;    // k-steps of Q K^T
   constexpr int kDimTiles = kHeadDim / 8;  // n-tiles of P V
   extern __shared__ uint4 smem[];
   bf16* ring = reinterpret_cast<bf16*>(smem);  // [kStages][K, V][kTile, kStride]
 
-  const int2 item = p.items[blockIdx.x];  // (first token, count)
-  const int kv_head = blockIdx.y;
-  const int split = blockIdx.z;
+  // (first token, count)
+  const int2 item = p.items[kFold ? p.num_items - 1 - static_cast<int>(blockIdx.y) : blockIdx.x];
+  const int kv_head = kFold ? blockIdx.x : blockIdx.y;
+  const int split = kFold ? 0 : blockIdx.z;
   const int num_kv_heads = cache.num_kv_heads;
   const int group = p.num_heads / num_kv_heads;
   const int num_rows = item.y * group;
@@ -177,7 +201,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages>::kThreads,
   int max_pos = 0;
   for (int i = 0; i < item.y; ++i) max_pos = max(max_pos, p.positions[item.x + i]);
   const int walk_begin = split * p.split_size;
-  const int walk_end = min(max_pos + 1, walk_begin + p.split_size);
+  const int walk_end = kFold ? max_pos + 1 : min(max_pos + 1, walk_begin + p.split_size);
   if (walk_begin >= walk_end) return;  // idle split: block-uniform, before any load or barrier
   const int num_tiles = (walk_end - walk_begin + kTile - 1) / kTile;
   const int32_t* table = p.tables + p.table_offsets[item.x];
@@ -246,90 +270,158 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages>::kThreads,
   for (int n = 0; n < kDimTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
 
-  for (int t = 0; t < num_tiles; ++t) {
-    __syncthreads();  // every warp is done with tile t - 1, whose stage tile t + kStages - 1 takes
-    issue(t + kStages - 1, next_row);
-    next_row = lane_row(t + kStages);
-    CpAsyncWait<kStages - 1>();  // this thread's copies of tile t have landed ...
-    __syncthreads();             // ... and every thread's
-    const int tile_start = walk_begin + t * kTile;
-    if (tile_start > warp_max_pos) continue;  // warp-uniform: no row of this warp reaches it
-    const bf16* k_s = k_stage(t);
-    const bf16* v_s = k_s + Shape::kTileElems;
+  // kFold: the rows' running (M, L, O) over the splits folded so far: element 0 / 1 M of row r0
+  // / r1, 2 / 3 their L, then O (4 + 4 n + {0, 1}: row r0, 4 + 4 n + {2, 3}: row r1, dims
+  // 8 n + 2 t4 + {0, 1}, as o).
+  // (Computed where used, not kept live through the loop: registers are full.)
+  auto fold_area = [&] {
+    return reinterpret_cast<float*>(ring + kStages * 2 * Shape::kTileElems) + threadIdx.x;
+  };
+  if (kFold) {
+    float* fold = fold_area();
+    fold[0] = fold[Shape::kThreads] = -INFINITY;
+#pragma unroll
+    for (int e = 2; e < Shape::kFoldElems; ++e) fold[e * Shape::kThreads] = 0.0f;
+  }
+  for (int t = 0; t < num_tiles;) {
+    // kFold: the tiles of one split, then its fold; else every tile of the block's split.
+    const int tiles_end = kFold ? min(num_tiles, t + p.split_size / kTile) : num_tiles;
+    for (; t < tiles_end; ++t) {
+      // Every warp is done with tile t - 1, whose stage tile t + kStages - 1 takes.
+      __syncthreads();
+      issue(t + kStages - 1, next_row);
+      next_row = lane_row(t + kStages);
+      CpAsyncWait<kStages - 1>();  // this thread's copies of tile t have landed ...
+      __syncthreads();             // ... and every thread's
+      const int tile_start = walk_begin + t * kTile;
+      if (tile_start > warp_max_pos) continue;  // warp-uniform: no row of this warp reaches it
+      const bf16* k_s = k_stage(t);
+      const bf16* v_s = k_s + Shape::kTileElems;
 
-    // S = Q K^T: key tile j (keys 8j..8j+7), dims in increasing k-steps. ldmatrix.x4 gives each
-    // lane the B fragments (key 8j + g, dims 16 kk + 2 t4 + {0, 1} and + 8) of two k-steps.
-    float acc[4][4];
+      // S = Q K^T: key tile j (keys 8j..8j+7), dims in increasing k-steps. ldmatrix.x4 gives each
+      // lane the B fragments (key 8j + g, dims 16 kk + 2 t4 + {0, 1} and + 8) of two k-steps.
+      float acc[4][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-      const bf16* k_row = k_s + (8 * j + lane % 8) * kStride + 8 * (lane / 8);
+      for (int j = 0; j < 4; ++j) {
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+        const bf16* k_row = k_s + (8 * j + lane % 8) * kStride + 8 * (lane / 8);
 #pragma unroll
-      for (int kk = 0; kk < kSteps; kk += 2) {
-        uint32_t b[4];
-        LdMatrixX4(b, k_row + 16 * kk);
-        Mma16816(acc[j], qa[kk], b[0], b[1]);
-        Mma16816(acc[j], qa[kk + 1], b[2], b[3]);
+        for (int kk = 0; kk < kSteps; kk += 2) {
+          uint32_t b[4];
+          LdMatrixX4(b, k_row + 16 * kk);
+          Mma16816(acc[j], qa[kk], b[0], b[1]);
+          Mma16816(acc[j], qa[kk + 1], b[2], b[3]);
+        }
       }
-    }
-    float s0[8], s1[8];  // rows g and g + 8: keys 8j + 2 t4 + {0, 1}
+      float s0[8], s1[8];  // rows g and g + 8: keys 8j + 2 t4 + {0, 1}
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < 4; ++j) {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int key = tile_start + 8 * j + 2 * t4 + c;
-        s0[2 * j + c] = key <= pos0 ? acc[j][c] * p.scale : -INFINITY;
-        s1[2 * j + c] = key <= pos1 ? acc[j][2 + c] * p.scale : -INFINITY;
+        for (int c = 0; c < 2; ++c) {
+          const int key = tile_start + 8 * j + 2 * t4 + c;
+          s0[2 * j + c] = key <= pos0 ? acc[j][c] * p.scale : -INFINITY;
+          s1[2 * j + c] = key <= pos1 ? acc[j][2 + c] * p.scale : -INFINITY;
+        }
       }
-    }
-    float p0[8], p1[8];
-    const float alpha0 = RowUpdate(s0, &m0, &l0, p0);
-    const float alpha1 = RowUpdate(s1, &m1, &l1, p1);
+      float p0[8], p1[8];
+      const float alpha0 = RowUpdate(s0, &m0, &l0, p0);
+      const float alpha1 = RowUpdate(s1, &m1, &l1, p1);
 #pragma unroll
-    for (int n = 0; n < kDimTiles; ++n) {
-      o[n][0] = o[n][0] * alpha0;
-      o[n][1] = o[n][1] * alpha0;
-      o[n][2] = o[n][2] * alpha1;
-      o[n][3] = o[n][3] * alpha1;
-    }
-    // P as A fragments of the two 16-key chunks (the S accumulator layout is the A layout).
-    uint32_t pa[2][4];
-#pragma unroll
-    for (int kc = 0; kc < 2; ++kc) {
-      pa[kc][0] = PackBf16(p0[4 * kc + 0], p0[4 * kc + 1]);
-      pa[kc][1] = PackBf16(p1[4 * kc + 0], p1[4 * kc + 1]);
-      pa[kc][2] = PackBf16(p0[4 * kc + 2], p0[4 * kc + 3]);
-      pa[kc][3] = PackBf16(p1[4 * kc + 2], p1[4 * kc + 3]);
-    }
-    // O += P V: dim tile n, key chunks in increasing order.
-#pragma unroll
-    for (int n = 0; n < kDimTiles; ++n) {
+      for (int n = 0; n < kDimTiles; ++n) {
+        o[n][0] = o[n][0] * alpha0;
+        o[n][1] = o[n][1] * alpha0;
+        o[n][2] = o[n][2] * alpha1;
+        o[n][3] = o[n][3] * alpha1;
+      }
+      // P as A fragments of the two 16-key chunks (the S accumulator layout is the A layout).
+      uint32_t pa[2][4];
 #pragma unroll
       for (int kc = 0; kc < 2; ++kc) {
-        uint32_t b0, b1;
-        LdMatrixX2Trans(&b0, &b1, v_s + (16 * kc + lane % 16) * kStride + 8 * n);
-        Mma16816(o[n], pa[kc], b0, b1);
+        pa[kc][0] = PackBf16(p0[4 * kc + 0], p0[4 * kc + 1]);
+        pa[kc][1] = PackBf16(p1[4 * kc + 0], p1[4 * kc + 1]);
+        pa[kc][2] = PackBf16(p0[4 * kc + 2], p0[4 * kc + 3]);
+        pa[kc][3] = PackBf16(p1[4 * kc + 2], p1[4 * kc + 3]);
       }
+      // O += P V: dim tile n, key chunks in increasing order.
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+#pragma unroll
+        for (int kc = 0; kc < 2; ++kc) {
+          uint32_t b0, b1;
+          LdMatrixX2Trans(&b0, &b1, v_s + (16 * kc + lane % 16) * kStride + 8 * n);
+          Mma16816(o[n], pa[kc], b0, b1);
+        }
+      }
+    }
+    if (kFold) {
+      const int t_end = t;
+      float* fold = fold_area();
+      float* fold_o = fold + 4 * Shape::kThreads;
+      // Split (t_end - 1) / (split_size / 32) has ended: its partial of each row with keys in it
+      // (the rows the merge folds: position >= the split's first key) goes into (M, L, O), then
+      // the next split's (m, l, o) start as a split block starts them.
+      const int split_begin = (t_end - 1) / (p.split_size / kTile) * p.split_size;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if ((half == 0 ? pos0 : pos1) >= split_begin) {
+          const FoldScales sc =
+              FoldRow(half == 0 ? m0 : m1, half == 0 ? l0 : l1, fold + half * Shape::kThreads,
+                      fold + (2 + half) * Shape::kThreads);
+#pragma unroll
+          for (int n = 0; n < kDimTiles; ++n) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              float* big_o = fold_o + (4 * n + 2 * half + c) * Shape::kThreads;
+              *big_o = FoldElement(*big_o, o[n][2 * half + c], sc);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+      m0 = m1 = -INFINITY;
+      l0 = l1 = 0.0f;
     }
   }
 
-  // This split's partial of each real row with keys in it.
+  if constexpr (kFold) {
+    // Every split folded (the last at t == num_tiles): bf16(O / L) of each real row.
+    const float* fold = fold_area();
+    const float* fold_o = fold + 4 * Shape::kThreads;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = half == 0 ? r0 : r1;
-    const int pos = half == 0 ? pos0 : pos1;
-    if (pos < walk_begin) continue;  // padding row, or no key of this split
-    const int64_t row =
-        (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
-    float* dst = p.partials + (row * p.max_splits + split) * (kHeadDim + 2);
-    if (t4 == 0) {
-      dst[0] = half == 0 ? m0 : m1;
-      dst[1] = half == 0 ? l0 : l1;
+    for (int half = 0; half < 2; ++half) {
+      const int r = half == 0 ? r0 : r1;
+      if (r >= num_rows) continue;  // padding row
+      const float big_l = fold[(2 + half) * Shape::kThreads];
+      const int64_t row =
+          (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
+      bf16* dst = p.out + row * kHeadDim + 2 * t4;
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+        const float* big_o = fold_o + (4 * n + 2 * half) * Shape::kThreads;
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) = __halves2bfloat162(
+            FoldedOutput(big_o[0], big_l), FoldedOutput(big_o[Shape::kThreads], big_l));
+      }
     }
+  } else {
+    // This split's partial of each real row with keys in it.
 #pragma unroll
-    for (int n = 0; n < kDimTiles; ++n) {
-      dst[2 + 8 * n + 2 * t4] = o[n][2 * half];
-      dst[2 + 8 * n + 2 * t4 + 1] = o[n][2 * half + 1];
+    for (int half = 0; half < 2; ++half) {
+      const int r = half == 0 ? r0 : r1;
+      const int pos = half == 0 ? pos0 : pos1;
+      if (pos < walk_begin) continue;  // padding row, or no key of this split
+      const int64_t row =
+          (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
+      float* dst = p.partials + (row * p.max_splits + split) * (kHeadDim + 2);
+      if (t4 == 0) {
+        dst[0] = half == 0 ? m0 : m1;
+        dst[1] = half == 0 ? l0 : l1;
+      }
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+        dst[2 + 8 * n + 2 * t4] = o[n][2 * half];
+        dst[2 + 8 * n + 2 * t4 + 1] = o[n][2 * half + 1];
+      }
     }
   }
 }
@@ -346,17 +438,36 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   MergeStoredSplits<kHeadDim>(p.partials, p.max_splits, row, splits, p.out, lane);
 }
 
-template <int kHeadDim, int kWarps, int kStages>
+// One warp per (item, head): the rows of the item's tokens, in token order.
+template <int kHeadDim>
+__global__ void __launch_bounds__(kMergeWarps * 32) MergeItemsKernel(AttentionParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
+  if (w >= static_cast<int64_t>(p.num_items) * p.num_heads) return;
+  const int2 item = p.items[w / p.num_heads];
+  const int head = static_cast<int>(w % p.num_heads);
+  for (int i = 0; i < item.y; ++i) {
+    const int64_t token = item.x + i;
+    const int64_t row = token * p.num_heads + head;
+    const int splits = p.positions[token] / p.split_size + 1;
+    MergeStoredSplits<kHeadDim>(p.partials, p.max_splits, row, splits, p.out, lane);
+  }
+}
+
+template <int kHeadDim, int kWarps, int kStages, bool kFold>
 cudaError_t LaunchMma(const AttentionParams& p, KvCacheView cache, cudaStream_t stream) {
-  using Shape = MmaShape<kHeadDim, kWarps, kStages>;
-  auto kernel = MmaAttentionKernel<kHeadDim, kWarps, kStages>;
+  using Shape = MmaShape<kHeadDim, kWarps, kStages, kFold>;
+  auto kernel = MmaAttentionKernel<kHeadDim, kWarps, kStages, kFold>;
   if (Shape::kSmemBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Shape::kSmemBytes));
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(cache.num_kv_heads),
-                  static_cast<unsigned>(p.max_splits));
+  const dim3 grid = kFold ? dim3(static_cast<unsigned>(cache.num_kv_heads),
+                                 static_cast<unsigned>(p.num_items), 1u)
+                          : dim3(static_cast<unsigned>(p.num_items),
+                                 static_cast<unsigned>(cache.num_kv_heads),
+                                 static_cast<unsigned>(p.max_splits));
   kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, cache);
   return cudaGetLastError();
 }
@@ -364,8 +475,11 @@ cudaError_t LaunchMma(const AttentionParams& p, KvCacheView cache, cudaStream_t 
 template <int kHeadDim>
 cudaError_t LaunchMmaShape(const AttentionParams& p, AttentionBlockShape shape, KvCacheView cache,
                            cudaStream_t stream) {
-  if (shape == AttentionBlockShape::kOneToken) return LaunchMma<kHeadDim, 1, 1>(p, cache, stream);
-  return LaunchMma<kHeadDim, 4, 2>(p, cache, stream);
+  if (p.partials == nullptr) return LaunchMma<kHeadDim, 4, 2, true>(p, cache, stream);
+  if (shape == AttentionBlockShape::kOneToken) {
+    return LaunchMma<kHeadDim, 1, 1, false>(p, cache, stream);
+  }
+  return LaunchMma<kHeadDim, 4, 2, false>(p, cache, stream);
 }
 
 }  // namespace
@@ -373,10 +487,15 @@ cudaError_t LaunchMmaShape(const AttentionParams& p, AttentionBlockShape shape, 
 cudaError_t PagedAttentionMma(const AttentionParams& params, AttentionBlockShape shape,
                               KvCacheView cache, cudaStream_t stream) {
   if (params.split_size <= 0 || params.split_size % kTile != 0 || cache.num_kv_heads <= 0 ||
-      params.num_heads % cache.num_kv_heads != 0 || params.partials == nullptr ||
-      params.max_splits < 1) {
+      params.num_heads % cache.num_kv_heads != 0) {
     return cudaErrorInvalidValue;
   }
+  // Without partials only kManyTokens blocks, which fold their splits themselves.
+  if (params.partials == nullptr ? shape != AttentionBlockShape::kManyTokens
+                                 : params.max_splits < 1) {
+    return cudaErrorInvalidValue;
+  }
+  if (params.partials == nullptr && params.num_items > 65535) return cudaErrorInvalidValue;
   const int group = params.num_heads / cache.num_kv_heads;
   if (shape == AttentionBlockShape::kOneToken && group > 16) {
     shape = AttentionBlockShape::kManyTokens;
@@ -409,6 +528,27 @@ cudaError_t MergeAttentionSplits(const AttentionParams& params, int64_t num_toke
       break;
     case 128:
       MergeKernel<128><<<blocks, kMergeWarps * 32, 0, stream>>>(params, num_tokens);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t MergeAttentionSplitsOfItems(const AttentionParams& params, int32_t head_dim,
+                                        cudaStream_t stream) {
+  if (params.num_items == 0) return cudaSuccess;
+  const int64_t warps = static_cast<int64_t>(params.num_items) * params.num_heads;
+  const unsigned blocks = static_cast<unsigned>((warps + kMergeWarps - 1) / kMergeWarps);
+  switch (head_dim) {
+    case 32:
+      MergeItemsKernel<32><<<blocks, kMergeWarps * 32, 0, stream>>>(params);
+      break;
+    case 64:
+      MergeItemsKernel<64><<<blocks, kMergeWarps * 32, 0, stream>>>(params);
+      break;
+    case 128:
+      MergeItemsKernel<128><<<blocks, kMergeWarps * 32, 0, stream>>>(params);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -121,9 +121,17 @@ cudaError_t PagedAttention(const AttentionParams& params, AttentionBlockShape sh
                            KvCacheView cache, cudaStream_t stream);
 
 // Version 2, tensor cores (kernels/cuda/attention_mma.cu): mma.sync m16n8k16, bf16 inputs, fp32
-// accumulation. Always split-parallel: one block per (item, kv head, split) writes the split
-// partial of each of its rows to params.partials; MergeAttentionSplits then folds them. Per row
-// (token at position p), exactly: q rounded to bf16; per tile of 32 keys of its split (tiles up
+// accumulation. Two launch modes, the same bits for every row:
+// - params.partials set (split-parallel): one block per (item, kv head, split) writes the split
+//   partial of each of its rows to params.partials; MergeAttentionSplits (every token) or
+//   MergeAttentionSplitsOfItems (the tokens of these items) then folds them.
+// - params.partials null (kManyTokens only): one block per (item, kv head) walks every split of
+//   its rows, folds each split's partial into the row's (M, L, O) right after the split, in
+//   increasing split order with FoldPartial's arithmetic (FoldRow / FoldElement), and writes
+//   bf16(O / L) (FoldedOutput) to params.out itself: no partials, no merge for these rows. Less
+//   parallel (a row's splits run one after the other), so for many items of short to moderate
+//   context: prefill.
+// Per row (token at position p), exactly: q rounded to bf16; per tile of 32 keys of its split (tiles up
 // to p's), S = q . K^T as 4 key-tiles of 8 x (head_dim / 16) MMAs in increasing dim order,
 // s = S * scale (keys > p: -inf), m' = max(m, tile max), a = expf(m - m'), p_j = expf(s_j - m'),
 // l = l * a + (the row's 32 p_j summed per thread in key order, then across the quad by xor 1,
@@ -132,8 +140,9 @@ cudaError_t PagedAttention(const AttentionParams& params, AttentionBlockShape sh
 // a row's bits: kOneToken (one warp: a token's GQA group padded to 16 rows) and kManyTokens
 // (four warps of 16 rows) compute the same bits; so does any staging of the K/V tiles (how many
 // are in flight, how they reach shared memory: speed only, bench/attention_bench.cu checks it
-// against the previous kernel bitwise). REQUIRES: head_dim in {32, 64, 128}; group <= 16 for
-// kOneToken; split_size % 32 == 0; params.partials set.
+// against the previous kernel bitwise). REQUIRES: head_dim in {32, 64, 128}; split_size % 32 ==
+// 0; group <= 64; params.partials set (with max_splits) unless shape is kManyTokens; at most
+// 65535 items without partials. (kOneToken with group > 16 runs kManyTokens blocks.)
 cudaError_t PagedAttentionMma(const AttentionParams& params, AttentionBlockShape shape,
                               KvCacheView cache, cudaStream_t stream);
 
@@ -141,6 +150,12 @@ cudaError_t PagedAttentionMma(const AttentionParams& params, AttentionBlockShape
 // (FoldPartial) and writes bf16(O / L) to params.out. One warp per row.
 cudaError_t MergeAttentionSplits(const AttentionParams& params, int64_t num_tokens,
                                  int32_t head_dim, cudaStream_t stream);
+
+// The same fold for the tokens of params.items only (the others' outputs are left alone): one
+// warp per (item, head), the item's tokens in order. For a step whose kManyTokens items folded
+// their splits in-block and whose kOneToken items stored partials.
+cudaError_t MergeAttentionSplitsOfItems(const AttentionParams& params, int32_t head_dim,
+                                        cudaStream_t stream);
 
 // out[r, i] = bf16(silu(gate) * up), silu(g) = g / (1 + expf(-g)), gate = gate_up[r, i],
 // up = gate_up[r, dim + i]. gate_up: [rows, 2 * dim] bf16; out: [rows, dim] bf16.

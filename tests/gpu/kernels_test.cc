@@ -263,9 +263,10 @@ struct AttentionRun {
     return Download<bf16>(d_out, t * f.nh * f.hd);
   }
 
-  // The tensor-core kernel (always split-parallel) and its merge.
+  // The tensor-core kernel, split-parallel and its merge, or (fold: kManyTokens only) without
+  // partials, every split folded in the block.
   std::vector<bf16> RunMma(const AttentionFixture& f, const std::vector<int32_t>& items,
-                           cuda::AttentionBlockShape shape) const {
+                           cuda::AttentionBlockShape shape, bool fold = false) const {
     const int64_t t = positions.size();
     std::vector<int32_t> offsets(t), tables;
     std::vector<int32_t> seq_offset(f.tables.size());
@@ -296,8 +297,13 @@ struct AttentionRun {
     partials.Allocate(static_cast<size_t>(t) * f.nh * p.max_splits * (f.hd + 2) * 4);
     cudaMemset(partials.get(), 0xff, static_cast<size_t>(t) * f.nh * p.max_splits * (f.hd + 2) * 4);
     p.partials = partials.get<float>();
-    EXPECT_EQ(cudaSuccess, cuda::PagedAttentionMma(p, shape, f.view(), nullptr));
-    EXPECT_EQ(cudaSuccess, cuda::MergeAttentionSplits(p, t, f.hd, nullptr));
+    if (fold) {
+      p.partials = nullptr;
+      EXPECT_EQ(cudaSuccess, cuda::PagedAttentionMma(p, shape, f.view(), nullptr));
+    } else {
+      EXPECT_EQ(cudaSuccess, cuda::PagedAttentionMma(p, shape, f.view(), nullptr));
+      EXPECT_EQ(cudaSuccess, cuda::MergeAttentionSplits(p, t, f.hd, nullptr));
+    }
     EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
     return Download<bf16>(d_out, t * f.nh * f.hd);
   }
@@ -339,6 +345,10 @@ TEST_F(KernelsTest, PagedAttentionMatchesCpu) {
           run.RunMma(f, many, cuda::AttentionBlockShape::kManyTokens);
       EXPECT_EQ(0, std::memcmp(mma.data(), mma_many.data(), mma.size() * 2))
           << "tensor cores, one warp vs four warps";
+      const std::vector<bf16> mma_fold =
+          run.RunMma(f, many, cuda::AttentionBlockShape::kManyTokens, /*fold=*/true);
+      EXPECT_EQ(0, std::memcmp(mma.data(), mma_fold.data(), mma.size() * 2))
+          << "tensor cores, split-parallel + merge vs splits folded in-block";
     }
   }
 }
@@ -404,6 +414,16 @@ TEST_F(KernelsTest, AttentionPrefillAndDecodeAreBitwiseEqual) {
         << "tensor cores, hd " << c.hd << " split " << c.split;
     EXPECT_EQ(0, std::memcmp(mma_decode.data(), mma_chunked.data(), bytes))
         << "tensor cores, hd " << c.hd << " split " << c.split;
+    // Prefill blocks folding their splits in-block (no partials, no merge): the same bits.
+    const std::vector<bf16> mma_fold = run.RunMma(f, Items(c.len, {max_item}, max_item),
+                                                  cuda::AttentionBlockShape::kManyTokens, true);
+    const std::vector<bf16> mma_fold_chunked =
+        run.RunMma(f, Items(c.len, {3, 1, max_item, 7, 2}, max_item),
+                   cuda::AttentionBlockShape::kManyTokens, true);
+    EXPECT_EQ(0, std::memcmp(mma_decode.data(), mma_fold.data(), bytes))
+        << "tensor cores, folded, hd " << c.hd << " split " << c.split;
+    EXPECT_EQ(0, std::memcmp(mma_decode.data(), mma_fold_chunked.data(), bytes))
+        << "tensor cores, folded and chunked, hd " << c.hd << " split " << c.split;
     for (size_t i = 0; i < mma_decode.size(); ++i) {
       ASSERT_TRUE(std::isfinite(__bfloat162float(mma_decode[i]))) << i;
     }
