@@ -24,8 +24,9 @@
 // The ladder: the pin's bits, faster. Other split-K-free algorithms may walk K in the same order
 // with other tiles (on the H200 with CUDA 13, every Hopper kernel cuBLASLt offers for these
 // shapes does: `rollout-gemm-sweep --equivalence`). BuildLadder picks, for a few ranges of m,
-// the heuristic's algorithm for that range and admits it as a rung only if it gives the pin's
-// bits on a random probe at the range's ends and middle; Run then uses the rung of m's range.
+// the fastest of the heuristic's algorithms for that range that gives the pin's bits on a random
+// probe at the range's ends and middle (timed at load; the pin when none beats it); Run then
+// uses the rung of m's range.
 // The bits stay the pin's -- the probe is the admission test, gemm_test the proof over m.
 namespace rollout::cuda {
 
@@ -87,10 +88,11 @@ class PinnedGemm {
                                        std::unique_ptr<PinnedGemm>* gemm,
                                        std::string* diagnostics = nullptr, int max_batch = 1);
   // Builds the ladder (see the top of this file) for a kPinned gemm: for each range of m in
-  // kLadder, the first of the heuristic's split-K-free algorithms for the range's representative
-  // m that passes CreateWithAlgo's checks (with this gemm's max_batch) and gives this gemm's bits
-  // on the probe (RunBatched over max_batch products, random inputs, m at the range's ends and
-  // middle) becomes the range's rung. Ranges without such an algorithm keep the pin. Allocates
+  // Ladder(), of the heuristic's first 8 split-K-free algorithms for the range's representative
+  // m, those that pass CreateWithAlgo's checks (with this gemm's max_batch) and give this gemm's
+  // bits on the probe (RunBatched over max_batch products, random inputs, m at the range's ends
+  // and middle) are timed at that m; the fastest becomes the range's rung if it beats the pin by
+  // 3%. Ranges without one keep the pin. Allocates
   // (and frees) probe buffers of up to ~2.5 GiB; without the memory, no ladder (Describe says
   // so). `diagnostics` receives one line per range.
   cublasStatus_t BuildLadder(std::string* diagnostics = nullptr);
@@ -170,10 +172,11 @@ class PinnedGemm {
   PinnedGemm* For(int64_t m);
   // Allocates the probe; on failure (no memory) notes it and returns false: no ladder.
   bool InitProbe(GemmProbe& probe);
-  // Admits `algo` for [min_m, end_m) if it passes CreateWithAlgo's checks and the probe.
-  cublasStatus_t TryAddRung(int64_t min_m, int64_t end_m, int64_t representative_m,
-                            const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,
-                            std::string* diagnostics);
+  // A gemm of `algo` for [min_m, end_m) if it passes CreateWithAlgo's checks and gives this
+  // gemm's bits on the probe; else CUBLAS_STATUS_NOT_SUPPORTED.
+  cublasStatus_t Admit(int64_t min_m, int64_t end_m, int64_t representative_m,
+                       const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,
+                       std::unique_ptr<PinnedGemm>* admitted, std::string* diagnostics);
 };
 
 const char* CublasStatusName(cublasStatus_t status);
