@@ -1,7 +1,7 @@
 // rollout-attention-bench: the tensor-core paged attention (PagedAttentionMma, kernels/cuda/
 // attention_mma.cu) against the same kernel before its staging was reworked for issue #4 (a copy
-// below, kept here only, as the reference for bits and for speed) and before the in-block split
-// fold (cur_v2, the timing baseline "today"); Qwen3-8B shapes.
+// below, kept here only, as the reference for bits and for speed); Qwen3-8B shapes. (The
+// in-block split fold was timed against a copy of the kernel just before it: docs/cuda.md.)
 //
 //   rollout-attention-bench [--quick]
 //
@@ -339,354 +339,6 @@ cudaError_t PagedAttentionMma(const AttentionParams& p, AttentionBlockShape shap
 
 }  // namespace old_v2
 
-// kernels/cuda/attention_mma.cu before the in-block split fold (the library kernel this bench
-// was extended for), verbatim but for this namespace and the dispatch at its end: the timing
-// baseline of "today" (always split-parallel, then MergeAttentionSplits).
-namespace cur_v2 {
-
-constexpr int kTile = cuda::kAttentionTile;  // keys per tile
-
-__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two 8x8 bf16 matrices, transposed into the B fragment of m16n8k16: lanes 0-15 give the row
-// addresses (rows 0-7 of matrix 0, then of matrix 1).
-__device__ __forceinline__ void LdMatrixX2Trans(uint32_t* r0, uint32_t* r1, const bf16* row) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(*r0), "=r"(*r1)
-               : "r"(addr));
-}
-
-// Four 8x8 bf16 matrices (lanes 8m .. 8m + 7 give the row addresses of matrix m); lane l receives
-// row l / 4, columns 2 (l % 4) + {0, 1} of each: the B fragments of m16n8k16 when the rows are
-// keys and the columns dims.
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const bf16* row) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
-__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
-               "r"(src_bytes));
-}
-
-// Closes this thread's current group of cp.async copies.
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Waits until at most kPending of this thread's committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// The quad (4 lanes of one MMA row) reductions, in one fixed order.
-__device__ __forceinline__ float QuadMax(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float QuadSum(float v) {
-  v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-// The online-softmax update of one row for one tile: s[8] are the thread's scores of the row
-// (keys 8j + 2t + {0, 1}, j = 0..3), already masked; p[8] receives the probabilities.
-__device__ __forceinline__ float RowUpdate(const float (&s)[8], float* m, float* l, float (&p)[8]) {
-  float tile_max = s[0];
-#pragma unroll
-  for (int i = 1; i < 8; ++i) tile_max = fmaxf(tile_max, s[i]);
-  tile_max = QuadMax(tile_max);
-  const float m_new = fmaxf(*m, tile_max);
-  // A row with no key so far (only padding rows) stays at m = -inf with p = 0, o untouched.
-  const bool none = m_new == -INFINITY;
-  const float alpha = none ? 1.0f : expf(*m - m_new);
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    p[i] = (none || s[i] == -INFINITY) ? 0.0f : expf(s[i] - m_new);
-    sum = sum + p[i];
-  }
-  *l = *l * alpha + QuadSum(sum);
-  *m = m_new;
-  return alpha;
-}
-
-// A block's shape: kWarps warps of 16 query rows of one kv head, and a ring of kStages K/V tiles
-// in shared memory that all of them fill.
-template <int kHeadDim, int kWarps, int kStages>
-struct MmaShape {
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kStride = kHeadDim + 8;  // bf16 per staged key: 16 B pad, no conflicts
-  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per key
-  // One stage: K then V, each [kTile, kStride] bf16.
-  static constexpr int kTileElems = kTile * kStride;
-  static constexpr size_t kSmemBytes = sizeof(bf16) * kStages * 2 * kTileElems;
-  // Registers capped so that they admit as many warps per SM as shared memory does for one-stage
-  // decode blocks (17.4 KB + 1 KB reserved each, 228 KB per SM): 168 per thread.
-  static constexpr int kMinBlocks = 12 / kWarps;
-};
-
-// Issues the cp.async copies of one K/V tile (keys tile_start .. tile_start + 31) into
-// k_s / v_s, zero-filling keys past max_pos. lane_row: the cache offset (elements) of lane l's
-// key tile_start + l at the block's kv head (any value past max_pos). Every lane of a warp runs
-// the same iterations (the chunk count is a multiple of 32): the shuffle is warp-uniform.
-template <class Shape>
-__device__ __forceinline__ void IssueTile(const KvCacheView& cache, int tile_start, int max_pos,
-                                          int64_t lane_row, bf16* k_s, bf16* v_s) {
-  for (int i = threadIdx.x; i < kTile * Shape::kChunks; i += Shape::kThreads) {
-    const int j = i / Shape::kChunks;  // key of the tile
-    const int c = i % Shape::kChunks;
-    const int64_t src = __shfl_sync(0xffffffffu, lane_row, j) + c * 8;
-    const int dst = j * Shape::kStride + c * 8;
-    const bool valid = tile_start + j <= max_pos;
-    CpAsync16(k_s + dst, cache.k + src, valid);
-    CpAsync16(v_s + dst, cache.v + src, valid);
-  }
-}
-
-// Tile t of the block's split is staged in ring stage t % kStages while tiles t + 1 ..
-// t + kStages - 1 are in flight (kOneToken: one stage, kManyTokens: two; the file comment says
-// why).
-template <int kHeadDim, int kWarps, int kStages>
-__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages>::kThreads,
-                                  MmaShape<kHeadDim, kWarps, kStages>::kMinBlocks)
-    MmaAttentionKernel(AttentionParams p, KvCacheView cache) {
-  using Shape = MmaShape<kHeadDim, kWarps, kStages>;
-  constexpr int kStride = Shape::kStride;
-  constexpr int kSteps = kHeadDim / 16;    // k-steps of Q K^T
-  constexpr int kDimTiles = kHeadDim / 8;  // n-tiles of P V
-  extern __shared__ uint4 smem[];
-  bf16* ring = reinterpret_cast<bf16*>(smem);  // [kStages][K, V][kTile, kStride]
-
-  const int2 item = p.items[blockIdx.x];  // (first token, count)
-  const int kv_head = blockIdx.y;
-  const int split = blockIdx.z;
-  const int num_kv_heads = cache.num_kv_heads;
-  const int group = p.num_heads / num_kv_heads;
-  const int num_rows = item.y * group;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t4 = lane % 4;
-
-  int max_pos = 0;
-  for (int i = 0; i < item.y; ++i) max_pos = max(max_pos, p.positions[item.x + i]);
-  const int walk_begin = split * p.split_size;
-  const int walk_end = min(max_pos + 1, walk_begin + p.split_size);
-  if (walk_begin >= walk_end) return;  // idle split: block-uniform, before any load or barrier
-  const int num_tiles = (walk_end - walk_begin + kTile - 1) / kTile;
-  const int32_t* table = p.tables + p.table_offsets[item.x];
-  // The cache offset of lane l's key l of tile t (0 past max_pos, where no copy reads it).
-  auto lane_row = [&](int t) -> int64_t {
-    const int key = walk_begin + t * kTile + lane;
-    if (t >= num_tiles || key > max_pos) return 0;
-    const int64_t slot = static_cast<int64_t>(table[key / cache.block_size]) * cache.block_size +
-                         key % cache.block_size;
-    return (slot * num_kv_heads + kv_head) * kHeadDim;
-  };
-  auto k_stage = [&](int t) { return ring + (t % kStages) * 2 * Shape::kTileElems; };
-  // Tile t as one commit group (empty past the last tile): tile t has landed once at most
-  // kStages - 1 groups are pending after tile t + kStages - 1 was issued.
-  auto issue = [&](int t, int64_t row) {
-    if (t < num_tiles) {
-      IssueTile<Shape>(cache, walk_begin + t * kTile, max_pos, row, k_stage(t),
-                       k_stage(t) + Shape::kTileElems);
-    }
-    CpAsyncCommit();
-  };
-  // The first kStages - 1 tiles go in flight before anything else.
-#pragma unroll
-  for (int t = 0; t < kStages - 1; ++t) issue(t, lane_row(t));
-  int64_t next_row = lane_row(kStages - 1);  // of the next tile to issue: read a tile early
-
-  // This thread's two rows: g and g + 8 of the warp's 16. Row r is (token item.x + r / group,
-  // head kv_head * group + r % group).
-  const int r0 = warp * 16 + g, r1 = r0 + 8;
-  const int pos0 = r0 < num_rows ? p.positions[item.x + r0 / group] : -1;
-  const int pos1 = r1 < num_rows ? p.positions[item.x + r1 / group] : -1;
-  int warp_max_pos = max(pos0, pos1);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    warp_max_pos = max(warp_max_pos, __shfl_xor_sync(0xffffffffu, warp_max_pos, o));
-  }
-
-  // A fragments of the warp's 16 query rows, q rounded to bf16 (padding rows 0): of rows r0 and
-  // r1, the dim pairs 16 kk + 2 t4 + {0, 1} and 16 kk + 8 + 2 t4 + {0, 1}.
-  uint32_t qa[kSteps][4];
-  {
-    auto q_row = [&](int r) -> const float* {
-      if (r >= num_rows) return nullptr;
-      const int64_t row =
-          (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
-      return p.q + row * kHeadDim + 2 * t4;
-    };
-    auto pair = [](const float* q, int d) {
-      if (q == nullptr) return 0u;
-      const float2 v = *reinterpret_cast<const float2*>(q + d);
-      return PackBf16(v.x, v.y);
-    };
-    const float* q0 = q_row(r0);
-    const float* q1 = q_row(r1);
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) {
-      qa[kk][0] = pair(q0, 16 * kk);
-      qa[kk][1] = pair(q1, 16 * kk);
-      qa[kk][2] = pair(q0, 16 * kk + 8);
-      qa[kk][3] = pair(q1, 16 * kk + 8);
-    }
-  }
-
-  float o[kDimTiles][4];
-#pragma unroll
-  for (int n = 0; n < kDimTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-
-  for (int t = 0; t < num_tiles; ++t) {
-    __syncthreads();  // every warp is done with tile t - 1, whose stage tile t + kStages - 1 takes
-    issue(t + kStages - 1, next_row);
-    next_row = lane_row(t + kStages);
-    CpAsyncWait<kStages - 1>();  // this thread's copies of tile t have landed ...
-    __syncthreads();             // ... and every thread's
-    const int tile_start = walk_begin + t * kTile;
-    if (tile_start > warp_max_pos) continue;  // warp-uniform: no row of this warp reaches it
-    const bf16* k_s = k_stage(t);
-    const bf16* v_s = k_s + Shape::kTileElems;
-
-    // S = Q K^T: key tile j (keys 8j..8j+7), dims in increasing k-steps. ldmatrix.x4 gives each
-    // lane the B fragments (key 8j + g, dims 16 kk + 2 t4 + {0, 1} and + 8) of two k-steps.
-    float acc[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-      const bf16* k_row = k_s + (8 * j + lane % 8) * kStride + 8 * (lane / 8);
-#pragma unroll
-      for (int kk = 0; kk < kSteps; kk += 2) {
-        uint32_t b[4];
-        LdMatrixX4(b, k_row + 16 * kk);
-        Mma16816(acc[j], qa[kk], b[0], b[1]);
-        Mma16816(acc[j], qa[kk + 1], b[2], b[3]);
-      }
-    }
-    float s0[8], s1[8];  // rows g and g + 8: keys 8j + 2 t4 + {0, 1}
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int key = tile_start + 8 * j + 2 * t4 + c;
-        s0[2 * j + c] = key <= pos0 ? acc[j][c] * p.scale : -INFINITY;
-        s1[2 * j + c] = key <= pos1 ? acc[j][2 + c] * p.scale : -INFINITY;
-      }
-    }
-    float p0[8], p1[8];
-    const float alpha0 = RowUpdate(s0, &m0, &l0, p0);
-    const float alpha1 = RowUpdate(s1, &m1, &l1, p1);
-#pragma unroll
-    for (int n = 0; n < kDimTiles; ++n) {
-      o[n][0] = o[n][0] * alpha0;
-      o[n][1] = o[n][1] * alpha0;
-      o[n][2] = o[n][2] * alpha1;
-      o[n][3] = o[n][3] * alpha1;
-    }
-    // P as A fragments of the two 16-key chunks (the S accumulator layout is the A layout).
-    uint32_t pa[2][4];
-#pragma unroll
-    for (int kc = 0; kc < 2; ++kc) {
-      pa[kc][0] = PackBf16(p0[4 * kc + 0], p0[4 * kc + 1]);
-      pa[kc][1] = PackBf16(p1[4 * kc + 0], p1[4 * kc + 1]);
-      pa[kc][2] = PackBf16(p0[4 * kc + 2], p0[4 * kc + 3]);
-      pa[kc][3] = PackBf16(p1[4 * kc + 2], p1[4 * kc + 3]);
-    }
-    // O += P V: dim tile n, key chunks in increasing order.
-#pragma unroll
-    for (int n = 0; n < kDimTiles; ++n) {
-#pragma unroll
-      for (int kc = 0; kc < 2; ++kc) {
-        uint32_t b0, b1;
-        LdMatrixX2Trans(&b0, &b1, v_s + (16 * kc + lane % 16) * kStride + 8 * n);
-        Mma16816(o[n], pa[kc], b0, b1);
-      }
-    }
-  }
-
-  // This split's partial of each real row with keys in it.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = half == 0 ? r0 : r1;
-    const int pos = half == 0 ? pos0 : pos1;
-    if (pos < walk_begin) continue;  // padding row, or no key of this split
-    const int64_t row =
-        (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
-    float* dst = p.partials + (row * p.max_splits + split) * (kHeadDim + 2);
-    if (t4 == 0) {
-      dst[0] = half == 0 ? m0 : m1;
-      dst[1] = half == 0 ? l0 : l1;
-    }
-#pragma unroll
-    for (int n = 0; n < kDimTiles; ++n) {
-      dst[2 + 8 * n + 2 * t4] = o[n][2 * half];
-      dst[2 + 8 * n + 2 * t4 + 1] = o[n][2 * half + 1];
-    }
-  }
-}
-
-template <int kHeadDim, int kWarps, int kStages>
-cudaError_t LaunchMma(const AttentionParams& p, KvCacheView cache, cudaStream_t stream) {
-  using Shape = MmaShape<kHeadDim, kWarps, kStages>;
-  auto kernel = MmaAttentionKernel<kHeadDim, kWarps, kStages>;
-  if (Shape::kSmemBytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Shape::kSmemBytes));
-    if (err != cudaSuccess) return err;
-  }
-  const dim3 grid(static_cast<unsigned>(p.num_items), static_cast<unsigned>(cache.num_kv_heads),
-                  static_cast<unsigned>(p.max_splits));
-  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, cache);
-  return cudaGetLastError();
-}
-
-template <int kHeadDim>
-cudaError_t LaunchMmaShape(const AttentionParams& p, AttentionBlockShape shape, KvCacheView cache,
-                           cudaStream_t stream) {
-  if (shape == AttentionBlockShape::kOneToken) return LaunchMma<kHeadDim, 1, 1>(p, cache, stream);
-  return LaunchMma<kHeadDim, 4, 2>(p, cache, stream);
-}
-
-
-cudaError_t PagedAttentionMma(const AttentionParams& p, AttentionBlockShape shape,
-                              KvCacheView cache, cudaStream_t stream) {
-  const int group = p.num_heads / cache.num_kv_heads;
-  if (shape == AttentionBlockShape::kOneToken && group > 16) {
-    shape = AttentionBlockShape::kManyTokens;
-  }
-  switch (cache.head_dim) {
-    case 32:
-      return LaunchMmaShape<32>(p, shape, cache, stream);
-    case 64:
-      return LaunchMmaShape<64>(p, shape, cache, stream);
-    case 128:
-      return LaunchMmaShape<128>(p, shape, cache, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
-}
-
-}  // namespace cur_v2
-
 // Uniform values in [-1, 1): a hash of (seed, index), rounded to T.
 template <typename T>
 __global__ void FillKernel(T* x, int64_t n, uint64_t seed) {
@@ -809,12 +461,6 @@ Kernel Old(AttentionBlockShape shape) {
   return {shape == AttentionBlockShape::kOneToken ? "old one-token" : "old many-token",
           [shape](const AttentionParams& p, KvCacheView c, cudaStream_t s) {
             return old_v2::PagedAttentionMma(p, shape, c, s);
-          }};
-}
-Kernel Cur(AttentionBlockShape shape) {
-  return {shape == AttentionBlockShape::kOneToken ? "today one-token" : "today many-token",
-          [shape](const AttentionParams& p, KvCacheView c, cudaStream_t s) {
-            return cur_v2::PagedAttentionMma(p, shape, c, s);
           }};
 }
 Kernel New(AttentionBlockShape shape) {
@@ -988,7 +634,6 @@ void CheckBits(bool quick) {
       Run ref;
       Launch(pb, Old(AttentionBlockShape::kOneToken), items, pb.max_splits + 3, &ref);
       ExpectWritten(ref);
-      ExpectSameBits(pb, ref, Cur(AttentionBlockShape::kOneToken), items, "decode");
       ExpectSameBits(pb, ref, New(AttentionBlockShape::kOneToken), items, "decode");
       ExpectSameBits(pb, ref, New(AttentionBlockShape::kManyTokens), items, "decode items");
       ExpectSameBits(pb, ref, NewFold(), items, "decode items, folded");
@@ -1006,8 +651,6 @@ void CheckBits(bool quick) {
              &ref);
       ExpectWritten(ref);
       const Kernel many = New(AttentionBlockShape::kManyTokens);
-      ExpectSameBits(pb, ref, Cur(AttentionBlockShape::kManyTokens), Items(pb, {cap}, cap),
-                     "prefill");
       ExpectSameBits(pb, ref, many, Items(pb, {cap}, cap), "prefill");
       ExpectSameBits(pb, ref, many, Items(pb, {3, 1, cap, 7, 2}, cap), "prefill, chunked");
       ExpectSameBits(pb, ref, NewFold(), Items(pb, {cap}, cap), "prefill, folded");
@@ -1101,17 +744,16 @@ void TimeDecode(int batch, int lo, int hi, double copy_bw, bool quick) {
   const double merge = TimeMerge(pb, pb.max_splits, reps);
   std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
   const int padded = 2 * pb.max_splits;  // half the blocks idle, as in a padded CUDA graph
-  double cur_ms = 0;  // x factors against today's kernel
-  for (const Kernel& k :
-       {Cur(AttentionBlockShape::kOneToken), Old(AttentionBlockShape::kOneToken),
-        New(AttentionBlockShape::kOneToken)}) {
+  double cur_ms = 0;  // x factors against the old kernel
+  for (const Kernel& k : {Old(AttentionBlockShape::kOneToken), New(AttentionBlockShape::kOneToken)}) {
     const double ms = TimeKernel(pb, k, items, pb.max_splits, reps);
     const double idle = TimeKernel(pb, k, items, padded, reps);
     if (cur_ms == 0) cur_ms = ms;
     std::printf(
         "   %-15s %.4f ms/layer = %6.2f ms/step (with merge %6.2f)  %4.2f TB/s = %3.0f%% of copy"
         "  x%.2f  [max_splits %d -> %d: %.4f ms]\n",
-        k.name.c_str(), ms, ms * kLayers, (ms + merge) * kLayers, bytes / (ms * 1e-3) / 1e12,
+        k.name.c_str(), ms, ms * kLayers, (ms + (k.folds ? 0.0 : merge)) * kLayers,
+        bytes / (ms * 1e-3) / 1e12,
         100.0 * bytes / (ms * 1e-3) / copy_bw, cur_ms / ms, pb.max_splits, padded, idle);
   }
 }
@@ -1127,9 +769,8 @@ void TimePrefill(bool quick) {
               Describe(s).c_str(), cap, kLayers);
   const double merge = TimeMerge(pb, pb.max_splits, reps);
   std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
-  double cur_total = 0;  // x factors of kernel + merge against today's
-  for (const Kernel& k : {Cur(AttentionBlockShape::kManyTokens),
-                          Old(AttentionBlockShape::kManyTokens),
+  double cur_total = 0;  // x factors of kernel + merge against the old kernel's
+  for (const Kernel& k : {Old(AttentionBlockShape::kManyTokens),
                           New(AttentionBlockShape::kManyTokens), NewFold()}) {
     const double ms = TimeKernel(pb, k, Items(pb, {cap}, cap), pb.max_splits, reps);
     const double total = ms + (k.folds ? 0.0 : merge);

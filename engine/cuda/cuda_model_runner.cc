@@ -220,14 +220,6 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
           static_cast<size_t>(shape.n) * rk.heads * shape.max_splits * (hd + 2) * sizeof(float);
       ROLLOUT_RETURN_IF_ERROR(CudaError(s.Grow(&rk.partials, bytes, bytes + bytes / 2),
                                         "allocating attention partials"));
-      const size_t counters = static_cast<size_t>(shape.n) * rk.kv_heads * sizeof(int32_t);
-      if (mma && rk.merge_counters.bytes() < counters) {
-        ROLLOUT_RETURN_IF_ERROR(
-            CudaError(s.Grow(&rk.merge_counters, counters, counters + counters / 2),
-                      "allocating attention merge counters"));
-        ROLLOUT_RETURN_IF_ERROR(CudaError(
-            cudaMemset(rk.merge_counters.get(), 0, rk.merge_counters.bytes()), "zeroing them"));
-      }
     }
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   }
@@ -496,14 +488,12 @@ absl::Status CudaModelRunner::EnqueueAttention(RankState& rk, int layer,
   if (mma) {
     ap.partials = rk.partials.get<float>();
     ap.max_splits = shape.max_splits;
-    ap.merge_counters = rk.merge_counters.get<int32_t>();  // they merge their own splits
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kOneToken, cache, stream),
                   "attention (one-token items)"));
-    ap.merge_counters = nullptr;
     // Many-token items fold their splits inside the block (no partials, no merge: the same bits)
     // when there are enough of them for the walks to overlap -- prefill; a few items of long
-    // context stay split-parallel and are merged by the merge kernel.
+    // context stay split-parallel. Then only the one-token items' rows are merged.
     const bool fold = shape.num_many > 0 && shape.num_many <= 65535 &&
                       (shape.max_splits <= 4 || shape.num_many * nkv >= 256 * shape.max_splits);
     cuda::AttentionParams many = ap;
@@ -513,11 +503,10 @@ absl::Status CudaModelRunner::EnqueueAttention(RankState& rk, int layer,
     ROLLOUT_RETURN_IF_ERROR(CudaError(
         cuda::PagedAttentionMma(many, cuda::AttentionBlockShape::kManyTokens, cache, stream),
         "attention (many-token items)"));
-    if (!fold && shape.num_many > 0) {
-      ROLLOUT_RETURN_IF_ERROR(CudaError(
-          cuda::MergeAttentionSplitsOfItems(many, static_cast<int32_t>(hd), stream),
-          "attention split merge"));
-    }
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        fold ? cuda::MergeAttentionSplitsOfItems(ap, static_cast<int32_t>(hd), stream)
+             : cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), stream),
+        "attention split merge"));
   } else {
     if (options_.split_parallel_decode) {
       ap.partials = rk.partials.get<float>();

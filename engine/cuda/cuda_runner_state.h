@@ -125,7 +125,6 @@ struct RankState : RankShard {
   cuda::DeviceBuffer act;         // [tokens, intermediate] bf16
   cuda::DeviceBuffer final_rows;  // [max_logit_rows, hidden] bf16
   cuda::DeviceBuffer partials;    // [tokens, heads, splits, head_dim + 2] fp32
-  cuda::DeviceBuffer merge_counters;  // [tokens, kv_heads] int32, zero between launches
   // Canonical K tree, when the rank owns more than one leaf: [8 / tp, tokens, hidden] fp32.
   cuda::DeviceBuffer leaves;
   // tensor_parallel > 1: [tp, max(tokens * hidden, max_logit_rows * vocab_rows)] fp32, what the
@@ -140,7 +139,7 @@ struct RankState : RankShard {
   void ReleaseBuffers() {
     for (cuda::DeviceBuffer* b : {&meta, &rope_cos, &rope_sin, &weights_bf16, &weights_f32, &kv,
                                   &x, &xn, &qkv, &q, &attn, &gate_up, &act, &final_rows,
-                                  &partials, &merge_counters, &leaves, &gathered}) {
+                                  &partials, &leaves, &gathered}) {
       b->Reset();
     }
   }

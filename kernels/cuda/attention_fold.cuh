@@ -50,8 +50,7 @@ __device__ __forceinline__ void FoldPartial(float m, float l, const float (&o)[E
 // One warp: folds the `splits` stored partials of partials row `row` (= token * heads + head;
 // [max_splits, head_dim + 2] floats each: m, l, o) in increasing split order with FoldPartial,
 // and writes bf16(O / L) to out[row * kHeadDim ...]. Lane `lane` owns kHeadDim / 32 dims. The
-// tail of both attention versions' merge kernels, and of the tensor-core kernel's last split
-// block (partials read past L1: other blocks of the same kernel wrote them).
+// tail of both attention versions' merge kernels.
 template <int kHeadDim>
 __device__ __forceinline__ void MergeStoredSplits(const float* partials, int32_t max_splits,
                                                   int64_t row, int splits, __nv_bfloat16* out,
@@ -64,8 +63,8 @@ __device__ __forceinline__ void MergeStoredSplits(const float* partials, int32_t
     const float* src = partials + (row * max_splits + s) * (kHeadDim + 2);
     float o[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) o[e] = __ldcg(src + 2 + lane * E + e);
-    FoldPartial<E>(__ldcg(src), __ldcg(src + 1), o, &big_m, &big_l, big_o);
+    for (int e = 0; e < E; ++e) o[e] = src[2 + lane * E + e];
+    FoldPartial<E>(src[0], src[1], o, &big_m, &big_l, big_o);
   }
   __nv_bfloat16* dst = out + row * kHeadDim + lane * E;
 #pragma unroll

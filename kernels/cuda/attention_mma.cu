@@ -436,29 +436,6 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
         dst[2 + 8 * n + 2 * t4 + 1] = o[n][2 * half + 1];
       }
     }
-    if constexpr (kWarps == 1) {
-      if (p.merge_counters != nullptr) {
-        // One token, one warp: the last of the token's splits (every split up to its position
-        // runs; idle ones returned above) to store its partials folds them all in split order.
-        __threadfence();  // this warp's partials are visible device-wide before it counts
-        __syncwarp();
-        const int splits = max_pos / p.split_size + 1;
-        int last = 0;
-        if (lane == 0) {
-          int* counter =
-              p.merge_counters + static_cast<int64_t>(item_index) * num_kv_heads + kv_head;
-          last = atomicAdd(counter, 1) == splits - 1 ? 1 : 0;
-          if (last != 0) atomicExch(counter, 0);  // zero again for the next launch or replay
-        }
-        if (__shfl_sync(0xffffffffu, last, 0) != 0) {
-          __threadfence();
-          for (int h = 0; h < group; ++h) {
-            const int64_t row = static_cast<int64_t>(item.x) * p.num_heads + kv_head * group + h;
-            MergeStoredSplits<kHeadDim>(p.partials, p.max_splits, row, splits, p.out, lane);
-          }
-        }
-      }
-    }
   }
 }
 

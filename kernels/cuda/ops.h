@@ -102,11 +102,6 @@ struct AttentionParams {
   // position / split_size + 1.
   float* partials = nullptr;
   int32_t max_splits = 0;
-  // PagedAttentionMma, kOneToken with partials: [num_items, num_kv_heads] counters, all zero
-  // (and left zero). When set, the last block of a (token, kv head) to store its split's partial
-  // folds the token's stored partials itself -- MergeStoredSplits, the merge kernel's code, so
-  // the same bits -- and the one-token items need no MergeAttentionSplits.
-  int32_t* merge_counters = nullptr;
 };
 
 // Version 1, SIMT fp32 (kernels/cuda/attention.cu). Per row (token at position p, head h, kv
