@@ -93,7 +93,7 @@ class PinnedGemm {
   // bits on the probe (RunBatched over max_batch products, random inputs, m at the range's ends
   // and middle) are timed at that m; the fastest becomes the range's rung if it beats the pin by
   // 3%. Ranges without one keep the pin. Allocates
-  // (and frees) probe buffers of up to ~2.5 GiB; without the memory, no ladder (Describe says
+  // (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the memory, no ladder (Describe says
   // so). `diagnostics` receives one line per range.
   cublasStatus_t BuildLadder(std::string* diagnostics = nullptr);
   // The same rungs as `from`'s (a gemm of another n with the same k and pin: a rank's slice of a
