@@ -92,9 +92,9 @@ class PinnedGemm {
   // m, those that pass CreateWithAlgo's checks (with this gemm's max_batch) and give this gemm's
   // bits on the probe (RunBatched over max_batch products, random inputs, m at the range's ends
   // and middle) are timed at that m; the fastest becomes the range's rung if it beats the pin by
-  // 3%. Ranges without one keep the pin. Allocates
-  // (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the memory, no ladder (Describe says
-  // so). `diagnostics` receives one line per range.
+  // 3%. Ranges without one keep the pin. Allocates (and frees) probe buffers of up to ~3.3 GiB
+  // (lm_head); without the memory, no ladder (Describe says so). `diagnostics` receives one line
+  // per range.
   cublasStatus_t BuildLadder(std::string* diagnostics = nullptr);
   // The same rungs as `from`'s (a gemm of another n with the same k and pin: a rank's slice of a
   // column-parallel weight), each admitted again by the probe on this gemm's shape.
