@@ -745,7 +745,8 @@ void TimeDecode(int batch, int lo, int hi, double copy_bw, bool quick) {
   std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
   const int padded = 2 * pb.max_splits;  // half the blocks idle, as in a padded CUDA graph
   double cur_ms = 0;  // x factors against the old kernel
-  for (const Kernel& k : {Old(AttentionBlockShape::kOneToken), New(AttentionBlockShape::kOneToken)}) {
+  for (const Kernel& k :
+       {Old(AttentionBlockShape::kOneToken), New(AttentionBlockShape::kOneToken)}) {
     const double ms = TimeKernel(pb, k, items, pb.max_splits, reps);
     const double idle = TimeKernel(pb, k, items, padded, reps);
     if (cur_ms == 0) cur_ms = ms;
