@@ -80,6 +80,19 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 
 }  // namespace
 
+ServerOptions WithBackendDefaults(ServerOptions options) {
+  const bool cuda = options.backend == "cuda";
+  auto fill = [](auto* value, auto cpu, auto gpu, bool on_gpu) {
+    if (*value == 0) *value = on_gpu ? gpu : cpu;
+  };
+  fill(&options.kv_cache_bytes, int64_t{256} << 20, int64_t{0}, cuda);
+  fill(&options.kv_block_size, 16, 32, cuda);
+  fill(&options.attention_split_size, 64, 256, cuda);
+  fill(&options.max_running_samples, 64, 256, cuda);
+  fill(&options.max_batch_tokens, 512, 8192, cuda);
+  return options;
+}
+
 absl::StatusOr<std::string> EnsureDefaultModel() {
   namespace fs = std::filesystem;
   const std::string dir = absl::StrCat(CacheRoot(), "/", kDefaultPreset, "-seed", kDefaultSeed);
@@ -105,7 +118,9 @@ absl::StatusOr<std::string> EnsureDefaultModel() {
   return dir;
 }
 
-absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const ServerOptions& options) {
+absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(
+    const ServerOptions& given) {
+  const ServerOptions options = WithBackendDefaults(given);
   auto server = std::unique_ptr<RolloutServer>(new RolloutServer());
   // Configuration errors first, before minutes of model loading.
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
@@ -170,11 +185,15 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   const ModelConfig& c = (*runner)->config();
   LOG(INFO) << absl::StrFormat(
       "loaded %s from %s: %d layers, hidden %d, %d/%d heads x %d, vocab %d; KV cache %d blocks "
-      "x %d tokens (%.1f MiB) on the %s backend, tensor parallel %d",
+      "x %d tokens (%s) on the %s backend, tensor parallel %d; split size %d, at most %d "
+      "samples running and %d tokens per step",
       c.architecture, server->model_dir_, c.num_layers, c.hidden_size, c.num_attention_heads,
       c.num_key_value_heads, c.head_dim, c.vocab_size, (*runner)->num_kv_blocks(),
-      (*runner)->kv_block_size(), options.kv_cache_bytes / 1048576.0, (*runner)->backend_name(),
-      options.tensor_parallel);
+      (*runner)->kv_block_size(),
+      options.kv_cache_bytes > 0 ? absl::StrFormat("%.1f MiB", options.kv_cache_bytes / 1048576.0)
+                                 : std::string("sized from free GPU memory"),
+      (*runner)->backend_name(), options.tensor_parallel, options.attention_split_size,
+      options.max_running_samples, options.max_batch_tokens);
   EngineOptions engine_options;
   engine_options.max_running_samples = options.max_running_samples;
   engine_options.max_batch_tokens = options.max_batch_tokens;

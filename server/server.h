@@ -18,11 +18,18 @@ struct ServerOptions {
   std::string address = "127.0.0.1:50051";  // port 0 picks a free port
   std::string model_dir;                    // empty: the embedded default model
   std::string backend = "cpu";
-  int64_t kv_cache_bytes = 256ll << 20;
-  int32_t kv_block_size = 16;
-  int32_t attention_split_size = 64;
-  int32_t max_running_samples = 64;
-  int32_t max_batch_tokens = 512;
+  // Engine limits; 0 takes the backend's default (WithBackendDefaults): the CPU backend's suit
+  // the small demo model, the CUDA backend's a GPU serving a real model (what the benchmark runs).
+  //   kv_cache_bytes:        cpu 256 MiB; cuda 0 = 90% of the GPU memory left after weights
+  //   kv_block_size:         cpu 16; cuda 32
+  //   attention_split_size:  cpu 64; cuda 256
+  //   max_running_samples:   cpu 64; cuda 256
+  //   max_batch_tokens:      cpu 512; cuda 8192
+  int64_t kv_cache_bytes = 0;
+  int32_t kv_block_size = 0;
+  int32_t attention_split_size = 0;
+  int32_t max_running_samples = 0;
+  int32_t max_batch_tokens = 0;
   int32_t num_threads = 0;  // CPU backend: 0 = all cores
   // CUDA backend: decode steps replay CUDA graphs over padded batch buckets (same bits on or off).
   bool cuda_graphs = true;
@@ -54,6 +61,10 @@ struct ServerOptions {
   // depend on the batch size, so batch invariance breaks. Never set it outside tests.
   bool batch_variant_for_testing = false;
 };
+
+// `options` with every engine limit left at 0 set to its backend's default (see ServerOptions).
+// The CUDA backend's kv_cache_bytes stays 0: the runner sizes the pool from free memory.
+ServerOptions WithBackendDefaults(ServerOptions options);
 
 // The embedded default model: the "small" preset with seed 0, written once (atomically) under
 // $ROLLOUT_CACHE_DIR, else $XDG_CACHE_HOME/rollout, else ~/.cache/rollout, and loaded through

@@ -22,12 +22,16 @@ ABSL_FLAG(std::string, address, "127.0.0.1", "address to listen on (0.0.0.0 for 
 ABSL_FLAG(int32_t, port, 50051, "port to listen on; 0 picks a free one");
 ABSL_FLAG(std::string, backend, "cpu",
           "compute backend: cpu, or cuda in builds with the CUDA backend (bf16 on the GPU)");
-ABSL_FLAG(int64_t, kv_cache_mb, 256, "KV cache size in MiB");
-ABSL_FLAG(int32_t, kv_block_size, 16, "tokens per KV cache block");
-ABSL_FLAG(int32_t, attention_split_size, 64,
-          "attention split size in tokens; prefill chunks end at its multiples");
-ABSL_FLAG(int32_t, max_running_samples, 64, "samples decoded together in one step");
-ABSL_FLAG(int32_t, max_batch_tokens, 512, "token budget of one engine step");
+ABSL_FLAG(int64_t, kv_cache_mb, 0,
+          "KV cache size in MiB (0: the backend's default: cpu 256; cuda 90% of the GPU memory "
+          "left after the weights)");
+ABSL_FLAG(int32_t, kv_block_size, 0, "tokens per KV cache block (0: cpu 16, cuda 32)");
+ABSL_FLAG(int32_t, attention_split_size, 0,
+          "attention split size in tokens; prefill chunks end at its multiples (0: cpu 64, cuda "
+          "256)");
+ABSL_FLAG(int32_t, max_running_samples, 0,
+          "samples decoded together in one step (0: cpu 64, cuda 256)");
+ABSL_FLAG(int32_t, max_batch_tokens, 0, "token budget of one engine step (0: cpu 512, cuda 8192)");
 ABSL_FLAG(int32_t, threads, 0, "CPU backend worker threads; 0 = all cores");
 ABSL_FLAG(bool, cuda_graphs, true,
           "cuda backend: replay decode steps as CUDA graphs (padded batch buckets; same bits)");

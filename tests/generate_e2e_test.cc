@@ -278,6 +278,37 @@ TEST_F(GenerateE2eTest, ServerInfoReportsModelLimitsAndCounters) {
   EXPECT_GT(info.limits().max_batch_tokens(), 0u);
   EXPECT_GT(info.counters().kv_blocks_total(), 0u);
   EXPECT_LE(info.counters().kv_blocks_free(), info.counters().kv_blocks_total());
+  // Limits left unset take the CPU backend's defaults (the harness keeps them on cuda too).
+  EXPECT_EQ(info.limits().max_running_samples(), 64u);
+  EXPECT_EQ(info.limits().max_batch_tokens(), 512u);
+  EXPECT_EQ(info.limits().kv_block_size(), 16u);
+  EXPECT_EQ(info.limits().attention_split_size(), 64u);
+}
+
+// Engine limits left at 0 take their backend's defaults; limits that were set are kept.
+TEST(ServerOptionsTest, UnsetLimitsTakeTheBackendsDefaults) {
+  const ServerOptions cpu = WithBackendDefaults(ServerOptions());
+  EXPECT_EQ(cpu.kv_cache_bytes, 256ll << 20);
+  EXPECT_EQ(cpu.kv_block_size, 16);
+  EXPECT_EQ(cpu.attention_split_size, 64);
+  EXPECT_EQ(cpu.max_running_samples, 64);
+  EXPECT_EQ(cpu.max_batch_tokens, 512);
+  ServerOptions gpu;
+  gpu.backend = "cuda";
+  const ServerOptions cuda = WithBackendDefaults(gpu);
+  EXPECT_EQ(cuda.kv_cache_bytes, 0) << "0: the CUDA runner sizes the pool from free memory";
+  EXPECT_EQ(cuda.kv_block_size, 32);
+  EXPECT_EQ(cuda.attention_split_size, 256);
+  EXPECT_EQ(cuda.max_running_samples, 256);
+  EXPECT_EQ(cuda.max_batch_tokens, 8192);
+  gpu.kv_block_size = 16;
+  gpu.max_batch_tokens = 1000;
+  gpu.kv_cache_bytes = 1ll << 30;
+  const ServerOptions set = WithBackendDefaults(gpu);
+  EXPECT_EQ(set.kv_block_size, 16);
+  EXPECT_EQ(set.max_batch_tokens, 1000);
+  EXPECT_EQ(set.kv_cache_bytes, 1ll << 30);
+  EXPECT_EQ(set.attention_split_size, 256);
 }
 
 TEST_F(GenerateE2eTest, HealthServiceAnswersServing) {

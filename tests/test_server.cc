@@ -17,8 +17,11 @@ std::unique_ptr<TestServer> StartTestServer(ServerOptions options) {
   }();
   (void)cache_set;
   if (options.address == ServerOptions().address) options.address = "127.0.0.1:0";
-  // ROLLOUT_TEST_BACKEND=cuda runs the suites against the CUDA backend (on a GPU host).
+  // ROLLOUT_TEST_BACKEND=cuda runs the suites against the CUDA backend (on a GPU host), with the
+  // limits a test did not set at the CPU backend's small defaults on either backend: the suites
+  // start several servers at once, and their expectations are sized for those limits.
   if (const char* backend = std::getenv("ROLLOUT_TEST_BACKEND"); backend != nullptr && *backend) {
+    options = WithBackendDefaults(options);
     options.backend = backend;
   }
   auto t = std::make_unique<TestServer>();
