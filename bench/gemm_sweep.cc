@@ -17,6 +17,7 @@
 
 #include "kernels/cuda/compare.h"
 #include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/event_timer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
 
@@ -36,21 +37,7 @@ constexpr int64_t kPins[] = {64, 256, 1024, 2048, 8192};
 
 template <typename F>
 double TimeMs(F run) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  run();
-  run();
-  const int reps = 5;
-  cudaEventRecord(a);
-  for (int i = 0; i < reps; ++i) run();
-  cudaEventRecord(b);
-  cudaEventSynchronize(b);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / reps;
+  return cuda::MeanMilliseconds(run, /*reps=*/5, /*warmups=*/2);
 }
 
 // cuBLASLt's first heuristic pick for this m with a workspace: the unconstrained reference.

@@ -32,6 +32,7 @@
 #include "engine/random_model.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/event_timer.h"
 
 ABSL_FLAG(int32_t, num_requests, 256, "requests in the end-to-end run");
 ABSL_FLAG(int32_t, input_len, 1024, "prompt tokens per request");
@@ -94,21 +95,10 @@ double MeasureCopyBandwidth() {
   CHECK_CUDA(a.Allocate(bytes));
   CHECK_CUDA(b.Allocate(bytes));
   CHECK_CUDA(cudaMemset(a.get(), 1, bytes));
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  for (int i = 0; i < 2; ++i)
-    CHECK_CUDA(cudaMemcpy(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
-  const int reps = 10;
-  cudaEventRecord(start);
-  for (int i = 0; i < reps; ++i) cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice);
-  cudaEventRecord(stop);
-  cudaEventSynchronize(stop);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return 2.0 * bytes * reps / (ms * 1e-3);
+  const double ms = cuda::MeanMilliseconds(
+      [&] { cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice); }, /*reps=*/10,
+      /*warmups=*/2);
+  return 2.0 * bytes / (ms * 1e-3);
 }
 
 // bf16 GEMM 8192^3 (fp32 accumulation) with cuBLASLt's heuristic and a 64 MiB workspace: what
@@ -150,26 +140,14 @@ double MeasureGemmFlops() {
     cublasLtMatmul(lt, desc, &alpha, a.get(), la, b.get(), lb, &beta, c.get(), lc, c.get(), lc,
                    found > 0 ? &result.algo : nullptr, ws.get(), wsb, nullptr);
   };
-  for (int i = 0; i < 3; ++i) run();
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  const int reps = 10;
-  cudaEventRecord(start);
-  for (int i = 0; i < reps; ++i) run();
-  cudaEventRecord(stop);
-  cudaEventSynchronize(stop);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  const double ms = cuda::MeanMilliseconds(run, /*reps=*/10, /*warmups=*/3);
   cublasLtMatmulPreferenceDestroy(pref);
   cublasLtMatrixLayoutDestroy(la);
   cublasLtMatrixLayoutDestroy(lb);
   cublasLtMatrixLayoutDestroy(lc);
   cublasLtMatmulDescDestroy(desc);
   cublasLtDestroy(lt);
-  return 2.0 * n * n * n * reps / (ms * 1e-3);
+  return 2.0 * n * n * n / (ms * 1e-3);
 }
 
 // design.md section 5's floor, from the measured rates.

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "kernels/cuda/compare.h"
+#include "kernels/cuda/event_timer.h"
 #include "kernels/cuda/ops.h"
 
 namespace rollout::cuda {
@@ -264,23 +265,12 @@ struct GemmProbe {
   }
   // Mean microseconds of `gemm` at m (one warm-up, then three runs).
   double Microseconds(PinnedGemm& gemm, int64_t m) {
-    auto run = [&] {
-      gemm.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(), n * k, a.get(), m * n, batch,
-                      nullptr);
-    };
-    run();
-    cudaEvent_t begin, end;
-    cudaEventCreate(&begin);
-    cudaEventCreate(&end);
-    cudaEventRecord(begin);
-    for (int i = 0; i < 3; ++i) run();
-    cudaEventRecord(end);
-    cudaEventSynchronize(end);
-    float ms = 0.0f;
-    cudaEventElapsedTime(&ms, begin, end);
-    cudaEventDestroy(begin);
-    cudaEventDestroy(end);
-    return ms * 1e3 / 3;
+    return 1e3 * MeanMilliseconds(
+                     [&] {
+                       gemm.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(), n * k,
+                                       a.get(), m * n, batch, nullptr);
+                     },
+                     /*reps=*/3);
   }
   // Whether `candidate` gives `reference`'s bits at m. A fixed nonzero start for accumulating
   // outputs, so that the residual epilogue is compared too.
