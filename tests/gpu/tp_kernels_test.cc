@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/event_timer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/rank_group.h"
@@ -485,19 +486,7 @@ TEST(TpNcclTest, AllGatherOverTwoOrMoreGpusCopiesEveryRankInRankOrder) {
 // and whole 2-layer forward steps with canonical_k_tree off and on.
 
 double TimeMs(const std::function<void()> &fn, int iters) {
-  for (int i = 0; i < 3; ++i) fn();
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  cudaEventRecord(a, nullptr);
-  for (int i = 0; i < iters; ++i) fn();
-  cudaEventRecord(b, nullptr);
-  cudaEventSynchronize(b);
-  float ms = 0.0f;
-  cudaEventElapsedTime(&ms, a, b);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / iters;
+  return cuda::MeanMilliseconds(fn, iters, /*warmups=*/3);
 }
 
 TEST_F(TpGemmTest, CostOfTheCanonicalKTreeAtQwen3_8bShapes) {
