@@ -5,7 +5,8 @@
 # stop the later ones. Steps: STEPS="hf test sweep bench e2e grpc" (default: hf test sweep bench).
 #   e2e:  the end-to-end suites (e2e_test) against servers on the CUDA backend (E2E_FILTER).
 #   grpc: writes a Qwen3-8B-shaped checkpoint (rollout-make-model), serves it with rollout-server
-#         --backend cuda and runs rollout-grpc-bench against it (GRPC_ARGS).
+#         --backend cuda (its default limits; more flags in GRPC_SERVER_ARGS) and runs
+#         rollout-grpc-bench against it (GRPC_ARGS).
 set -uo pipefail
 OUT=${OUT:-/tmp/rollout-gpu}
 STEPS=${STEPS:-"hf test sweep bench"}
