@@ -325,44 +325,58 @@ TEST_F(TpModelTest, DegreesTheModelCannotSplitAreRefused) {
   std::printf("[ refused  ] %s\n", runner.status().ToString().c_str());
 }
 
+// Forward + ProcessLogits over the script: greedy, sampled with top-N logprobs and scored rows,
+// each result's token, logprob and top-N as bytes.
+std::vector<std::string> ProcessScript(CudaModelRunner *runner, const Script &script,
+                                       int32_t vocab) {
+  SamplingParams greedy, sampled;
+  greedy.temperature = 0.0f;
+  greedy.top_logprobs = 3;
+  sampled.temperature = 0.8f;
+  sampled.top_logprobs = 5;
+  std::vector<std::string> got;
+  for (const std::vector<Chunk> &step : script.steps) {
+    const ForwardBatch batch = MakeBatch(script, step);
+    const absl::Status forward = runner->Forward(batch, nullptr);
+    EXPECT_TRUE(forward.ok()) << forward;
+    if (!forward.ok()) return {};
+    std::vector<LogitsRowTask> tasks(batch.logit_rows.size());
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      tasks[i].params = i % 3 == 0 ? &greedy : &sampled;
+      tasks[i].sample_seed = 1000 + i;
+      tasks[i].position = batch.positions[batch.logit_rows[i]] + 1;
+      if (i % 3 == 2) tasks[i].score_token = static_cast<int32_t>((i * 37) % vocab);
+    }
+    std::vector<SampleResult> results;
+    const absl::Status s = runner->ProcessLogits(tasks, {}, &results);
+    EXPECT_TRUE(s.ok()) << s;
+    if (!s.ok()) return {};
+    for (const SampleResult &r : results) {
+      std::string bits(reinterpret_cast<const char *>(&r.token), 4);
+      bits.append(reinterpret_cast<const char *>(&r.logprob), 4);
+      for (const TokenLogprob &t : r.top) {
+        bits.append(reinterpret_cast<const char *>(&t), sizeof(t));
+      }
+      got.push_back(bits);
+    }
+  }
+  return got;
+}
+
 // The engine's path: logits left on the device (Forward) and processed there (ProcessLogits) --
 // greedy, sampled with top-N logprobs, and scored rows get the same tokens and logprob bits at
 // every degree.
 TEST_F(TpModelTest, DeviceLogitsSampleAndScoreToTheSameBitsAtEveryDegree) {
   const ModelConfig config = *PresetConfig("small");
   const Script script = MakeScript(config.vocab_size, 32, 6, 300, /*all_logits=*/false, 37);
-  SamplingParams greedy, sampled;
-  greedy.temperature = 0.0f;
-  greedy.top_logprobs = 3;
-  sampled.temperature = 0.8f;
-  sampled.top_logprobs = 5;
   std::vector<std::string> want;
   for (int tp : {1, 2, 4, 8}) {
     auto runner =
         CudaModelRunner::CreateSynthetic(config, 7, Options(tp, true, true, 128ll << 20, 2048));
     ASSERT_TRUE(runner.ok()) << runner.status();
-    std::vector<std::string> got;
-    for (const std::vector<Chunk> &step : script.steps) {
-      const ForwardBatch batch = MakeBatch(script, step);
-      ASSERT_TRUE((*runner)->Forward(batch, nullptr).ok());
-      std::vector<LogitsRowTask> tasks(batch.logit_rows.size());
-      for (size_t i = 0; i < tasks.size(); ++i) {
-        tasks[i].params = i % 3 == 0 ? &greedy : &sampled;
-        tasks[i].sample_seed = 1000 + i;
-        tasks[i].position = batch.positions[batch.logit_rows[i]] + 1;
-        if (i % 3 == 2) tasks[i].score_token = static_cast<int32_t>((i * 37) % config.vocab_size);
-      }
-      std::vector<SampleResult> results;
-      const absl::Status s = (*runner)->ProcessLogits(tasks, {}, &results);
-      ASSERT_TRUE(s.ok()) << s;
-      for (const SampleResult &r : results) {
-        std::string bits(reinterpret_cast<const char *>(&r.token), 4);
-        bits.append(reinterpret_cast<const char *>(&r.logprob), 4);
-        for (const TokenLogprob &t : r.top)
-          bits.append(reinterpret_cast<const char *>(&t), sizeof(t));
-        got.push_back(bits);
-      }
-    }
+    const std::vector<std::string> got =
+        ProcessScript(runner->get(), script, static_cast<int32_t>(config.vocab_size));
+    ASSERT_FALSE(HasFailure()) << "tp " << tp;
     if (tp == 1) {
       want = got;
     } else {
@@ -440,44 +454,6 @@ TEST_F(TpModelTest, CostOfTheCanonicalKTreeInForwardSteps) {
 std::string NcclLibraryPath() {
   const char *path = std::getenv("ROLLOUT_NCCL_LIBRARY");
   return path != nullptr ? path : "";
-}
-
-// Forward + ProcessLogits over the script: greedy, sampled with top-N logprobs and scored rows,
-// each result's token, logprob and top-N as bytes.
-std::vector<std::string> ProcessScript(CudaModelRunner *runner, const Script &script,
-                                       int32_t vocab) {
-  SamplingParams greedy, sampled;
-  greedy.temperature = 0.0f;
-  greedy.top_logprobs = 3;
-  sampled.temperature = 0.8f;
-  sampled.top_logprobs = 5;
-  std::vector<std::string> got;
-  for (const std::vector<Chunk> &step : script.steps) {
-    const ForwardBatch batch = MakeBatch(script, step);
-    const absl::Status forward = runner->Forward(batch, nullptr);
-    EXPECT_TRUE(forward.ok()) << forward;
-    if (!forward.ok()) return {};
-    std::vector<LogitsRowTask> tasks(batch.logit_rows.size());
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      tasks[i].params = i % 3 == 0 ? &greedy : &sampled;
-      tasks[i].sample_seed = 1000 + i;
-      tasks[i].position = batch.positions[batch.logit_rows[i]] + 1;
-      if (i % 3 == 2) tasks[i].score_token = static_cast<int32_t>((i * 37) % vocab);
-    }
-    std::vector<SampleResult> results;
-    const absl::Status s = runner->ProcessLogits(tasks, {}, &results);
-    EXPECT_TRUE(s.ok()) << s;
-    if (!s.ok()) return {};
-    for (const SampleResult &r : results) {
-      std::string bits(reinterpret_cast<const char *>(&r.token), 4);
-      bits.append(reinterpret_cast<const char *>(&r.logprob), 4);
-      for (const TokenLogprob &t : r.top) {
-        bits.append(reinterpret_cast<const char *>(&t), sizeof(t));
-      }
-      got.push_back(bits);
-    }
-  }
-  return got;
 }
 
 // Runs when at least 2 GPUs are visible and NCCL loads; skips, saying what it needs, otherwise.
