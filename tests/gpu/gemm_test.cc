@@ -50,17 +50,8 @@ std::vector<int64_t> RowCounts() {
 // The runner's default pin (CudaRunnerOptions::gemm_pin_m) must be among these.
 constexpr int64_t kPinChoices[] = {0, 256, 2048, -256};
 
-class GemmTest : public ::testing::TestWithParam<std::tuple<Shape, int64_t>> {
- protected:
-  void SetUp() override {
-    if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
-    ASSERT_EQ(CUBLAS_STATUS_SUCCESS, cublasLtCreate(&lt_));
-  }
-  void TearDown() override {
-    if (lt_ != nullptr) cublasLtDestroy(lt_);
-  }
-  cublasLtHandle_t lt_ = nullptr;
-};
+class GemmTest
+    : public gpu_test::CublasLtTest<::testing::TestWithParam<std::tuple<Shape, int64_t>>> {};
 
 TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
   const Shape s = std::get<0>(GetParam());

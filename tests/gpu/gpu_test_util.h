@@ -1,5 +1,6 @@
 #pragma once
 
+#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -23,6 +24,21 @@ namespace rollout::gpu_test {
 
 // True when a CUDA device is usable; tests skip otherwise.
 bool HaveGpu();
+
+// A fixture base owning a cuBLASLt handle, lt_ (the test skips without a GPU). Base: the gtest
+// fixture to derive from, ::testing::Test or a ::testing::TestWithParam<...>.
+template <class Base = ::testing::Test>
+class CublasLtTest : public Base {
+ protected:
+  void SetUp() override {
+    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_EQ(CUBLAS_STATUS_SUCCESS, cublasLtCreate(&lt_));
+  }
+  void TearDown() override {
+    if (lt_ != nullptr) cublasLtDestroy(lt_);
+  }
+  cublasLtHandle_t lt_ = nullptr;
+};
 
 template <typename T>
 cuda::DeviceBuffer Upload(const std::vector<T>& host) {

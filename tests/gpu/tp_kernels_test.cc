@@ -31,15 +31,8 @@ namespace {
 using cuda::bf16;
 using cuda::GemmOutput;
 
-class TpGemmTest : public ::testing::Test {
+class TpGemmTest : public gpu_test::CublasLtTest<> {
  protected:
-  void SetUp() override {
-    if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
-    ASSERT_EQ(CUBLAS_STATUS_SUCCESS, cublasLtCreate(&lt_));
-  }
-  void TearDown() override {
-    if (lt_ != nullptr) cublasLtDestroy(lt_);
-  }
   // `count` seeded bf16 values, normal with `scale`, on the device.
   static cuda::DeviceBuffer RandomDevice(int64_t count, uint64_t key, double scale) {
     cuda::DeviceBuffer b;
@@ -57,7 +50,6 @@ class TpGemmTest : public ::testing::Test {
     EXPECT_EQ(cudaSuccess, cudaMemcpy(host.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost));
     return host;
   }
-  cublasLtHandle_t lt_ = nullptr;
 };
 
 // A column-parallel slice: the rows of the full weight a rank holds, in its
