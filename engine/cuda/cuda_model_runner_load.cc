@@ -768,20 +768,13 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
   for (const GemmSpec& g : specs) {
     std::unique_ptr<cuda::PinnedGemm> full;
     std::string why;
-    if (cuda::PinnedGemm::Create(s.lt, g.n, g.k, g.output, options_.gemm_pin_m, &full, &why) !=
-        CUBLAS_STATUS_SUCCESS) {
+    // The leaves run batched: the ladder is built (and probed) on the batched full shape.
+    if (cuda::PinnedGemm::Create(s.lt, g.n, g.k, g.output, options_.gemm_pin_m, &full, &why,
+                                 g.max_batch) != CUBLAS_STATUS_SUCCESS) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "no split-K-free cuBLASLt algorithm could be pinned for %s [%d x %d], which the "
           "canonical K tree (tensor parallelism) needs:\n%s",
           g.name, g.n, g.k, why));
-    }
-    if (options_.gemm_ladder && g.max_batch > 1) {
-      // The leaves run batched: the ladder is built (and probed) on the batched full shape.
-      const cublasLtMatmulAlgo_t algo = full->algo();
-      ROLLOUT_RETURN_IF_ERROR(CublasError(
-          cuda::PinnedGemm::CreateWithAlgo(s.lt, g.n, g.k, g.output, algo, &full, &why,
-                                           g.max_batch),
-          absl::StrCat("the batched GEMM for ", g.name)));
     }
     if (options_.gemm_ladder) {
       ROLLOUT_RETURN_IF_ERROR(

@@ -217,7 +217,7 @@ cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, in
 
 cublasStatus_t PinnedGemm::Create(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output,
                                   int64_t pin_m, std::unique_ptr<PinnedGemm>* gemm,
-                                  std::string* diagnostics) {
+                                  std::string* diagnostics, int max_batch) {
   std::vector<cublasLtMatmulAlgo_t> algos;
   ROLLOUT_RETURN_IF_CUBLAS(Candidates(handle, n, k, output, pin_m, 32, &algos, diagnostics));
   if (diagnostics != nullptr) {
@@ -225,7 +225,8 @@ cublasStatus_t PinnedGemm::Create(cublasLtHandle_t handle, int64_t n, int64_t k,
                     " single-split candidates at m=" + std::to_string(pin_m) + "\n";
   }
   for (const cublasLtMatmulAlgo_t& algo : algos) {
-    if (CreateWithAlgo(handle, n, k, output, algo, gemm, diagnostics) == CUBLAS_STATUS_SUCCESS) {
+    if (CreateWithAlgo(handle, n, k, output, algo, gemm, diagnostics, max_batch) ==
+        CUBLAS_STATUS_SUCCESS) {
       return CUBLAS_STATUS_SUCCESS;
     }
   }
@@ -373,7 +374,7 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
       if (us < best_us) best_us = us, best = std::move(candidate);
     }
     const bool admitted = best != nullptr;
-    if (admitted) rungs_.push_back(Rung{min_m, end_m, std::move(best)});
+    if (admitted) rungs_.push_back(Rung{min_m, end_m, rep, std::move(best)});
     if (diagnostics != nullptr) {
       *diagnostics += "  m in [" + std::to_string(min_m) + ", " +
                       (end_m == INT64_MAX ? std::string("inf") : std::to_string(end_m)) + "): " +
@@ -391,17 +392,12 @@ cublasStatus_t PinnedGemm::CopyLadder(const PinnedGemm& from, std::string* diagn
   if (from.rungs_.empty()) return CUBLAS_STATUS_SUCCESS;
   GemmProbe probe;
   if (!InitProbe(probe)) return CUBLAS_STATUS_SUCCESS;
-  const std::vector<LadderRange>& ladder = Ladder();
   for (const Rung& rung : from.rungs_) {
-    int64_t rep = rung.min_m;
-    for (const LadderRange& range : ladder) {
-      if (range.min_m == rung.min_m) rep = std::max<int64_t>(range.representative_m, 1);
-    }
     std::unique_ptr<PinnedGemm> admitted;
-    const cublasStatus_t status =
-        Admit(rung.min_m, rung.end_m, rep, rung.gemm->algo_, probe, &admitted, diagnostics);
+    const cublasStatus_t status = Admit(rung.min_m, rung.end_m, rung.representative_m,
+                                        rung.gemm->algo_, probe, &admitted, diagnostics);
     if (status == CUBLAS_STATUS_SUCCESS) {
-      rungs_.push_back(Rung{rung.min_m, rung.end_m, std::move(admitted)});
+      rungs_.push_back(Rung{rung.min_m, rung.end_m, rung.representative_m, std::move(admitted)});
     } else if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
       return status;
     }

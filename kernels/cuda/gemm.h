@@ -72,9 +72,10 @@ class PinnedGemm {
   // owns that workspace. The choice is a pure function of (GPU model,
   // cuBLAS version, shape, output, pin_m): restarts and replicas pin the same algorithm.
   // `diagnostics` (optional) receives why each candidate was refused.
+  // max_batch: as for CreateWithAlgo (the batched checks never change which algorithm is pinned).
   static cublasStatus_t Create(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output,
                                int64_t pin_m, std::unique_ptr<PinnedGemm>* gemm,
-                               std::string* diagnostics = nullptr);
+                               std::string* diagnostics = nullptr, int max_batch = 1);
   // The same with an explicit algorithm: benchmarks, and tensor parallelism, where a rank's
   // slice [n / tp, k] of a column-parallel weight runs the algorithm pinned for the full [n, k]
   // (so every output column has the bits of the unsliced GEMM's; tests/gpu/tp_test.cc proves it)
@@ -164,7 +165,8 @@ class PinnedGemm {
   // range); increasing first. Empty: the pin serves every m.
   struct Rung {
     int64_t min_m;
-    int64_t end_m;  // exclusive; INT64_MAX for the last range
+    int64_t end_m;             // exclusive; INT64_MAX for the last range
+    int64_t representative_m;  // where the range's candidates were timed
     std::unique_ptr<PinnedGemm> gemm;
   };
   std::vector<Rung> rungs_;
