@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         const int64_t slot =
             static_cast<int64_t>(table[key / cache.block_size]) * cache.block_size +
             key % cache.block_size;
-        offset = (slot * num_kv_heads + kv_head) * kHeadDim + c * 8;
+        offset = cuda::KvOffset(slot, kv_head, cache.block_size, num_kv_heads, kHeadDim) + c * 8;
       }
       CpAsync16(k_s + j * kStride + c * 8, cache.k + offset, valid);
       CpAsync16(v_s + j * kStride + c * 8, cache.v + offset, valid);
@@ -710,6 +710,99 @@ double CopyBandwidth() {
 
 constexpr int kLayers = 36;  // Qwen3-8B: figures per step are one layer's times 36
 
+// Read-rate probes, no math: how fast the device streams bytes it only reads, linearly and in
+// the decode kernel's exact access pattern (one warp per (token, split, kv head), kv heads
+// fastest, each key's 256-byte K and V rows of one head, pages shuffled). `smem` pads a block's
+// shared memory to limit blocks per SM as the real kernel's does.
+__global__ void LinearReadKernel(const uint4* a, int64_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {  // four loads in flight per thread
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = __ldcs(a + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = __ldcs(a + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// kHeadMajor: pages as the cache stores them, [kv head][token][dim] (a head's 32 keys 8 KB
+// contiguous); else as it stored them before, [token][kv head][dim] (256 B per key and head, 2 KB
+// apart). Each warp loads a whole 32-key tile of K and V (16 KB) before touching it, as cp.async
+// does.
+template <bool kHeadMajor>
+__global__ void PatternReadKernel(const int32_t* positions, const int32_t* offsets,
+                                  const int32_t* tables, const bf16* k, const bf16* v, int nkv,
+                                  int bs, int split_size, int max_splits, uint32_t* sink) {
+  extern __shared__ uint4 pad[];
+  const int kv_head = blockIdx.x % nkv;
+  const int flat = blockIdx.x / nkv;
+  const int token = flat / max_splits, split = flat % max_splits;
+  const int pos = positions[token];
+  const int begin = split * split_size, end = min(pos + 1, begin + split_size);
+  if (begin >= end) return;
+  const int32_t* table = tables + offsets[token];
+  const int lane = threadIdx.x;
+  uint32_t acc = 0;
+  for (int tile = begin; tile < end; tile += 32) {
+    uint4 x[32];
+#pragma unroll
+    for (int q = 0; q < 16; ++q) {
+      const int idx = q * 32 + lane;
+      const int key = tile + idx / 16, chunk = idx % 16;
+      const int64_t page = table[min(key, pos) / bs];
+      const int64_t off =
+          kHeadMajor ? ((page * nkv + kv_head) * bs + key % bs) * 128 + chunk * 8
+                     : ((page * bs + key % bs) * nkv + kv_head) * 128 + chunk * 8;
+      x[q] = __ldcs(reinterpret_cast<const uint4*>(k + off));
+      x[16 + q] = __ldcs(reinterpret_cast<const uint4*>(v + off));
+    }
+#pragma unroll
+    for (int c = 0; c < 32; ++c) acc ^= x[c].x ^ x[c].y ^ x[c].z ^ x[c].w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc ^ pad[0].x;
+}
+
+void ReadProbes(const Problem& pb, double copy_bw, int reps) {
+  DeviceBuffer sink;
+  Check(sink.Allocate(4), "allocate");
+  const int64_t cache_bytes = static_cast<int64_t>(pb.KeyBytes());
+  const int64_t n = cache_bytes / 2 / 16;  // of K alone, in uint4
+  const double lin = MedianMs(reps, [&] {
+    LinearReadKernel<<<132 * 16, 256>>>(pb.k.get<uint4>(), n, sink.get<uint32_t>());
+    LinearReadKernel<<<132 * 16, 256>>>(pb.v.get<uint4>(), n, sink.get<uint32_t>());
+  });
+  std::printf("   probe, linear read of %.1f MB: %.4f ms = %.2f TB/s (%.0f%% of copy)\n",
+              2.0 * n * 16 / 1e6, lin, 2.0 * n * 16 / (lin * 1e-3) / 1e12,
+              100.0 * 2.0 * n * 16 / (lin * 1e-3) / copy_bw);
+  const Shape& s = pb.shape;
+  const unsigned blocks = static_cast<unsigned>(pb.num_tokens() * pb.max_splits * s.nkv);
+  for (int head_major = 0; head_major < 2; ++head_major) {
+    for (int smem : {0, 17 * 1024 + 512}) {
+      auto kernel = head_major ? PatternReadKernel<true> : PatternReadKernel<false>;
+      const double ms = MedianMs(reps, [&] {
+        kernel<<<blocks, 32, smem>>>(pb.d_positions.get<int32_t>(), pb.d_offsets.get<int32_t>(),
+                                     pb.d_tables.get<int32_t>(), pb.k.get<bf16>(),
+                                     pb.v.get<bf16>(), s.nkv, s.bs, s.split, pb.max_splits,
+                                     sink.get<uint32_t>());
+      });
+      Check(cudaGetLastError(), "pattern probe");
+      std::printf("   probe, decode pattern (%s), no math, %s: %.4f ms = %.2f TB/s (%.0f%% of copy)\n",
+                  head_major ? "head-major pages, the cache's" : "token-major pages", smem == 0 ? "32 warps/SM" : "12 warps/SM",
+                  ms, pb.KeyBytes() / (ms * 1e-3) / 1e12,
+                  100.0 * pb.KeyBytes() / (ms * 1e-3) / copy_bw);
+    }
+  }
+}
+
+
+
 double TimeKernel(const Problem& pb, const Kernel& kernel, const std::vector<int32_t>& items,
                   int max_splits, int reps) {
   Run run;
@@ -741,6 +834,7 @@ void TimeDecode(int batch, int lo, int hi, double copy_bw, bool quick) {
               lo, hi, Describe(s).c_str(), kLayers);
   std::printf("   K/V read per layer %.1f MB; device copy %.2f TB/s\n", bytes / 1e6,
               copy_bw / 1e12);
+  if (s.hd == 128) ReadProbes(pb, copy_bw, reps);
   const double merge = TimeMerge(pb, pb.max_splits, reps);
   std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
   const int padded = 2 * pb.max_splits;  // half the blocks idle, as in a padded CUDA graph

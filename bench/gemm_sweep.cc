@@ -77,7 +77,7 @@ double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, con
 
 // Bitwise equivalence of the single-split candidates with the m = 256 pin, and their speed.
 int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::DeviceBuffer& x,
-                cuda::DeviceBuffer& w, cuda::DeviceBuffer& y) {
+                cuda::DeviceBuffer& w, cuda::DeviceBuffer& y, const char* only) {
   constexpr int64_t kCheckMs[] = {1, 3, 8, 61, 64, 200, 256, 300, 1000, 1024, 2048, 3000, 4096,
                                   5000, 8192};
   cuda::DeviceBuffer y_ref, y_init, count;
@@ -104,8 +104,34 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
   auto time_run = [&](cuda::PinnedGemm& g, int64_t m) {
     g.Run(x.get<cuda::bf16>(), m, w.get<cuda::bf16>(), y.get(), nullptr);
   };
+  // A candidate run without any workspace (cuBLASLt then schedules tiles without its counter).
+  auto run_no_ws = [&](const Shape& s, const cublasLtMatmulAlgo_t& algo, int64_t m, void* out) {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
+    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n));
+    const cudaDataType_t out_type = s.output == GemmOutput::kBf16 ? CUDA_R_16BF : CUDA_R_32F;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, s.k, s.n, s.k);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, s.k, m, s.k);
+    cublasLtMatrixLayoutCreate(&lc, out_type, s.n, m, s.n);
+    const float alpha = 1.0f;
+    const float beta = s.output == GemmOutput::kF32Accumulate ? 1.0f : 0.0f;
+    if (s.output == GemmOutput::kF32Accumulate) {
+      cudaMemcpyAsync(out, y_init.get(), m * s.n * 4, cudaMemcpyDeviceToDevice);
+    }
+    const cublasStatus_t st = cublasLtMatmul(lt, desc, &alpha, w.get(), la, x.get(), lb, &beta,
+                                             out, lc, out, lc, &algo, nullptr, 0, nullptr);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(desc);
+    return st;
+  };
   for (size_t si = 0; si < num_shapes; ++si) {
     const Shape& s = shapes[si];
+    if (only != nullptr && std::strcmp(only, s.name) != 0) continue;
     std::unique_ptr<cuda::PinnedGemm> pin;
     cuda::PinnedGemm::Create(lt, s.n, s.k, s.output, 256, &pin);
     std::printf("\n%s [n %ld, k %ld]  pin: %s\n", s.name, static_cast<long>(s.n),
@@ -159,6 +185,27 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
         std::printf(" %8.1f", us);
       }
       std::printf("   %s%s\n", cuda::DescribeAlgo(all[ci]).ToString().c_str(), differs.c_str());
+      // The same algorithm with no workspace at all: bits at a few m, and speed.
+      std::string no_ws_differs;
+      for (int64_t m : {256, 4096, 8192}) {
+        const size_t bytes = m * s.n * (s.output == GemmOutput::kBf16 ? 2 : 4);
+        run(*pin, m, y_ref.get());
+        if (run_no_ws(s, all[ci], m, y.get()) != CUBLAS_STATUS_SUCCESS) {
+          no_ws_differs += " m" + std::to_string(m) + ":fail";
+          continue;
+        }
+        cuda::CountDifferentWords(y_ref.get(), y.get(), bytes, count.get<unsigned long long>(),
+                                  nullptr);
+        unsigned long long n_diff = 0;
+        cudaMemcpy(&n_diff, count.get(), sizeof(n_diff), cudaMemcpyDeviceToHost);
+        if (n_diff != 0) no_ws_differs += " m" + std::to_string(m) + ":" + std::to_string(n_diff);
+      }
+      std::printf("  %-4s %-9s", "", no_ws_differs.empty() ? "no-ws EQ" : "no-ws DIF");
+      for (size_t mi = 0; mi < std::size(kMs); ++mi) {
+        const double us = TimeMs([&] { run_no_ws(s, all[ci], kMs[mi], y.get()); }) * 1e3;
+        std::printf(" %8.1f", us);
+      }
+      std::printf("  %s\n", no_ws_differs.c_str());
     }
     std::printf("  best bit-equal / pin:");
     for (size_t mi = 0; mi < std::size(kMs); ++mi) {
@@ -170,7 +217,7 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
   return 0;
 }
 
-int Main(bool equivalence) {
+int Main(bool equivalence, const char* only) {
   const Shape shapes[] = {
       {"qkv", 6144, 4096, GemmOutput::kF32},
       {"o", 4096, 4096, GemmOutput::kF32Accumulate},
@@ -194,7 +241,7 @@ int Main(bool equivalence) {
   cudaMemset(y.get(), 0, 8192ll * 151936 * 4);
   cudaDeviceSynchronize();
   if (equivalence) {
-    const int rc = Equivalence(lt, shapes, std::size(shapes), x, w, y);
+    const int rc = Equivalence(lt, shapes, std::size(shapes), x, w, y, only);
     cublasLtDestroy(lt);
     return rc;
   }
@@ -235,7 +282,9 @@ int Main(bool equivalence) {
         std::printf(" %7.1f (%4.0f)", ms * 1e3, 2.0 * m * s.n * s.k / (ms * 1e-3) / 1e12);
       }
       std::printf("   %s\n", g->Describe().c_str());
-      if (pin == 256 && g->BuildLadder() == CUBLAS_STATUS_SUCCESS) {
+      std::string ladder;
+      if (pin == 256 && g->BuildLadder(&ladder) == CUBLAS_STATUS_SUCCESS) {
+        std::printf("  ladder:\n%s", ladder.c_str());
         std::printf("  %-22s", "  + ladder (same bits)");
         for (int64_t m : kMs) {
           const double ms = TimeMs(
@@ -255,5 +304,7 @@ int Main(bool equivalence) {
 }  // namespace rollout
 
 int main(int argc, char** argv) {
-  return rollout::Main(argc > 1 && std::strcmp(argv[1], "--equivalence") == 0);
+  // --equivalence [shape name]: all shapes, or only that one.
+  return rollout::Main(argc > 1 && std::strcmp(argv[1], "--equivalence") == 0,
+                       argc > 2 ? argv[2] : nullptr);
 }

@@ -101,10 +101,11 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int c = i % kChunks;
       const int key = tile_start + j;
       if (key <= max_pos) {
-        const int64_t slot =
-            static_cast<int64_t>(table[key / cache.block_size]) * cache.block_size +
-            key % cache.block_size;
-        const int64_t offset = (slot * num_kv_heads + kv_head) * kHeadDim + c * 8;
+        const int64_t page = table[key / cache.block_size];
+        const int64_t offset =
+            ((page * num_kv_heads + kv_head) * cache.block_size + key % cache.block_size) *
+                kHeadDim +
+            c * 8;
         *reinterpret_cast<uint4*>(k_s + j * Smem::kKStride + c * 8) =
             *reinterpret_cast<const uint4*>(cache.k + offset);
         *reinterpret_cast<uint4*>(v_s + j * kHeadDim + c * 8) =

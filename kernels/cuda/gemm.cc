@@ -160,6 +160,15 @@ cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, in
                                           GemmOutput output, const cublasLtMatmulAlgo_t& algo,
                                           std::unique_ptr<PinnedGemm>* gemm,
                                           std::string* diagnostics, int max_batch) {
+  return CreateChecked(handle, n, k, output, algo, {1, 7, 64, 1000, 8192, 65535}, gemm,
+                       diagnostics, max_batch);
+}
+
+cublasStatus_t PinnedGemm::CreateChecked(cublasLtHandle_t handle, int64_t n, int64_t k,
+                                         GemmOutput output, const cublasLtMatmulAlgo_t& algo,
+                                         const std::vector<int64_t>& check_ms,
+                                         std::unique_ptr<PinnedGemm>* gemm,
+                                         std::string* diagnostics, int max_batch) {
   std::unique_ptr<PinnedGemm> g(new PinnedGemm(handle, n, k, output));
   ROLLOUT_RETURN_IF_CUBLAS(CreateDesc(&g->desc_));
   g->algo_ = algo;
@@ -172,7 +181,7 @@ cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, in
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   size_t workspace = 0;
-  for (int64_t m : {1, 7, 64, 1000, 8192, 65535}) {
+  for (int64_t m : check_ms) {
     Layouts layouts;
     ROLLOUT_RETURN_IF_CUBLAS(layouts.Init(m, n, k, output));
     cublasLtMatmulHeuristicResult_t check{};
@@ -190,7 +199,8 @@ cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, in
   g->max_batch_ = std::max(1, max_batch);
   g->batched_ = g->max_batch_ > 1;
   for (int batch = 2; g->batched_ && batch <= g->max_batch_; batch *= 2) {
-    for (int64_t m : {1, 7, 64, 1000, 8192}) {
+    for (int64_t m : check_ms) {
+      if (m > 8192) continue;  // batched products are K segments of at most a slice's rows
       Layouts layouts;
       ROLLOUT_RETURN_IF_CUBLAS(
           layouts.InitBatched(m, n, k, output, batch * k, batch, k, n * k, m * n));
@@ -295,9 +305,12 @@ struct GemmProbe {
   }
 };
 
+// How many of the heuristic's split-K-free algorithms BuildLadder times per range.
+constexpr int kLadderCandidates = 16;
+
 const std::vector<PinnedGemm::LadderRange>& PinnedGemm::Ladder() {
   static const std::vector<LadderRange> ladder = {
-      {1, 1}, {8, 16}, {48, 64}, {160, 0}, {640, 1024}, {2560, 4096}};
+      {1, 1}, {8, 16}, {48, 64}, {160, 256}, {640, 1024}, {2560, 4096}};
   return ladder;
 }
 
@@ -311,10 +324,13 @@ PinnedGemm* PinnedGemm::For(int64_t m) {
 cublasStatus_t PinnedGemm::Admit(int64_t min_m, int64_t end_m, int64_t representative_m,
                                  const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,
                                  std::unique_ptr<PinnedGemm>* admitted, std::string* diagnostics) {
+  // A rung serves only its range: it is checked at the range's ends and middle (the pin at every
+  // m). The largest m a slice can have is 65535 rows (CudaRunnerOptions caps max_batch_tokens).
+  const int64_t last_m = std::min<int64_t>(end_m - 1, 65535);
   std::unique_ptr<PinnedGemm> rung;
   std::string why;
-  if (CreateWithAlgo(handle_, n_, k_, output_, algo, &rung, &why, max_batch_) !=
-          CUBLAS_STATUS_SUCCESS ||
+  if (CreateChecked(handle_, n_, k_, output_, algo, {min_m, representative_m, last_m}, &rung, &why,
+                    max_batch_) != CUBLAS_STATUS_SUCCESS ||
       rung->batched() != batched()) {
     if (diagnostics != nullptr) *diagnostics += "    refused by the checks:\n" + why;
     return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -356,7 +372,7 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
     const int64_t rep = ladder[i].representative_m;
     if (rep == 0) continue;  // the pin's range
     std::vector<cublasLtMatmulAlgo_t> algos;
-    ROLLOUT_RETURN_IF_CUBLAS(Candidates(handle_, n_, k_, output_, rep, 8, &algos));
+    ROLLOUT_RETURN_IF_CUBLAS(Candidates(handle_, n_, k_, output_, rep, kLadderCandidates, &algos));
     // The fastest admitted candidate at the representative m (as far as the probe reaches),
     // if it beats the pin there by 3%: which one wins is a matter of speed only, every
     // candidate gives the pin's bits.

@@ -89,7 +89,7 @@ class PinnedGemm {
                                        std::unique_ptr<PinnedGemm>* gemm,
                                        std::string* diagnostics = nullptr, int max_batch = 1);
   // Builds the ladder (see the top of this file) for a kPinned gemm: for each range of m in
-  // Ladder(), of the heuristic's first 8 split-K-free algorithms for the range's representative
+  // Ladder(), of the heuristic's first 16 split-K-free algorithms for the range's representative
   // m, those that pass CreateWithAlgo's checks (with this gemm's max_batch) and give this gemm's
   // bits on the probe (RunBatched over max_batch products, random inputs, m at the range's ends
   // and middle) are timed at that m; the fastest becomes the range's rung if it beats the pin by
@@ -174,7 +174,15 @@ class PinnedGemm {
   PinnedGemm* For(int64_t m);
   // Allocates the probe; on failure (no memory) notes it and returns false: no ladder.
   bool InitProbe(GemmProbe& probe);
-  // A gemm of `algo` for [min_m, end_m) if it passes CreateWithAlgo's checks and gives this
+  // CreateWithAlgo with cublasLtMatmulAlgoCheck asked at the m of check_ms only (batched: those
+  // up to 8192).
+  static cublasStatus_t CreateChecked(cublasLtHandle_t handle, int64_t n, int64_t k,
+                                      GemmOutput output, const cublasLtMatmulAlgo_t& algo,
+                                      const std::vector<int64_t>& check_ms,
+                                      std::unique_ptr<PinnedGemm>* gemm, std::string* diagnostics,
+                                      int max_batch);
+  // A gemm of `algo` for [min_m, end_m) if it passes the checks at the range's ends and
+  // representative m and gives this
   // gemm's bits on the probe; else CUBLAS_STATUS_NOT_SUPPORTED.
   cublasStatus_t Admit(int64_t min_m, int64_t end_m, int64_t representative_m,
                        const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,

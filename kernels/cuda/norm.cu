@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kQkvWarpsPerBlock * 32)
   }
   const int kv_head = is_k ? h - p.num_heads : h - p.num_heads - cache.num_kv_heads;
   bf16* dst = (is_k ? cache.k : cache.v) +
-              (static_cast<int64_t>(p.kv_slots[t]) * cache.num_kv_heads + kv_head) * kHeadDim +
+              KvOffset(p.kv_slots[t], kv_head, cache.block_size, cache.num_kv_heads, kHeadDim) +
               lane * E;
 #pragma unroll
   for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(x[e]);

@@ -179,8 +179,11 @@ TEST_F(KernelsTest, QkvNormRopeMatchesCpuAndWritesCacheSlots) {
       const std::vector<float> v_cache = gpu_test::Widen(Download<bf16>(d_v, cache_elems));
       std::vector<float> k_got(t * nkv * hd), v_got(t * nkv * hd);
       for (int64_t i = 0; i < t; ++i) {
-        std::memcpy(&k_got[i * nkv * hd], &k_cache[slots[i] * nkv * hd], nkv * hd * 4);
-        std::memcpy(&v_got[i * nkv * hd], &v_cache[slots[i] * nkv * hd], nkv * hd * 4);
+        for (int32_t h = 0; h < nkv; ++h) {
+          const int64_t at = cuda::KvOffset(slots[i], h, block_size, nkv, hd);
+          std::memcpy(&k_got[(i * nkv + h) * hd], &k_cache[at], hd * 4);
+          std::memcpy(&v_got[(i * nkv + h) * hd], &v_cache[at], hd * 4);
+        }
       }
       EXPECT_TRUE(AllClose(k_got, k, 1e-5f, 1.0f / 128)) << "hd " << hd;
       EXPECT_TRUE(AllClose(v_got, v, 1e-5f, 1.0f / 256)) << "hd " << hd;
@@ -193,7 +196,7 @@ struct AttentionFixture {
   int32_t nh, nkv, hd, block_size, split;
   std::vector<int32_t> lengths;
   std::vector<std::vector<int32_t>> tables;  // per sequence
-  std::vector<bf16> k, v;                    // [num_blocks, block_size, nkv, hd]
+  std::vector<bf16> k, v;                    // [num_blocks, block_size, nkv, hd] (the CPU's)
   std::vector<float> k_f, v_f;
   int64_t num_blocks = 0;
   cuda::DeviceBuffer d_k, d_v;
@@ -213,8 +216,19 @@ struct AttentionFixture {
     const int64_t elems = num_blocks * bs * nkv * hd;
     gpu_test::RandomBf16(elems, 100 + hd, 1.0f, &k, &k_f);
     gpu_test::RandomBf16(elems, 200 + hd, 1.0f, &v, &v_f);
-    d_k = Upload(k);
-    d_v = Upload(v);
+    d_k = Upload(DeviceLayout(k));
+    d_v = Upload(DeviceLayout(v));
+  }
+  // The CPU layout's values where the GPU cache keeps them (cuda::KvOffset).
+  std::vector<bf16> DeviceLayout(const std::vector<bf16>& cpu) const {
+    std::vector<bf16> out(cpu.size());
+    for (int64_t slot = 0; slot < num_blocks * block_size; ++slot) {
+      for (int32_t h = 0; h < nkv; ++h) {
+        std::memcpy(&out[cuda::KvOffset(slot, h, block_size, nkv, hd)],
+                    &cpu[(slot * nkv + h) * hd], hd * sizeof(bf16));
+      }
+    }
+    return out;
   }
   cuda::KvCacheView view() const { return {d_k.get<bf16>(), d_v.get<bf16>(), block_size, nkv, hd}; }
 };
