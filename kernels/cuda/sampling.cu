@@ -29,7 +29,8 @@ __device__ __forceinline__ float UniformNoise(uint64_t seed, int64_t position, i
 }
 
 __device__ __forceinline__ float ScaledLogit(float logit, float t) {
-  const float x = __fdiv_rn(logit, t);
+  // logit / 1 is logit exactly (NaN and infinities included): skip the IEEE division at T = 1.
+  const float x = t == 1.0f ? logit : __fdiv_rn(logit, t);
   if (isnan(x)) return -INFINITY;
   if (x == INFINITY) return FLT_MAX;
   return x;
@@ -105,6 +106,9 @@ __global__ void __launch_bounds__(kSampleThreads)
   float tmax = -INFINITY;
   float best_v = -INFINITY;
   int best_i = INT_MAX;
+  // Unrolled so that several elements' hash and log chains are in flight per thread; each
+  // thread still visits its elements in increasing order (the bits do not change).
+#pragma unroll 4
   for (int i = tid; i < vocab; i += kSampleThreads) {
     const float l = row[i];
     const float x = ScaledLogit(l, t);
@@ -139,6 +143,7 @@ __global__ void __launch_bounds__(kSampleThreads)
   // Pass 2: sum of expf(x - m) in the fixed order of the header.
   float s = 0.0f;
   if (m != -INFINITY) {
+#pragma unroll 4
     for (int i = tid; i < vocab; i += kSampleThreads) {
       s = __fadd_rn(s, expf(__fsub_rn(ScaledLogit(row[i], t), m)));
     }
