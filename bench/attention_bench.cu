@@ -837,6 +837,8 @@ void TimeDecode(int batch, int lo, int hi, double copy_bw, bool quick) {
   if (s.hd == 128) ReadProbes(pb, copy_bw, reps);
   const double merge = TimeMerge(pb, pb.max_splits, reps);
   std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
+  std::printf("   (the old kernel's copy addresses the head-major cache through cuda::KvOffset, a\n"
+              "   division per key: a bitwise reference, its times no longer the old kernel's)\n");
   const int padded = 2 * pb.max_splits;  // half the blocks idle, as in a padded CUDA graph
   double cur_ms = 0;  // x factors against the old kernel
   for (const Kernel& k :

@@ -25,6 +25,12 @@
 // per SM: 2%..115% slower; a second stage does gain prefill 3%, so kManyTokens keeps it), K and
 // V in separate cp.async groups refilled right after their MMAs, blocks of 2 or 4 kv heads
 // (longer contiguous copies), 8-warp prefill blocks (half the K/V re-reads, fewer blocks per SM).
+// Session 4, with head-major pages (ops.h): an L2 bulk prefetch of the next decode tile, at issue
+// or after the tile lands (0.420 -> 0.452 ms per layer), and copying a tile as one contiguous run
+// from lane 0's row instead of the per-lane rows (0.420 -> 0.431 ms): both slower, removed. The
+// kernel reads within 7-9% of its access pattern's no-math rate at 12 warps per SM
+// (rollout-attention-bench's probes); the occupancy cap (registers and shared memory) is the
+// limit left.
 //
 // Split fold in the block (prefill, same bits: the bench compares the outputs with the old kernel
 // + merge's). Launched without partials, a kManyTokens block walks every split of its item and
