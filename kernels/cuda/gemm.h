@@ -90,8 +90,8 @@ class PinnedGemm {
                                        std::string* diagnostics = nullptr, int max_batch = 1);
   // Builds the ladder (see the top of this file) for a kPinned gemm: for each range of m in
   // Ladder(), of the heuristic's first 16 split-K-free algorithms for the range's representative
-  // m, those that pass CreateWithAlgo's checks (with this gemm's max_batch) and give this gemm's
-  // bits on the probe (RunBatched over max_batch products, random inputs, m at the range's ends
+  // m, those that pass CreateWithAlgo's checks at the range's ends and representative m (with
+  // this gemm's max_batch; a rung serves its range only) and give this gemm's bits on the probe (RunBatched over max_batch products, random inputs, m at the range's ends
   // and middle) are timed at that m; the fastest becomes the range's rung if it beats the pin by
   // 3%. Ranges without one keep the pin. Allocates (and frees) probe buffers of up to ~3.3 GiB
   // (lm_head); without the memory, no ladder (Describe says so). `diagnostics` receives one line
@@ -182,8 +182,7 @@ class PinnedGemm {
                                       std::unique_ptr<PinnedGemm>* gemm, std::string* diagnostics,
                                       int max_batch);
   // A gemm of `algo` for [min_m, end_m) if it passes the checks at the range's ends and
-  // representative m and gives this
-  // gemm's bits on the probe; else CUBLAS_STATUS_NOT_SUPPORTED.
+  // representative m and gives this gemm's bits on the probe; else CUBLAS_STATUS_NOT_SUPPORTED.
   cublasStatus_t Admit(int64_t min_m, int64_t end_m, int64_t representative_m,
                        const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,
                        std::unique_ptr<PinnedGemm>* admitted, std::string* diagnostics);
