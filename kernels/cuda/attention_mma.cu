@@ -25,12 +25,14 @@
 // per SM: 2%..115% slower; a second stage does gain prefill 3%, so kManyTokens keeps it), K and
 // V in separate cp.async groups refilled right after their MMAs, blocks of 2 or 4 kv heads
 // (longer contiguous copies), 8-warp prefill blocks (half the K/V re-reads, fewer blocks per SM).
-// Session 4, with head-major pages (ops.h): an L2 bulk prefetch of the next decode tile, at issue
-// or after the tile lands (0.420 -> 0.452 ms per layer), and copying a tile as one contiguous run
-// from lane 0's row instead of the per-lane rows (0.420 -> 0.431 ms): both slower, removed. The
-// kernel reads within 7-9% of its access pattern's no-math rate at 12 warps per SM
-// (rollout-attention-bench's probes); the occupancy cap (registers and shared memory) is the
-// limit left.
+// Session 4: staged tiles unpadded, their 16-byte chunks XOR-swizzled by key (MmaShape::Chunk;
+// 16 instead of 17.4 KB per decode block, still 12 per SM by registers): one layer of the
+// 256 x ~1536 decode step 0.420 -> 0.402 ms (3.84 -> 4.01 TB/s), 32 x ~4K 0.148 -> 0.138 ms,
+// the 8 x 1024 prefill 0.547 -> 0.568 ms; same bits. Measured and not kept: 13 decode blocks per
+// SM (registers capped at 128, spilling: 0.429 ms); with head-major pages (ops.h), an L2 bulk
+// prefetch of the next decode tile, at issue or after the tile lands (0.420 -> 0.452 ms), and
+// copying a tile as one contiguous run from lane 0's row instead of the per-lane rows
+// (0.420 -> 0.431 ms).
 //
 // Split fold in the block (prefill, same bits: the bench compares the outputs with the old kernel
 // + merge's). Launched without partials, a kManyTokens block walks every split of its item and
@@ -142,8 +144,13 @@ __device__ __forceinline__ float RowUpdate(const float (&s)[8], float* m, float*
 template <int kHeadDim, int kWarps, int kStages, bool kFold>
 struct MmaShape {
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kStride = kHeadDim + 8;  // bf16 per staged key: 16 B pad, no conflicts
+  static constexpr int kStride = kHeadDim;      // bf16 per staged key: no padding ...
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per key
+  // ... the chunks of key j are stored XOR-swizzled: chunk c at position c ^ (j & kSwizzle), so
+  // that the 8 rows one ldmatrix reads (8 consecutive keys, one chunk each) hit 8 distinct bank
+  // groups.
+  static constexpr int kSwizzle = (kChunks < 8 ? kChunks : 8) - 1;
+  __device__ static int Chunk(int key, int c) { return c ^ (key & kSwizzle); }
   // One stage: K then V, each [kTile, kStride] bf16.
   static constexpr int kTileElems = kTile * kStride;
   static constexpr size_t kRingBytes = sizeof(bf16) * kStages * 2 * kTileElems;
@@ -154,7 +161,8 @@ struct MmaShape {
   static constexpr size_t kSmemBytes =
       kRingBytes + (kFold ? sizeof(float) * kFoldElems * kThreads : 0);
   // Registers capped so that they admit as many warps per SM as shared memory does for one-stage
-  // decode blocks (17.4 KB + 1 KB reserved each, 228 KB per SM): 168 per thread.
+  // decode blocks (16 KB + 1 KB reserved each, 228 KB per SM: 13 blocks, 152 registers per
+  // thread); four-warp blocks keep 168 (3 per SM).
   static constexpr int kMinBlocks = 12 / kWarps;
 };
 
@@ -169,7 +177,7 @@ __device__ __forceinline__ void IssueTile(const KvCacheView& cache, int tile_sta
     const int j = i / Shape::kChunks;  // key of the tile
     const int c = i % Shape::kChunks;
     const int64_t src = __shfl_sync(0xffffffffu, lane_row, j) + c * 8;
-    const int dst = j * Shape::kStride + c * 8;
+    const int dst = j * Shape::kStride + Shape::Chunk(j, c) * 8;
     const bool valid = tile_start + j <= max_pos;
     CpAsync16(k_s + dst, cache.k + src, valid);
     CpAsync16(v_s + dst, cache.v + src, valid);
@@ -323,11 +331,11 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-        const bf16* k_row = k_s + (8 * j + lane % 8) * kStride + 8 * (lane / 8);
+        const bf16* k_row = k_s + (8 * j + lane % 8) * kStride;
 #pragma unroll
         for (int kk = 0; kk < kSteps; kk += 2) {
           uint32_t b[4];
-          LdMatrixX4(b, k_row + 16 * kk);
+          LdMatrixX4(b, k_row + Shape::Chunk(lane % 8, 2 * kk + lane / 8) * 8);
           Mma16816(acc[j], qa[kk], b[0], b[1]);
           Mma16816(acc[j], qa[kk + 1], b[2], b[3]);
         }
@@ -367,7 +375,8 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
 #pragma unroll
         for (int kc = 0; kc < 2; ++kc) {
           uint32_t b0, b1;
-          LdMatrixX2Trans(&b0, &b1, v_s + (16 * kc + lane % 16) * kStride + 8 * n);
+          LdMatrixX2Trans(&b0, &b1,
+                          v_s + (16 * kc + lane % 16) * kStride + Shape::Chunk(lane % 16, n) * 8);
           Mma16816(o[n], pa[kc], b0, b1);
         }
       }
