@@ -40,19 +40,42 @@ double TimeMs(F run) {
   return cuda::MeanMilliseconds(run, /*reps=*/5, /*warmups=*/2);
 }
 
+// A raw cuBLASLt matmul of shape s at m, laid out as PinnedGemm lays it out: y[m, n] =
+// x[m, k] . w[n, k]^T (+ y for accumulating outputs).
+struct RawMatmul {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  float beta = 0.0f;
+
+  RawMatmul(const Shape& s, int64_t m) {
+    cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
+    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n));
+    const cudaDataType_t out = s.output == GemmOutput::kBf16 ? CUDA_R_16BF : CUDA_R_32F;
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, s.k, s.n, s.k);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, s.k, m, s.k);
+    cublasLtMatrixLayoutCreate(&lc, out, s.n, m, s.n);
+    beta = s.output == GemmOutput::kF32Accumulate ? 1.0f : 0.0f;
+  }
+  ~RawMatmul() {
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(desc);
+  }
+  cublasStatus_t Run(cublasLtHandle_t lt, const cublasLtMatmulAlgo_t& algo, const void* x,
+                     const void* w, void* y, void* ws, size_t ws_bytes) const {
+    const float alpha = 1.0f;
+    return cublasLtMatmul(lt, desc, &alpha, w, la, x, lb, &beta, y, lc, y, lc, &algo, ws, ws_bytes,
+                          nullptr);
+  }
+};
+
 // cuBLASLt's first heuristic pick for this m with a workspace: the unconstrained reference.
 double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, const void* w, void* y,
               void* ws, size_t ws_bytes) {
-  cublasLtMatmulDesc_t desc;
-  cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
-  const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
-  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n));
-  const cudaDataType_t out = s.output == GemmOutput::kBf16 ? CUDA_R_16BF : CUDA_R_32F;
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, s.k, s.n, s.k);
-  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, s.k, m, s.k);
-  cublasLtMatrixLayoutCreate(&lc, out, s.n, m, s.n);
+  const RawMatmul mm(s, m);
   cublasLtMatmulPreference_t pref;
   cublasLtMatmulPreferenceCreate(&pref);
   const uint64_t wsb = ws_bytes;
@@ -60,18 +83,10 @@ double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, con
                                        sizeof(wsb));
   cublasLtMatmulHeuristicResult_t r;
   int found = 0;
-  cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found);
-  const float alpha = 1.0f;
-  const float beta = s.output == GemmOutput::kF32Accumulate ? 1.0f : 0.0f;
-  const double ms = found == 0 ? -1.0 : TimeMs([&] {
-    cublasLtMatmul(lt, desc, &alpha, w, la, x, lb, &beta, y, lc, y, lc, &r.algo, ws, ws_bytes,
-                   nullptr);
-  });
+  cublasLtMatmulAlgoGetHeuristic(lt, mm.desc, mm.la, mm.lb, mm.lc, mm.lc, pref, 1, &r, &found);
+  const double ms =
+      found == 0 ? -1.0 : TimeMs([&] { mm.Run(lt, r.algo, x, w, y, ws, ws_bytes); });
   cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(lc);
-  cublasLtMatmulDescDestroy(desc);
   return ms;
 }
 
@@ -106,28 +121,10 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
   };
   // A candidate run without any workspace (cuBLASLt then schedules tiles without its counter).
   auto run_no_ws = [&](const Shape& s, const cublasLtMatmulAlgo_t& algo, int64_t m, void* out) {
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
-    const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
-    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n));
-    const cudaDataType_t out_type = s.output == GemmOutput::kBf16 ? CUDA_R_16BF : CUDA_R_32F;
-    cublasLtMatrixLayout_t la, lb, lc;
-    cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, s.k, s.n, s.k);
-    cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, s.k, m, s.k);
-    cublasLtMatrixLayoutCreate(&lc, out_type, s.n, m, s.n);
-    const float alpha = 1.0f;
-    const float beta = s.output == GemmOutput::kF32Accumulate ? 1.0f : 0.0f;
     if (s.output == GemmOutput::kF32Accumulate) {
       cudaMemcpyAsync(out, y_init.get(), m * s.n * 4, cudaMemcpyDeviceToDevice);
     }
-    const cublasStatus_t st = cublasLtMatmul(lt, desc, &alpha, w.get(), la, x.get(), lb, &beta,
-                                             out, lc, out, lc, &algo, nullptr, 0, nullptr);
-    cublasLtMatrixLayoutDestroy(la);
-    cublasLtMatrixLayoutDestroy(lb);
-    cublasLtMatrixLayoutDestroy(lc);
-    cublasLtMatmulDescDestroy(desc);
-    return st;
+    return RawMatmul(s, m).Run(lt, algo, x.get(), w.get(), out, nullptr, 0);
   };
   for (size_t si = 0; si < num_shapes; ++si) {
     const Shape& s = shapes[si];
