@@ -514,7 +514,13 @@ void Engine::Admit(Submission submission) {
 void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
   std::vector<ScheduledChunk> chunks = scheduler_.Schedule();
   if (chunks.empty()) return;
-  ForwardBatch batch;
+  ForwardBatch& batch = batch_;
+  batch.token_ids.clear();
+  batch.positions.clear();
+  batch.token_seq.clear();
+  batch.logit_rows.clear();
+  // One block table per chunk (each chunk is a distinct sequence), assigned in place.
+  batch.block_tables.resize(chunks.size());
   // Per chunk, the logits rows it asked for: [first_row, first_row + num_rows) of the output,
   // for positions starting at first_position.
   struct Rows {
@@ -526,8 +532,8 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
   for (size_t c = 0; c < chunks.size(); ++c) {
     const ScheduledChunk& chunk = chunks[c];
     Sequence* seq = chunk.seq;
-    const int32_t seq_index = static_cast<int32_t>(batch.block_tables.size());
-    batch.block_tables.push_back(seq->block_table);
+    const int32_t seq_index = static_cast<int32_t>(c);
+    batch.block_tables[c].assign(seq->block_table.begin(), seq->block_table.end());
     const bool decode = chunk.end - chunk.begin == 1 && seq->num_generated() > 0;
     if (!decode) prefilled_tokens_ += chunk.end - chunk.begin;
     const int64_t first_token = batch.num_tokens();
@@ -659,7 +665,10 @@ void Engine::Report(Sequence* seq, std::optional<FinishReason> reason,
     --unfinished_samples_;
   }
   if (event.new_token_ids.empty() && !event.completion.has_value()) return;
-  (*events)[seq->job_id].push_back(std::move(event));
+  std::vector<SampleEvent>& job_events = (*events)[seq->job_id];
+  // A step reports each running sequence at most once: room for all of them at the first.
+  if (job_events.empty()) job_events.reserve(scheduler_.num_running() + 1);
+  job_events.push_back(std::move(event));
 }
 
 void Engine::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,

@@ -285,6 +285,9 @@ class Engine {
   std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
   std::vector<Submission> held_;           // submissions waiting for draining_
   std::vector<float> logits_;
+  // The step's batch, rebuilt every step in place: its vectors (a block table per sequence)
+  // keep their capacity instead of being allocated again each step.
+  ForwardBatch batch_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

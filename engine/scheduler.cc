@@ -112,6 +112,7 @@ int64_t Scheduler::ChunkEnd(const Sequence& seq, int64_t budget) const {
 
 std::vector<ScheduledChunk> Scheduler::Schedule() {
   std::vector<ScheduledChunk> chunks;
+  chunks.reserve(running_.size());
   int64_t budget = options_.max_batch_tokens;
   // Two passes over the running set: decoders (one token each) before prefills, so that long
   // prompts cannot stall the streams of sequences already generating.
