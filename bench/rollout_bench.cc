@@ -30,6 +30,7 @@
 #include "engine/cuda/cuda_model_runner.h"
 #include "engine/engine.h"
 #include "engine/random_model.h"
+#include "engine/rollout_workload.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/event_timer.h"
@@ -229,12 +230,6 @@ class TimedRunner final : public ModelRunner {
  private:
   CudaModelRunner* inner_;
 };
-
-std::vector<int32_t> RandomPrompt(int n, int vocab, std::mt19937_64* rng) {
-  std::vector<int32_t> t(n);
-  for (int32_t& x : t) x = static_cast<int32_t>((*rng)() % vocab);
-  return t;
-}
 
 // A batch of `seqs` sequences, each with blocks [i * per_seq, (i + 1) * per_seq), taking tokens
 // [begin, end) of each (same range for all).
@@ -510,17 +505,8 @@ int Main() {
     std::fprintf(stderr, "engine: %s\n", engine.status().ToString().c_str());
     return 1;
   }
-  std::vector<SampleSpec> samples;
-  for (int i = 0; i < requests; ++i) {
-    SampleSpec s;
-    s.rollout_index = i;
-    s.prompt = RandomPrompt(in, vocab, &rng);
-    s.params.temperature = absl::GetFlag(FLAGS_temperature);
-    s.params.max_new_tokens = out;
-    s.params.ignore_eos = true;
-    s.sample_seed = 1000 + i;
-    samples.push_back(std::move(s));
-  }
+  std::vector<SampleSpec> samples =
+      RolloutWorkload(requests, in, out, absl::GetFlag(FLAGS_temperature), vocab, &rng);
   std::mutex mu;
   std::condition_variable cv;
   bool timed_out = false;

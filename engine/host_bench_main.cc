@@ -14,12 +14,14 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "engine/engine.h"
 #include "engine/model_runner.h"
+#include "engine/rollout_workload.h"
 
 ABSL_FLAG(int32_t, requests, 256, "requests (all submitted at once)");
 ABSL_FLAG(int32_t, input_len, 1024, "prompt tokens per request");
@@ -92,18 +94,9 @@ int Run() {
       std::fprintf(stderr, "engine: %s\n", engine.status().ToString().c_str());
       return 1;
     }
-    std::vector<SampleSpec> samples;
-    for (int i = 0; i < requests; ++i) {
-      SampleSpec s;
-      s.rollout_index = i;
-      s.prompt.resize(in);
-      for (int j = 0; j < in; ++j) s.prompt[j] = (i * 7919 + j * 31) % 150000;
-      s.params.temperature = 1.0f;
-      s.params.max_new_tokens = out;
-      s.params.ignore_eos = true;
-      s.sample_seed = 1000 + i;
-      samples.push_back(std::move(s));
-    }
+    std::mt19937_64 rng(1);
+    std::vector<SampleSpec> samples = RolloutWorkload(requests, in, out, /*temperature=*/1.0f,
+                                                      counter->config().vocab_size, &rng);
     std::mutex mu;
     std::condition_variable cv;
     int finished = 0;
