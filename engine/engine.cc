@@ -289,7 +289,7 @@ std::string Engine::weight_version() const {
 }
 
 void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
-                            std::map<uint64_t, std::vector<SampleEvent>>* events) {
+                            StepEvents* events) {
   for (PendingUpdate& pending : updates) {
     if (DropIfCancelled(&pending)) continue;
     if (draining_.has_value()) {
@@ -445,7 +445,7 @@ void Engine::Loop() {
       stop = stop_;
       paused = paused_;
     }
-    std::map<uint64_t, std::vector<SampleEvent>> events;  // by job id, so delivery is ordered
+    StepEvents events;
     // Updates first: a submission that raced an update into this iteration runs after it.
     ProcessUpdates(std::move(updates), &events);
     for (Submission& s : submissions) {
@@ -511,7 +511,7 @@ void Engine::Admit(Submission submission) {
   job.num_unfinished = job.sequences.size();
 }
 
-void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
+void Engine::Step(StepEvents* events) {
   std::vector<ScheduledChunk> chunks = scheduler_.Schedule();
   if (chunks.empty()) return;
   ForwardBatch& batch = batch_;
@@ -633,19 +633,40 @@ void Engine::Step(std::map<uint64_t, std::vector<SampleEvent>>* events) {
 }
 
 
-void Engine::Report(Sequence* seq, std::optional<FinishReason> reason,
-                    std::map<uint64_t, std::vector<SampleEvent>>* events) {
+void Engine::Report(Sequence* seq, std::optional<FinishReason> reason, StepEvents* events) {
+  const int64_t from = seq->num_reported;
+  const int64_t to = seq->num_generated();
+  seq->num_reported = to;
+  if (!reason.has_value() && seq->params.top_logprobs == 0) {
+    // Streamed tokens only: copied flat, made into an event on the delivery thread.
+    if (to == from) return;
+    if (events->tokens.empty()) {
+      events->tokens.reserve(scheduler_.num_running() + 1);
+      events->logprobs.reserve(scheduler_.num_running() + 1);
+    }
+    StepEvents::Entry entry;
+    entry.rollout_index = seq->rollout_index;
+    entry.sample_index = seq->sample_index;
+    entry.begin = static_cast<uint32_t>(events->tokens.size());
+    entry.count = static_cast<uint32_t>(to - from);
+    events->tokens.insert(events->tokens.end(), seq->tokens.begin() + seq->prompt_len + from,
+                          seq->tokens.end());
+    events->logprobs.insert(events->logprobs.end(), seq->logprobs.begin() + from,
+                            seq->logprobs.end());
+    std::vector<StepEvents::Entry>& entries = events->jobs[seq->job_id].entries;
+    // A step reports each running sequence at most once: room for all of them at the first.
+    if (entries.empty()) entries.reserve(scheduler_.num_running() + 1);
+    entries.push_back(entry);
+    return;
+  }
   SampleEvent event;
   event.rollout_index = seq->rollout_index;
   event.sample_index = seq->sample_index;
-  const int64_t from = seq->num_reported;
-  const int64_t to = seq->num_generated();
   event.new_token_ids.assign(seq->tokens.begin() + seq->prompt_len + from, seq->tokens.end());
   event.new_logprobs.assign(seq->logprobs.begin() + from, seq->logprobs.end());
   if (seq->params.top_logprobs > 0) {
     event.new_top_logprobs.assign(seq->top_logprobs.begin() + from, seq->top_logprobs.end());
   }
-  seq->num_reported = to;
   if (reason.has_value()) {
     seq->finished = true;
     scheduler_.Remove(seq);
@@ -665,14 +686,17 @@ void Engine::Report(Sequence* seq, std::optional<FinishReason> reason,
     --unfinished_samples_;
   }
   if (event.new_token_ids.empty() && !event.completion.has_value()) return;
-  std::vector<SampleEvent>& job_events = (*events)[seq->job_id];
-  // A step reports each running sequence at most once: room for all of them at the first.
-  if (job_events.empty()) job_events.reserve(scheduler_.num_running() + 1);
-  job_events.push_back(std::move(event));
+  StepEvents::JobEvents& job_events = events->jobs[seq->job_id];
+  StepEvents::Entry entry;
+  entry.rollout_index = event.rollout_index;
+  entry.sample_index = event.sample_index;
+  entry.built = static_cast<int32_t>(job_events.built.size());
+  job_events.built.push_back(std::move(event));
+  job_events.entries.push_back(entry);
 }
 
 void Engine::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
-                      std::map<uint64_t, std::vector<SampleEvent>>* events) {
+                      StepEvents* events) {
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
   for (auto& seq : it->second.sequences) {
@@ -682,12 +706,12 @@ void Engine::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
   }
 }
 
-void Engine::Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events) {
+void Engine::Deliver(StepEvents* events) {
   if (events->empty()) return;
   // One closure per step: the sinks of its jobs in job order (a job's events stay in order
   // because the delivery thread runs closures in the order they were posted).
-  std::vector<std::pair<EventSink, std::vector<SampleEvent>>> deliveries;
-  for (auto& [job_id, job_events] : *events) {
+  std::vector<std::pair<EventSink, StepEvents::JobEvents>> deliveries;
+  for (auto& [job_id, job_events] : events->jobs) {
     auto it = jobs_.find(job_id);
     CHECK(it != jobs_.end());
     if (it->second.num_unfinished == 0) {
@@ -697,10 +721,27 @@ void Engine::Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events) {
       deliveries.emplace_back(it->second.sink, std::move(job_events));
     }
   }
-  events->clear();
-  delivery_.Post([deliveries = std::move(deliveries)]() mutable {
-    for (auto& [sink, job_events] : deliveries) sink(std::move(job_events));
+  delivery_.Post([deliveries = std::move(deliveries), tokens = std::move(events->tokens),
+                  logprobs = std::move(events->logprobs)]() mutable {
+    for (auto& [sink, job_events] : deliveries) {
+      std::vector<SampleEvent> out(job_events.entries.size());
+      for (size_t i = 0; i < out.size(); ++i) {
+        const StepEvents::Entry& entry = job_events.entries[i];
+        if (entry.built >= 0) {
+          out[i] = std::move(job_events.built[entry.built]);
+          continue;
+        }
+        out[i].rollout_index = entry.rollout_index;
+        out[i].sample_index = entry.sample_index;
+        out[i].new_token_ids.assign(tokens.begin() + entry.begin,
+                                    tokens.begin() + entry.begin + entry.count);
+        out[i].new_logprobs.assign(logprobs.begin() + entry.begin,
+                                   logprobs.begin() + entry.begin + entry.count);
+      }
+      sink(std::move(out));
+    }
   });
+  *events = StepEvents();
 }
 
 }  // namespace rollout

@@ -237,23 +237,45 @@ class Engine {
     std::optional<int32_t> rollout_index;  // none: every rollout of the job
   };
 
+  // One loop iteration's events, by job id (so that delivery is in job order), in report order
+  // within a job. A sample's streamed tokens (no completion, no top logprobs) are copied to
+  // flat arrays here and become SampleEvents on the delivery thread: the allocations of the
+  // step's ~one event per running sample happen there, off the engine thread (and are freed by
+  // the thread that made them). Other events are built by Report.
+  struct StepEvents {
+    struct Entry {
+      int32_t rollout_index = 0;
+      int32_t sample_index = 0;
+      uint32_t begin = 0, count = 0;  // streamed: [begin, begin + count) of tokens / logprobs
+      int32_t built = -1;             // >= 0: the event is the job's built[built] instead
+    };
+    struct JobEvents {
+      std::vector<Entry> entries;
+      std::vector<SampleEvent> built;
+    };
+    std::map<uint64_t, JobEvents> jobs;
+    std::vector<int32_t> tokens;
+    std::vector<float> logprobs;
+    bool empty() const { return jobs.empty(); }
+  };
+
   Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options);
   void Loop();
   void Admit(Submission submission);
-  void Step(std::map<uint64_t, std::vector<SampleEvent>>* events);
+  void Step(StepEvents* events);
   // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
   void Report(Sequence* seq, std::optional<FinishReason> reason,
-              std::map<uint64_t, std::vector<SampleEvent>>* events);
+              StepEvents* events);
   void AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
-                std::map<uint64_t, std::vector<SampleEvent>>* events);
+                StepEvents* events);
   // Posts the events to the delivery thread, in job order.
-  void Deliver(std::map<uint64_t, std::vector<SampleEvent>>* events);
+  void Deliver(StepEvents* events);
   // Calls an update's `done` once the events of earlier steps were delivered.
   void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
   void PublishCounters();
   // Takes updates off the inbox, applies those that can be applied now.
   void ProcessUpdates(std::vector<PendingUpdate> updates,
-                      std::map<uint64_t, std::vector<SampleEvent>>* events);
+                      StepEvents* events);
   void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
   // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
   bool DropIfCancelled(PendingUpdate* pending);
