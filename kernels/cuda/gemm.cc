@@ -370,7 +370,6 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
     const int64_t min_m = ladder[i].min_m;
     const int64_t end_m = i + 1 < ladder.size() ? ladder[i + 1].min_m : INT64_MAX;
     const int64_t rep = ladder[i].representative_m;
-    if (rep == 0) continue;  // the pin's range
     std::vector<cublasLtMatmulAlgo_t> algos;
     ROLLOUT_RETURN_IF_CUBLAS(Candidates(handle_, n_, k_, output_, rep, kLadderCandidates, &algos));
     // The fastest admitted candidate at the representative m (as far as the probe reaches),

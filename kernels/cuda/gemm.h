@@ -101,7 +101,7 @@ class PinnedGemm {
   // column-parallel weight), each admitted again by the probe on this gemm's shape.
   cublasStatus_t CopyLadder(const PinnedGemm& from, std::string* diagnostics = nullptr);
   // The ranges of m BuildLadder considers: [min_m, next range's min_m), the heuristic asked at
-  // representative_m; representative_m 0 marks the pin's own range.
+  // representative_m.
   struct LadderRange {
     int64_t min_m;
     int64_t representative_m;
