@@ -758,8 +758,9 @@ __global__ void PatternReadKernel(const int32_t* positions, const int32_t* offse
       const int key = tile + idx / 16, chunk = idx % 16;
       const int64_t page = table[min(key, pos) / bs];
       const int64_t off =
-          kHeadMajor ? ((page * nkv + kv_head) * bs + key % bs) * 128 + chunk * 8
-                     : ((page * bs + key % bs) * nkv + kv_head) * 128 + chunk * 8;
+          (kHeadMajor ? cuda::KvPageOffset(page, kv_head, key % bs, bs, nkv, 128)
+                      : ((page * bs + key % bs) * nkv + kv_head) * 128) +
+          chunk * 8;
       x[q] = __ldcs(reinterpret_cast<const uint4*>(k + off));
       x[16 + q] = __ldcs(reinterpret_cast<const uint4*>(v + off));
     }

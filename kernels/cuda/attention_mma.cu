@@ -236,9 +236,8 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
   auto lane_row = [&](int t) -> int64_t {
     const int key = walk_begin + t * kTile + lane;
     if (t >= num_tiles || key > max_pos) return 0;
-    const int64_t page = table[key / cache.block_size];
-    return ((page * num_kv_heads + kv_head) * cache.block_size + key % cache.block_size) *
-           kHeadDim;
+    return KvPageOffset(table[key / cache.block_size], kv_head, key % cache.block_size,
+                        cache.block_size, num_kv_heads, kHeadDim);
   };
   auto k_stage = [&](int t) { return ring + (t % kStages) * 2 * Shape::kTileElems; };
   // Tile t as one commit group (empty past the last tile): tile t has landed once at most

@@ -35,14 +35,25 @@ struct KvCacheView {
   int32_t head_dim = 0;
 };
 
-// Element offset of (slot, kv head)'s head_dim values in one layer's k (or v).
 #if defined(__CUDACC__)
-__host__ __device__
+#define ROLLOUT_HOST_DEVICE __host__ __device__
+#else
+#define ROLLOUT_HOST_DEVICE
 #endif
-inline int64_t KvOffset(int64_t slot, int32_t kv_head, int32_t block_size, int32_t num_kv_heads,
-                        int32_t head_dim) {
-  return ((slot / block_size * num_kv_heads + kv_head) * block_size + slot % block_size) *
-         head_dim;
+
+// Element offset, in one layer's k (or v), of the head_dim values of KV block `page`'s key
+// `in_page` at kv head `kv_head`: the cache layout, stated once.
+ROLLOUT_HOST_DEVICE inline int64_t KvPageOffset(int64_t page, int32_t kv_head, int32_t in_page,
+                                                int32_t block_size, int32_t num_kv_heads,
+                                                int32_t head_dim) {
+  return ((page * num_kv_heads + kv_head) * block_size + in_page) * head_dim;
+}
+
+// The same for a slot (block * block_size + position in block).
+ROLLOUT_HOST_DEVICE inline int64_t KvOffset(int64_t slot, int32_t kv_head, int32_t block_size,
+                                            int32_t num_kv_heads, int32_t head_dim) {
+  return KvPageOffset(slot / block_size, kv_head, static_cast<int32_t>(slot % block_size),
+                      block_size, num_kv_heads, head_dim);
 }
 
 // x[t, :] = float(embed[token_ids[t], :]).
