@@ -15,12 +15,14 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "engine/engine.h"
 #include "engine/model_runner.h"
+#include "engine/random_model.h"
 #include "engine/rollout_workload.h"
 
 ABSL_FLAG(int32_t, requests, 256, "requests (all submitted at once)");
@@ -33,20 +35,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// A runner with a Qwen3-8B config that computes nothing.
+// A runner that computes nothing.
 class NoOpRunner final : public ModelRunner {
  public:
-  NoOpRunner() {
-    config_.num_layers = 36;
-    config_.hidden_size = 4096;
-    config_.intermediate_size = 12288;
-    config_.num_attention_heads = 32;
-    config_.num_key_value_heads = 8;
-    config_.head_dim = 128;
-    config_.vocab_size = 151936;
-    config_.max_position_embeddings = 40960;
-    config_.qk_norm = true;
-  }
+  explicit NoOpRunner(ModelConfig config) : config_(std::move(config)) {}
   const ModelConfig& config() const override { return config_; }
   const char* backend_name() const override { return "no-op"; }
   int32_t num_kv_blocks() const override { return 1 << 16; }
@@ -84,7 +76,7 @@ int Run() {
   std::printf("engine host work: %d requests, %d prompt + %d generated tokens, no-op runner\n",
               requests, in, out);
   for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
-    auto runner = std::make_unique<NoOpRunner>();
+    auto runner = std::make_unique<NoOpRunner>(*PresetConfig("qwen3-8b"));
     const NoOpRunner* counter = runner.get();
     EngineOptions options;
     options.max_running_samples = 256;
