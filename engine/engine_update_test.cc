@@ -18,28 +18,24 @@ namespace {
 
 constexpr char kTensor[] = "model.layers.0.mlp.down_proj.weight";
 
+// Writes a random model of `preset` (seed 5) and returns its directory.
+std::string WriteModel(const std::string& preset) {
+  std::string d = ::testing::TempDir() + "engine-update-test-" + preset;
+  RandomModelOptions options;
+  options.preset = preset;
+  options.seed = 5;
+  EXPECT_TRUE(WriteRandomModel(options, d).ok());
+  return d;
+}
+
 const std::string& ModelDir() {
-  static const std::string dir = [] {
-    std::string d = ::testing::TempDir() + "engine-update-test-tiny";
-    RandomModelOptions options;
-    options.preset = "tiny";
-    options.seed = 5;
-    EXPECT_TRUE(WriteRandomModel(options, d).ok());
-    return d;
-  }();
+  static const std::string dir = WriteModel("tiny");
   return dir;
 }
 
 // The small preset: slow enough on the CPU that a long sample is still running a while later.
 const std::string& SmallModelDir() {
-  static const std::string dir = [] {
-    std::string d = ::testing::TempDir() + "engine-update-test-small";
-    RandomModelOptions options;
-    options.preset = "small";
-    options.seed = 5;
-    EXPECT_TRUE(WriteRandomModel(options, d).ok());
-    return d;
-  }();
+  static const std::string dir = WriteModel("small");
   return dir;
 }
 
