@@ -96,6 +96,18 @@ class ModelTest : public ::testing::Test {
     o.max_batch_tokens = 2048;
     return o;
   }
+  // Real Qwen3-8B shapes (hidden 4096, 32/8 heads x 128, inter 12288, vocab 151936) with two
+  // layers: the production GEMM and attention sizes at test cost. Runner options: a 2 GiB KV pool.
+  static ModelConfig Qwen3_8bTwoLayers() {
+    ModelConfig config = *PresetConfig("qwen3-8b");
+    config.num_layers = 2;
+    return config;
+  }
+  static CudaRunnerOptions Qwen3_8bOptions() {
+    CudaRunnerOptions o;
+    o.kv_cache_bytes = 2ll << 30;
+    return o;
+  }
   static std::string TempDir(const std::string& name) {
     const std::string dir =
         ::testing::TempDir() + "/rollout_gpu_" + name + "_" + std::to_string(getpid());
@@ -362,22 +374,15 @@ TEST_F(ModelTest, SmallModelDecodeGraphsWithSmallSplitsEqualEagerBitwise) {
 }
 
 TEST_F(ModelTest, Qwen3_8bShapedDecodeGraphsEqualEagerBitwise) {
-  ModelConfig config = *PresetConfig("qwen3-8b");
-  config.num_layers = 2;
-  CudaRunnerOptions o;
-  o.kv_cache_bytes = 2ll << 30;
-  CheckGraphsMatchEager(config, o, 256, 1500, {1, 2, 5, 8, 31, 64, 97, 200, 256});
+  CheckGraphsMatchEager(Qwen3_8bTwoLayers(), Qwen3_8bOptions(), 256, 1500,
+                        {1, 2, 5, 8, 31, 64, 97, 200, 256});
 }
 
-// Real Qwen3-8B shapes (hidden 4096, 32/8 heads x 128, inter 12288, vocab 151936), two layers:
-// the pinned GEMM algorithms and the attention kernel at their production sizes.
+// The pinned GEMM algorithms and the attention kernel at their production sizes.
 TEST_F(ModelTest, Qwen3_8bShapedRowsAreBatchAndChunkInvariant) {
-  ModelConfig config = *PresetConfig("qwen3-8b");
-  config.num_layers = 2;
-  CudaRunnerOptions o;
-  o.kv_cache_bytes = 2ll << 30;
+  CudaRunnerOptions o = Qwen3_8bOptions();
   o.max_batch_tokens = 8192;
-  auto runner = CudaModelRunner::CreateSynthetic(config, 3, o);
+  auto runner = CudaModelRunner::CreateSynthetic(Qwen3_8bTwoLayers(), 3, o);
   ASSERT_TRUE(runner.ok()) << runner.status();
   for (const std::string& line : (*runner)->gemm_descriptions()) {
     std::printf("[ pinned   ] %s\n", line.c_str());
@@ -389,10 +394,8 @@ TEST_F(ModelTest, Qwen3_8bShapedRowsAreBatchAndChunkInvariant) {
 // ~8000 rows, then decode steps of 1 .. 300 rows (every ladder range) -- every logits row
 // bitwise equal.
 TEST_F(ModelTest, Qwen3_8bShapedGemmLadderGivesThePinsBits) {
-  ModelConfig config = *PresetConfig("qwen3-8b");
-  config.num_layers = 2;
-  CudaRunnerOptions o;
-  o.kv_cache_bytes = 2ll << 30;
+  const ModelConfig config = Qwen3_8bTwoLayers();
+  CudaRunnerOptions o = Qwen3_8bOptions();
   o.max_batch_tokens = 8192;
   o.gemm_ladder = false;
   auto pinned = CudaModelRunner::CreateSynthetic(config, 5, o);
@@ -438,12 +441,9 @@ TEST_F(ModelTest, Qwen3_8bShapedGemmLadderGivesThePinsBits) {
 }
 
 TEST_F(ModelTest, Qwen3_8bShapedWithSimtAttentionIsInvariant) {
-  ModelConfig config = *PresetConfig("qwen3-8b");
-  config.num_layers = 2;
-  CudaRunnerOptions o;
-  o.kv_cache_bytes = 2ll << 30;
+  CudaRunnerOptions o = Qwen3_8bOptions();
   o.attention_kernel = CudaAttentionKernel::kSimt;
-  auto runner = CudaModelRunner::CreateSynthetic(config, 3, o);
+  auto runner = CudaModelRunner::CreateSynthetic(Qwen3_8bTwoLayers(), 3, o);
   ASSERT_TRUE(runner.ok()) << runner.status();
   CheckInvariance(runner->get(), 600, 15);
 }
