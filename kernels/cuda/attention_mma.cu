@@ -255,8 +255,11 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
   int64_t next_row = lane_row(kStages - 1);  // of the next tile to issue: read a tile early
 
   // This thread's two rows: g and g + 8 of the warp's 16. Row r is (token item.x + r / group,
-  // head kv_head * group + r % group).
+  // head kv_head * group + r % group), row head_row(r) of q, out and the partials.
   const int r0 = warp * 16 + g, r1 = r0 + 8;
+  auto head_row = [&](int r) -> int64_t {
+    return (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
+  };
   const int pos0 = r0 < num_rows ? p.positions[item.x + r0 / group] : -1;
   const int pos1 = r1 < num_rows ? p.positions[item.x + r1 / group] : -1;
   int warp_max_pos = max(pos0, pos1);
@@ -271,9 +274,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
   {
     auto q_row = [&](int r) -> const float* {
       if (r >= num_rows) return nullptr;
-      const int64_t row =
-          (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
-      return p.q + row * kHeadDim + 2 * t4;
+      return p.q + head_row(r) * kHeadDim + 2 * t4;
     };
     auto pair = [](const float* q, int d) {
       if (q == nullptr) return 0u;
@@ -420,9 +421,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
       const int r = half == 0 ? r0 : r1;
       if (r >= num_rows) continue;  // padding row
       const float big_l = fold[(2 + half) * Shape::kThreads];
-      const int64_t row =
-          (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
-      bf16* dst = p.out + row * kHeadDim + 2 * t4;
+      bf16* dst = p.out + head_row(r) * kHeadDim + 2 * t4;
 #pragma unroll
       for (int n = 0; n < kDimTiles; ++n) {
         const float* big_o = fold_o + (4 * n + 2 * half) * Shape::kThreads;
@@ -437,9 +436,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
       const int r = half == 0 ? r0 : r1;
       const int pos = half == 0 ? pos0 : pos1;
       if (pos < walk_begin) continue;  // padding row, or no key of this split
-      const int64_t row =
-          (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
-      float* dst = p.partials + (row * p.max_splits + split) * (kHeadDim + 2);
+      float* dst = p.partials + (head_row(r) * p.max_splits + split) * (kHeadDim + 2);
       if (t4 == 0) {
         dst[0] = half == 0 ? m0 : m1;
         dst[1] = half == 0 ? l0 : l1;
