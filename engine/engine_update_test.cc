@@ -100,6 +100,15 @@ std::vector<SampleCompletion> RunJob(Engine* engine, std::vector<SampleSpec> spe
   return future.get();
 }
 
+// Runs `spec` on another thread and returns once the engine has made three more steps, so that
+// the sample is in flight; the future holds its completion.
+std::future<std::vector<SampleCompletion>> StartInFlight(Engine* engine, SampleSpec spec) {
+  const uint64_t steps = engine->counters().steps;
+  auto run = std::async(std::launch::async, [engine, spec] { return RunJob(engine, {spec}); });
+  while (engine->counters().steps < steps + 3) std::this_thread::yield();
+  return run;
+}
+
 UpdateResult Update(Engine* engine, std::string version, UpdatePolicy policy,
                     std::vector<HostTensor> tensors) {
   std::promise<UpdateResult> promise;
@@ -190,10 +199,7 @@ TEST(EngineUpdateTest, AbortPolicyDeliversTheAbortedCompletionsBeforeItsReply) {
 // caller's cancel, and the held slot is freed: the update answers CANCELLED promptly.
 TEST(EngineUpdateTest, ADrainUpdateCancelledWhileTheEngineIsPausedIsNoticed) {
   std::unique_ptr<Engine> engine = MakeEngine(SmallModelDir());
-  const uint64_t steps = engine->counters().steps;
-  auto in_flight =
-      std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(4000)}); });
-  while (engine->counters().steps < steps + 3) std::this_thread::yield();
+  auto in_flight = StartInFlight(engine.get(), Spec(4000));
   std::atomic<bool> cancelled{false};
   std::promise<UpdateResult> promise;
   auto answered = promise.get_future();
@@ -220,10 +226,7 @@ TEST(EngineUpdateTest, ADrainUpdateCancelledWhileTheEngineIsPausedIsNoticed) {
 TEST(EngineUpdateTest, DrainFinishesInFlightOnOldWeightsAndNewWorkRunsOnTheNew) {
   std::unique_ptr<Engine> engine = MakeEngine();
   const std::string old_bits = Bits(RunJob(engine.get(), {Spec(400)})[0]);
-  const uint64_t steps = engine->counters().steps;
-  auto in_flight =
-      std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(400)}); });
-  while (engine->counters().steps < steps + 3) std::this_thread::yield();
+  auto in_flight = StartInFlight(engine.get(), Spec(400));
   std::promise<UpdateResult> promise;
   engine->UpdateWeights(WeightUpdate{"v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)}},
                         [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
@@ -279,10 +282,7 @@ TEST(EngineUpdateTest, AnUpdateCancelledBeforeItActsAppliesNothingWhateverItsPol
 
 TEST(EngineUpdateTest, ADrainUpdateCancelledWhileItWaitsAppliesNothingAndReleasesHeldWork) {
   std::unique_ptr<Engine> engine = MakeEngine();
-  const uint64_t steps = engine->counters().steps;
-  auto in_flight =
-      std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(400)}); });
-  while (engine->counters().steps < steps + 3) std::this_thread::yield();
+  auto in_flight = StartInFlight(engine.get(), Spec(400));
   std::atomic<bool> cancelled{false};
   std::promise<UpdateResult> promise;
   engine->UpdateWeights(
