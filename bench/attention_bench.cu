@@ -432,6 +432,20 @@ void Build(const Shape& shape, const std::vector<int32_t>& lengths, bool decode,
   pb->d_offsets = Upload(offsets);
   pb->d_tables = Upload(tables);
   pb->max_splits = *std::max_element(pb->positions.begin(), pb->positions.end()) / shape.split + 1;
+  // Poison: NaN in every K/V row past a sequence's last token in its last page, which no kernel
+  // may let into an output (a masked key's p = 0 times a NaN value would be NaN).
+  const std::vector<uint16_t> nan(static_cast<size_t>(shape.bs) * shape.hd, 0x7fc0);
+  for (size_t s = 0; s < lengths.size(); ++s) {
+    const int32_t used = (lengths[s] - 1) % shape.bs + 1;
+    if (used == shape.bs) continue;
+    const int32_t page = tables[first_page[s + 1] - 1];
+    for (int h = 0; h < shape.nkv; ++h) {
+      const int64_t at = cuda::KvPageOffset(page, h, used, shape.bs, shape.nkv, shape.hd);
+      const size_t bytes = static_cast<size_t>(shape.bs - used) * shape.hd * 2;
+      Check(cudaMemcpy(pb->k.get<bf16>() + at, nan.data(), bytes, cudaMemcpyHostToDevice), "nan");
+      Check(cudaMemcpy(pb->v.get<bf16>() + at, nan.data(), bytes, cudaMemcpyHostToDevice), "nan");
+    }
+  }
 }
 
 // Work items as the engine cuts them: runs of one sequence's consecutive tokens, at most

@@ -8,7 +8,9 @@
 namespace rollout::cuda {
 namespace {
 
-constexpr int kSampleThreads = 512;  // a constant of the kernel: it fixes the reduction order
+// A constant of the kernel: it fixes the reduction order. Two blocks per SM (32 registers): a
+// 256-row step runs in one wave on 132 SMs.
+constexpr int kSampleThreads = 1024;
 constexpr int kSampleWarps = kSampleThreads / 32;
 
 __device__ __forceinline__ uint64_t SplitMix64(uint64_t x) {
@@ -40,6 +42,16 @@ __device__ __forceinline__ float ScaledLogit(float logit, float t) {
 // non-NaN values, so any reduction order gives the same winner.
 __device__ __forceinline__ bool Better(float v, int i, float bv, int bi) {
   return v > bv || (v == bv && i < bi);
+}
+
+// (m, s) := the pair of (om, os) and (m, s), where s is a sum of expf(x - m) over some x:
+// M = max(m, om), s = s expf(m - M) + os expf(om - M). Commutative bitwise (so both lanes of an
+// xor-butterfly step get the same bits); a pair with m = -inf has s = 0 and adds nothing.
+__device__ __forceinline__ void CombineMaxSum(float om, float os, float* m, float* s) {
+  const float big = fmaxf(*m, om);
+  if (big == -INFINITY) return;  // both empty: (-inf, 0)
+  *s = __fadd_rn(__fmul_rn(*s, expf(__fsub_rn(*m, big))), __fmul_rn(os, expf(__fsub_rn(om, big))));
+  *m = big;
 }
 
 struct Shared {
@@ -90,11 +102,11 @@ __device__ void BlockBest(Shared& sh, float* v, int* i) {
   *i = sh.bcast_i;
 }
 
-__global__ void __launch_bounds__(kSampleThreads)
+__global__ void __launch_bounds__(kSampleThreads, 2)
     ProcessLogitsKernel(const float* logits, int32_t vocab, const LogitsRowSpec* specs,
                         LogitsRowResult* results) {
   __shared__ Shared sh;
-  __shared__ float warp_sums[kSampleWarps];
+  __shared__ float warp_max[kSampleWarps], warp_sums[kSampleWarps];
   __shared__ float bcast_max, bcast_sum;
   const int64_t r = blockIdx.x;
   const LogitsRowSpec spec = specs[r];
@@ -102,17 +114,24 @@ __global__ void __launch_bounds__(kSampleThreads)
   const float t = spec.temperature;
   const int tid = threadIdx.x;
 
-  // Pass 1: max of x; greedy argmax of the raw logits or the Gumbel-max key.
-  float tmax = -INFINITY;
+  // One pass over the row: this thread's running (max, sum of expf(x - max)) of x, and the
+  // greedy argmax of the raw logits or the Gumbel-max key. Unrolled so that several elements'
+  // loads, hash and log chains are in flight per thread; each thread still visits its elements
+  // in increasing order (the bits do not change).
+  float tmax = -INFINITY, tsum = 0.0f;
   float best_v = -INFINITY;
   int best_i = INT_MAX;
-  // Unrolled so that several elements' hash and log chains are in flight per thread; each
-  // thread still visits its elements in increasing order (the bits do not change).
 #pragma unroll 4
   for (int i = tid; i < vocab; i += kSampleThreads) {
     const float l = row[i];
     const float x = ScaledLogit(l, t);
-    tmax = fmaxf(tmax, x);
+    if (x > tmax) {
+      // A new maximum rescales the sum so far (0 while the maximum was -inf).
+      tsum = __fadd_rn(__fmul_rn(tsum, expf(__fsub_rn(tmax, x))), 1.0f);
+      tmax = x;
+    } else if (x != -INFINITY) {
+      tsum = __fadd_rn(tsum, expf(__fsub_rn(x, tmax)));
+    }
     if (spec.mode == kRowGreedy) {
       const float g = isnan(l) ? -INFINITY : l;
       if (Better(g, i, best_v, best_i)) {
@@ -128,36 +147,25 @@ __global__ void __launch_bounds__(kSampleThreads)
       }
     }
   }
-  tmax = WarpMax(tmax);
-  if (tid % 32 == 0) warp_sums[tid / 32] = tmax;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    CombineMaxSum(__shfl_xor_sync(kFullMask, tmax, off), __shfl_xor_sync(kFullMask, tsum, off),
+                  &tmax, &tsum);
+  }
+  if (tid % 32 == 0) {
+    warp_max[tid / 32] = tmax;
+    warp_sums[tid / 32] = tsum;
+  }
   __syncthreads();
   if (tid == 0) {
-    float m = warp_sums[0];
-    for (int w = 1; w < kSampleWarps; ++w) m = fmaxf(m, warp_sums[w]);
+    float m = warp_max[0], total = warp_sums[0];
+    for (int w = 1; w < kSampleWarps; ++w) CombineMaxSum(warp_max[w], warp_sums[w], &m, &total);
     bcast_max = m;
+    bcast_sum = logf(total);
   }
   __syncthreads();
   const float m = bcast_max;
   if (spec.mode == kRowGreedy || spec.mode == kRowSample) BlockBest(sh, &best_v, &best_i);
-
-  // Pass 2: sum of expf(x - m) in the fixed order of the header.
-  float s = 0.0f;
-  if (m != -INFINITY) {
-#pragma unroll 4
-    for (int i = tid; i < vocab; i += kSampleThreads) {
-      s = __fadd_rn(s, expf(__fsub_rn(ScaledLogit(row[i], t), m)));
-    }
-  }
-  s = WarpSum(s);
-  __syncthreads();
-  if (tid % 32 == 0) warp_sums[tid / 32] = s;
-  __syncthreads();
-  if (tid == 0) {
-    float total = warp_sums[0];
-    for (int w = 1; w < kSampleWarps; ++w) total = __fadd_rn(total, warp_sums[w]);
-    bcast_sum = logf(total);
-  }
-  __syncthreads();
   const float log_sum = bcast_sum;
   const bool all_inf = m == -INFINITY;
   const float uniform_lp = -logf(static_cast<float>(vocab));

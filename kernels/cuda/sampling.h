@@ -5,7 +5,7 @@
 #include <cstdint>
 
 // Sampling and scoring of fp32 logits rows on the GPU (CudaModelRunner::ProcessLogits). One
-// 512-thread block per row; every reduction runs in one fixed order that depends on nothing but
+// 1024-thread block per row, one pass over the row (plus one per top-N entry); every reduction runs in one fixed order that depends on nothing but
 // the row, so a row's results are bitwise the same whatever the other rows of the launch.
 namespace rollout::cuda {
 
@@ -28,8 +28,11 @@ struct LogitsRowSpec {
 };
 
 // Per row, with x_i = ScaledLogit(logits_i / T) (NaN -> -inf, +inf -> FLT_MAX), m = max_i x_i,
-// s = sum_i expf(x_i - m) (thread j of the block sums i = j, j + 512, ... in increasing i, then
-// the 16-lane xor butterfly per warp, then the 16 warps in increasing order), log_sum = logf(s):
+// s = sum_i expf(x_i - m), log_sum = logf(s). s in one fixed order: thread j of the block keeps
+// a running (max, sum) over i = j, j + 1024, ... in increasing i (a new maximum M' rescales the
+// sum by expf(M - M')), then pairs (m_a, s_a), (m_b, s_b) combine as s_a expf(m_a - M) +
+// s_b expf(m_b - M), M = max(m_a, m_b): the 16-lane xor butterfly per warp, then the 32 warps in
+// increasing order. Then:
 //   lp_i = (x_i - m) - log_sum   (all lp_i = uniform_lp = -logf(vocab) when m = -inf).
 struct LogitsRowResult {
   int32_t token = -1;
