@@ -214,7 +214,82 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
   return 0;
 }
 
-int Main(bool equivalence, const char* only) {
+// Split-K candidates at m = 256 (any reduction scheme, a 64 MiB workspace): their speed at
+// m = 256 and 8192 against the pin's, and whether each is row-invariant -- rows of m = 1 .. 1000
+// against the same rows of an m = 8192 run, bitwise.
+int SplitK(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::DeviceBuffer& x,
+           cuda::DeviceBuffer& w, cuda::DeviceBuffer& y, cuda::DeviceBuffer& ws,
+           const char* only) {
+  cuda::DeviceBuffer y_ref, y_init, count;
+  y_ref.Allocate(8192ll * 24576 * 4);
+  y_init.Allocate(8192ll * 24576 * 4);
+  count.Allocate(sizeof(unsigned long long));
+  {
+    std::vector<float> host(8192ll * 24576);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    for (float& v : host) v = dist(rng);
+    cudaMemcpy(y_init.get(), host.data(), host.size() * 4, cudaMemcpyHostToDevice);
+  }
+  for (size_t si = 0; si < num_shapes; ++si) {
+    const Shape& s = shapes[si];
+    if (s.n > 24576 || (only != nullptr && std::strcmp(only, s.name) != 0)) continue;
+    const size_t elem = s.output == GemmOutput::kBf16 ? 2 : 4;
+    auto run = [&](const cublasLtMatmulAlgo_t& algo, int64_t m, void* out) {
+      if (s.output == GemmOutput::kF32Accumulate) {
+        cudaMemcpyAsync(out, y_init.get(), m * s.n * 4, cudaMemcpyDeviceToDevice);
+      }
+      return RawMatmul(s, m).Run(lt, algo, x.get(), w.get(), out, ws.get(), ws.bytes());
+    };
+    std::unique_ptr<cuda::PinnedGemm> pin;
+    cuda::PinnedGemm::Create(lt, s.n, s.k, s.output, 256, &pin);
+    const double pin256 =
+        TimeMs([&] { pin->Run(x.get<cuda::bf16>(), 256, w.get<cuda::bf16>(), y.get(), nullptr); });
+    const double pin8192 = TimeMs(
+        [&] { pin->Run(x.get<cuda::bf16>(), 8192, w.get<cuda::bf16>(), y.get(), nullptr); });
+    std::printf("\n%s [n %ld, k %ld]: pin %.1f us at m=256, %.1f us at m=8192\n", s.name,
+                static_cast<long>(s.n), static_cast<long>(s.k), pin256 * 1e3, pin8192 * 1e3);
+    const RawMatmul mm(s, 256);
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    const uint64_t wsb = ws.bytes();
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb,
+                                         sizeof(wsb));
+    cublasLtMatmulHeuristicResult_t results[32];
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(lt, mm.desc, mm.la, mm.lb, mm.lc, mm.lc, pref, 32, results,
+                                   &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    for (int i = 0; i < found; ++i) {
+      const cublasLtMatmulAlgo_t& algo = results[i].algo;
+      const cuda::GemmAlgoInfo info = cuda::DescribeAlgo(algo);
+      const double t256 = TimeMs([&] { run(algo, 256, y.get()); });
+      const double t8192 = TimeMs([&] { run(algo, 8192, y.get()); });
+      // Row invariance: m = 8192 as the reference, then smaller m against its first rows.
+      std::string verdict = "row-invariant";
+      if (run(algo, 8192, y_ref.get()) != CUBLAS_STATUS_SUCCESS) verdict = "fails at 8192";
+      for (int64_t m : {1, 7, 64, 255, 256, 300, 1000, 4096}) {
+        if (verdict != "row-invariant") break;
+        if (run(algo, m, y.get()) != CUBLAS_STATUS_SUCCESS) {
+          verdict = "fails at m=" + std::to_string(m);
+          break;
+        }
+        cuda::CountDifferentWords(y_ref.get(), y.get(), m * s.n * elem,
+                                  count.get<unsigned long long>(), nullptr);
+        unsigned long long n_diff = 0;
+        cudaMemcpy(&n_diff, count.get(), sizeof(n_diff), cudaMemcpyDeviceToHost);
+        if (n_diff != 0) verdict = "DIFFERS at m=" + std::to_string(m);
+      }
+      std::printf("  %2d  m=256 %7.1f us (%.2fx pin)  m=8192 %8.1f us (%.2fx pin)  ws %7zu  %s  %s\n",
+                  i, t256 * 1e3, t256 / pin256, t8192 * 1e3, t8192 / pin8192,
+                  results[i].workspaceSize, info.ToString().c_str(), verdict.c_str());
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+int Main(bool equivalence, const char* only, bool splitk = false) {
   const Shape shapes[] = {
       {"qkv", 6144, 4096, GemmOutput::kF32},
       {"o", 4096, 4096, GemmOutput::kF32Accumulate},
@@ -237,6 +312,11 @@ int Main(bool equivalence, const char* only) {
                           0);
   cudaMemset(y.get(), 0, 8192ll * 151936 * 4);
   cudaDeviceSynchronize();
+  if (splitk) {
+    const int rc = SplitK(lt, shapes, std::size(shapes), x, w, y, ws, only);
+    cublasLtDestroy(lt);
+    return rc;
+  }
   if (equivalence) {
     const int rc = Equivalence(lt, shapes, std::size(shapes), x, w, y, only);
     cublasLtDestroy(lt);
@@ -301,7 +381,9 @@ int Main(bool equivalence, const char* only) {
 }  // namespace rollout
 
 int main(int argc, char** argv) {
-  // --equivalence [shape name]: all shapes, or only that one.
+  // --equivalence [shape name]: all shapes, or only that one. --splitk [shape name]: split-K
+  // candidates at m = 256, their speed and row invariance.
+  const bool splitk = argc > 1 && std::strcmp(argv[1], "--splitk") == 0;
   return rollout::Main(argc > 1 && std::strcmp(argv[1], "--equivalence") == 0,
-                       argc > 2 ? argv[2] : nullptr);
+                       argc > 2 ? argv[2] : nullptr, splitk);
 }
