@@ -18,6 +18,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -52,6 +53,8 @@ ABSL_FLAG(int32_t, attention_split_size, 256,
           "attention split size in tokens (part of a row's arithmetic: other values, other bits)");
 ABSL_FLAG(std::string, attention, "mma", "attention kernel: mma (tensor cores) or simt");
 ABSL_FLAG(bool, cuda_graphs, true, "replay decode steps as CUDA graphs (padded batch buckets)");
+ABSL_FLAG(bool, decode_lookahead, true,
+          "the engine launches decode step N + 1 before step N's results (EngineOptions)");
 ABSL_FLAG(bool, tp_invariant, true,
           "o_proj/down_proj by the canonical K tree (the server's default: tp 1 = tp 2, 4, 8); "
           "false: one fused GEMM");
@@ -185,7 +188,9 @@ Floor ComputeFloor(const ModelConfig& c, int64_t requests, int64_t in, int64_t o
   return f;
 }
 
-// Times every Forward the engine makes, split by whether the step holds prefill tokens.
+// Times the engine's steps, split by whether the step holds prefill tokens: the host time inside
+// LaunchStep (metadata, enqueueing; all of a step that runs at launch) and the wait in
+// CollectStep (for a step enqueued on the GPU: until its results are back).
 class TimedRunner final : public ModelRunner {
  public:
   explicit TimedRunner(CudaModelRunner* inner) : inner_(inner) {}
@@ -199,36 +204,55 @@ class TimedRunner final : public ModelRunner {
     return inner_->UpdateWeights(tensors);
   }
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
-    const auto start = Clock::now();
-    absl::Status s = inner_->Forward(batch, logits);
-    const int64_t ns =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-    const bool decode_only = batch.num_tokens() == static_cast<int64_t>(batch.block_tables.size());
-    (decode_only ? decode_ns : prefill_ns).fetch_add(ns);
-    (decode_only ? decode_steps : prefill_steps).fetch_add(1);
-    if (!decode_only) prefill_tokens.fetch_add(batch.num_tokens());
-    return s;
+    return inner_->Forward(batch, logits);
   }
   absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
                              const std::vector<float>& logits,
                              std::vector<SampleResult>* results) override {
+    return inner_->ProcessLogits(tasks, logits, results);
+  }
+  bool CanFeed(const std::vector<LogitsRowTask>& tasks) const override {
+    return inner_->CanFeed(tasks);
+  }
+  absl::Status LaunchStep(const ForwardBatch& batch,
+                          const std::vector<LogitsRowTask>& tasks) override {
     const auto start = Clock::now();
-    absl::Status s = inner_->ProcessLogits(tasks, logits, results);
-    sample_ns.fetch_add(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+    absl::Status s = inner_->LaunchStep(batch, tasks);
+    const bool decode_only = batch.num_tokens() == static_cast<int64_t>(batch.block_tables.size());
+    Kind& kind = decode_only ? decode : prefill;
+    kind.launch_ns += Nanoseconds(start);
+    if (s.ok()) {
+      ++kind.steps;
+      kind.tokens += batch.num_tokens();
+      launched_.push_back(&kind);
+    }
+    return s;
+  }
+  absl::Status CollectStep(std::vector<SampleResult>* results) override {
+    const auto start = Clock::now();
+    absl::Status s = inner_->CollectStep(results);
+    if (!launched_.empty()) {
+      launched_.front()->collect_ns += Nanoseconds(start);
+      launched_.pop_front();
+    }
     return s;
   }
 
-  double prefill_s() const { return prefill_ns.load() * 1e-9; }
-  double decode_s() const { return decode_ns.load() * 1e-9; }
-  double sample_s() const { return sample_ns.load() * 1e-9; }
-  std::atomic<int64_t> sample_ns{0};
-
-  std::atomic<int64_t> prefill_ns{0}, decode_ns{0};
-  std::atomic<int64_t> prefill_steps{0}, decode_steps{0}, prefill_tokens{0};
+  struct Kind {
+    std::atomic<int64_t> launch_ns{0}, collect_ns{0}, steps{0}, tokens{0};
+    double launch_s() const { return launch_ns.load() * 1e-9; }
+    double collect_s() const { return collect_ns.load() * 1e-9; }
+    double total_s() const { return launch_s() + collect_s(); }
+    double ms_per_step() const { return total_s() / std::max<int64_t>(1, steps.load()) * 1e3; }
+  };
+  Kind prefill, decode;
 
  private:
+  static int64_t Nanoseconds(Clock::time_point start) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+  }
   CudaModelRunner* inner_;
+  std::deque<Kind*> launched_;  // engine thread only
 };
 
 // A batch of `seqs` sequences, each with blocks [i * per_seq, (i + 1) * per_seq), taking tokens
@@ -500,6 +524,7 @@ int Main() {
   EngineOptions engine_options;
   engine_options.max_running_samples = absl::GetFlag(FLAGS_max_running);
   engine_options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  engine_options.decode_lookahead = absl::GetFlag(FLAGS_decode_lookahead);
   auto engine = Engine::Create(std::move(timed), engine_options);
   if (!engine.ok()) {
     std::fprintf(stderr, "engine: %s\n", engine.status().ToString().c_str());
@@ -547,13 +572,14 @@ int Main() {
           "  %6.1f s: %d/%d finished, %ld tokens generated, prefill steps %.1f s, decode "
           "steps %.1f s\n",
           Seconds(start, Clock::now()), finished, requests, static_cast<long>(generated),
-          timer->prefill_s(), timer->decode_s());
+          timer->prefill.total_s(), timer->decode.total_s());
       std::fflush(stdout);
     }
   }
   const double e2e = Seconds(start, Clock::now());
-  const double forward = timer->prefill_s() + timer->decode_s();
-  const int64_t decode_steps = timer->decode_steps.load();
+  const double forward = timer->prefill.total_s() + timer->decode.total_s();
+  const int64_t decode_steps = timer->decode.steps.load();
+  const int64_t steps = timer->prefill.steps.load() + decode_steps;
   if (timed_out) {
     // Not a result: what the steps so far cost, per kind, to say where the time goes.
     std::printf(
@@ -561,30 +587,31 @@ int Main() {
         "tokens generated\n",
         e2e, finished, requests, static_cast<long>(generated));
     std::printf(
-        "  steps with prefill: %ld, %.2f s in Forward; decode-only steps: %ld, %.2f s in "
-        "Forward (%.1f ms/step); host outside Forward: %.2f s (%.1f ms per step)\n",
-        static_cast<long>(timer->prefill_steps.load()), timer->prefill_s(),
-        static_cast<long>(decode_steps), timer->decode_s(),
-        timer->decode_s() / std::max<int64_t>(1, decode_steps) * 1e3, e2e - forward,
-        (e2e - forward) / std::max<int64_t>(1, decode_steps + timer->prefill_steps.load()) * 1e3);
+        "  steps with prefill: %ld, %.2f s in their launches and collections; decode-only "
+        "steps: %ld, %.2f s (%.1f ms/step); engine host work outside them: %.2f s (%.1f ms per "
+        "step)\n",
+        static_cast<long>(timer->prefill.steps.load()), timer->prefill.total_s(),
+        static_cast<long>(decode_steps), timer->decode.total_s(), timer->decode.ms_per_step(),
+        e2e - forward, (e2e - forward) / std::max<int64_t>(1, steps) * 1e3);
     engine->reset();
     return 0;
   }
   std::printf("\nRESULT %s %d x %d/%d: %.2f s end to end, %.0f output tok/s, %.0f total tok/s\n",
               absl::GetFlag(FLAGS_preset).c_str(), requests, in, out, e2e,
               double(requests) * out / e2e, double(requests) * (in + out) / e2e);
-  const int64_t steps = timer->prefill_steps.load() + decode_steps;
+  const EngineCounters counters = (*engine)->counters();
   std::printf(
-      "  steps with prefill: %ld, %.2f s in Forward (%ld tokens); decode-only steps: %ld, %.2f "
-      "s in Forward (%.2f ms/step)\n"
-      "  ProcessLogits (GPU sampling + result copy): %.2f s (%.3f ms/step); engine host work "
-      "outside both (scheduling, batch building, events): %.2f s (%.3f ms/step)\n",
-      static_cast<long>(timer->prefill_steps.load()), timer->prefill_s(),
-      static_cast<long>(timer->prefill_tokens.load()), static_cast<long>(decode_steps),
-      timer->decode_s(), timer->decode_s() / std::max<int64_t>(1, decode_steps) * 1e3,
-      timer->sample_s(), timer->sample_s() / std::max<int64_t>(1, steps) * 1e3,
-      e2e - forward - timer->sample_s(),
-      (e2e - forward - timer->sample_s()) / std::max<int64_t>(1, steps) * 1e3);
+      "  steps with prefill: %ld (%ld tokens), %.2f s in their launches and collections (%.2f "
+      "launching); decode-only steps: %ld, %.2f s (%.2f ms/step; %.3f ms/step launching), %ld "
+      "of them launched ahead (decode lookahead)\n"
+      "  engine host work outside launches and collections (scheduling, results, events): "
+      "%.2f s (%.3f ms/step)\n",
+      static_cast<long>(timer->prefill.steps.load()),
+      static_cast<long>(timer->prefill.tokens.load()), timer->prefill.total_s(),
+      timer->prefill.launch_s(), static_cast<long>(decode_steps), timer->decode.total_s(),
+      timer->decode.ms_per_step(), timer->decode.launch_s() / std::max<int64_t>(1, decode_steps) * 1e3,
+      static_cast<long>(counters.lookahead_steps), e2e - forward,
+      (e2e - forward) / std::max<int64_t>(1, steps) * 1e3);
   std::printf("  decode graphs: %ld captured, %ld replays\n",
               static_cast<long>(runner->graphs_captured()),
               static_cast<long>(runner->graph_launches()));
@@ -628,13 +655,10 @@ int Main() {
       cv.wait_for(lock, std::chrono::seconds(120), [&] { return done; });
     }
     const double ms = Seconds(first_token, last_token) / std::max<int64_t>(1, got - 1) * 1e3;
-    const double fwd_ms = timer1->decode_s() / std::max<int64_t>(1, timer1->decode_steps.load()) * 1e3;
     std::printf(
-        "\nbatch-1 decode through the Engine at context %d..%d: %.3f ms/token (Forward %.3f ms, "
-        "ProcessLogits %.3f ms per step) = %.2fx the %.3f ms floor\n",
-        in, in + b1, ms, fwd_ms,
-        timer1->sample_s() / std::max<int64_t>(1, timer1->decode_steps.load() + 1) * 1e3,
-        ms / batch1_floor_ms, batch1_floor_ms);
+        "\nbatch-1 decode through the Engine at context %d..%d: %.3f ms/token (launch + "
+        "collect %.3f ms per step) = %.2fx the %.3f ms floor\n",
+        in, in + b1, ms, timer1->decode.ms_per_step(), ms / batch1_floor_ms, batch1_floor_ms);
     engine1->reset();
   }
   return 0;

@@ -403,6 +403,7 @@ void Engine::PublishCounters() {
   c.generated_tokens = generated_tokens_;
   c.prefilled_tokens = prefilled_tokens_;
   c.steps = steps_;
+  c.lookahead_steps = lookahead_steps_;
   c.preemptions = scheduler_.num_preemptions();
   c.kv_blocks_cached = cache_.num_cached_blocks();
   c.prompt_tokens = scheduler_.num_prompt_tokens();
@@ -426,7 +427,7 @@ void Engine::Loop() {
     bool stop, paused;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      const bool busy = !scheduler_.idle();
+      const bool busy = !scheduler_.idle() || launched_.has_value();
       auto ready = [&] {
         return stop_ || (busy && !paused_) || !inbox_.empty() || !aborts_.empty() ||
                !flushes_.empty() || !updates_.empty();
@@ -446,6 +447,11 @@ void Engine::Loop() {
       paused = paused_;
     }
     StepEvents events;
+    // Whatever changes the engine's state waits for the launched step (its sequences' results).
+    if (!submissions.empty() || !aborts.empty() || !flushes.empty() || !updates.empty() || stop ||
+        paused) {
+      DrainLaunched(&events);
+    }
     // Updates first: a submission that raced an update into this iteration runs after it.
     ProcessUpdates(std::move(updates), &events);
     for (Submission& s : submissions) {
@@ -482,7 +488,7 @@ void Engine::Loop() {
       Deliver(&events);
       return;
     }
-    if (!paused && !scheduler_.idle()) Step(&events);
+    if (!paused && (!scheduler_.idle() || launched_.has_value())) Step(&events);
     // A DRAIN update may have become ready (or been cancelled) in this step.
     if (draining_.has_value()) ProcessUpdates({}, &events);
     // Counters first: a caller that has seen an event sees the state that produced it.
@@ -512,126 +518,223 @@ void Engine::Admit(Submission submission) {
 }
 
 void Engine::Step(StepEvents* events) {
-  std::vector<ScheduledChunk> chunks = scheduler_.Schedule();
-  if (chunks.empty()) return;
+  if (!launched_.has_value()) {
+    std::vector<ScheduledChunk> scheduled = scheduler_.Schedule();
+    if (scheduled.empty()) return;
+    std::vector<LaunchedStep::Chunk> chunks;
+    chunks.reserve(scheduled.size());
+    for (const ScheduledChunk& c : scheduled) {
+      Sequence* seq = c.seq;
+      // A scoring sequence wants the rows that predict each scored token; a generating one the
+      // row of its last token, once its prefill is complete.
+      int64_t from = c.end - 1, to = c.wants_logits() ? c.end : from;
+      if (seq->is_score()) {
+        from = std::max(c.begin, seq->score_start - 1);
+        to = std::min(c.end, seq->num_tokens() - 1);
+      }
+      chunks.push_back({seq, c.begin, c.end, 0, std::max<int64_t>(0, to - from), from});
+    }
+    launched_ = Launch(std::move(chunks), /*from_sequences=*/true, events);
+    if (!launched_.has_value()) return;
+  }
+  std::optional<LaunchedStep> next;
+  if (LookaheadReady(*launched_)) next = LaunchLookahead(*launched_);
+  LaunchedStep current = std::move(*launched_);
+  launched_ = std::move(next);  // Complete drops the rows of sequences that finish now
+  Complete(std::move(current), events);
+}
+
+std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chunk> chunks,
+                                                   bool from_sequences, StepEvents* events) {
+  LaunchedStep step;
+  step.chunks = std::move(chunks);
+  ForwardBatch& batch = batch_;
+  if (from_sequences) {
+    batch.token_ids.clear();
+    batch.positions.clear();
+    batch.token_seq.clear();
+    batch.logit_rows.clear();
+    // One block table per chunk (each chunk is a distinct sequence), assigned in place.
+    batch.block_tables.resize(step.chunks.size());
+  }
+  int64_t num_rows = 0;
+  for (size_t c = 0; c < step.chunks.size(); ++c) {
+    LaunchedStep::Chunk& chunk = step.chunks[c];
+    Sequence* seq = chunk.seq;
+    const bool decode = chunk.end - chunk.begin == 1 && seq->num_generated() > 0;
+    if (!decode) {
+      prefilled_tokens_ += chunk.end - chunk.begin;
+      step.has_prefill = true;
+    }
+    chunk.first_row = num_rows;
+    num_rows += chunk.num_rows;
+    if (from_sequences) {
+      const int32_t seq_index = static_cast<int32_t>(c);
+      batch.block_tables[c].assign(seq->block_table.begin(), seq->block_table.end());
+      const int64_t first_token = batch.num_tokens();
+      for (int64_t pos = chunk.begin; pos < chunk.end; ++pos) {
+        batch.token_ids.push_back(seq->tokens[pos]);
+        batch.positions.push_back(static_cast<int32_t>(pos));
+        batch.token_seq.push_back(seq_index);
+      }
+      for (int64_t pos = chunk.first_position; pos < chunk.first_position + chunk.num_rows;
+           ++pos) {
+        batch.logit_rows.push_back(static_cast<int32_t>(first_token + pos - chunk.begin));
+      }
+    }
+    // One task per logits row, in row order: the next token of each finished chunk, or the
+    // scored tokens of a scoring sequence.
+    for (int64_t r = 0; r < chunk.num_rows; ++r) {
+      LogitsRowTask task;
+      task.params = &seq->params;
+      task.sample_seed = seq->sample_seed;
+      // The absolute position of the new token (a scoring sequence: its end, as ever).
+      task.position = from_sequences ? seq->num_tokens() : chunk.end;
+      if (seq->is_score()) task.score_token = seq->tokens[chunk.first_position + r + 1];
+      step.tasks.push_back(task);
+    }
+  }
+  ++steps_;
+  step.start = std::chrono::steady_clock::now();
+  if (absl::Status s = runner_->LaunchStep(batch, step.tasks); !s.ok()) {
+    // Not reachable with validated input; fail the step's samples rather than the process.
+    LOG(ERROR) << "launching a step failed, aborting its samples: " << s;
+    if (events != nullptr) {
+      for (const LaunchedStep::Chunk& chunk : step.chunks) {
+        if (!chunk.seq->finished) Report(chunk.seq, FinishReason::kAbort, events);
+      }
+    }
+    return std::nullopt;
+  }
+  return step;
+}
+
+bool Engine::LookaheadReady(const LaunchedStep& step) {
+  if (!options_.decode_lookahead || draining_.has_value() || !held_.empty()) return false;
+  size_t alive = 0;
+  for (const LaunchedStep::Chunk& chunk : step.chunks) {
+    if (chunk.seq == nullptr) continue;
+    ++alive;
+    const Sequence& seq = *chunk.seq;
+    // Decode chunks of generating sequences only, each the sequence's next token.
+    if (seq.is_score() || chunk.num_rows != 1 || chunk.end - chunk.begin != 1 ||
+        seq.num_generated() == 0 || chunk.end != seq.num_tokens()) {
+      return false;
+    }
+  }
+  // Every running sequence is in the step, and none waits that the scheduler would admit.
+  if (alive != scheduler_.num_running() ||
+      (scheduler_.num_waiting() > 0 &&
+       static_cast<int32_t>(scheduler_.num_running()) < options_.max_running_samples)) {
+    return false;
+  }
+  if (!runner_->CanFeed(step.tasks)) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return inbox_.empty() && aborts_.empty() && flushes_.empty() && updates_.empty() && !paused_ &&
+         !stop_;
+}
+
+std::optional<Engine::LaunchedStep> Engine::LaunchLookahead(const LaunchedStep& step) {
+  std::vector<LaunchedStep::Chunk> chunks;
+  chunks.reserve(step.chunks.size());
   ForwardBatch& batch = batch_;
   batch.token_ids.clear();
   batch.positions.clear();
   batch.token_seq.clear();
   batch.logit_rows.clear();
-  // One block table per chunk (each chunk is a distinct sequence), assigned in place.
-  batch.block_tables.resize(chunks.size());
-  // Per chunk, the logits rows it asked for: [first_row, first_row + num_rows) of the output,
-  // for positions starting at first_position.
-  struct Rows {
-    int64_t first_row = 0;
-    int64_t num_rows = 0;
-    int64_t first_position = 0;
-  };
-  std::vector<Rows> rows(chunks.size());
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    const ScheduledChunk& chunk = chunks[c];
+  batch.block_tables.resize(step.chunks.size());
+  for (const LaunchedStep::Chunk& chunk : step.chunks) {
     Sequence* seq = chunk.seq;
-    const int32_t seq_index = static_cast<int32_t>(c);
-    batch.block_tables[c].assign(seq->block_table.begin(), seq->block_table.end());
-    const bool decode = chunk.end - chunk.begin == 1 && seq->num_generated() > 0;
-    if (!decode) prefilled_tokens_ += chunk.end - chunk.begin;
-    const int64_t first_token = batch.num_tokens();
-    for (int64_t pos = chunk.begin; pos < chunk.end; ++pos) {
-      batch.token_ids.push_back(seq->tokens[pos]);
-      batch.positions.push_back(static_cast<int32_t>(pos));
-      batch.token_seq.push_back(seq_index);
-    }
-    // A scoring sequence wants the rows that predict each scored token; a generating one the
-    // row of its last token, once its prefill is complete.
-    int64_t from = chunk.end - 1, to = chunk.wants_logits() ? chunk.end : from;
-    if (seq->is_score()) {
-      from = std::max(chunk.begin, seq->score_start - 1);
-      to = std::min(chunk.end, seq->num_tokens() - 1);
-    }
-    rows[c] = Rows{static_cast<int64_t>(batch.logit_rows.size()), std::max<int64_t>(0, to - from),
-                   from};
-    for (int64_t pos = from; pos < to; ++pos) {
-      batch.logit_rows.push_back(static_cast<int32_t>(first_token + pos - chunk.begin));
-    }
-  }
-  ++steps_;
-  const auto start = std::chrono::steady_clock::now();
-  bool has_prefill = false;
-  for (const ScheduledChunk& chunk : chunks) {
-    has_prefill |= !(chunk.end - chunk.begin == 1 && chunk.seq->num_generated() > 0);
-  }
-  if (absl::Status s = runner_->Forward(batch, &logits_); !s.ok()) {
-    // Not reachable with validated input; fail the step's samples rather than the process.
-    LOG(ERROR) << "forward pass failed, aborting its samples: " << s;
-    for (const ScheduledChunk& chunk : chunks) {
-      if (!chunk.seq->finished) Report(chunk.seq, FinishReason::kAbort, events);
-    }
-    return;
-  }
-  // One task per logits row, in row order: the next token of each finished chunk, or the
-  // scored tokens of a scoring sequence.
-  std::vector<LogitsRowTask> tasks;
-  tasks.reserve(batch.logit_rows.size());
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    Sequence* seq = chunks[c].seq;
-    for (int64_t r = 0; r < rows[c].num_rows; ++r) {
-      LogitsRowTask task;
-      task.params = &seq->params;
-      task.sample_seed = seq->sample_seed;
-      task.position = seq->num_tokens();  // absolute position of the new token
-      if (seq->is_score()) task.score_token = seq->tokens[rows[c].first_position + r + 1];
-      tasks.push_back(task);
-    }
-  }
-  std::vector<SampleResult> results;
-  if (absl::Status s = runner_->ProcessLogits(tasks, logits_, &results); !s.ok()) {
-    LOG(ERROR) << "sampling failed, aborting the step's samples: " << s;
-    for (const ScheduledChunk& chunk : chunks) {
-      if (!chunk.seq->finished) Report(chunk.seq, FinishReason::kAbort, events);
-    }
-    return;
-  }
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    Sequence* seq = chunks[c].seq;
-    seq->num_computed = chunks[c].end;
-    scheduler_.CachePages(seq);
-    SampleResult* first = results.data() + rows[c].first_row;
-    if (seq->is_score()) {
-      for (int64_t r = 0; r < rows[c].num_rows; ++r) {
-        seq->logprobs.push_back(first[r].logprob);
-        if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(first[r].top));
-        ++scored_tokens_;
-      }
-      if (seq->num_computed == seq->num_tokens()) Report(seq, FinishReason::kLength, events);
+    if (seq == nullptr) continue;
+    // After `step`, seq has one more token (at position chunk.end); it finishes there by
+    // length, or it decodes that token next.
+    if (seq->num_generated() + 1 >= seq->params.max_new_tokens ||
+        seq->num_tokens() + 1 >= max_context()) {
       continue;
     }
-    if (rows[c].num_rows == 0) continue;
-    SampleResult& result = *first;
-    seq->tokens.push_back(result.token);
-    seq->logprobs.push_back(result.logprob);
-    if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result.top));
-    const int32_t index = static_cast<int32_t>(seq->num_generated() - 1);
-    if (seq->version_spans.empty() || seq->version_spans.back().version != version_) {
-      seq->version_spans.push_back(VersionSpan{version_, index, index});
-    } else {
-      seq->version_spans.back().last_token = index;
-    }
-    ++generated_tokens_;
-    std::optional<FinishReason> reason;
-    if (IsStop(*seq, result.token, config_)) {
-      reason = FinishReason::kStop;
-    } else if (seq->num_generated() >= seq->params.max_new_tokens ||
-               seq->num_tokens() >= max_context()) {
-      reason = FinishReason::kLength;
-    }
-    Report(seq, reason, events);
+    const int64_t pos = chunk.end;
+    if (!scheduler_.Reserve(pos + 1, seq)) return std::nullopt;
+    const size_t c = chunks.size();
+    batch.block_tables[c].assign(seq->block_table.begin(), seq->block_table.end());
+    batch.token_ids.push_back(static_cast<int32_t>(-1 - chunk.first_row));  // fed
+    batch.positions.push_back(static_cast<int32_t>(pos));
+    batch.token_seq.push_back(static_cast<int32_t>(c));
+    batch.logit_rows.push_back(static_cast<int32_t>(c));
+    chunks.push_back({seq, pos, pos + 1, 0, 1, pos});
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  (has_prefill ? prefill_steps_ : decode_steps_).Record(seconds);
+  if (chunks.empty()) return std::nullopt;
+  batch.block_tables.resize(chunks.size());
+  std::optional<LaunchedStep> next = Launch(std::move(chunks), /*from_sequences=*/false, nullptr);
+  if (next.has_value()) ++lookahead_steps_;
+  return next;
 }
 
+void Engine::Complete(LaunchedStep step, StepEvents* events) {
+  std::vector<SampleResult> results;
+  if (absl::Status s = runner_->CollectStep(&results); !s.ok()) {
+    LOG(ERROR) << "a step failed, aborting its samples: " << s;
+    for (const LaunchedStep::Chunk& chunk : step.chunks) {
+      if (chunk.seq != nullptr && !chunk.seq->finished) {
+        Report(chunk.seq, FinishReason::kAbort, events);
+      }
+    }
+    results.clear();
+  } else {
+    for (const LaunchedStep::Chunk& chunk : step.chunks) {
+      Sequence* seq = chunk.seq;
+      if (seq == nullptr || seq->finished) continue;
+      seq->num_computed = chunk.end;
+      scheduler_.CachePages(seq);
+      SampleResult* first = results.data() + chunk.first_row;
+      if (seq->is_score()) {
+        for (int64_t r = 0; r < chunk.num_rows; ++r) {
+          seq->logprobs.push_back(first[r].logprob);
+          if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(first[r].top));
+          ++scored_tokens_;
+        }
+        if (seq->num_computed == seq->num_tokens()) Report(seq, FinishReason::kLength, events);
+        continue;
+      }
+      if (chunk.num_rows == 0) continue;
+      SampleResult& result = *first;
+      seq->tokens.push_back(result.token);
+      seq->logprobs.push_back(result.logprob);
+      if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result.top));
+      const int32_t index = static_cast<int32_t>(seq->num_generated() - 1);
+      if (seq->version_spans.empty() || seq->version_spans.back().version != version_) {
+        seq->version_spans.push_back(VersionSpan{version_, index, index});
+      } else {
+        seq->version_spans.back().last_token = index;
+      }
+      ++generated_tokens_;
+      std::optional<FinishReason> reason;
+      if (IsStop(*seq, result.token, config_)) {
+        reason = FinishReason::kStop;
+      } else if (seq->num_generated() >= seq->params.max_new_tokens ||
+                 seq->num_tokens() >= max_context()) {
+        reason = FinishReason::kLength;
+      }
+      Report(seq, reason, events);
+    }
+  }
+  // The launched step after this one computed a row for every sequence of this one: drop the
+  // rows of those that finished (their Sequence goes with its job).
+  if (launched_.has_value()) {
+    for (LaunchedStep::Chunk& chunk : launched_->chunks) {
+      if (chunk.seq != nullptr && chunk.seq->finished) chunk.seq = nullptr;
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - step.start).count();
+  (step.has_prefill ? prefill_steps_ : decode_steps_).Record(seconds);
+}
+
+void Engine::DrainLaunched(StepEvents* events) {
+  if (!launched_.has_value()) return;
+  LaunchedStep step = std::move(*launched_);
+  launched_.reset();
+  Complete(std::move(step), events);
+}
 
 void Engine::Report(Sequence* seq, std::optional<FinishReason> reason, StepEvents* events) {
   const int64_t from = seq->num_reported;

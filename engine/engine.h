@@ -1,5 +1,6 @@
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -25,6 +26,10 @@ struct EngineOptions {
   int32_t max_batch_tokens = 512;
   std::string weight_version = "0";
   bool prefix_cache = true;
+  // Launch decode step N + 1 before step N's results are applied, its tokens fed from step N's
+  // rows on the runner (Engine::LookaheadReady says when): the device then never waits for this
+  // thread between decode steps. false: one step at a time. The same bits either way.
+  bool decode_lookahead = true;
 };
 
 // One sample to generate.
@@ -89,6 +94,7 @@ struct EngineCounters {
   uint64_t generated_tokens = 0;
   uint64_t prefilled_tokens = 0;
   uint64_t steps = 0;
+  uint64_t lookahead_steps = 0;  // of those, decode steps launched before the previous finished
   uint64_t preemptions = 0;
   int32_t kv_blocks_cached = 0;
   uint64_t prompt_tokens = 0;
@@ -259,10 +265,45 @@ class Engine {
     bool empty() const { return jobs.empty(); }
   };
 
+  // A step launched on the runner (ModelRunner::LaunchStep) and not collected yet.
+  struct LaunchedStep {
+    struct Chunk {
+      Sequence* seq;  // nullptr: the sequence finished while the step ran; its row is dropped
+      int64_t begin, end;  // tokens [begin, end) of seq
+      // Its logits rows [first_row, first_row + num_rows) of the step, for positions from
+      // first_position.
+      int64_t first_row, num_rows, first_position;
+    };
+    std::vector<Chunk> chunks;
+    std::vector<LogitsRowTask> tasks;
+    bool has_prefill = false;
+    std::chrono::steady_clock::time_point start;
+  };
+
   Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options);
   void Loop();
   void Admit(Submission submission);
+  // One step: launches the schedule's chunks (unless a step is launched already), launches the
+  // next decode step too when it can be known in advance (LookaheadReady), then collects the
+  // first and applies its results. So on a backend that runs launched steps on its device, the
+  // device computes step N + 1 while this thread applies step N and prepares step N + 2.
   void Step(StepEvents* events);
+  // Launches `chunks`; their tokens are batch_'s (set by the caller for fed tokens) or, when
+  // `from_sequences`, the sequences' own. nullopt, with the chunks' samples aborted, when the
+  // launch fails.
+  std::optional<LaunchedStep> Launch(std::vector<LaunchedStep::Chunk> chunks, bool from_sequences,
+                                     StepEvents* events);
+  // Whether the step after `step` is known before `step`'s results: every running sequence
+  // decodes in `step`, none waits to be admitted, nothing waits in the inbox, the runner can
+  // feed `step`'s tokens. (A sequence that stops on a sampled token then has one dropped row.)
+  bool LookaheadReady(const LaunchedStep& step);
+  // The decode step after `step`, its tokens fed from `step`'s rows; nullopt if KV blocks are
+  // short or the launch fails (then nothing was launched).
+  std::optional<LaunchedStep> LaunchLookahead(const LaunchedStep& step);
+  // Collects `step`'s results and applies them: new tokens, scores, reports, finishes.
+  void Complete(LaunchedStep step, StepEvents* events);
+  // Collects the launched step, if any (before anything changes the engine's state).
+  void DrainLaunched(StepEvents* events);
   // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
   void Report(Sequence* seq, std::optional<FinishReason> reason,
               StepEvents* events);
@@ -310,6 +351,9 @@ class Engine {
   // The step's batch, rebuilt every step in place: its vectors (a block table per sequence)
   // keep their capacity instead of being allocated again each step.
   ForwardBatch batch_;
+  // The launched step whose results the next Step (or DrainLaunched) collects.
+  std::optional<LaunchedStep> launched_;
+  uint64_t lookahead_steps_ = 0;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

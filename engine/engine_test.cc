@@ -107,6 +107,44 @@ TEST(EngineTest, PreemptionUnderKvPressureGivesTheSameBits) {
   EXPECT_EQ(c.kv_blocks_free + c.kv_blocks_cached, c.kv_blocks_total) << "no block leaked";
 }
 
+TEST(EngineTest, DecodeLookaheadGivesTheBitsOfOneStepAtATime) {
+  EngineOptions one_at_a_time;
+  one_at_a_time.decode_lookahead = false;
+  std::unique_ptr<Engine> plain = MakeEngine({}, one_at_a_time);
+  const std::vector<std::string> reference = RunWorkload(plain.get(), Workload());
+  EXPECT_EQ(plain->counters().lookahead_steps, 0u);
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  EXPECT_EQ(RunWorkload(engine.get(), Workload()), reference);
+  EXPECT_GT(engine->counters().lookahead_steps, 10u);
+
+  // Samples that stop on a sampled token while the next step is launched with their rows (the
+  // rows are dropped), beside samples that go on, and one that ends by length.
+  std::vector<SampleSpec> specs = Workload();
+  {
+    Collector collector(specs.size());
+    ASSERT_TRUE(plain->Submit(specs, collector.Sink()).ok());
+    const std::vector<SampleCompletion> full = collector.Wait();
+    for (size_t i = 0; i + 1 < specs.size(); ++i) {
+      ASSERT_GT(full[i].token_ids.size(), 3 + i);
+      specs[i].params.stop_token_ids = {full[i].token_ids[3 + i]};
+    }
+  }
+  Collector stopped(specs.size()), stopped_plain(specs.size());
+  const uint64_t lookahead_before = engine->counters().lookahead_steps;
+  ASSERT_TRUE(engine->Submit(specs, stopped.Sink()).ok());
+  ASSERT_TRUE(plain->Submit(specs, stopped_plain.Sink()).ok());
+  const std::vector<SampleCompletion> got = stopped.Wait(), want = stopped_plain.Wait();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(Bits(got[i]), Bits(want[i])) << "sample " << i;
+    const bool stops = i + 1 < specs.size();
+    EXPECT_EQ(got[i].finish_reason, stops ? FinishReason::kStop : FinishReason::kLength) << i;
+  }
+  const EngineCounters c = engine->counters();
+  EXPECT_GT(c.lookahead_steps, lookahead_before + 10);
+  EXPECT_EQ(c.kv_blocks_free + c.kv_blocks_cached, c.kv_blocks_total) << "no block leaked";
+  EXPECT_EQ(c.unfinished_samples, 0);
+}
+
 TEST(EngineTest, StreamedTokensEqualTheCompletion) {
   std::unique_ptr<Engine> engine = MakeEngine({});
   std::vector<SampleSpec> specs = Workload();

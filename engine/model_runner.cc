@@ -38,6 +38,54 @@ absl::Status CheckTensorAgainstSpec(const std::vector<WeightSpec>& specs, const 
   return absl::OkStatus();
 }
 
+bool ModelRunner::HasFedTokens(const ForwardBatch& batch) {
+  return std::any_of(batch.token_ids.begin(), batch.token_ids.end(),
+                     [](int32_t id) { return id < 0; });
+}
+
+absl::Status ModelRunner::ResolveFedTokens(const std::vector<SampleResult>& fed_from,
+                                           ForwardBatch* batch) {
+  for (int32_t& id : batch->token_ids) {
+    if (id >= 0) continue;
+    const int64_t row = -1 - static_cast<int64_t>(id);
+    if (row >= static_cast<int64_t>(fed_from.size())) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "fed token of row %d: the previous launched step has %d rows", row, fed_from.size()));
+    }
+    id = fed_from[row].token;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelRunner::LaunchStep(const ForwardBatch& batch,
+                                     const std::vector<LogitsRowTask>& tasks) {
+  if (launched_results_.size() >= 2) {
+    return absl::FailedPreconditionError("two launched steps are not collected yet");
+  }
+  std::vector<float> logits;
+  std::vector<SampleResult> results;
+  if (HasFedTokens(batch)) {
+    if (launched_results_.empty()) {
+      return absl::InvalidArgumentError("fed tokens without a launched step to feed them");
+    }
+    ForwardBatch resolved = batch;
+    if (absl::Status s = ResolveFedTokens(launched_results_.back(), &resolved); !s.ok()) return s;
+    if (absl::Status s = Forward(resolved, &logits); !s.ok()) return s;
+  } else {
+    if (absl::Status s = Forward(batch, &logits); !s.ok()) return s;
+  }
+  if (absl::Status s = ProcessLogits(tasks, logits, &results); !s.ok()) return s;
+  launched_results_.push_back(std::move(results));
+  return absl::OkStatus();
+}
+
+absl::Status ModelRunner::CollectStep(std::vector<SampleResult>* results) {
+  if (launched_results_.empty()) return absl::FailedPreconditionError("no launched step");
+  *results = std::move(launched_results_.front());
+  launched_results_.pop_front();
+  return absl::OkStatus();
+}
+
 absl::Status ProcessLogitsOnHost(const std::vector<LogitsRowTask>& tasks,
                                  const std::vector<float>& logits, int32_t vocab_size,
                                  cpu::ThreadPool* pool, std::vector<SampleResult>* results) {

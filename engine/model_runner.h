@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
 #include <vector>
@@ -85,6 +86,23 @@ class ModelRunner {
                                      const std::vector<float>& logits,
                                      std::vector<SampleResult>* results) = 0;
 
+  // The step pipeline, what the engine drives. LaunchStep starts a step: Forward(batch), then
+  // its logits rows processed as ProcessLogits does (tasks[i] for row i). CollectStep waits for
+  // the oldest launched step that is not collected yet and returns its results; every launched
+  // step is collected, in launch order. A backend may leave a launched step running on its
+  // device and return at once (the CUDA backend does), so that the engine prepares the next one
+  // meanwhile.
+  // Fed tokens: a token id of -1 - r in a launched batch is the token sampled for logits row r of
+  // the step launched just before (not yet collected). That is how the engine launches decode
+  // step N + 1 before it has seen step N's tokens; the CUDA backend copies them on the device.
+  // At most two steps are in flight. The default runs Forward and ProcessLogits inside LaunchStep.
+  virtual absl::Status LaunchStep(const ForwardBatch& batch,
+                                  const std::vector<LogitsRowTask>& tasks);
+  virtual absl::Status CollectStep(std::vector<SampleResult>* results);
+  // Whether the tokens of a launched step with these tasks can be fed to the next launched step
+  // (the CUDA backend: rows whose token the device picks, few enough for one sampling pass).
+  virtual bool CanFeed(const std::vector<LogitsRowTask>& tasks) const { return true; }
+
   // Every tensor a weight update may replace, sorted by name. Constant after construction.
   virtual const std::vector<WeightSpec>& weight_specs() const = 0;
 
@@ -92,6 +110,18 @@ class ModelRunner {
   // shape as in weight_specs(), exact byte count) before changing anything. Host staging
   // buffers are the only extra copy.
   virtual absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) = 0;
+
+ protected:
+  // Replaces fed token ids (-1 - r) by the tokens of `fed_from` (the previous launch's results);
+  // InvalidArgument for a row it does not have.
+  static absl::Status ResolveFedTokens(const std::vector<SampleResult>& fed_from,
+                                       ForwardBatch* batch);
+  // `batch` has a fed token id.
+  static bool HasFedTokens(const ForwardBatch& batch);
+
+ private:
+  // The default pipeline: results of launched, uncollected steps, oldest first.
+  std::deque<std::vector<SampleResult>> launched_results_;
 };
 
 }  // namespace rollout

@@ -47,6 +47,11 @@ class Scheduler {
   // The weight version new KV is computed with from now on (the prefix cache's key).
   void set_cache_version(std::string version) { cache_version_ = std::move(version); }
 
+  // Grows the block table to hold `num_tokens`, evicting cached pages if needed; false (the
+  // table as it was) when the blocks are short. (Schedule's own reservation;
+  // the engine's lookahead reserves the next decode position with it.)
+  bool Reserve(int64_t num_tokens, Sequence* seq);
+
   // Picks this step's work. Running decoders first (oldest first), then running prefills, then
   // new admissions in arrival order while the head of the queue fits (strict FCFS); an
   // admission first takes the longest cached prefix. When a block is needed and none is free,
@@ -68,8 +73,6 @@ class Scheduler {
   void Preempt(Sequence* seq);
   // Frees the sequence's private blocks and unlocks its cached pages.
   void ReleaseKv(Sequence* seq);
-  // Grows the block table to hold `num_tokens`, evicting cached pages if needed.
-  bool Reserve(int64_t num_tokens, Sequence* seq);
   // Takes the head of the queue into the running set with its cached prefix and a chunk
   // within `budget`; false (and no change) if it does not fit.
   bool Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>* chunks);

@@ -145,6 +145,9 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
          static_cast<double>(e.preemptions));
   Scalar(&out, "rollout_engine_steps_total", "counter", "Engine steps.",
          static_cast<double>(e.steps));
+  Scalar(&out, "rollout_engine_lookahead_steps_total", "counter",
+         "Decode steps launched before the previous step's tokens were known.",
+         static_cast<double>(e.lookahead_steps));
   Histogram(&out, "rollout_prefill_step_seconds", "Duration of steps that prefill.",
             e.prefill_steps);
   Histogram(&out, "rollout_decode_step_seconds", "Duration of decode-only steps.",

@@ -199,6 +199,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(
   engine_options.max_batch_tokens = options.max_batch_tokens;
   engine_options.weight_version = options.weight_version;
   engine_options.prefix_cache = options.prefix_cache;
+  engine_options.decode_lookahead = options.decode_lookahead;
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(*std::move(runner), engine_options);
   if (!engine.ok()) return engine.status();

@@ -46,6 +46,7 @@ struct ServerOptions {
   std::vector<int> cuda_devices;
   std::string weight_version = "0";
   bool prefix_cache = true;
+  bool decode_lookahead = true;  // EngineOptions::decode_lookahead
   // Access control: a bearer token for control RPCs (and for all RPCs with auth_all_rpcs).
   std::string auth_token;
   bool auth_all_rpcs = false;

@@ -46,6 +46,9 @@ ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
           "through NCCL: libnccl.so.2 must load); empty: every rank on GPU 0");
 ABSL_FLAG(std::string, weight_version, "0", "version string reported with every completion");
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of shared prefixes across requests");
+ABSL_FLAG(bool, decode_lookahead, true,
+          "launch decode step N + 1 before step N's results are applied (its tokens fed on the "
+          "device); false: one step at a time. Never changes a bit");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding the bearer token that control RPCs (UpdateWeights*, Pause, Resume, "
           "Abort, FlushCache) require");
@@ -101,6 +104,7 @@ int main(int argc, char** argv) {
   }
   options.weight_version = absl::GetFlag(FLAGS_weight_version);
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
+  options.decode_lookahead = absl::GetFlag(FLAGS_decode_lookahead);
   options.auth_token = absl::GetFlag(FLAGS_auth_token);
   if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
     std::ifstream in(file);

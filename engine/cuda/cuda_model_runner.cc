@@ -70,18 +70,21 @@ absl::Status CudaModelRunner::ForwardToHost(const ForwardBatch& batch, std::vect
   return absl::OkStatus();
 }
 
-absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host_logits) {
+absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host_logits,
+                                          bool async) {
   const ModelConfig& c = config_;
   const int64_t t = batch.num_tokens();
   if (static_cast<int64_t>(batch.positions.size()) != t ||
       static_cast<int64_t>(batch.token_seq.size()) != t) {
     return absl::InvalidArgumentError("token_ids, positions and token_seq differ in length");
   }
+  State& s = *state_;
   for (int64_t i = 0; i < t; ++i) {
     const int32_t id = batch.token_ids[i];
     const int32_t pos = batch.positions[i];
     const int32_t seq = batch.token_seq[i];
-    if (id < 0 || id >= c.vocab_size)
+    const bool fed = id < 0 && async && s.feed_ready && -1 - static_cast<int64_t>(id) < s.feed_rows;
+    if ((id < 0 && !fed) || id >= c.vocab_size)
       return absl::InvalidArgumentError(absl::StrCat("token id ", id));
     if (seq < 0 || seq >= static_cast<int32_t>(batch.block_tables.size())) {
       return absl::InternalError(absl::StrCat("token_seq ", seq, " has no block table"));
@@ -103,7 +106,6 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
       return absl::InvalidArgumentError("logit_rows must be ascending token indices");
     }
   }
-  State& s = *state_;
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
   s.num_events = 0;
   // The logits stay on the device when every row fits the logits buffer at its own row (a
@@ -122,8 +124,9 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
   for (int64_t begin = 0; begin < t; begin += options_.max_batch_tokens) {
     ROLLOUT_RETURN_IF_ERROR(ForwardSlice(batch, begin,
                                          std::min<int64_t>(t, begin + options_.max_batch_tokens),
-                                         host_logits, keep_on_device));
+                                         host_logits, keep_on_device, async));
   }
+  if (async) return absl::OkStatus();
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "forward pass"));
   if (s.profiling && s.num_events > 1) {
     for (size_t i = 1; i < s.num_events; ++i) {
@@ -154,7 +157,7 @@ int64_t CudaModelRunner::graph_launches() const { return state_->graph_launches;
 // built on the host and uploaded, then the slice enqueued -- as a decode graph's replay when the
 // slice is a decode step that fits a bucket, else kernel by kernel.
 absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
-                                           float* host_logits, bool keep_on_device) {
+                                           float* host_logits, bool keep_on_device, bool async) {
   const ModelConfig& c = config_;
   State& s = *state_;
   const int64_t n = end - begin;
@@ -236,20 +239,31 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   const int32_t pad_table = static_cast<int32_t>(tables_size);
   if (shape.n > n) ++tables_size;
 
-  const int64_t meta_ints = shape.off_tables() + tables_size;
+  // Fed tokens (async only): (token, row) pairs after the tables, for FeedSampledTokens.
+  int64_t num_fed = 0;
+  for (int64_t i = begin; i < end; ++i) num_fed += batch.token_ids[i] < 0 ? 1 : 0;
+  const int64_t off_fed = shape.off_tables() + tables_size;
+  const int64_t meta_ints = off_fed + 2 * num_fed;
   const size_t meta_bytes = static_cast<size_t>(meta_ints) * 4;
-  if (s.meta_host.bytes() < meta_bytes) {
+  cuda::PinnedHostBuffer& meta_host = s.staging().meta;
+  if (meta_host.bytes() < meta_bytes) {
     ROLLOUT_RETURN_IF_ERROR(
-        CudaError(s.meta_host.Allocate(2 * meta_bytes), "allocating batch metadata"));
+        CudaError(meta_host.Allocate(2 * meta_bytes), "allocating batch metadata"));
   }
   // Headroom against regrowth (which drops the graphs).
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(s.Grow(&s.meta, meta_bytes, 2 * meta_bytes), "allocating batch metadata"));
-  int32_t* m = s.meta_host.get<int32_t>();
+  int32_t* m = meta_host.get<int32_t>();
+  int32_t* fed = m + off_fed;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t pos = batch.positions[begin + i];
     const std::vector<int32_t>& table = batch.block_tables[batch.token_seq[begin + i]];
-    m[shape.off_tokens() + i] = batch.token_ids[begin + i];
+    const int32_t id = batch.token_ids[begin + i];
+    m[shape.off_tokens() + i] = std::max(id, 0);  // a fed token is copied in on the device
+    if (id < 0) {
+      *fed++ = static_cast<int32_t>(i);
+      *fed++ = -1 - id;
+    }
     m[shape.off_pos() + i] = pos;
     m[shape.off_slots() + i] = table[pos / bs] * bs + pos % bs;
     m[shape.off_tab() + i] = table_offset_of.at(batch.token_seq[begin + i]);
@@ -280,6 +294,13 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(cudaMemcpyAsync(s.meta.get(), m, meta_bytes, cudaMemcpyHostToDevice, s.stream),
                 "uploading batch metadata"));
+  if (num_fed > 0) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cuda::FeedSampledTokens(s.row_results.get<cuda::LogitsRowResult>(),
+                                s.meta.get<int32_t>() + off_fed, static_cast<int32_t>(num_fed),
+                                s.meta.get<int32_t>() + shape.off_tokens(), s.stream),
+        "feeding sampled tokens"));
+  }
   // Ranks on other devices get their own copy, on their own streams (the slice's fork orders
   // them after rank 0's upload too).
   for (RankState& rk : s.ranks) {
@@ -305,7 +326,9 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   } else {
     ROLLOUT_RETURN_IF_ERROR(EnqueueSlice(shape, host_logits, keep_on_device));
   }
-  // The pinned metadata buffer is rewritten by the next slice.
+  // The pinned metadata buffer is rewritten by the next slice (async: by the launch after the
+  // next, LaunchStep's staging slots).
+  if (async) return absl::OkStatus();
   return CudaError(cudaStreamSynchronize(s.stream), "forward pass");
 }
 
@@ -730,14 +753,12 @@ absl::Status CudaModelRunner::ProcessLogits(const std::vector<LogitsRowTask>& ta
   return absl::OkStatus();
 }
 
-// Rows [first, first + count) of `tasks`, their logits at `rows` on the device.
-absl::Status CudaModelRunner::ProcessDeviceRows(const float* rows,
+absl::Status CudaModelRunner::EnqueueDeviceRows(const float* rows,
                                                 const std::vector<LogitsRowTask>& tasks,
-                                                int64_t first, int64_t count,
-                                                std::vector<SampleResult>* results) {
+                                                int64_t first, int64_t count) {
   State& s = *state_;
   const int32_t vocab = config_.vocab_size;
-  cuda::LogitsRowSpec* specs = s.row_specs_host.get<cuda::LogitsRowSpec>();
+  cuda::LogitsRowSpec* specs = s.staging().specs.get<cuda::LogitsRowSpec>();
   for (int64_t i = 0; i < count; ++i) {
     const LogitsRowTask& task = tasks[first + i];
     const SamplingParams& p = *task.params;
@@ -766,24 +787,43 @@ absl::Status CudaModelRunner::ProcessDeviceRows(const float* rows,
       CudaError(cuda::ProcessLogitsRows(rows, count, vocab, s.row_specs.get<cuda::LogitsRowSpec>(),
                                         s.row_results.get<cuda::LogitsRowResult>(), s.stream),
                 "sampling kernel"));
-  ROLLOUT_RETURN_IF_ERROR(CudaError(
-      cudaMemcpyAsync(s.row_results_host.get(), s.row_results.get(),
-                      count * sizeof(cuda::LogitsRowResult), cudaMemcpyDeviceToHost, s.stream),
-      "downloading sampling results"));
+  return CudaError(cudaMemcpyAsync(s.staging().results.get(), s.row_results.get(),
+                                   count * sizeof(cuda::LogitsRowResult), cudaMemcpyDeviceToHost,
+                                   s.stream),
+                   "downloading sampling results");
+}
+
+void CudaModelRunner::ConvertDeviceRows(const void* host, int64_t first, int64_t count,
+                                        std::vector<SampleResult>* results) {
+  const cuda::LogitsRowResult* out = static_cast<const cuda::LogitsRowResult*>(host);
+  for (int64_t i = 0; i < count; ++i) {
+    const cuda::LogitsRowResult& o = out[i];
+    SampleResult& result = (*results)[first + i];
+    result.top.clear();
+    for (int j = 0; j < o.top_n; ++j) result.top.push_back({o.top_ids[j], o.top_lps[j]});
+    result.token = o.token;
+    result.logprob = o.logprob;
+  }
+}
+
+// Rows [first, first + count) of `tasks`, their logits at `rows` on the device.
+absl::Status CudaModelRunner::ProcessDeviceRows(const float* rows,
+                                                const std::vector<LogitsRowTask>& tasks,
+                                                int64_t first, int64_t count,
+                                                std::vector<SampleResult>* results) {
+  State& s = *state_;
+  const int32_t vocab = config_.vocab_size;
+  ROLLOUT_RETURN_IF_ERROR(EnqueueDeviceRows(rows, tasks, first, count));
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "sampling"));
-  const cuda::LogitsRowResult* out = s.row_results_host.get<cuda::LogitsRowResult>();
+  ConvertDeviceRows(s.staging().results.get(), first, count, results);
+  const cuda::LogitsRowSpec* specs = s.staging().specs.get<cuda::LogitsRowSpec>();
+  const cuda::LogitsRowResult* out = s.staging().results.get<cuda::LogitsRowResult>();
   std::vector<float> row, scratch;
   for (int64_t i = 0; i < count; ++i) {
     const LogitsRowTask& task = tasks[first + i];
     const cuda::LogitsRowResult& o = out[i];
     SampleResult& result = (*results)[first + i];
-    result.top.clear();
-    for (int j = 0; j < o.top_n; ++j) result.top.push_back({o.top_ids[j], o.top_lps[j]});
-    if (specs[i].mode != cuda::kRowStats) {
-      result.token = o.token;
-      result.logprob = o.logprob;
-      continue;
-    }
+    if (specs[i].mode != cuda::kRowStats) continue;
     // top-k / top-p / min-p: the host's SampleToken picks the token from the row; the logprob
     // is the device's formula on the device's max and log-sum.
     row.resize(vocab);
@@ -800,6 +840,94 @@ absl::Status CudaModelRunner::ProcessDeviceRows(const float* rows,
             ? o.uniform_lp
             : (HostScaledLogit(row[picked.token], specs[i].temperature) - o.max) - o.log_sum;
   }
+  return absl::OkStatus();
+}
+
+bool CudaModelRunner::CanFeed(const std::vector<LogitsRowTask>& tasks) const {
+  const State& s = *state_;
+  if (s.multi_device || s.profiling ||
+      static_cast<int64_t>(tasks.size()) > options_.max_logit_rows) {
+    return false;
+  }
+  for (const LogitsRowTask& task : tasks) {
+    if (task.params == nullptr || task.score_token.has_value() ||
+        task.params->top_logprobs > cuda::kMaxDeviceTopN ||
+        HostPicksToken(task, config_.vocab_size)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
+                                         const std::vector<LogitsRowTask>& tasks) {
+  State& s = *state_;
+  if (s.launched.size() >= 2) {
+    return absl::FailedPreconditionError("two launched steps are not collected yet");
+  }
+  if (tasks.size() != batch.logit_rows.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat("%d tasks for %d logits rows", tasks.size(),
+                                                      batch.logit_rows.size()));
+  }
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
+  // The other staging slot, once the step that used it last has copied its results.
+  s.slot ^= 1;
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cudaEventSynchronize(s.staging().done), "waiting for a staging slot"));
+  const int64_t rows = static_cast<int64_t>(tasks.size());
+  State::Launched launched;
+  launched.rows = rows;
+  // Enqueued only: one slice, its logits on the device, every row processed there.
+  if (batch.num_tokens() <= options_.max_batch_tokens && CanFeed(tasks)) {
+    ROLLOUT_RETURN_IF_ERROR(ForwardImpl(batch, nullptr, /*async=*/true));
+    if (rows > 0) ROLLOUT_RETURN_IF_ERROR(EnqueueDeviceRows(s.logits.get<float>(), tasks, 0, rows));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cudaEventRecord(s.staging().done, s.stream), "cudaEventRecord"));
+    launched.slot = s.slot;
+  } else {
+    ForwardBatch resolved;
+    const ForwardBatch* run = &batch;
+    if (HasFedTokens(batch)) {
+      // The previous launched step's tokens, from its results.
+      if (s.launched.empty()) {
+        return absl::InvalidArgumentError("fed tokens without a launched step to feed them");
+      }
+      State::Launched& previous = s.launched.back();
+      std::vector<SampleResult> fed_from = previous.results;
+      if (previous.slot >= 0) {
+        ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventSynchronize(s.slots[previous.slot].done),
+                                          "waiting for the fed tokens"));
+        fed_from.assign(previous.rows, SampleResult());
+        ConvertDeviceRows(s.slots[previous.slot].results.get(), 0, previous.rows, &fed_from);
+      }
+      resolved = batch;
+      ROLLOUT_RETURN_IF_ERROR(ResolveFedTokens(fed_from, &resolved));
+      run = &resolved;
+    }
+    ROLLOUT_RETURN_IF_ERROR(Forward(*run, nullptr));
+    ROLLOUT_RETURN_IF_ERROR(ProcessLogits(tasks, {}, &launched.results));
+  }
+  // The device's results are the step's tokens when one sampling pass picked them all.
+  s.feed_ready = CanFeed(tasks);
+  s.feed_rows = rows;
+  s.launched.push_back(std::move(launched));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelRunner::CollectStep(std::vector<SampleResult>* results) {
+  State& s = *state_;
+  if (s.launched.empty()) return absl::FailedPreconditionError("no launched step to collect");
+  State::Launched launched = std::move(s.launched.front());
+  s.launched.pop_front();
+  if (launched.slot < 0) {
+    *results = std::move(launched.results);
+    return absl::OkStatus();
+  }
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cudaEventSynchronize(s.slots[launched.slot].done), "a launched step"));
+  results->assign(launched.rows, SampleResult());
+  ConvertDeviceRows(s.slots[launched.slot].results.get(), 0, launched.rows, results);
   return absl::OkStatus();
 }
 

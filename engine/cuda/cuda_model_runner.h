@@ -154,6 +154,17 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
                              const std::vector<float>& logits,
                              std::vector<SampleResult>* results) override;
+  // The step pipeline. A step whose logits stay on the GPU in one pass and whose rows are all
+  // processed there (CanFeed) is only enqueued: metadata upload, the fed tokens copied from the
+  // previous step's sampling results on the device, the forward pass (a decode graph's replay),
+  // sampling, the results' download, an event; CollectStep waits for that event. Other steps run
+  // at launch (Forward + ProcessLogits). Host staging is double-buffered (State::HostSlot).
+  absl::Status LaunchStep(const ForwardBatch& batch,
+                          const std::vector<LogitsRowTask>& tasks) override;
+  absl::Status CollectStep(std::vector<SampleResult>* results) override;
+  // Rows the device picks every token of (greedy, plain-temperature sampling; no scoring, no
+  // top-k / top-p / min-p), at most max_logit_rows, on one device, not profiling.
+  bool CanFeed(const std::vector<LogitsRowTask>& tasks) const override;
   // Weights as the checkpoint had them (bf16 for synthetic models); updates are converted to the
   // device layout (bf16 matrices, fp32 norms and biases) on the host, then copied.
   const std::vector<WeightSpec>& weight_specs() const override;
@@ -184,9 +195,11 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status Finish();
   absl::Status PinGemms();
   absl::Status PinCanonicalGemms();
-  absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits);
+  // async (LaunchStep): fed token ids (-1 - r: row r of the device's sampling results) allowed,
+  // and nothing waits for the device.
+  absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits, bool async = false);
   absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
-                            float* host_logits, bool keep_on_device);
+                            float* host_logits, bool keep_on_device, bool async);
   // Enqueues a slice whose metadata is on the device: the layers, then the logits rows (copied
   // to `host_logits` pass by pass when it is set).
   absl::Status EnqueueSlice(const cuda_runner_internal::SliceShape& shape, float* host_logits,
@@ -211,6 +224,13 @@ class CudaModelRunner final : public ModelRunner {
   int64_t GraphBucket(int64_t n) const;
   absl::Status ProcessDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
                                  int64_t first, int64_t count, std::vector<SampleResult>* results);
+  // Enqueues the sampling of tasks' rows (logits rows [0, count) on the device) into the staging
+  // slot's specs and results; returns the specs' modes through `specs` (the slot's).
+  absl::Status EnqueueDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
+                                 int64_t first, int64_t count);
+  // The device results of `count` rows from `out` (host) into results[first ..].
+  static void ConvertDeviceRows(const void* out, int64_t first, int64_t count,
+                                std::vector<SampleResult>* results);
 
   const ModelConfig config_;
   const CudaRunnerOptions options_;

@@ -628,10 +628,14 @@ absl::Status CudaModelRunner::Finish() {
        }) {
     ROLLOUT_RETURN_IF_ERROR(CudaError(buffer->Allocate(bytes), "allocating activations"));
   }
-  ROLLOUT_RETURN_IF_ERROR(CudaError(
-      s.row_specs_host.Allocate(r * sizeof(cuda::LogitsRowSpec)), "allocating sampling specs"));
-  ROLLOUT_RETURN_IF_ERROR(CudaError(
-      s.row_results_host.Allocate(r * sizeof(cuda::LogitsRowResult)), "allocating results"));
+  for (State::HostSlot& h : s.slots) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(h.specs.Allocate(r * sizeof(cuda::LogitsRowSpec)),
+                                      "allocating sampling specs"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(h.results.Allocate(r * sizeof(cuda::LogitsRowResult)),
+                                      "allocating sampling results"));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cudaEventCreateWithFlags(&h.done, cudaEventDisableTiming), "cudaEventCreate"));
+  }
   if (s.canonical) {
     ROLLOUT_RETURN_IF_ERROR(PinCanonicalGemms());
   } else {

@@ -6,6 +6,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -209,6 +210,9 @@ struct CudaModelRunner::State {
   ~State() {
     DropGraphs();
     for (cudaEvent_t e : events) cudaEventDestroy(e);
+    for (HostSlot& h : slots) {
+      if (h.done != nullptr) cudaEventDestroy(h.done);
+    }
     group.reset();
     if (fork != nullptr) cudaEventDestroy(fork);
     for (RankState& rk : ranks) {
@@ -278,16 +282,38 @@ struct CudaModelRunner::State {
   cuda::DeviceBuffer logits;  // [max_logit_rows, vocab] fp32, full rows (rank 0's stream)
   cuda::DeviceBuffer meta;    // int32 batch metadata (see ForwardSlice), read by every rank
                               // on rank 0's device (RankState::meta on the others)
-  cuda::PinnedHostBuffer meta_host;
 
   // The last Forward's logits: on the device in `logits` rows [0, last_rows) when they fit
   // (last_on_device), else copied pass by pass to `spill` [last_rows, vocab].
   int64_t last_rows = 0;
   bool last_on_device = false;
   std::vector<float> spill;
-  // ProcessLogits: per-row specs and results, device and pinned host, [max_logit_rows].
+  // ProcessLogits: per-row specs and results on the device, [max_logit_rows].
   cuda::DeviceBuffer row_specs, row_results;
-  cuda::PinnedHostBuffer row_specs_host, row_results_host;
+
+  // Host staging (pinned): the batch metadata, the sampling specs ([max_logit_rows]) and
+  // results ([max_logit_rows]) of a step. Two, so that LaunchStep prepares step N + 1 while
+  // the device still copies step N's; `done` is recorded after a launched step's last copy, and
+  // a slot is written again only after it (Forward and ProcessLogits called directly wait for
+  // their work anyway).
+  struct HostSlot {
+    cuda::PinnedHostBuffer meta, specs, results;
+    cudaEvent_t done = nullptr;
+  };
+  HostSlot slots[2];
+  int slot = 0;  // the slot being staged in
+  HostSlot& staging() { return slots[slot]; }
+  // Launched steps not collected yet (LaunchStep / CollectStep), oldest first.
+  struct Launched {
+    int slot = -1;  // >= 0: on the device; the results are in slots[slot].results after `done`
+    int64_t rows = 0;
+    std::vector<SampleResult> results;  // slot < 0: computed at launch
+  };
+  std::deque<Launched> launched;
+  // The device's row_results hold the tokens of the last launched step's feed_rows rows: a
+  // launched batch may take its fed tokens from them.
+  bool feed_ready = false;
+  int64_t feed_rows = 0;
 
   std::vector<std::string> gemm_descriptions;
 
@@ -307,6 +333,9 @@ struct CudaModelRunner::State {
   // Makes `buffer` hold at least `bytes` (allocating `alloc_bytes` when it must grow).
   cudaError_t Grow(cuda::DeviceBuffer* buffer, size_t bytes, size_t alloc_bytes) {
     if (buffer->bytes() >= bytes) return cudaSuccess;
+    // A launched step (LaunchStep) may still read the buffer and replay the graphs.
+    const cudaError_t idle = cudaDeviceSynchronize();
+    if (idle != cudaSuccess) return idle;
     DropGraphs();
     return buffer->Allocate(alloc_bytes);
   }

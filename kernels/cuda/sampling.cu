@@ -209,6 +209,12 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   }
 }
 
+__global__ void FeedKernel(const LogitsRowResult* results, const int32_t* pairs, int32_t count,
+                           int32_t* tokens) {
+  const int k = blockIdx.x * blockDim.x + threadIdx.x;
+  if (k < count) tokens[pairs[2 * k]] = results[pairs[2 * k + 1]].token;
+}
+
 __global__ void UniformNoiseKernel(uint64_t seed, int64_t position, int32_t n, float* out) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = UniformNoise(seed, position, i);
@@ -223,6 +229,13 @@ cudaError_t ProcessLogitsRows(const float* logits, int64_t num_rows, int32_t voc
   if (vocab <= 0 || num_rows > INT_MAX) return cudaErrorInvalidValue;
   ProcessLogitsKernel<<<static_cast<unsigned>(num_rows), kSampleThreads, 0, stream>>>(
       logits, vocab, specs, results);
+  return cudaGetLastError();
+}
+
+cudaError_t FeedSampledTokens(const LogitsRowResult* results, const int32_t* pairs, int32_t count,
+                              int32_t* tokens, cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  FeedKernel<<<(count + 255) / 256, 256, 0, stream>>>(results, pairs, count, tokens);
   return cudaGetLastError();
 }
 

@@ -50,6 +50,11 @@ cudaError_t ProcessLogitsRows(const float* logits, int64_t num_rows, int32_t voc
                               const LogitsRowSpec* specs, LogitsRowResult* results,
                               cudaStream_t stream);
 
+// tokens[pairs[2k]] = results[pairs[2k + 1]].token for k < count: the engine's fed tokens, the
+// tokens a step sampled copied into the next step's batch metadata on the device.
+cudaError_t FeedSampledTokens(const LogitsRowResult* results, const int32_t* pairs, int32_t count,
+                              int32_t* tokens, cudaStream_t stream);
+
 // out[i] = UniformNoise(seed, position, i) for i < n, computed on the device (for tests: it must
 // equal engine/sampler.h's host function bitwise).
 cudaError_t UniformNoiseRow(uint64_t seed, int64_t position, int32_t n, float* out,

@@ -350,5 +350,80 @@ TEST(SamplingTest, ScoreEqualsGenerateBitwiseThroughTheEngine) {
   EXPECT_EQ(differing, 0);
 }
 
+// The engine's decode lookahead on the CUDA backend (LaunchStep enqueues, tokens fed on the
+// device): every sample bitwise as one step at a time, including samples that stop on a sampled
+// token while the next step already has their rows, and a job whose top-k rows (picked on the
+// host) keep their steps one at a time.
+TEST(SamplingTest, DecodeLookaheadGivesTheBitsOfOneStepAtATime) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+  auto make = [](bool lookahead) {
+    CudaRunnerOptions o;
+    o.kv_cache_bytes = 256ll << 20;
+    o.max_batch_tokens = 2048;
+    auto runner = CudaModelRunner::CreateSynthetic(*PresetConfig("small"), 6, o);
+    EXPECT_TRUE(runner.ok()) << runner.status();
+    EngineOptions eo;
+    eo.max_running_samples = 64;
+    eo.max_batch_tokens = 512;
+    eo.decode_lookahead = lookahead;
+    auto engine = Engine::Create(*std::move(runner), eo);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return *std::move(engine);
+  };
+  std::unique_ptr<Engine> ahead = make(true), plain = make(false);
+  std::mt19937_64 rng(9);
+  std::vector<SampleSpec> gen;
+  for (int i = 0; i < 20; ++i) {
+    SampleSpec s;
+    s.rollout_index = i;
+    s.prompt.resize(10 + 29 * i % 200);
+    for (int32_t& t : s.prompt) t = static_cast<int32_t>(rng() % 4096);
+    s.params.temperature = i % 3 == 0 ? 0.0f : (i % 3 == 1 ? 1.0f : 0.7f);
+    s.params.top_logprobs = i % 4 == 0 ? 5 : 0;
+    s.params.max_new_tokens = 24 + i;
+    s.params.ignore_eos = true;
+    s.sample_seed = 300 + i;
+    gen.push_back(s);
+  }
+  auto same = [](const std::vector<SampleCompletion>& a, const std::vector<SampleCompletion>& b) {
+    int64_t differing = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      differing += a[i].token_ids != b[i].token_ids || a[i].finish_reason != b[i].finish_reason ||
+                   a[i].logprobs.size() != b[i].logprobs.size() ||
+                   std::memcmp(a[i].logprobs.data(), b[i].logprobs.data(),
+                               4 * std::min(a[i].logprobs.size(), b[i].logprobs.size())) != 0;
+    }
+    return differing;
+  };
+  const std::vector<SampleCompletion> want = RunJob(plain.get(), gen);
+  ASSERT_EQ(want.size(), gen.size());
+  EXPECT_EQ(same(RunJob(ahead.get(), gen), want), 0);
+  const uint64_t after_first = ahead->counters().lookahead_steps;
+  EXPECT_GT(after_first, 10u);
+  EXPECT_EQ(plain->counters().lookahead_steps, 0u);
+
+  // Stops on sampled tokens (the rows already launched for the next step are dropped).
+  std::vector<SampleSpec> stopping = gen;
+  for (size_t i = 0; i + 2 < stopping.size(); ++i) {
+    stopping[i].params.stop_token_ids = {want[i].token_ids[5 + i % 11]};
+  }
+  const std::vector<SampleCompletion> stop_want = RunJob(plain.get(), stopping);
+  EXPECT_EQ(same(RunJob(ahead.get(), stopping), stop_want), 0);
+  for (size_t i = 0; i + 2 < stopping.size(); ++i) {
+    EXPECT_EQ(stop_want[i].finish_reason, FinishReason::kStop) << i;
+  }
+  EXPECT_GT(ahead->counters().lookahead_steps, after_first);
+
+  // Top-k rows: their tokens are picked on the host, so their steps are not fed ahead.
+  std::vector<SampleSpec> mixed = gen;
+  for (size_t i = 0; i < mixed.size(); i += 5) {
+    mixed[i].params.temperature = 1.0f;
+    mixed[i].params.top_k = 20;
+  }
+  EXPECT_EQ(same(RunJob(ahead.get(), mixed), RunJob(plain.get(), mixed)), 0);
+  const EngineCounters c = ahead->counters();
+  EXPECT_EQ(c.kv_blocks_free + c.kv_blocks_cached, c.kv_blocks_total) << "no block leaked";
+}
+
 }  // namespace
 }  // namespace rollout
