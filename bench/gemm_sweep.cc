@@ -72,6 +72,17 @@ struct RawMatmul {
   }
 };
 
+// `count` floats of N(0, 1) (seeded) into `buffer`: a nonzero C for the accumulate epilogue (the
+// bits of random bf16 weights read as floats would include NaNs, so it is filled from the host).
+void FillNormal(cuda::DeviceBuffer* buffer, int64_t count) {
+  buffer->Allocate(count * 4);
+  std::vector<float> host(count);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (float& v : host) v = dist(rng);
+  cudaMemcpy(buffer->get(), host.data(), host.size() * 4, cudaMemcpyHostToDevice);
+}
+
 // cuBLASLt's first heuristic pick for this m with a workspace: the unconstrained reference.
 double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, const void* w, void* y,
               void* ws, size_t ws_bytes) {
@@ -98,17 +109,8 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
   cuda::DeviceBuffer y_ref, y_init, count;
   const int64_t max_out = 8192ll * 151936;
   y_ref.Allocate(max_out * 4);
-  y_init.Allocate(max_out * 4);
+  FillNormal(&y_init, 8192ll * 4096);  // the accumulating shapes' C
   count.Allocate(sizeof(unsigned long long));
-  {
-    // A nonzero C for the accumulate epilogue: the bits of random bf16 weights read as floats
-    // would include NaNs, so fill from the host.
-    std::vector<float> host(8192ll * 4096);
-    std::mt19937 rng(7);
-    std::normal_distribution<float> dist(0.0f, 1.0f);
-    for (float& v : host) v = dist(rng);
-    cudaMemcpy(y_init.get(), host.data(), host.size() * 4, cudaMemcpyHostToDevice);
-  }
   auto run = [&](cuda::PinnedGemm& g, int64_t m, void* out) {
     const size_t bytes = m * g.n() * (g.output() == GemmOutput::kBf16 ? 2 : 4);
     if (g.output() == GemmOutput::kF32Accumulate) {
@@ -222,15 +224,8 @@ int SplitK(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::De
            const char* only) {
   cuda::DeviceBuffer y_ref, y_init, count;
   y_ref.Allocate(8192ll * 24576 * 4);
-  y_init.Allocate(8192ll * 24576 * 4);
+  FillNormal(&y_init, 8192ll * 24576);
   count.Allocate(sizeof(unsigned long long));
-  {
-    std::vector<float> host(8192ll * 24576);
-    std::mt19937 rng(7);
-    std::normal_distribution<float> dist(0.0f, 1.0f);
-    for (float& v : host) v = dist(rng);
-    cudaMemcpy(y_init.get(), host.data(), host.size() * 4, cudaMemcpyHostToDevice);
-  }
   for (size_t si = 0; si < num_shapes; ++si) {
     const Shape& s = shapes[si];
     if (s.n > 24576 || (only != nullptr && std::strcmp(only, s.name) != 0)) continue;

@@ -256,6 +256,15 @@ TEST(SamplingTest, DeviceKeptLogitsEqualUploadedLogits) {
   }
 }
 
+// Sample i of a test job: rollout_index i, a prompt of `prompt_len` random tokens.
+SampleSpec RandomSample(int i, size_t prompt_len, int32_t vocab, std::mt19937_64* rng) {
+  SampleSpec s;
+  s.rollout_index = i;
+  s.prompt.resize(prompt_len);
+  for (int32_t& t : s.prompt) t = static_cast<int32_t>((*rng)() % vocab);
+  return s;
+}
+
 // Runs `samples` as one job and returns the completions, by rollout_index.
 std::vector<SampleCompletion> RunJob(Engine* engine, std::vector<SampleSpec> samples) {
   std::mutex mu;
@@ -309,10 +318,7 @@ TEST(SamplingTest, ScoreEqualsGenerateBitwiseThroughTheEngine) {
   std::mt19937_64 rng(8);
   std::vector<SampleSpec> gen;
   for (int i = 0; i < 24; ++i) {
-    SampleSpec s;
-    s.rollout_index = i;
-    s.prompt.resize(20 + 37 * i % 300);
-    for (int32_t& t : s.prompt) t = static_cast<int32_t>(rng() % vocab);
+    SampleSpec s = RandomSample(i, 20 + 37 * i % 300, vocab, &rng);
     s.params = variants[i % variants.size()];
     s.params.max_new_tokens = 48;
     s.params.ignore_eos = true;
@@ -374,10 +380,7 @@ TEST(SamplingTest, DecodeLookaheadGivesTheBitsOfOneStepAtATime) {
   std::mt19937_64 rng(9);
   std::vector<SampleSpec> gen;
   for (int i = 0; i < 20; ++i) {
-    SampleSpec s;
-    s.rollout_index = i;
-    s.prompt.resize(10 + 29 * i % 200);
-    for (int32_t& t : s.prompt) t = static_cast<int32_t>(rng() % 4096);
+    SampleSpec s = RandomSample(i, 10 + 29 * i % 200, 4096, &rng);
     s.params.temperature = i % 3 == 0 ? 0.0f : (i % 3 == 1 ? 1.0f : 0.7f);
     s.params.top_logprobs = i % 4 == 0 ? 5 : 0;
     s.params.max_new_tokens = 24 + i;
