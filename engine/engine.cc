@@ -542,6 +542,8 @@ void Engine::Step(StepEvents* events) {
   LaunchedStep current = std::move(*launched_);
   launched_ = std::move(next);  // Complete drops the rows of sequences that finish now
   Complete(std::move(current), events);
+  // A step launched ahead runs on the device from here on: its duration counts from now.
+  if (launched_.has_value()) launched_->start = std::chrono::steady_clock::now();
 }
 
 std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chunk> chunks,
@@ -612,9 +614,13 @@ std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chu
 bool Engine::LookaheadReady(const LaunchedStep& step) {
   if (!options_.decode_lookahead || draining_.has_value() || !held_.empty()) return false;
   size_t alive = 0;
+  std::vector<LogitsRowTask> tasks;  // of the live chunks (a dead chunk's params are gone)
+  tasks.reserve(step.tasks.size());
   for (const LaunchedStep::Chunk& chunk : step.chunks) {
     if (chunk.seq == nullptr) continue;
     ++alive;
+    tasks.insert(tasks.end(), step.tasks.begin() + chunk.first_row,
+                 step.tasks.begin() + chunk.first_row + chunk.num_rows);
     const Sequence& seq = *chunk.seq;
     // Decode chunks of generating sequences only, each the sequence's next token.
     if (seq.is_score() || chunk.num_rows != 1 || chunk.end - chunk.begin != 1 ||
@@ -628,7 +634,7 @@ bool Engine::LookaheadReady(const LaunchedStep& step) {
        static_cast<int32_t>(scheduler_.num_running()) < options_.max_running_samples)) {
     return false;
   }
-  if (!runner_->CanFeed(step.tasks)) return false;
+  if (!runner_->CanFeed(tasks)) return false;
   std::lock_guard<std::mutex> lock(mu_);
   return inbox_.empty() && aborts_.empty() && flushes_.empty() && updates_.empty() && !paused_ &&
          !stop_;

@@ -275,7 +275,7 @@ class Engine {
       int64_t first_row, num_rows, first_position;
     };
     std::vector<Chunk> chunks;
-    std::vector<LogitsRowTask> tasks;
+    std::vector<LogitsRowTask> tasks;  // a dead chunk's (seq nullptr) point at freed params
     bool has_prefill = false;
     std::chrono::steady_clock::time_point start;
   };
@@ -347,7 +347,6 @@ class Engine {
   std::string version_;                    // the weights now in the runner
   std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
   std::vector<Submission> held_;           // submissions waiting for draining_
-  std::vector<float> logits_;
   // The step's batch, rebuilt every step in place: its vectors (a block table per sequence)
   // keep their capacity instead of being allocated again each step.
   ForwardBatch batch_;
