@@ -275,8 +275,9 @@ int SplitK(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::De
         cudaMemcpy(&n_diff, count.get(), sizeof(n_diff), cudaMemcpyDeviceToHost);
         if (n_diff != 0) verdict = "DIFFERS at m=" + std::to_string(m);
       }
-      std::printf("  %2d  m=256 %7.1f us (%.2fx pin)  m=8192 %8.1f us (%.2fx pin)  ws %7zu  %s  %s\n",
-                  i, t256 * 1e3, t256 / pin256, t8192 * 1e3, t8192 / pin8192,
+      std::printf(
+          "  %2d  m=256 %7.1f us (%.2fx pin)  m=8192 %8.1f us (%.2fx pin)  ws %7zu  %s  %s\n", i,
+          t256 * 1e3, t256 / pin256, t8192 * 1e3, t8192 / pin8192,
                   results[i].workspaceSize, info.ToString().c_str(), verdict.c_str());
     }
     std::fflush(stdout);

@@ -609,7 +609,8 @@ int Main() {
       static_cast<long>(timer->prefill.steps.load()),
       static_cast<long>(timer->prefill.tokens.load()), timer->prefill.total_s(),
       timer->prefill.launch_s(), static_cast<long>(decode_steps), timer->decode.total_s(),
-      timer->decode.ms_per_step(), timer->decode.launch_s() / std::max<int64_t>(1, decode_steps) * 1e3,
+      timer->decode.ms_per_step(),
+      timer->decode.launch_s() / std::max<int64_t>(1, decode_steps) * 1e3,
       static_cast<long>(counters.lookahead_steps), e2e - forward,
       (e2e - forward) / std::max<int64_t>(1, steps) * 1e3);
   std::printf("  decode graphs: %ld captured, %ld replays\n",

@@ -83,7 +83,8 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
     const int32_t id = batch.token_ids[i];
     const int32_t pos = batch.positions[i];
     const int32_t seq = batch.token_seq[i];
-    const bool fed = id < 0 && async && s.feed_ready && -1 - static_cast<int64_t>(id) < s.feed_rows;
+    const bool fed =
+        id < 0 && async && s.feed_ready && -1 - static_cast<int64_t>(id) < s.feed_rows;
     if ((id < 0 && !fed) || id >= c.vocab_size)
       return absl::InvalidArgumentError(absl::StrCat("token id ", id));
     if (seq < 0 || seq >= static_cast<int32_t>(batch.block_tables.size())) {

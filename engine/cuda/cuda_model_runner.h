@@ -224,8 +224,8 @@ class CudaModelRunner final : public ModelRunner {
   int64_t GraphBucket(int64_t n) const;
   absl::Status ProcessDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
                                  int64_t first, int64_t count, std::vector<SampleResult>* results);
-  // Enqueues the sampling of tasks' rows (logits rows [0, count) on the device) into the staging
-  // slot's specs and results; returns the specs' modes through `specs` (the slot's).
+  // Enqueues the processing of tasks[first, first + count) (their logits at `rows` on the device):
+  // specs staged and uploaded, the sampling kernel, the results' download into the staging slot.
   absl::Status EnqueueDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
                                  int64_t first, int64_t count);
   // The device results of `count` rows from `out` (host) into results[first ..].

@@ -5,8 +5,9 @@
 #include <cstdint>
 
 // Sampling and scoring of fp32 logits rows on the GPU (CudaModelRunner::ProcessLogits). One
-// 1024-thread block per row, one pass over the row (plus one per top-N entry); every reduction runs in one fixed order that depends on nothing but
-// the row, so a row's results are bitwise the same whatever the other rows of the launch.
+// 1024-thread block per row, one pass over the row (plus one per top-N entry); every reduction
+// runs in one fixed order that depends on nothing but the row, so a row's results are bitwise the
+// same whatever the other rows of the launch.
 namespace rollout::cuda {
 
 inline constexpr int kMaxDeviceTopN = 20;
