@@ -145,6 +145,56 @@ TEST(EngineTest, DecodeLookaheadGivesTheBitsOfOneStepAtATime) {
   EXPECT_EQ(c.unfinished_samples, 0);
 }
 
+// ModelRunner's step pipeline as the CPU runner has it (the default): its errors, and a fed
+// token that gives the bits of the same token passed explicitly.
+TEST(ModelRunnerStepTest, LaunchAndCollectKeepTheirContract) {
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(TinyModelDir());
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  absl::StatusOr<std::unique_ptr<CpuModelRunner>> made = CpuModelRunner::Create(**ck, {});
+  ASSERT_TRUE(made.ok()) << made.status();
+  CpuModelRunner& runner = **made;
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  LogitsRowTask task;
+  task.params = &greedy;
+  auto one_token = [](int32_t id, int32_t pos) {
+    ForwardBatch b;
+    b.token_ids = {id};
+    b.positions = {pos};
+    b.token_seq = {0};
+    b.block_tables = {{0}};
+    b.logit_rows = {0};
+    return b;
+  };
+  std::vector<SampleResult> results;
+  EXPECT_EQ(runner.CollectStep(&results).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(runner.LaunchStep(one_token(-1, 1), {task}).code(),
+            absl::StatusCode::kInvalidArgument);  // fed, with nothing launched before
+
+  task.position = 1;
+  ASSERT_TRUE(runner.LaunchStep(one_token(7, 0), {task}).ok());
+  EXPECT_EQ(runner.LaunchStep(one_token(-2, 1), {task}).code(),
+            absl::StatusCode::kInvalidArgument);  // row 1 of a one-row step
+  task.position = 2;
+  ASSERT_TRUE(runner.LaunchStep(one_token(-1, 1), {task}).ok());
+  EXPECT_EQ(runner.LaunchStep(one_token(-1, 2), {task}).code(),
+            absl::StatusCode::kFailedPrecondition);  // a third step in flight
+  std::vector<SampleResult> first, second;
+  ASSERT_TRUE(runner.CollectStep(&first).ok());
+  ASSERT_TRUE(runner.CollectStep(&second).ok());
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(second.size(), 1u);
+
+  // The same two steps with the first token passed explicitly.
+  std::vector<float> logits;
+  std::vector<SampleResult> want;
+  ASSERT_TRUE(runner.Forward(one_token(7, 0), &logits).ok());
+  ASSERT_TRUE(runner.Forward(one_token(first[0].token, 1), &logits).ok());
+  ASSERT_TRUE(runner.ProcessLogits({task}, logits, &want).ok());
+  EXPECT_EQ(second[0].token, want[0].token);
+  EXPECT_EQ(std::memcmp(&second[0].logprob, &want[0].logprob, 4), 0);
+}
+
 TEST(EngineTest, StreamedTokensEqualTheCompletion) {
   std::unique_ptr<Engine> engine = MakeEngine({});
   std::vector<SampleSpec> specs = Workload();
