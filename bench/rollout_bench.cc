@@ -214,6 +214,7 @@ class TimedRunner final : public ModelRunner {
   bool CanFeed(const std::vector<LogitsRowTask>& tasks) const override {
     return inner_->CanFeed(tasks);
   }
+  bool LaunchesAsync() const override { return inner_->LaunchesAsync(); }
   absl::Status LaunchStep(const ForwardBatch& batch,
                           const std::vector<LogitsRowTask>& tasks) override {
     const auto start = Clock::now();

@@ -428,9 +428,10 @@ void Engine::Loop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       const bool busy = !scheduler_.idle() || launched_.has_value();
+      // Paused with a launched step: wake to collect it (its results are delivered).
       auto ready = [&] {
-        return stop_ || (busy && !paused_) || !inbox_.empty() || !aborts_.empty() ||
-               !flushes_.empty() || !updates_.empty();
+        return stop_ || (busy && !paused_) || (paused_ && launched_.has_value()) ||
+               !inbox_.empty() || !aborts_.empty() || !flushes_.empty() || !updates_.empty();
       };
       if (draining_.has_value()) {
         // A waiting DRAIN update's caller may cancel while the engine has nothing else to do
@@ -612,7 +613,10 @@ std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chu
 }
 
 bool Engine::LookaheadReady(const LaunchedStep& step) {
-  if (!options_.decode_lookahead || draining_.has_value() || !held_.empty()) return false;
+  if (!options_.decode_lookahead || draining_.has_value() || !held_.empty() ||
+      (!runner_->LaunchesAsync() && !options_.lookahead_on_synchronous_runners)) {
+    return false;
+  }
   size_t alive = 0;
   std::vector<LogitsRowTask> tasks;  // of the live chunks (a dead chunk's params are gone)
   tasks.reserve(step.tasks.size());

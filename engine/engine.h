@@ -27,9 +27,13 @@ struct EngineOptions {
   std::string weight_version = "0";
   bool prefix_cache = true;
   // Launch decode step N + 1 before step N's results are applied, its tokens fed from step N's
-  // rows on the runner (Engine::LookaheadReady says when): the device then never waits for this
-  // thread between decode steps. false: one step at a time. The same bits either way.
+  // rows on the runner (Engine::LookaheadReady says when), on a runner whose launched steps run
+  // on a device (ModelRunner::LaunchesAsync: the CUDA backend): the device then never waits for
+  // this thread between decode steps. false: one step at a time. The same bits either way.
   bool decode_lookahead = true;
+  // Tests: the lookahead on a runner that computes steps at launch too (the CPU backend, where it
+  // only delays each step's results by one step), to exercise its bookkeeping without a GPU.
+  bool lookahead_on_synchronous_runners = false;
 };
 
 // One sample to generate.

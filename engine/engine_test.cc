@@ -113,9 +113,15 @@ TEST(EngineTest, DecodeLookaheadGivesTheBitsOfOneStepAtATime) {
   std::unique_ptr<Engine> plain = MakeEngine({}, one_at_a_time);
   const std::vector<std::string> reference = RunWorkload(plain.get(), Workload());
   EXPECT_EQ(plain->counters().lookahead_steps, 0u);
-  std::unique_ptr<Engine> engine = MakeEngine({});
+  EngineOptions ahead;
+  ahead.lookahead_on_synchronous_runners = true;  // the CPU runner computes at launch
+  std::unique_ptr<Engine> engine = MakeEngine({}, ahead);
   EXPECT_EQ(RunWorkload(engine.get(), Workload()), reference);
   EXPECT_GT(engine->counters().lookahead_steps, 10u);
+  // By default the engine does not look ahead on a runner that computes at launch.
+  std::unique_ptr<Engine> cpu_default = MakeEngine({});
+  EXPECT_EQ(RunWorkload(cpu_default.get(), Workload()), reference);
+  EXPECT_EQ(cpu_default->counters().lookahead_steps, 0u);
 
   // Samples that stop on a sampled token while the next step is launched with their rows (the
   // rows are dropped), beside samples that go on, and one that ends by length.

@@ -102,6 +102,9 @@ class ModelRunner {
   // Whether the tokens of a launched step with these tasks can be fed to the next launched step
   // (the CUDA backend: rows whose token the device picks, few enough for one sampling pass).
   virtual bool CanFeed(const std::vector<LogitsRowTask>& tasks) const { return true; }
+  // Whether LaunchStep returns while the step still runs (on a device), so that launching the
+  // next step early overlaps host and device work. The default computes at launch: false.
+  virtual bool LaunchesAsync() const { return false; }
 
   // Every tensor a weight update may replace, sorted by name. Constant after construction.
   virtual const std::vector<WeightSpec>& weight_specs() const = 0;

@@ -47,8 +47,8 @@ ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
 ABSL_FLAG(std::string, weight_version, "0", "version string reported with every completion");
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of shared prefixes across requests");
 ABSL_FLAG(bool, decode_lookahead, true,
-          "launch decode step N + 1 before step N's results are applied (its tokens fed on the "
-          "device); false: one step at a time. Never changes a bit");
+          "cuda backend: launch decode step N + 1 before step N's results are applied (its "
+          "tokens fed on the device); false: one step at a time. Never changes a bit");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding the bearer token that control RPCs (UpdateWeights*, Pause, Resume, "
           "Abort, FlushCache) require");

@@ -870,47 +870,59 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
     return absl::InvalidArgumentError(absl::StrFormat("%d tasks for %d logits rows", tasks.size(),
                                                       batch.logit_rows.size()));
   }
+  const bool fed = HasFedTokens(batch);
+  if (fed && s.launched.empty()) {
+    return absl::InvalidArgumentError("fed tokens without a launched step to feed them");
+  }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
-  // The other staging slot, once the step that used it last has copied its results.
-  s.slot ^= 1;
+  // A staging slot no uncollected step uses, once the step that used it last is done with it.
+  s.slot = s.launched.empty() || s.launched.back().slot < 0 ? s.slot ^ 1
+                                                            : s.launched.back().slot ^ 1;
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(cudaEventSynchronize(s.staging().done), "waiting for a staging slot"));
   const int64_t rows = static_cast<int64_t>(tasks.size());
   State::Launched launched;
   launched.rows = rows;
-  // Enqueued only: one slice, its logits on the device, every row processed there.
-  if (batch.num_tokens() <= options_.max_batch_tokens && CanFeed(tasks)) {
-    ROLLOUT_RETURN_IF_ERROR(ForwardImpl(batch, nullptr, /*async=*/true));
-    if (rows > 0) ROLLOUT_RETURN_IF_ERROR(EnqueueDeviceRows(s.logits.get<float>(), tasks, 0, rows));
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cudaEventRecord(s.staging().done, s.stream), "cudaEventRecord"));
+  // Enqueued only: one slice, its logits on the device, every row processed there, its fed
+  // tokens (if any) in the device's results of the step before.
+  absl::Status status;
+  if (batch.num_tokens() <= options_.max_batch_tokens && CanFeed(tasks) &&
+      (!fed || s.feed_ready)) {
+    status = ForwardImpl(batch, nullptr, /*async=*/true);
+    if (status.ok() && rows > 0) {
+      status = EnqueueDeviceRows(s.logits.get<float>(), tasks, 0, rows);
+    }
+    if (status.ok()) {
+      status = CudaError(cudaEventRecord(s.staging().done, s.stream), "cudaEventRecord");
+    }
     launched.slot = s.slot;
   } else {
     ForwardBatch resolved;
     const ForwardBatch* run = &batch;
-    if (HasFedTokens(batch)) {
+    if (fed) {
       // The previous launched step's tokens, from its results.
-      if (s.launched.empty()) {
-        return absl::InvalidArgumentError("fed tokens without a launched step to feed them");
-      }
       State::Launched& previous = s.launched.back();
       std::vector<SampleResult> fed_from = previous.results;
       if (previous.slot >= 0) {
-        ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventSynchronize(s.slots[previous.slot].done),
-                                          "waiting for the fed tokens"));
+        status = CudaError(cudaEventSynchronize(s.slots[previous.slot].done),
+                           "waiting for the fed tokens");
         fed_from.assign(previous.rows, SampleResult());
-        ConvertDeviceRows(s.slots[previous.slot].results.get(), 0, previous.rows, &fed_from);
+        if (status.ok()) {
+          ConvertDeviceRows(s.slots[previous.slot].results.get(), 0, previous.rows, &fed_from);
+        }
       }
       resolved = batch;
-      ROLLOUT_RETURN_IF_ERROR(ResolveFedTokens(fed_from, &resolved));
+      if (status.ok()) status = ResolveFedTokens(fed_from, &resolved);
       run = &resolved;
     }
-    ROLLOUT_RETURN_IF_ERROR(Forward(*run, nullptr));
-    ROLLOUT_RETURN_IF_ERROR(ProcessLogits(tasks, {}, &launched.results));
+    if (status.ok()) status = Forward(*run, nullptr);
+    if (status.ok()) status = ProcessLogits(tasks, {}, &launched.results);
   }
-  // The device's results are the step's tokens when one sampling pass picked them all.
-  s.feed_ready = CanFeed(tasks);
+  // The device's results are this step's tokens when one sampling pass picked them all (a failed
+  // launch may have overwritten them: nothing to feed from).
+  s.feed_ready = status.ok() && CanFeed(tasks);
   s.feed_rows = rows;
+  if (!status.ok()) return status;
   s.launched.push_back(std::move(launched));
   return absl::OkStatus();
 }
@@ -920,6 +932,8 @@ absl::Status CudaModelRunner::CollectStep(std::vector<SampleResult>* results) {
   if (s.launched.empty()) return absl::FailedPreconditionError("no launched step to collect");
   State::Launched launched = std::move(s.launched.front());
   s.launched.pop_front();
+  // Fed tokens refer to an uncollected step, as in ModelRunner's contract.
+  if (s.launched.empty()) s.feed_ready = false;
   if (launched.slot < 0) {
     *results = std::move(launched.results);
     return absl::OkStatus();

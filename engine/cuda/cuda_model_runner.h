@@ -165,6 +165,9 @@ class CudaModelRunner final : public ModelRunner {
   // Rows the device picks every token of (greedy, plain-temperature sampling; no scoring, no
   // top-k / top-p / min-p), at most max_logit_rows, on one device, not profiling.
   bool CanFeed(const std::vector<LogitsRowTask>& tasks) const override;
+  bool LaunchesAsync() const override { return true; }
+  // Forward and ProcessLogits (and ForwardToHost) must not be called while a launched step is
+  // uncollected: they stage in the host buffers LaunchStep uses.
   // Weights as the checkpoint had them (bf16 for synthetic models); updates are converted to the
   // device layout (bf16 matrices, fp32 norms and biases) on the host, then copied.
   const std::vector<WeightSpec>& weight_specs() const override;

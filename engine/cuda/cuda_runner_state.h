@@ -294,8 +294,9 @@ struct CudaModelRunner::State {
   // Host staging (pinned): the batch metadata, the sampling specs ([max_logit_rows]) and
   // results ([max_logit_rows]) of a step. Two, so that LaunchStep prepares step N + 1 while
   // the device still copies step N's; `done` is recorded after a launched step's last copy, and
-  // a slot is written again only after it (Forward and ProcessLogits called directly wait for
-  // their work anyway).
+  // a slot is written again only after it. Forward and ProcessLogits stage in the current slot:
+  // LaunchStep's own calls use a slot no uncollected step holds; callers outside LaunchStep
+  // must not call them while a launched step is uncollected.
   struct HostSlot {
     cuda::PinnedHostBuffer meta, specs, results;
     cudaEvent_t done = nullptr;
