@@ -535,7 +535,7 @@ void Engine::Step(StepEvents* events) {
       }
       chunks.push_back({seq, c.begin, c.end, 0, std::max<int64_t>(0, to - from), from});
     }
-    launched_ = Launch(std::move(chunks), /*from_sequences=*/true, events);
+    launched_ = Launch(std::move(chunks), events);
     if (!launched_.has_value()) return;
   }
   std::optional<LaunchedStep> next;
@@ -548,18 +548,16 @@ void Engine::Step(StepEvents* events) {
 }
 
 std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chunk> chunks,
-                                                   bool from_sequences, StepEvents* events) {
+                                                   StepEvents* events) {
   LaunchedStep step;
   step.chunks = std::move(chunks);
   ForwardBatch& batch = batch_;
-  if (from_sequences) {
-    batch.token_ids.clear();
-    batch.positions.clear();
-    batch.token_seq.clear();
-    batch.logit_rows.clear();
-    // One block table per chunk (each chunk is a distinct sequence), assigned in place.
-    batch.block_tables.resize(step.chunks.size());
-  }
+  batch.token_ids.clear();
+  batch.positions.clear();
+  batch.token_seq.clear();
+  batch.logit_rows.clear();
+  // One block table per chunk (each chunk is a distinct sequence), assigned in place.
+  batch.block_tables.resize(step.chunks.size());
   int64_t num_rows = 0;
   for (size_t c = 0; c < step.chunks.size(); ++c) {
     LaunchedStep::Chunk& chunk = step.chunks[c];
@@ -571,19 +569,16 @@ std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chu
     }
     chunk.first_row = num_rows;
     num_rows += chunk.num_rows;
-    if (from_sequences) {
-      const int32_t seq_index = static_cast<int32_t>(c);
-      batch.block_tables[c].assign(seq->block_table.begin(), seq->block_table.end());
-      const int64_t first_token = batch.num_tokens();
-      for (int64_t pos = chunk.begin; pos < chunk.end; ++pos) {
-        batch.token_ids.push_back(seq->tokens[pos]);
-        batch.positions.push_back(static_cast<int32_t>(pos));
-        batch.token_seq.push_back(seq_index);
-      }
-      for (int64_t pos = chunk.first_position; pos < chunk.first_position + chunk.num_rows;
-           ++pos) {
-        batch.logit_rows.push_back(static_cast<int32_t>(first_token + pos - chunk.begin));
-      }
+    batch.block_tables[c].assign(seq->block_table.begin(), seq->block_table.end());
+    const int64_t first_token = batch.num_tokens();
+    for (int64_t pos = chunk.begin; pos < chunk.end; ++pos) {
+      const bool fed = pos == chunk.begin && chunk.fed_row >= 0;
+      batch.token_ids.push_back(fed ? static_cast<int32_t>(-1 - chunk.fed_row) : seq->tokens[pos]);
+      batch.positions.push_back(static_cast<int32_t>(pos));
+      batch.token_seq.push_back(static_cast<int32_t>(c));
+    }
+    for (int64_t pos = chunk.first_position; pos < chunk.first_position + chunk.num_rows; ++pos) {
+      batch.logit_rows.push_back(static_cast<int32_t>(first_token + pos - chunk.begin));
     }
     // One task per logits row, in row order: the next token of each finished chunk, or the
     // scored tokens of a scoring sequence.
@@ -592,7 +587,7 @@ std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chu
       task.params = &seq->params;
       task.sample_seed = seq->sample_seed;
       // The absolute position of the new token (a scoring sequence: its end, as ever).
-      task.position = from_sequences ? seq->num_tokens() : chunk.end;
+      task.position = seq->is_score() ? seq->num_tokens() : chunk.end;
       if (seq->is_score()) task.score_token = seq->tokens[chunk.first_position + r + 1];
       step.tasks.push_back(task);
     }
@@ -647,12 +642,6 @@ bool Engine::LookaheadReady(const LaunchedStep& step) {
 std::optional<Engine::LaunchedStep> Engine::LaunchLookahead(const LaunchedStep& step) {
   std::vector<LaunchedStep::Chunk> chunks;
   chunks.reserve(step.chunks.size());
-  ForwardBatch& batch = batch_;
-  batch.token_ids.clear();
-  batch.positions.clear();
-  batch.token_seq.clear();
-  batch.logit_rows.clear();
-  batch.block_tables.resize(step.chunks.size());
   for (const LaunchedStep::Chunk& chunk : step.chunks) {
     Sequence* seq = chunk.seq;
     if (seq == nullptr) continue;
@@ -664,17 +653,10 @@ std::optional<Engine::LaunchedStep> Engine::LaunchLookahead(const LaunchedStep& 
     }
     const int64_t pos = chunk.end;
     if (!scheduler_.Reserve(pos + 1, seq)) return std::nullopt;
-    const size_t c = chunks.size();
-    batch.block_tables[c].assign(seq->block_table.begin(), seq->block_table.end());
-    batch.token_ids.push_back(static_cast<int32_t>(-1 - chunk.first_row));  // fed
-    batch.positions.push_back(static_cast<int32_t>(pos));
-    batch.token_seq.push_back(static_cast<int32_t>(c));
-    batch.logit_rows.push_back(static_cast<int32_t>(c));
-    chunks.push_back({seq, pos, pos + 1, 0, 1, pos});
+    chunks.push_back({seq, pos, pos + 1, 0, 1, pos, /*fed_row=*/chunk.first_row});
   }
   if (chunks.empty()) return std::nullopt;
-  batch.block_tables.resize(chunks.size());
-  std::optional<LaunchedStep> next = Launch(std::move(chunks), /*from_sequences=*/false, nullptr);
+  std::optional<LaunchedStep> next = Launch(std::move(chunks), /*events=*/nullptr);
   if (next.has_value()) ++lookahead_steps_;
   return next;
 }

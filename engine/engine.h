@@ -277,6 +277,9 @@ class Engine {
       // Its logits rows [first_row, first_row + num_rows) of the step, for positions from
       // first_position.
       int64_t first_row, num_rows, first_position;
+      // >= 0: the token at `begin` is not known yet; it is the one sampled for this row of the
+      // step launched before (a fed token, ModelRunner::LaunchStep).
+      int64_t fed_row = -1;
     };
     std::vector<Chunk> chunks;
     std::vector<LogitsRowTask> tasks;  // a dead chunk's (seq nullptr) point at freed params
@@ -292,11 +295,9 @@ class Engine {
   // first and applies its results. So on a backend that runs launched steps on its device, the
   // device computes step N + 1 while this thread applies step N and prepares step N + 2.
   void Step(StepEvents* events);
-  // Launches `chunks`; their tokens are batch_'s (set by the caller for fed tokens) or, when
-  // `from_sequences`, the sequences' own. nullopt, with the chunks' samples aborted, when the
-  // launch fails.
-  std::optional<LaunchedStep> Launch(std::vector<LaunchedStep::Chunk> chunks, bool from_sequences,
-                                     StepEvents* events);
+  // Launches `chunks` (their batch built in batch_). nullopt when the launch fails, with the
+  // chunks' samples aborted into `events` unless it is null.
+  std::optional<LaunchedStep> Launch(std::vector<LaunchedStep::Chunk> chunks, StepEvents* events);
   // Whether the step after `step` is known before `step`'s results: every running sequence
   // decodes in `step`, none waits to be admitted, nothing waits in the inbox, the runner can
   // feed `step`'s tokens. (A sequence that stops on a sampled token then has one dropped row.)
