@@ -83,6 +83,24 @@ void FillNormal(cuda::DeviceBuffer* buffer, int64_t count) {
   cudaMemcpy(buffer->get(), host.data(), host.size() * 4, cudaMemcpyHostToDevice);
 }
 
+// 32-bit words that differ between a and b (device, `bytes` each).
+unsigned long long DifferentWords(const void* a, const void* b, int64_t bytes) {
+  unsigned long long n = 0;
+  cuda::CountDifferentWordsOnHost(a, b, bytes, &n);
+  return n;
+}
+
+// A raw matmul of shape s at m with `algo` into `out`; an accumulating shape first gets C from
+// y_init.
+cublasStatus_t RunRaw(cublasLtHandle_t lt, const Shape& s, const cublasLtMatmulAlgo_t& algo,
+                      int64_t m, const cuda::DeviceBuffer& x, const cuda::DeviceBuffer& w,
+                      const cuda::DeviceBuffer& y_init, void* out, void* ws, size_t ws_bytes) {
+  if (s.output == GemmOutput::kF32Accumulate) {
+    cudaMemcpyAsync(out, y_init.get(), m * s.n * 4, cudaMemcpyDeviceToDevice);
+  }
+  return RawMatmul(s, m).Run(lt, algo, x.get(), w.get(), out, ws, ws_bytes);
+}
+
 // cuBLASLt's first heuristic pick for this m with a workspace: the unconstrained reference.
 double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, const void* w, void* y,
               void* ws, size_t ws_bytes) {
@@ -106,11 +124,10 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
                 cuda::DeviceBuffer& w, cuda::DeviceBuffer& y, const char* only) {
   constexpr int64_t kCheckMs[] = {1, 3, 8, 61, 64, 200, 256, 300, 1000, 1024, 2048, 3000, 4096,
                                   5000, 8192};
-  cuda::DeviceBuffer y_ref, y_init, count;
+  cuda::DeviceBuffer y_ref, y_init;
   const int64_t max_out = 8192ll * 151936;
   y_ref.Allocate(max_out * 4);
   FillNormal(&y_init, 8192ll * 4096);  // the accumulating shapes' C
-  count.Allocate(sizeof(unsigned long long));
   auto run = [&](cuda::PinnedGemm& g, int64_t m, void* out) {
     const size_t bytes = m * g.n() * (g.output() == GemmOutput::kBf16 ? 2 : 4);
     if (g.output() == GemmOutput::kF32Accumulate) {
@@ -123,10 +140,7 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
   };
   // A candidate run without any workspace (cuBLASLt then schedules tiles without its counter).
   auto run_no_ws = [&](const Shape& s, const cublasLtMatmulAlgo_t& algo, int64_t m, void* out) {
-    if (s.output == GemmOutput::kF32Accumulate) {
-      cudaMemcpyAsync(out, y_init.get(), m * s.n * 4, cudaMemcpyDeviceToDevice);
-    }
-    return RawMatmul(s, m).Run(lt, algo, x.get(), w.get(), out, nullptr, 0);
+    return RunRaw(lt, s, algo, m, x, w, y_init, out, nullptr, 0);
   };
   for (size_t si = 0; si < num_shapes; ++si) {
     const Shape& s = shapes[si];
@@ -171,10 +185,7 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
           differs += " m" + std::to_string(m) + ":fail";
           continue;
         }
-        cuda::CountDifferentWords(y_ref.get(), y.get(), bytes,
-                                  count.get<unsigned long long>(), nullptr);
-        unsigned long long n_diff = 0;
-        cudaMemcpy(&n_diff, count.get(), sizeof(n_diff), cudaMemcpyDeviceToHost);
+        const unsigned long long n_diff = DifferentWords(y_ref.get(), y.get(), bytes);
         if (n_diff != 0) differs += " m" + std::to_string(m) + ":" + std::to_string(n_diff);
       }
       std::printf("  %-4zu %-9s", ci, differs.empty() ? "EQUAL" : "differs");
@@ -193,10 +204,7 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
           no_ws_differs += " m" + std::to_string(m) + ":fail";
           continue;
         }
-        cuda::CountDifferentWords(y_ref.get(), y.get(), bytes, count.get<unsigned long long>(),
-                                  nullptr);
-        unsigned long long n_diff = 0;
-        cudaMemcpy(&n_diff, count.get(), sizeof(n_diff), cudaMemcpyDeviceToHost);
+        const unsigned long long n_diff = DifferentWords(y_ref.get(), y.get(), bytes);
         if (n_diff != 0) no_ws_differs += " m" + std::to_string(m) + ":" + std::to_string(n_diff);
       }
       std::printf("  %-4s %-9s", "", no_ws_differs.empty() ? "no-ws EQ" : "no-ws DIF");
@@ -222,19 +230,15 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
 int SplitK(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::DeviceBuffer& x,
            cuda::DeviceBuffer& w, cuda::DeviceBuffer& y, cuda::DeviceBuffer& ws,
            const char* only) {
-  cuda::DeviceBuffer y_ref, y_init, count;
+  cuda::DeviceBuffer y_ref, y_init;
   y_ref.Allocate(8192ll * 24576 * 4);
   FillNormal(&y_init, 8192ll * 24576);
-  count.Allocate(sizeof(unsigned long long));
   for (size_t si = 0; si < num_shapes; ++si) {
     const Shape& s = shapes[si];
     if (s.n > 24576 || (only != nullptr && std::strcmp(only, s.name) != 0)) continue;
     const size_t elem = s.output == GemmOutput::kBf16 ? 2 : 4;
     auto run = [&](const cublasLtMatmulAlgo_t& algo, int64_t m, void* out) {
-      if (s.output == GemmOutput::kF32Accumulate) {
-        cudaMemcpyAsync(out, y_init.get(), m * s.n * 4, cudaMemcpyDeviceToDevice);
-      }
-      return RawMatmul(s, m).Run(lt, algo, x.get(), w.get(), out, ws.get(), ws.bytes());
+      return RunRaw(lt, s, algo, m, x, w, y_init, out, ws.get(), ws.bytes());
     };
     std::unique_ptr<cuda::PinnedGemm> pin;
     cuda::PinnedGemm::Create(lt, s.n, s.k, s.output, 256, &pin);
@@ -269,10 +273,7 @@ int SplitK(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::De
           verdict = "fails at m=" + std::to_string(m);
           break;
         }
-        cuda::CountDifferentWords(y_ref.get(), y.get(), m * s.n * elem,
-                                  count.get<unsigned long long>(), nullptr);
-        unsigned long long n_diff = 0;
-        cudaMemcpy(&n_diff, count.get(), sizeof(n_diff), cudaMemcpyDeviceToHost);
+        const unsigned long long n_diff = DifferentWords(y_ref.get(), y.get(), m * s.n * elem);
         if (n_diff != 0) verdict = "DIFFERS at m=" + std::to_string(m);
       }
       std::printf(

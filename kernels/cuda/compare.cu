@@ -32,4 +32,17 @@ cudaError_t CountDifferentWords(const void* a, const void* b, int64_t bytes,
   return cudaGetLastError();
 }
 
+cudaError_t CountDifferentWordsOnHost(const void* a, const void* b, int64_t bytes,
+                                      unsigned long long* host_count) {
+  unsigned long long* count = nullptr;
+  cudaError_t err = cudaMalloc(&count, sizeof(*count));
+  if (err != cudaSuccess) return err;
+  err = CountDifferentWords(a, b, bytes, count, nullptr);
+  if (err == cudaSuccess) {
+    err = cudaMemcpy(host_count, count, sizeof(*count), cudaMemcpyDeviceToHost);
+  }
+  const cudaError_t freed = cudaFree(count);
+  return err != cudaSuccess ? err : freed;
+}
+
 }  // namespace rollout::cuda

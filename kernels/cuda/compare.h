@@ -11,4 +11,9 @@ namespace rollout::cuda {
 cudaError_t CountDifferentWords(const void* a, const void* b, int64_t bytes,
                                 unsigned long long* count, cudaStream_t stream);
 
+// The same, finished before it returns: *host_count on the host (tools and benchmarks; it
+// allocates its 8-byte device counter and synchronizes the device).
+cudaError_t CountDifferentWordsOnHost(const void* a, const void* b, int64_t bytes,
+                                      unsigned long long* host_count);
+
 }  // namespace rollout::cuda
