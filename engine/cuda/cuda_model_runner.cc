@@ -901,16 +901,9 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
     const ForwardBatch* run = &batch;
     if (fed) {
       // The previous launched step's tokens, from its results.
-      State::Launched& previous = s.launched.back();
-      std::vector<SampleResult> fed_from = previous.results;
-      if (previous.slot >= 0) {
-        status = CudaError(cudaEventSynchronize(s.slots[previous.slot].done),
-                           "waiting for the fed tokens");
-        fed_from.assign(previous.rows, SampleResult());
-        if (status.ok()) {
-          ConvertDeviceRows(s.slots[previous.slot].results.get(), 0, previous.rows, &fed_from);
-        }
-      }
+      const State::Launched& previous = s.launched.back();
+      std::vector<SampleResult> fed_from = previous.results;  // computed at its launch, or:
+      if (previous.slot >= 0) status = SlotResults(previous.slot, previous.rows, &fed_from);
       resolved = batch;
       if (status.ok()) status = ResolveFedTokens(fed_from, &resolved);
       run = &resolved;
@@ -939,10 +932,15 @@ absl::Status CudaModelRunner::CollectStep(std::vector<SampleResult>* results) {
     return absl::OkStatus();
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
-  ROLLOUT_RETURN_IF_ERROR(
-      CudaError(cudaEventSynchronize(s.slots[launched.slot].done), "a launched step"));
-  results->assign(launched.rows, SampleResult());
-  ConvertDeviceRows(s.slots[launched.slot].results.get(), 0, launched.rows, results);
+  return SlotResults(launched.slot, launched.rows, results);
+}
+
+absl::Status CudaModelRunner::SlotResults(int slot, int64_t rows,
+                                          std::vector<SampleResult>* results) {
+  State& s = *state_;
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventSynchronize(s.slots[slot].done), "a launched step"));
+  results->assign(rows, SampleResult());
+  ConvertDeviceRows(s.slots[slot].results.get(), 0, rows, results);
   return absl::OkStatus();
 }
 

@@ -231,6 +231,8 @@ class CudaModelRunner final : public ModelRunner {
   // specs staged and uploaded, the sampling kernel, the results' download into the staging slot.
   absl::Status EnqueueDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
                                  int64_t first, int64_t count);
+  // The results of the launched step staged in `slot` (`rows` rows), once its event fires.
+  absl::Status SlotResults(int slot, int64_t rows, std::vector<SampleResult>* results);
   // The device results of `count` rows from `out` (host) into results[first ..].
   static void ConvertDeviceRows(const void* out, int64_t first, int64_t count,
                                 std::vector<SampleResult>* results);
