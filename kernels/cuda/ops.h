@@ -66,7 +66,8 @@ cudaError_t EmbeddingGather(const int32_t* token_ids, int64_t num_tokens, const 
 // inv_rms = 1 / sqrtf(sum_sq / dim + eps); sum_sq in a fixed order (per thread of a 256-thread
 // block: fmaf over its float4s in increasing index; then lanes by xor-butterfly; then warps in
 // increasing order). x: [*, dim] fp32; rows: [num_rows] or nullptr; weight: [dim] fp32;
-// y: [num_rows, dim] bf16. REQUIRES: dim % 4 == 0.
+// y: [num_rows, dim] bf16. REQUIRES: dim % 4 == 0; x and weight 16-byte aligned, y 8-byte
+// aligned (cudaErrorInvalidValue otherwise).
 cudaError_t RmsNorm(const float* x, const int32_t* rows, int64_t num_rows, int64_t dim,
                     const float* weight, float eps, bf16* y, cudaStream_t stream);
 
@@ -78,7 +79,8 @@ cudaError_t RmsNorm(const float* x, const int32_t* rows, int64_t num_rows, int64
 // q_bias/k_bias/v_bias: [heads * head_dim] fp32 or nullptr; q_norm/k_norm: [head_dim] or nullptr;
 // rope_cos/rope_sin: [max_position, head_dim / 2] fp32; q_out: [num_tokens, num_heads, head_dim].
 // RoPE is the CPU reference's: out[i] = fmaf(x1, c, -(x2 * s)), out[i + d/2] = fmaf(x2, c, x1*s).
-// REQUIRES: head_dim in {32, 64, 128}.
+// REQUIRES: head_dim in {32, 64, 128}; every pointer aligned to head_dim / 32 of its elements
+// (a lane moves that many at once; cudaErrorInvalidValue otherwise).
 struct QkvParams {
   const float* qkv = nullptr;
   int64_t num_tokens = 0;

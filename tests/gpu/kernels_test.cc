@@ -76,6 +76,42 @@ TEST_F(KernelsTest, RmsNormMatchesCpuAndIgnoresOtherRows) {
   }
 }
 
+// The norm kernels move vectors of elements per lane: a pointer off their alignment is refused
+// with cudaErrorInvalidValue, before any launch, instead of faulting on the device.
+TEST_F(KernelsTest, NormKernelsRefuseMisalignedPointers) {
+  const int64_t dim = 256;
+  cuda::DeviceBuffer d_x, d_w, d_y;
+  ASSERT_CUDA_OK(d_x.Allocate(2 * dim * 4));
+  ASSERT_CUDA_OK(d_w.Allocate(dim * 4));
+  ASSERT_CUDA_OK(d_y.Allocate(2 * dim * 2));
+  EXPECT_EQ(cudaErrorInvalidValue, cuda::RmsNorm(d_x.get<float>() + 1, nullptr, 1, dim,
+                                                 d_w.get<float>(), 1e-6f, d_y.get<bf16>(), nullptr));
+  EXPECT_EQ(cudaErrorInvalidValue, cuda::RmsNorm(d_x.get<float>(), nullptr, 1, dim,
+                                                 d_w.get<float>(), 1e-6f, d_y.get<bf16>() + 2,
+                                                 nullptr));
+  EXPECT_EQ(cudaSuccess, cuda::RmsNorm(d_x.get<float>() + dim, nullptr, 1, dim, d_w.get<float>(),
+                                       1e-6f, d_y.get<bf16>() + dim, nullptr));
+
+  const int32_t hd = 128, nh = 2, nkv = 1;
+  cuda::DeviceBuffer d_qkv, d_q, d_k, d_v, d_pos, d_rope;
+  ASSERT_CUDA_OK(d_qkv.Allocate((nh + 2 * nkv) * hd * 4 + 16));
+  ASSERT_CUDA_OK(d_q.Allocate(nh * hd * 4));
+  ASSERT_CUDA_OK(d_k.Allocate(16 * nkv * hd * 2));
+  ASSERT_CUDA_OK(d_v.Allocate(16 * nkv * hd * 2));
+  ASSERT_CUDA_OK(d_pos.Allocate(8));
+  ASSERT_CUDA_OK(d_rope.Allocate(hd / 2 * 4));
+  cuda::QkvParams p;
+  p.qkv = d_qkv.get<float>() + 1;  // 4 bytes off the 16 a lane's 4 floats need
+  p.num_tokens = 1;
+  p.positions = d_pos.get<int32_t>();
+  p.kv_slots = d_pos.get<int32_t>();
+  p.rope_cos = p.rope_sin = d_rope.get<float>();
+  p.num_heads = nh;
+  p.q_out = d_q.get<float>();
+  const cuda::KvCacheView cache{d_k.get<bf16>(), d_v.get<bf16>(), 16, nkv, hd};
+  EXPECT_EQ(cudaErrorInvalidValue, cuda::QkvNormRopeWriteKv(p, cache, nullptr));
+}
+
 TEST_F(KernelsTest, SiluMulMatchesCpu) {
   for (int64_t dim : {768, 12288}) {
     const int64_t rows = 3;
