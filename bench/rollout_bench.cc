@@ -5,7 +5,7 @@
 // 1. Measures this GPU's ceilings: device-to-device copy bandwidth and a bf16 GEMM rate
 //    (8192^3, cuBLASLt with a workspace), and computes design.md's floor from them.
 // 2. Batch-1 decode ms/token vs its floor (weights read once per token).
-// 3. A per-kernel profile of one prefill step (8192 tokens) and one decode step (the whole batch
+// 3. A per-kernel profile of one prefill step (max_batch_tokens) and one decode step (the whole batch
 //    at the mean decode context), CUDA events around every kernel.
 // 4. End to end through the Engine (synthetic Qwen3-8B weights generated on the GPU): random
 //    prompts, ignore_eos, fixed max_new_tokens; seconds, tokens/s, time in prefill and decode
@@ -41,7 +41,7 @@ ABSL_FLAG(int32_t, input_len, 1024, "prompt tokens per request");
 ABSL_FLAG(int32_t, output_len, 1024, "generated tokens per request (ignore_eos)");
 ABSL_FLAG(float, temperature, 1.0f, "sampling temperature (0 = greedy)");
 ABSL_FLAG(int32_t, max_running, 256, "engine max_running_samples");
-ABSL_FLAG(int32_t, max_batch_tokens, 8192, "engine max_batch_tokens");
+ABSL_FLAG(int32_t, max_batch_tokens, 16384, "engine max_batch_tokens (the cuda server's default)");
 ABSL_FLAG(std::string, preset, "qwen3-8b", "model shape (synthetic weights)");
 ABSL_FLAG(int32_t, num_layers, 0, "override the preset's layer count (0: keep)");
 ABSL_FLAG(int64_t, gemm_pin_m, 256,

@@ -89,7 +89,7 @@ ServerOptions WithBackendDefaults(ServerOptions options) {
   fill(&options.kv_block_size, 16, 32, cuda);
   fill(&options.attention_split_size, 64, 256, cuda);
   fill(&options.max_running_samples, 64, 256, cuda);
-  fill(&options.max_batch_tokens, 512, 8192, cuda);
+  fill(&options.max_batch_tokens, 512, 16384, cuda);
   return options;
 }
 
@@ -162,7 +162,8 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(
     runner_options.kv_cache_bytes = options.kv_cache_bytes;
     runner_options.kv_block_size = options.kv_block_size;
     runner_options.attention_split_size = options.attention_split_size;
-    runner_options.max_batch_tokens = std::clamp(options.max_batch_tokens, 1, 8192);
+    // Activations are sized for this many tokens; a larger engine step runs as several passes.
+    runner_options.max_batch_tokens = std::clamp(options.max_batch_tokens, 1, 16384);
     runner_options.cuda_graphs = options.cuda_graphs;
     runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
     runner_options.canonical_k_tree = options.tp_invariant;

@@ -24,7 +24,7 @@ struct ServerOptions {
   //   kv_block_size:         cpu 16; cuda 32
   //   attention_split_size:  cpu 64; cuda 256
   //   max_running_samples:   cpu 64; cuda 256
-  //   max_batch_tokens:      cpu 512; cuda 8192
+  //   max_batch_tokens:      cpu 512; cuda 16384
   int64_t kv_cache_bytes = 0;
   int32_t kv_block_size = 0;
   int32_t attention_split_size = 0;

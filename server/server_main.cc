@@ -31,7 +31,7 @@ ABSL_FLAG(int32_t, attention_split_size, 0,
           "256)");
 ABSL_FLAG(int32_t, max_running_samples, 0,
           "samples decoded together in one step (0: cpu 64, cuda 256)");
-ABSL_FLAG(int32_t, max_batch_tokens, 0, "token budget of one engine step (0: cpu 512, cuda 8192)");
+ABSL_FLAG(int32_t, max_batch_tokens, 0, "token budget of one engine step (0: cpu 512, cuda 16384)");
 ABSL_FLAG(int32_t, threads, 0, "CPU backend worker threads; 0 = all cores");
 ABSL_FLAG(bool, cuda_graphs, true,
           "cuda backend: replay decode steps as CUDA graphs (padded batch buckets; same bits)");

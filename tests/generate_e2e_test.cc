@@ -300,7 +300,7 @@ TEST(ServerOptionsTest, UnsetLimitsTakeTheBackendsDefaults) {
   EXPECT_EQ(cuda.kv_block_size, 32);
   EXPECT_EQ(cuda.attention_split_size, 256);
   EXPECT_EQ(cuda.max_running_samples, 256);
-  EXPECT_EQ(cuda.max_batch_tokens, 8192);
+  EXPECT_EQ(cuda.max_batch_tokens, 16384);
   gpu.kv_block_size = 16;
   gpu.max_batch_tokens = 1000;
   gpu.kv_cache_bytes = 1ll << 30;

@@ -42,7 +42,7 @@ if [[ " $STEPS " == *" grpc "* ]]; then
       --out "$model" > "$OUT/make_model.log" 2>&1
     tail -1 "$OUT/make_model.log"
   fi
-  # The cuda backend's default limits (256 running, 8192 tokens per step, pages of 32, split
+  # The cuda backend's default limits (256 running, 16384 tokens per step, pages of 32, split
   # 256, KV from free memory) are the benchmark's configuration.
   .gpu/bin/rollout-server --backend cuda --model "$model" --port 50151 --metrics_port 9491 \
     ${GRPC_SERVER_ARGS:-} > "$OUT/grpc_server.log" 2>&1 &
