@@ -5,8 +5,8 @@
 // 1. Measures this GPU's ceilings: device-to-device copy bandwidth and a bf16 GEMM rate
 //    (8192^3, cuBLASLt with a workspace), and computes design.md's floor from them.
 // 2. Batch-1 decode ms/token vs its floor (weights read once per token).
-// 3. A per-kernel profile of one prefill step (max_batch_tokens) and one decode step (the whole batch
-//    at the mean decode context), CUDA events around every kernel.
+// 3. A per-kernel profile of one prefill step (max_batch_tokens) and one decode step (the whole
+//    batch at the mean decode context), CUDA events around every kernel.
 // 4. End to end through the Engine (synthetic Qwen3-8B weights generated on the GPU): random
 //    prompts, ignore_eos, fixed max_new_tokens; seconds, tokens/s, time in prefill and decode
 //    steps and on the host, and the ratio to the floor.

@@ -84,8 +84,9 @@ TEST_F(KernelsTest, NormKernelsRefuseMisalignedPointers) {
   ASSERT_CUDA_OK(d_x.Allocate(2 * dim * 4));
   ASSERT_CUDA_OK(d_w.Allocate(dim * 4));
   ASSERT_CUDA_OK(d_y.Allocate(2 * dim * 2));
-  EXPECT_EQ(cudaErrorInvalidValue, cuda::RmsNorm(d_x.get<float>() + 1, nullptr, 1, dim,
-                                                 d_w.get<float>(), 1e-6f, d_y.get<bf16>(), nullptr));
+  EXPECT_EQ(cudaErrorInvalidValue,
+            cuda::RmsNorm(d_x.get<float>() + 1, nullptr, 1, dim, d_w.get<float>(), 1e-6f,
+                          d_y.get<bf16>(), nullptr));
   EXPECT_EQ(cudaErrorInvalidValue, cuda::RmsNorm(d_x.get<float>(), nullptr, 1, dim,
                                                  d_w.get<float>(), 1e-6f, d_y.get<bf16>() + 2,
                                                  nullptr));
