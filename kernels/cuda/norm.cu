@@ -46,23 +46,18 @@ __global__ void __launch_bounds__(kNormThreads)
     if (i < n4) cached[k] = xr[i];
   }
   float ss = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kNormCached; ++k) {
-    const int64_t i = threadIdx.x + k * kNormThreads;
-    if (i < n4) {
-      const float4 v = cached[k];
-      ss = fmaf(v.x, v.x, ss);
-      ss = fmaf(v.y, v.y, ss);
-      ss = fmaf(v.z, v.z, ss);
-      ss = fmaf(v.w, v.w, ss);
-    }
-  }
-  for (int64_t i = threadIdx.x + kNormCached * kNormThreads; i < n4; i += kNormThreads) {
-    const float4 v = xr[i];
+  auto add_squares = [&](float4 v) {
     ss = fmaf(v.x, v.x, ss);
     ss = fmaf(v.y, v.y, ss);
     ss = fmaf(v.z, v.z, ss);
     ss = fmaf(v.w, v.w, ss);
+  };
+#pragma unroll
+  for (int k = 0; k < kNormCached; ++k) {
+    if (threadIdx.x + k * kNormThreads < n4) add_squares(cached[k]);
+  }
+  for (int64_t i = threadIdx.x + kNormCached * kNormThreads; i < n4; i += kNormThreads) {
+    add_squares(xr[i]);
   }
   ss = WarpSum(ss);
   __shared__ float warp_sums[kNormWarps];
