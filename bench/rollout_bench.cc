@@ -28,11 +28,12 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "engine/cuda/cuda_model_runner.h"
+#include "runner/cuda/cuda_model_runner.h"
+#include "runner/host_logits.h"
 #include "engine/engine.h"
-#include "engine/random_model.h"
-#include "engine/rollout_workload.h"
-#include "kernels/cpu/thread_pool.h"
+#include "model/random_model.h"
+#include "bench/rollout_workload.h"
+#include "common/thread_pool.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/event_timer.h"
 

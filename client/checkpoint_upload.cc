@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "engine/safetensors.h"
+#include "model/safetensors.h"
 
 namespace rollout {
 

@@ -24,7 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/checkpoint_upload.h"
-#include "engine/safetensors.h"
+#include "model/safetensors.h"
 #include "tests/testdata/test_pki.h"
 
 namespace rollout {

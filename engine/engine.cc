@@ -94,47 +94,6 @@ Engine::~Engine() {
   delivery_.WaitIdle();  // the final completions reach their sinks while the engine still exists
 }
 
-DeliveryThread::DeliveryThread() : thread_([this] { Loop(); }) {}
-
-DeliveryThread::~DeliveryThread() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  thread_.join();
-}
-
-void DeliveryThread::Post(std::function<void()> fn) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(fn));
-  }
-  cv_.notify_one();
-}
-
-void DeliveryThread::WaitIdle() {
-  std::unique_lock<std::mutex> lock(mu_);
-  idle_cv_.wait(lock, [this] { return queue_.empty() && !running_; });
-}
-
-void DeliveryThread::Loop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stop_, and everything posted has run
-    std::vector<std::function<void()>> batch;
-    batch.swap(queue_);
-    running_ = true;
-    lock.unlock();
-    for (std::function<void()>& fn : batch) fn();
-    batch.clear();  // closures (and what they hold) die off the lock
-    lock.lock();
-    running_ = false;
-    if (queue_.empty()) idle_cv_.notify_all();
-  }
-}
-
 int64_t Engine::max_context() const {
   return std::min<int64_t>(config_.max_position_embeddings,
                            static_cast<int64_t>(num_kv_blocks_) * kv_block_size_);
@@ -471,11 +430,11 @@ void Engine::Loop() {
       }
     }
     if (!flushes.empty()) {
-      const PrefixCache::FlushResult r = cache_.Flush();
+      const FlushResult r = cache_.Flush();
       // Counters first, so a caller that reads them after the reply sees the flush.
       PublishCounters();
       delivery_.WaitIdle();  // replies come after the events of earlier steps
-      for (auto& done : flushes) done(FlushResult{r.freed_blocks, r.detached_blocks});
+      for (auto& done : flushes) done(r);
     }
     if (stop) {
       for (Submission& s : held_) Admit(std::move(s));
@@ -556,6 +515,7 @@ std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chu
   batch.positions.clear();
   batch.token_seq.clear();
   batch.logit_rows.clear();
+  batch.fed_tokens.clear();
   // One block table per chunk (each chunk is a distinct sequence), assigned in place.
   batch.block_tables.resize(step.chunks.size());
   int64_t num_rows = 0;
@@ -571,9 +531,13 @@ std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chu
     num_rows += chunk.num_rows;
     batch.block_tables[c].assign(seq->block_table.begin(), seq->block_table.end());
     const int64_t first_token = batch.num_tokens();
+    if (chunk.fed_row.has_value()) {
+      batch.fed_tokens.push_back({static_cast<int32_t>(first_token),
+                                  static_cast<int32_t>(*chunk.fed_row)});
+    }
     for (int64_t pos = chunk.begin; pos < chunk.end; ++pos) {
-      const bool fed = pos == chunk.begin && chunk.fed_row >= 0;
-      batch.token_ids.push_back(fed ? static_cast<int32_t>(-1 - chunk.fed_row) : seq->tokens[pos]);
+      const bool fed = pos == chunk.begin && chunk.fed_row.has_value();
+      batch.token_ids.push_back(fed ? 0 : seq->tokens[pos]);
       batch.positions.push_back(static_cast<int32_t>(pos));
       batch.token_seq.push_back(static_cast<int32_t>(c));
     }

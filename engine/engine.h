@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/serial_executor.h"
 #include "engine/kv_block_manager.h"
 #include "engine/model_runner.h"
 #include "engine/scheduler.h"
@@ -131,37 +132,6 @@ struct UpdateResult {
   int32_t aborted_samples = 0;
 };
 
-struct FlushResult {
-  int32_t freed_blocks = 0;
-  int32_t detached_blocks = 0;
-};
-
-// Runs posted closures in order on its own thread: the engine thread hands each step's event
-// sinks to it, so that building and writing a step's responses (hundreds of gRPC writes) overlaps
-// the next step instead of delaying it.
-class DeliveryThread {
- public:
-  DeliveryThread();
-  ~DeliveryThread();  // runs what is queued, then joins
-  DeliveryThread(const DeliveryThread&) = delete;
-  DeliveryThread& operator=(const DeliveryThread&) = delete;
-
-  void Post(std::function<void()> fn);
-  // Returns once everything posted before the call has run.
-  void WaitIdle();
-
- private:
-  void Loop();
-
-  std::mutex mu_;
-  std::condition_variable cv_;       // work posted, or stop
-  std::condition_variable idle_cv_;  // the queue ran empty
-  std::vector<std::function<void()>> queue_;
-  bool running_ = false;  // a batch taken off queue_ is running
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 // The inference engine: one thread owns the scheduler, the KV blocks and the model runner and
 // loops schedule -> forward -> sample -> report. Every public method is thread-safe; callers
 // talk to the engine thread through a queue and never wait for a step. Event sinks run on a
@@ -277,9 +247,9 @@ class Engine {
       // Its logits rows [first_row, first_row + num_rows) of the step, for positions from
       // first_position.
       int64_t first_row, num_rows, first_position;
-      // >= 0: the token at `begin` is not known yet; it is the one sampled for this row of the
+      // Set: the token at `begin` is not known yet; it is the one sampled for this row of the
       // step launched before (a fed token, ModelRunner::LaunchStep).
-      int64_t fed_row = -1;
+      std::optional<int64_t> fed_row;
     };
     std::vector<Chunk> chunks;
     std::vector<LogitsRowTask> tasks;  // a dead chunk's (seq nullptr) point at freed params
@@ -373,7 +343,7 @@ class Engine {
   bool stop_ = false;
   EngineCounters counters_;
 
-  DeliveryThread delivery_;  // event sinks, in step order
+  SerialExecutor delivery_;  // event sinks, in step order
   std::thread thread_;  // last: starts after everything above is built
 };
 

@@ -6,8 +6,8 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "engine/cpu_model_runner.h"
-#include "engine/random_model.h"
+#include "runner/cpu/cpu_model_runner.h"
+#include "model/random_model.h"
 #include "engine/sampler.h"
 #include "engine/engine_test_util.h"
 #include "gtest/gtest.h"
@@ -163,9 +163,11 @@ TEST(ModelRunnerStepTest, LaunchAndCollectKeepTheirContract) {
   greedy.temperature = 0.0f;
   LogitsRowTask task;
   task.params = &greedy;
-  auto one_token = [](int32_t id, int32_t pos) {
+  // fed_row set: the token is row fed_row of the step launched before.
+  auto one_token = [](int32_t id, int32_t pos, std::optional<int32_t> fed_row = std::nullopt) {
     ForwardBatch b;
     b.token_ids = {id};
+    if (fed_row.has_value()) b.fed_tokens = {{0, *fed_row}};
     b.positions = {pos};
     b.token_seq = {0};
     b.block_tables = {{0}};
@@ -174,16 +176,16 @@ TEST(ModelRunnerStepTest, LaunchAndCollectKeepTheirContract) {
   };
   std::vector<SampleResult> results;
   EXPECT_EQ(runner.CollectStep(&results).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(runner.LaunchStep(one_token(-1, 1), {task}).code(),
+  EXPECT_EQ(runner.LaunchStep(one_token(0, 1, 0), {task}).code(),
             absl::StatusCode::kInvalidArgument);  // fed, with nothing launched before
 
   task.position = 1;
   ASSERT_TRUE(runner.LaunchStep(one_token(7, 0), {task}).ok());
-  EXPECT_EQ(runner.LaunchStep(one_token(-2, 1), {task}).code(),
+  EXPECT_EQ(runner.LaunchStep(one_token(0, 1, 1), {task}).code(),
             absl::StatusCode::kInvalidArgument);  // row 1 of a one-row step
   task.position = 2;
-  ASSERT_TRUE(runner.LaunchStep(one_token(-1, 1), {task}).ok());
-  EXPECT_EQ(runner.LaunchStep(one_token(-1, 2), {task}).code(),
+  ASSERT_TRUE(runner.LaunchStep(one_token(0, 1, 0), {task}).ok());
+  EXPECT_EQ(runner.LaunchStep(one_token(0, 2, 0), {task}).code(),
             absl::StatusCode::kFailedPrecondition);  // a third step in flight
   std::vector<SampleResult> first, second;
   ASSERT_TRUE(runner.CollectStep(&first).ok());

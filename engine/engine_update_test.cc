@@ -6,9 +6,9 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "engine/cpu_model_runner.h"
+#include "runner/cpu/cpu_model_runner.h"
 #include "engine/engine.h"
-#include "engine/random_model.h"
+#include "model/random_model.h"
 #include "engine/sampler.h"
 #include "engine/engine_test_util.h"
 #include "gtest/gtest.h"

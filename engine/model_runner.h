@@ -7,40 +7,32 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "engine/model_config.h"
-#include "kernels/cpu/thread_pool.h"
-#include "engine/safetensors.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
+#include "model/model_config.h"
+#include "model/safetensors.h"
+#include "model/weight_spec.h"
 
 namespace rollout {
 
+// A token of a launched batch that the runner takes from the step launched just before it: the
+// token sampled for logits row `from_row` of that step (ModelRunner::LaunchStep).
+struct FedToken {
+  int32_t token_index = 0;  // into ForwardBatch::token_ids, whose value there is ignored
+  int32_t from_row = 0;
+};
+
 // One engine step's tokens, flattened: prefill chunks and decode tokens of many sequences.
 struct ForwardBatch {
-  std::vector<int32_t> token_ids;   // [num_tokens]
+  std::vector<int32_t> token_ids;   // [num_tokens]; a fed token's entry is a placeholder (0)
   std::vector<int32_t> positions;   // [num_tokens] absolute position in its sequence
   std::vector<int32_t> token_seq;   // [num_tokens] index into block_tables
   std::vector<std::vector<int32_t>> block_tables;  // per sequence: KV block ids
   std::vector<int32_t> logit_rows;  // tokens whose next-token logits are wanted, ascending
+  std::vector<FedToken> fed_tokens;  // ascending token_index; only in launched batches
 
   int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
 };
-
-// A replaceable tensor of the served model, as its checkpoint had it.
-struct WeightSpec {
-  std::string name;
-  DType dtype;
-  std::vector<int64_t> shape;
-  size_t nbytes() const;
-};
-
-// The spec named `name` in `specs` (sorted by name), or nullptr.
-const WeightSpec* FindWeightSpec(const std::vector<WeightSpec>& specs, const std::string& name);
-
-// OK when `specs` has a tensor `name` with exactly this dtype and shape; otherwise
-// INVALID_ARGUMENT saying what was given and what is served.
-absl::Status CheckTensorAgainstSpec(const std::vector<WeightSpec>& specs, const std::string& name,
-                                    DType dtype, const std::vector<int64_t>& shape);
 
 // What the engine wants from one logits row of the last Forward: sample the next token, or
 // (score_token set) the teacher-forced logprob of a given token.
@@ -50,14 +42,6 @@ struct LogitsRowTask {
   int64_t position = 0;                    // absolute position of the token being sampled
   std::optional<int32_t> score_token;
 };
-
-// The host implementation of ModelRunner::ProcessLogits: SampleToken for sampling rows and
-// LogSoftmax at T (0 means 1) for scoring rows, rows split across `pool` (each row is one
-// independent, fixed-order computation, so the split cannot change a bit).
-// logits: [tasks.size(), vocab_size].
-absl::Status ProcessLogitsOnHost(const std::vector<LogitsRowTask>& tasks,
-                                 const std::vector<float>& logits, int32_t vocab_size,
-                                 cpu::ThreadPool* pool, std::vector<SampleResult>* results);
 
 // A backend's forward pass with its KV cache. Owned and called by the engine thread only.
 // Contract: the logits of a row are a pure function of the weights and the tokens at positions
@@ -92,8 +76,8 @@ class ModelRunner {
   // step is collected, in launch order. A backend may leave a launched step running on its
   // device and return at once (the CUDA backend does), so that the engine prepares the next one
   // meanwhile.
-  // Fed tokens: a token id of -1 - r in a launched batch is the token sampled for logits row r of
-  // the step launched just before (not yet collected). That is how the engine launches decode
+  // Fed tokens (batch.fed_tokens): a token the batch takes from logits row r of the step launched
+  // just before (not yet collected). That is how the engine launches decode
   // step N + 1 before it has seen step N's tokens; the CUDA backend copies them on the device.
   // At most two steps are in flight. The default runs Forward and ProcessLogits inside LaunchStep.
   virtual absl::Status LaunchStep(const ForwardBatch& batch,
@@ -115,12 +99,12 @@ class ModelRunner {
   virtual absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) = 0;
 
  protected:
-  // Replaces fed token ids (-1 - r) by the tokens of `fed_from` (the previous launch's results);
-  // InvalidArgument for a row it does not have.
+  // Writes the tokens of `fed_from` (the previous launch's results) into the fed tokens' places
+  // and clears batch->fed_tokens; InvalidArgument for a row or place it does not have.
   static absl::Status ResolveFedTokens(const std::vector<SampleResult>& fed_from,
                                        ForwardBatch* batch);
-  // `batch` has a fed token id.
-  static bool HasFedTokens(const ForwardBatch& batch);
+  // `batch` has a fed token.
+  static bool HasFedTokens(const ForwardBatch& batch) { return !batch.fed_tokens.empty(); }
 
  private:
   // The default pipeline: results of launched, uncollected steps, oldest first.

@@ -140,7 +140,7 @@ int32_t PrefixCache::Evict(int32_t num_blocks) {
   return freed;
 }
 
-PrefixCache::FlushResult PrefixCache::Flush() {
+FlushResult PrefixCache::Flush() {
   FlushResult result;
   for (auto& [version, root] : roots_) {
     for (auto& [key, child] : root->children) child->parent = nullptr;

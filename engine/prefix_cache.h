@@ -12,6 +12,12 @@
 
 namespace rollout {
 
+// What a flush of the prefix cache did.
+struct FlushResult {
+  int32_t freed_blocks = 0;
+  int32_t detached_blocks = 0;  // still locked by running sequences; freed on unlock
+};
+
 // A radix tree over token ids at page (KV block) granularity: the path to a node spells the
 // tokens of a prefix, page by page, and the node owns the KV block of its last page. Pages of
 // generated tokens are inserted as well, so a multi-turn prompt that repeats an earlier prompt
@@ -57,10 +63,6 @@ class PrefixCache {
   // Returns how many were freed.
   int32_t Evict(int32_t num_blocks);
 
-  struct FlushResult {
-    int32_t freed_blocks = 0;
-    int32_t detached_blocks = 0;  // still locked by running sequences; freed on unlock
-  };
   // Forgets every prefix. Locked nodes stay valid for their sequences until unlocked.
   FlushResult Flush();
 

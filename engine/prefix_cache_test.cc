@@ -109,7 +109,7 @@ TEST(PrefixCacheTest, FlushFreesUnlockedPagesAndDetachesLockedOnesUntilReleased)
   std::vector<PrefixCache::Node*> held = InsertAll(&cache, &blocks, Tokens(4));       // 2 pages
   std::vector<PrefixCache::Node*> idle = InsertAll(&cache, &blocks, Tokens(4, 50));   // 2 pages
   cache.Unlock(&idle);
-  PrefixCache::FlushResult r = cache.Flush();
+  FlushResult r = cache.Flush();
   EXPECT_EQ(r.freed_blocks, 2);
   EXPECT_EQ(r.detached_blocks, 2);
   std::vector<int32_t> table;

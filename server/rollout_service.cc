@@ -19,51 +19,6 @@ namespace rollout {
 // One worker thread that runs checkpoint loads in the order they were posted. One is enough:
 // the update slot admits one update at a time. Reused for every load, so a server that takes a
 // checkpoint path every training step keeps one thread, not one per update. Thread-safe.
-class RolloutServiceImpl::CheckpointLoader {
- public:
-  CheckpointLoader() : thread_([this] { Run(); }) {}
-  // Runs the loads still queued (each finishes a call), then joins the worker.
-  ~CheckpointLoader() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  CheckpointLoader(const CheckpointLoader&) = delete;
-  CheckpointLoader& operator=(const CheckpointLoader&) = delete;
-
-  void Post(std::function<void()> load) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      loads_.push_back(std::move(load));
-    }
-    cv_.notify_all();
-  }
-
- private:
-  void Run() {
-    for (;;) {
-      std::function<void()> load;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || !loads_.empty(); });
-        if (loads_.empty()) return;
-        load = std::move(loads_.front());
-        loads_.pop_front();
-      }
-      load();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> loads_;  // guarded by mu_
-  bool stopping_ = false;                    // guarded by mu_
-  std::thread thread_;                       // last: starts once the members above exist
-};
-
 RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access,
                                        ServiceMetrics* metrics, int64_t max_unfinished_samples)
     : engine_(engine),
@@ -71,7 +26,7 @@ RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, Access
       access_(std::move(access)),
       metrics_(metrics),
       max_unfinished_samples_(max_unfinished_samples),
-      loader_(std::make_unique<CheckpointLoader>()) {}
+      loader_(std::make_unique<SerialExecutor>()) {}
 
 void RolloutServiceImpl::StopAdmission() { admitting_ = false; }
 

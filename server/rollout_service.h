@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/serial_executor.h"
 #include "engine/engine.h"
 #include "server/metrics.h"
 #include "rollout/v1/rollout.grpc.pb.h"
@@ -94,7 +95,6 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
     uint64_t job_id;
     int32_t rollout_index;
   };
-  class CheckpointLoader;
 
   Engine* const engine_;
   const ServedModel model_;
@@ -103,7 +103,7 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   const int64_t max_unfinished_samples_;
   std::atomic<bool> admitting_{true};
   // Reads UpdateWeightsFromPath checkpoints off gRPC's threads; the destructor joins it first.
-  std::unique_ptr<CheckpointLoader> loader_;
+  std::unique_ptr<SerialExecutor> loader_;
   std::mutex mu_;
   bool update_in_progress_ = false;  // guarded by mu_
   // Guarded by mu_.

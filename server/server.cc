@@ -15,10 +15,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "engine/cpu_model_runner.h"
-#include "engine/cuda_backend.h"
-#include "engine/random_model.h"
-#include "engine/safetensors.h"
+#include "model/random_model.h"
+#include "model/safetensors.h"
+#include "runner/backend.h"
 #include "glog/logging.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -133,55 +132,22 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(
   } else {
     server->model_dir_ = options.model_dir;
   }
-  if (options.backend != "cpu" && options.backend != "cuda") {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("unknown backend '%s' (cpu or cuda)", options.backend));
-  }
-  const bool cuda_backend = options.backend == "cuda";
-  // A build without the CUDA backend, or a module that cannot load, fails here, before the
-  // model is read (no GPU is touched yet; CreateCudaModelRunner checks that).
-  if (cuda_backend) {
-    if (absl::Status s = LoadCudaBackend(); !s.ok()) return s;
-  }
+  BackendOptions backend;
+  backend.backend = options.backend;
+  backend.kv_cache_bytes = options.kv_cache_bytes;
+  backend.kv_block_size = options.kv_block_size;
+  backend.attention_split_size = options.attention_split_size;
+  backend.max_batch_tokens = options.max_batch_tokens;
+  backend.num_threads = options.num_threads;
+  backend.tensor_parallel = options.tensor_parallel;
+  backend.cuda_graphs = options.cuda_graphs;
+  backend.tp_invariant = options.tp_invariant;
+  backend.cuda_devices = options.cuda_devices;
+  backend.batch_variant_for_testing = options.batch_variant_for_testing;
+  if (absl::Status s = CheckBackend(backend); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(server->model_dir_);
   if (!checkpoint.ok()) return checkpoint.status();
-  absl::StatusOr<std::unique_ptr<ModelRunner>> runner;
-  if (!cuda_backend) {
-    CpuRunnerOptions runner_options;
-    runner_options.kv_cache_bytes = options.kv_cache_bytes;
-    runner_options.kv_block_size = options.kv_block_size;
-    runner_options.attention_split_size = options.attention_split_size;
-    runner_options.num_threads = options.num_threads;
-    runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
-    runner_options.batch_variant_for_testing = options.batch_variant_for_testing;
-    runner = CpuModelRunner::Create(**checkpoint, runner_options);
-  }
-  // --- CUDA backend (a module loaded on demand: engine/cuda_backend.h) ---
-  if (cuda_backend) {
-    CudaRunnerOptions runner_options;
-    runner_options.kv_cache_bytes = options.kv_cache_bytes;
-    runner_options.kv_block_size = options.kv_block_size;
-    runner_options.attention_split_size = options.attention_split_size;
-    // Activations are sized for this many tokens; a larger engine step runs as several passes.
-    runner_options.max_batch_tokens = std::clamp(options.max_batch_tokens, 1, 16384);
-    runner_options.cuda_graphs = options.cuda_graphs;
-    runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
-    runner_options.canonical_k_tree = options.tp_invariant;
-    runner_options.devices = options.cuda_devices;  // checked against tensor_parallel there
-    // A model whose dimensions cannot take the tree cannot be split at any degree either, so
-    // at tp = 1 there is no other degree to agree with: the fused GEMM serves it.
-    absl::StatusOr<ModelConfig> config = ParseModelConfig((*checkpoint)->config_json());
-    if (config.ok() && options.tensor_parallel == 1 && options.tp_invariant &&
-        ((config->num_attention_heads * config->head_dim) % 64 != 0 ||
-         config->intermediate_size % 64 != 0)) {
-      LOG(WARNING) << "this model cannot be split for tensor parallelism on the cuda backend "
-                      "(heads * head_dim and the intermediate size must be multiples of 64); "
-                      "serving it with fused row-parallel GEMMs";
-      runner_options.canonical_k_tree = false;
-    }
-    runner = CreateCudaModelRunner(**checkpoint, runner_options);
-  }
-  // --- end CUDA backend ---
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runner = CreateModelRunner(**checkpoint, backend);
   if (!runner.ok()) return runner.status();
   const ModelConfig& c = (*runner)->config();
   LOG(INFO) << absl::StrFormat(

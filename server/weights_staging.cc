@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "engine/safetensors.h"
+#include "model/safetensors.h"
 
 namespace rollout {
 

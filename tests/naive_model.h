@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/model_config.h"
+#include "model/model_config.h"
 
 namespace rollout::testing {
 

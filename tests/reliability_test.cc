@@ -26,7 +26,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "engine/random_model.h"
+#include "model/random_model.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -1636,7 +1636,7 @@ TEST(ReliabilitySoakTest, MixedTrafficWithCancellationsAndWeightUpdatesLosesNoth
 // Prometheus metrics.
 
 // Runs in CUDA-enabled builds too (issue #7): no server or test binary links a CUDA library any
-// more -- --backend cuda dlopen()s the backend's module (engine/cuda_backend.h), whose TLS is
+// more -- --backend cuda dlopen()s the backend's module (runner/cuda/cuda_backend.h), whose TLS is
 // dynamic -- so libcublasLt's ~94 KB of TLS no longer comes out of the stacks of civetweb's
 // small worker threads. (A server whose endpoint cannot start only warns; the empty page below
 // is what fails then.)

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/safetensors.h"
+#include "model/safetensors.h"
 #include "grpcpp/grpcpp.h"
 #include "rollout/v1/rollout.grpc.pb.h"
 

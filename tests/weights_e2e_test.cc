@@ -5,8 +5,8 @@
 #include <future>
 #include <thread>
 
-#include "engine/random_model.h"
-#include "engine/safetensors.h"
+#include "model/random_model.h"
+#include "model/safetensors.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/reliability_util.h"

@@ -4,7 +4,7 @@
 
 #include "client/checkpoint_upload.h"
 #include "client/rollout_client.h"
-#include "engine/random_model.h"
+#include "model/random_model.h"
 #include "gtest/gtest.h"
 #include "tests/test_server.h"
 

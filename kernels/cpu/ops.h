@@ -2,7 +2,7 @@
 
 #include <cstdint>
 
-#include "kernels/cpu/thread_pool.h"
+#include "common/thread_pool.h"
 
 // CPU reference kernels, fp32. Every output element is produced by one fixed sequence of
 // floating-point operations that depends only on its own inputs: threads split rows, heads or

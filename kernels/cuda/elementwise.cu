@@ -46,14 +46,14 @@ __global__ void SiluMulKernel(const bf16* gate_up, int64_t dim, bf16* out) {
   reinterpret_cast<Bf16x8*>(out + r * dim)[chunk] = o;
 }
 
-// The SplitMix64 output function, as engine/random_model.cc's Mix64.
+// The SplitMix64 output function, as model/random_model.cc's Mix64.
 __device__ __forceinline__ uint64_t Mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
 
-// engine/random_model.cc's RandomValue, transcribed: integer arithmetic plus one double
+// model/random_model.cc's RandomValue, transcribed: integer arithmetic plus one double
 // multiply (or an exact sum), then one rounding to float.
 __device__ __forceinline__ float RandomValue(uint64_t key, double scale, int kind, uint64_t index) {
   const uint64_t bits = Mix64(key + (index + 1) * 0x9e3779b97f4a7c15ull);

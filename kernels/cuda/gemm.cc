@@ -7,17 +7,12 @@
 #include <utility>
 
 #include "kernels/cuda/compare.h"
+#include "common/status.h"
 #include "kernels/cuda/event_timer.h"
 #include "kernels/cuda/ops.h"
 
 namespace rollout::cuda {
 namespace {
-
-#define ROLLOUT_RETURN_IF_CUBLAS(expr)                    \
-  do {                                                    \
-    const cublasStatus_t _status = (expr);                \
-    if (_status != CUBLAS_STATUS_SUCCESS) return _status; \
-  } while (0)
 
 cudaDataType_t OutputType(GemmOutput output) {
   return output == GemmOutput::kBf16 ? CUDA_R_16BF : CUDA_R_32F;
@@ -33,35 +28,35 @@ struct Layouts {
     if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
   }
   cublasStatus_t Init(int64_t m, int64_t n, int64_t k, GemmOutput output) {
-    ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k));
-    ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, k));
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k), CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, k), CUBLAS_STATUS_SUCCESS);
     return cublasLtMatrixLayoutCreate(&c, OutputType(output), n, m, n);
   }
   // x rows ldx apart, and `batch` products with these element strides between them.
   cublasStatus_t InitBatched(int64_t m, int64_t n, int64_t k, GemmOutput output, int64_t ldx,
                              int batch, int64_t x_step, int64_t w_step, int64_t y_step) {
-    ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k));
-    ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, ldx));
-    ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutCreate(&c, OutputType(output), n, m, n));
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k), CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, ldx), CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&c, OutputType(output), n, m, n), CUBLAS_STATUS_SUCCESS);
     if (batch == 1) return CUBLAS_STATUS_SUCCESS;
     const int32_t count = batch;
     const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {
         {a, w_step}, {b, x_step}, {c, y_step}};
     for (const auto& [layout, step] : strided) {
-      ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutSetAttribute(
-          layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-      ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatrixLayoutSetAttribute(
-          layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &step, sizeof(step)));
+      ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutSetAttribute(
+          layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)), CUBLAS_STATUS_SUCCESS);
+      ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutSetAttribute(
+          layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &step, sizeof(step)), CUBLAS_STATUS_SUCCESS);
     }
     return CUBLAS_STATUS_SUCCESS;
   }
 };
 
 cublasStatus_t CreateDesc(cublasLtMatmulDesc_t* desc) {
-  ROLLOUT_RETURN_IF_CUBLAS(cublasLtMatmulDescCreate(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  ROLLOUT_RETURN_IF_FAILED(cublasLtMatmulDescCreate(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), CUBLAS_STATUS_SUCCESS);
   const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
-  ROLLOUT_RETURN_IF_CUBLAS(
-      cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)));
+  ROLLOUT_RETURN_IF_FAILED(
+      cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)), CUBLAS_STATUS_SUCCESS);
   return cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb,
                                         sizeof(transb));
 }
@@ -109,7 +104,7 @@ cublasStatus_t PinnedGemm::Candidates(cublasLtHandle_t handle, int64_t n, int64_
                                       std::string* diagnostics) {
   algos->clear();
   cublasLtMatmulDesc_t desc = nullptr;
-  ROLLOUT_RETURN_IF_CUBLAS(CreateDesc(&desc));
+  ROLLOUT_RETURN_IF_FAILED(CreateDesc(&desc), CUBLAS_STATUS_SUCCESS);
   Layouts layouts;
   cublasStatus_t status = layouts.Init(m, n, k, output);
   cublasLtMatmulPreference_t pref = nullptr;
@@ -170,7 +165,7 @@ cublasStatus_t PinnedGemm::CreateChecked(cublasLtHandle_t handle, int64_t n, int
                                          std::unique_ptr<PinnedGemm>* gemm,
                                          std::string* diagnostics, int max_batch) {
   std::unique_ptr<PinnedGemm> g(new PinnedGemm(handle, n, k, output));
-  ROLLOUT_RETURN_IF_CUBLAS(CreateDesc(&g->desc_));
+  ROLLOUT_RETURN_IF_FAILED(CreateDesc(&g->desc_), CUBLAS_STATUS_SUCCESS);
   g->algo_ = algo;
   const GemmAlgoInfo info = DescribeAlgo(algo);
   auto note = [&](const std::string& what) {
@@ -183,7 +178,7 @@ cublasStatus_t PinnedGemm::CreateChecked(cublasLtHandle_t handle, int64_t n, int
   size_t workspace = 0;
   for (int64_t m : check_ms) {
     Layouts layouts;
-    ROLLOUT_RETURN_IF_CUBLAS(layouts.Init(m, n, k, output));
+    ROLLOUT_RETURN_IF_FAILED(layouts.Init(m, n, k, output), CUBLAS_STATUS_SUCCESS);
     cublasLtMatmulHeuristicResult_t check{};
     const cublasStatus_t status = cublasLtMatmulAlgoCheck(handle, g->desc_, layouts.a, layouts.b,
                                                           layouts.c, layouts.c, &g->algo_, &check);
@@ -202,8 +197,8 @@ cublasStatus_t PinnedGemm::CreateChecked(cublasLtHandle_t handle, int64_t n, int
     for (int64_t m : check_ms) {
       if (m > 8192) continue;  // batched products are K segments of at most a slice's rows
       Layouts layouts;
-      ROLLOUT_RETURN_IF_CUBLAS(
-          layouts.InitBatched(m, n, k, output, batch * k, batch, k, n * k, m * n));
+      ROLLOUT_RETURN_IF_FAILED(
+          layouts.InitBatched(m, n, k, output, batch * k, batch, k, n * k, m * n), CUBLAS_STATUS_SUCCESS);
       cublasLtMatmulHeuristicResult_t check{};
       const cublasStatus_t status = cublasLtMatmulAlgoCheck(
           handle, g->desc_, layouts.a, layouts.b, layouts.c, layouts.c, &g->algo_, &check);
@@ -229,7 +224,7 @@ cublasStatus_t PinnedGemm::Create(cublasLtHandle_t handle, int64_t n, int64_t k,
                                   int64_t pin_m, std::unique_ptr<PinnedGemm>* gemm,
                                   std::string* diagnostics, int max_batch) {
   std::vector<cublasLtMatmulAlgo_t> algos;
-  ROLLOUT_RETURN_IF_CUBLAS(Candidates(handle, n, k, output, pin_m, 32, &algos, diagnostics));
+  ROLLOUT_RETURN_IF_FAILED(Candidates(handle, n, k, output, pin_m, 32, &algos, diagnostics), CUBLAS_STATUS_SUCCESS);
   if (diagnostics != nullptr) {
     *diagnostics += std::to_string(algos.size()) +
                     " single-split candidates at m=" + std::to_string(pin_m) + "\n";
@@ -290,10 +285,10 @@ struct GemmProbe {
     cudaMemsetAsync(a.get(), 0x3c, bytes, nullptr);
     cudaMemsetAsync(b.get(), 0x3c, bytes, nullptr);
     const int64_t y_step = m * n;
-    ROLLOUT_RETURN_IF_CUBLAS(reference.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
-                                                  n * k, a.get(), y_step, batch, nullptr));
-    ROLLOUT_RETURN_IF_CUBLAS(candidate.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
-                                                  n * k, b.get(), y_step, batch, nullptr));
+    ROLLOUT_RETURN_IF_FAILED(reference.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
+                                                  n * k, a.get(), y_step, batch, nullptr), CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(candidate.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
+                                                  n * k, b.get(), y_step, batch, nullptr), CUBLAS_STATUS_SUCCESS);
     unsigned long long differ = 1;
     if (CountDifferentWords(a.get(), b.get(), static_cast<int64_t>(bytes),
                             count.get<unsigned long long>(), nullptr) != cudaSuccess ||
@@ -339,7 +334,7 @@ cublasStatus_t PinnedGemm::Admit(int64_t min_m, int64_t end_m, int64_t represent
   for (int64_t& m : ms) m = std::min(m, probe.max_m);
   for (int64_t m : ms) {
     bool same = false;
-    ROLLOUT_RETURN_IF_CUBLAS(probe.SameBits(*this, *rung, m, &same));
+    ROLLOUT_RETURN_IF_FAILED(probe.SameBits(*this, *rung, m, &same), CUBLAS_STATUS_SUCCESS);
     if (!same) {
       if (diagnostics != nullptr) {
         *diagnostics += "    " + DescribeAlgo(algo).ToString() + ": other bits at m=" +
@@ -371,7 +366,7 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
     const int64_t end_m = i + 1 < ladder.size() ? ladder[i + 1].min_m : INT64_MAX;
     const int64_t rep = ladder[i].representative_m;
     std::vector<cublasLtMatmulAlgo_t> algos;
-    ROLLOUT_RETURN_IF_CUBLAS(Candidates(handle_, n_, k_, output_, rep, kLadderCandidates, &algos));
+    ROLLOUT_RETURN_IF_FAILED(Candidates(handle_, n_, k_, output_, rep, kLadderCandidates, &algos), CUBLAS_STATUS_SUCCESS);
     // The fastest admitted candidate at the representative m (as far as the probe reaches),
     // if it beats the pin there by 3%: which one wins is a matter of speed only, every
     // candidate gives the pin's bits.
@@ -384,7 +379,7 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
       std::unique_ptr<PinnedGemm> candidate;
       const cublasStatus_t status = Admit(min_m, end_m, rep, algo, probe, &candidate, &why);
       if (status == CUBLAS_STATUS_NOT_SUPPORTED) continue;
-      ROLLOUT_RETURN_IF_CUBLAS(status);
+      ROLLOUT_RETURN_IF_FAILED(status, CUBLAS_STATUS_SUCCESS);
       const double us = probe.Microseconds(*candidate, timed_m);
       if (us < best_us) best_us = us, best = std::move(candidate);
     }
@@ -423,7 +418,7 @@ cublasStatus_t PinnedGemm::CopyLadder(const PinnedGemm& from, std::string* diagn
 cublasStatus_t PinnedGemm::CreateHeuristic(cublasLtHandle_t handle, int64_t n, int64_t k,
                                            GemmOutput output, std::unique_ptr<PinnedGemm>* gemm) {
   std::unique_ptr<PinnedGemm> g(new PinnedGemm(handle, n, k, output));
-  ROLLOUT_RETURN_IF_CUBLAS(CreateDesc(&g->desc_));
+  ROLLOUT_RETURN_IF_FAILED(CreateDesc(&g->desc_), CUBLAS_STATUS_SUCCESS);
   g->mode_ = Mode::kHeuristicNoWorkspace;
   *gemm = std::move(g);
   return CUBLAS_STATUS_SUCCESS;
@@ -460,7 +455,7 @@ cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfl
   if (m == 0) return CUBLAS_STATUS_SUCCESS;
   if (PinnedGemm* rung = For(m); rung != this) return rung->Run(x, m, w, y, stream);
   Layouts layouts;
-  ROLLOUT_RETURN_IF_CUBLAS(layouts.Init(m, n_, k_, output_));
+  ROLLOUT_RETURN_IF_FAILED(layouts.Init(m, n_, k_, output_), CUBLAS_STATUS_SUCCESS);
   const float alpha = 1.0f;
   const float beta = output_ == GemmOutput::kF32Accumulate ? 1.0f : 0.0f;
   const cublasLtMatmulAlgo_t* algo = &algo_;
@@ -468,7 +463,7 @@ cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfl
     auto it = per_m_.find(m);
     if (it == per_m_.end()) {
       std::vector<cublasLtMatmulAlgo_t> algos;
-      ROLLOUT_RETURN_IF_CUBLAS(Candidates(handle_, n_, k_, output_, m, 1, &algos));
+      ROLLOUT_RETURN_IF_FAILED(Candidates(handle_, n_, k_, output_, m, 1, &algos), CUBLAS_STATUS_SUCCESS);
       if (algos.empty()) return CUBLAS_STATUS_NOT_SUPPORTED;
       it = per_m_.emplace(m, algos[0]).first;
     }
@@ -492,16 +487,16 @@ cublasStatus_t PinnedGemm::RunBatched(const __nv_bfloat16* x, int64_t ldx, int64
   const float beta = output_ == GemmOutput::kF32Accumulate ? 1.0f : 0.0f;
   if (batch == 1 || batched_) {
     Layouts layouts;
-    ROLLOUT_RETURN_IF_CUBLAS(
-        layouts.InitBatched(m, n_, k_, output_, ldx, batch, x_step, w_step, y_step));
+    ROLLOUT_RETURN_IF_FAILED(
+        layouts.InitBatched(m, n_, k_, output_, ldx, batch, x_step, w_step, y_step), CUBLAS_STATUS_SUCCESS);
     return cublasLtMatmul(handle_, desc_, &alpha, w, layouts.a, x, layouts.b, &beta, y, layouts.c,
                           y, layouts.c, &algo_, workspace_.get(), workspace_.bytes(), stream);
   }
   const size_t y_bytes = output_ == GemmOutput::kBf16 ? 2 : 4;
   for (int b = 0; b < batch; ++b) {
-    ROLLOUT_RETURN_IF_CUBLAS(RunBatched(x + b * x_step, ldx, 0, m, w + b * w_step, 0,
+    ROLLOUT_RETURN_IF_FAILED(RunBatched(x + b * x_step, ldx, 0, m, w + b * w_step, 0,
                                         static_cast<char*>(y) + b * y_step * y_bytes, 0, 1,
-                                        stream));
+                                        stream), CUBLAS_STATUS_SUCCESS);
   }
   return CUBLAS_STATUS_SUCCESS;
 }

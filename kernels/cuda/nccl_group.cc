@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/cuda_device_scope.h"
+#include "common/status.h"
 #include "kernels/cuda/rank_group.h"
 
 namespace rollout::cuda {
@@ -85,25 +87,6 @@ class NcclLibrary {
   void *handle_ = nullptr;
 };
 
-#define ROLLOUT_RETURN_IF_GROUP_ERROR(expr) \
-  do {                                      \
-    GroupStatus _status = (expr);           \
-    if (!_status.ok()) return _status;      \
-  } while (0)
-
-// Restores the calling thread's current device on scope exit.
-class DeviceGuard {
- public:
-  DeviceGuard() { had_device_ = cudaGetDevice(&device_) == cudaSuccess; }
-  ~DeviceGuard() {
-    if (had_device_) cudaSetDevice(device_);
-  }
-
- private:
-  int device_ = 0;
-  bool had_device_ = false;
-};
-
 class NcclGroup final : public RankGroup {
  public:
   NcclGroup(std::unique_ptr<NcclLibrary> nccl, std::vector<int> devices,
@@ -116,9 +99,9 @@ class NcclGroup final : public RankGroup {
   }
 
   GroupStatus Init() {
-    DeviceGuard guard;
+    CudaDeviceScope guard;
     NcclUniqueId id{};
-    ROLLOUT_RETURN_IF_GROUP_ERROR(nccl_->Check(nccl_->GetUniqueId(&id), "ncclGetUniqueId"));
+    ROLLOUT_RETURN_IF_ERROR(nccl_->Check(nccl_->GetUniqueId(&id), "ncclGetUniqueId"));
     const int n = world_size();
     comms_.assign(n, nullptr);
     // Every device must be usable before the group starts: a group that ends with fewer than
@@ -132,7 +115,7 @@ class NcclGroup final : public RankGroup {
     }
     // ncclCommInitRank waits for its peers: inside one group, one thread may
     // create them all.
-    ROLLOUT_RETURN_IF_GROUP_ERROR(nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"));
+    ROLLOUT_RETURN_IF_ERROR(nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"));
     GroupStatus status = GroupStatus::Ok();
     for (int r = 0; r < n && status.ok(); ++r) {
       const cudaError_t err = cudaSetDevice(devices_[r]);
@@ -151,8 +134,8 @@ class NcclGroup final : public RankGroup {
 
   GroupStatus AllGather(const float *const *send, int64_t count, float *const *recv) override {
     if (count == 0) return GroupStatus::Ok();
-    DeviceGuard guard;
-    ROLLOUT_RETURN_IF_GROUP_ERROR(nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"));
+    CudaDeviceScope guard;
+    ROLLOUT_RETURN_IF_ERROR(nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"));
     GroupStatus status = GroupStatus::Ok();
     for (int r = 0; r < world_size() && status.ok(); ++r) {
       const cudaError_t err = cudaSetDevice(devices_[r]);
@@ -184,16 +167,16 @@ GroupStatus CreateNcclGroup(const std::vector<int> &devices,
     return GroupStatus::Error("an NCCL group needs one device and one stream per rank");
   }
   auto nccl = std::make_unique<NcclLibrary>();
-  ROLLOUT_RETURN_IF_GROUP_ERROR(nccl->Load(library));
+  ROLLOUT_RETURN_IF_ERROR(nccl->Load(library));
   auto g = std::make_unique<NcclGroup>(std::move(nccl), devices, streams);
-  ROLLOUT_RETURN_IF_GROUP_ERROR(g->Init());
+  ROLLOUT_RETURN_IF_ERROR(g->Init());
   *group = std::move(g);
   return GroupStatus::Ok();
 }
 
 GroupStatus NcclLibraryVersion(const std::string &library, int *version) {
   NcclLibrary nccl;
-  ROLLOUT_RETURN_IF_GROUP_ERROR(nccl.Load(library));
+  ROLLOUT_RETURN_IF_ERROR(nccl.Load(library));
   return nccl.Check(nccl.GetVersion(version), "ncclGetVersion");
 }
 

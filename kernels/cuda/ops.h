@@ -191,7 +191,7 @@ cudaError_t MergeAttentionSplitsOfItems(const AttentionParams& params, int32_t h
 // REQUIRES: dim % 8 == 0.
 cudaError_t SiluMul(const bf16* gate_up, int64_t rows, int64_t dim, bf16* out, cudaStream_t stream);
 
-// Seeded weights, bitwise the values WriteRandomModel (engine/random_model.cc) writes in bf16:
+// Seeded weights, bitwise the values WriteRandomModel (model/random_model.cc) writes in bf16:
 // element i is RandomValue(key, i) rounded to bf16 (nearest even). kind: 0 = normal with
 // `scale` (Irwin-Hall of four 16-bit uniforms), 1 = norm weight (1 + k / 65536). Exactly one of
 // out_bf16 / out_f32 is set; out_f32 receives the bf16 value widened.

@@ -2,6 +2,8 @@
 // between their streams.
 #include "kernels/cuda/rank_group.h"
 
+#include "common/status.h"
+
 #include <string>
 #include <utility>
 
@@ -14,12 +16,6 @@ GroupStatus CudaStatus(cudaError_t err, const char *what) {
                             cudaGetErrorString(err) + ")");
 }
 
-#define ROLLOUT_RETURN_IF_GROUP_ERROR(expr) \
-  do {                                      \
-    GroupStatus _status = (expr);           \
-    if (!_status.ok()) return _status;      \
-  } while (0)
-
 class SameDeviceGroup final : public RankGroup {
  public:
   explicit SameDeviceGroup(std::vector<cudaStream_t> streams) : streams_(std::move(streams)) {}
@@ -31,10 +27,10 @@ class SameDeviceGroup final : public RankGroup {
   GroupStatus Init() {
     for (size_t r = 0; r < streams_.size(); ++r) {
       cudaEvent_t ready = nullptr, read = nullptr;
-      ROLLOUT_RETURN_IF_GROUP_ERROR(
+      ROLLOUT_RETURN_IF_ERROR(
           CudaStatus(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate"));
       ready_.push_back(ready);
-      ROLLOUT_RETURN_IF_GROUP_ERROR(
+      ROLLOUT_RETURN_IF_ERROR(
           CudaStatus(cudaEventCreateWithFlags(&read, cudaEventDisableTiming), "cudaEventCreate"));
       read_.push_back(read);
     }
@@ -52,7 +48,7 @@ class SameDeviceGroup final : public RankGroup {
     // call, so one event per rank per round serves every call (all enqueued by
     // this one thread, in order).
     for (int r = 0; r < n; ++r) {
-      ROLLOUT_RETURN_IF_GROUP_ERROR(
+      ROLLOUT_RETURN_IF_ERROR(
           CudaStatus(cudaEventRecord(ready_[r], streams_[r]), "all-gather: cudaEventRecord"));
     }
     for (int r = 0; r < n; ++r) {
@@ -60,23 +56,23 @@ class SameDeviceGroup final : public RankGroup {
         float *dst = recv[r] + i * count;
         if (dst == send[i]) continue;  // rank r's own slot, in place
         if (i != r) {
-          ROLLOUT_RETURN_IF_GROUP_ERROR(CudaStatus(cudaStreamWaitEvent(streams_[r], ready_[i], 0),
+          ROLLOUT_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(streams_[r], ready_[i], 0),
                                                    "all-gather: cudaStreamWaitEvent"));
         }
-        ROLLOUT_RETURN_IF_GROUP_ERROR(
+        ROLLOUT_RETURN_IF_ERROR(
             CudaStatus(cudaMemcpyAsync(dst, send[i], bytes, cudaMemcpyDeviceToDevice, streams_[r]),
                        "all-gather: cudaMemcpyAsync"));
       }
     }
     if (n == 1) return GroupStatus::Ok();
     for (int r = 0; r < n; ++r) {
-      ROLLOUT_RETURN_IF_GROUP_ERROR(
+      ROLLOUT_RETURN_IF_ERROR(
           CudaStatus(cudaEventRecord(read_[r], streams_[r]), "all-gather: cudaEventRecord"));
     }
     for (int r = 0; r < n; ++r) {
       for (int i = 0; i < n; ++i) {
         if (i == r) continue;
-        ROLLOUT_RETURN_IF_GROUP_ERROR(CudaStatus(cudaStreamWaitEvent(streams_[r], read_[i], 0),
+        ROLLOUT_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(streams_[r], read_[i], 0),
                                                  "all-gather: cudaStreamWaitEvent"));
       }
     }
@@ -95,7 +91,7 @@ GroupStatus CreateSameDeviceGroup(const std::vector<cudaStream_t> &streams,
                                   std::unique_ptr<RankGroup> *group) {
   if (streams.empty()) return GroupStatus::Error("a rank group needs at least one rank");
   auto g = std::make_unique<SameDeviceGroup>(streams);
-  ROLLOUT_RETURN_IF_GROUP_ERROR(g->Init());
+  ROLLOUT_RETURN_IF_ERROR(g->Init());
   *group = std::move(g);
   return GroupStatus::Ok();
 }

@@ -11,7 +11,7 @@
 // The exchanges of tensor parallelism on the GPU: a group of ranks, each with a
 // device and a stream, whose collectives one host thread enqueues for all ranks
 // at once (as one thread drives several NCCL ranks between ncclGroupStart and
-// ncclGroupEnd). The device-side sibling of engine/communicator.h's
+// ncclGroupEnd). The device-side sibling of runner/cpu/communicator.h's
 // Communicator (one rank per thread, host memory), with the same rule: the only
 // collectives are the ones that move bits without arithmetic -- every sum of
 // tensor parallelism is done by the ranks on gathered partials, in a fixed

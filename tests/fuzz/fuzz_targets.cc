@@ -13,11 +13,11 @@
 #include <string>
 #include <string_view>
 
-#include "engine/cpu_model_runner.h"
+#include "runner/cpu/cpu_model_runner.h"
 #include "engine/engine.h"
-#include "engine/model_config.h"
-#include "engine/random_model.h"
-#include "engine/safetensors.h"
+#include "model/model_config.h"
+#include "model/random_model.h"
+#include "model/safetensors.h"
 #include "engine/sampler.h"
 #include "glog/logging.h"
 #include "google/protobuf/stubs/logging.h"

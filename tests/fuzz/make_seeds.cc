@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/model_config.h"
-#include "engine/random_model.h"
-#include "engine/safetensors.h"
+#include "model/model_config.h"
+#include "model/random_model.h"
+#include "model/safetensors.h"
 #include "rollout/v1/rollout.pb.h"
 #include "tests/fuzz/fuzz_targets.h"
 

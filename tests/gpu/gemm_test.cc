@@ -13,7 +13,7 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/cuda/cuda_model_runner.h"
+#include "runner/cuda/cuda_model_runner.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/compare.h"
 #include "kernels/cuda/ops.h"

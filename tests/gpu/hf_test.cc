@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/cuda/cuda_model_runner.h"
+#include "runner/cuda/cuda_model_runner.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/gpu/gpu_test_util.h"

@@ -38,7 +38,7 @@ def main():
     inv_freq = model.model.rotary_emb.inv_freq.double()
     theta = float(inv_freq[1] ** (-cfg.head_dim / 2.0))
     theta = float(round(theta))
-    # Scaled like engine/random_model.cc so the next-token distribution is peaked (the HF default
+    # Scaled like model/random_model.cc so the next-token distribution is peaked (the HF default
     # init, std 0.02, gives near-uniform logits where any rounding flips the argmax).
     h = cfg.hidden_size
     with torch.no_grad():

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/cpu_model_runner.h"
-#include "engine/cuda/cuda_model_runner.h"
-#include "engine/random_model.h"
+#include "runner/cpu/cpu_model_runner.h"
+#include "runner/cuda/cuda_model_runner.h"
+#include "model/random_model.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/forward_script.h"
 #include "tests/gpu/gpu_test_util.h"

@@ -11,11 +11,12 @@
 #include <mutex>
 #include <random>
 
-#include "engine/cuda/cuda_model_runner.h"
+#include "runner/cuda/cuda_model_runner.h"
+#include "runner/host_logits.h"
 #include "engine/engine.h"
-#include "engine/random_model.h"
+#include "model/random_model.h"
 #include "engine/sampler.h"
-#include "kernels/cpu/thread_pool.h"
+#include "common/thread_pool.h"
 #include "kernels/cuda/sampling.h"
 #include "tests/gpu/gpu_test_util.h"
 

@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/cuda/cuda_model_runner.h"
-#include "engine/random_model.h"
+#include "runner/cuda/cuda_model_runner.h"
+#include "model/random_model.h"
 #include "kernels/cuda/rank_group.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/forward_script.h"

@@ -1,0 +1,373 @@
+#include "model/model_config.h"
+
+#include <cmath>
+
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace rollout {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr char kSupported[] =
+    "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM";
+
+struct ArchitectureInfo {
+  const char* architecture;
+  const char* model_type;
+  ModelFamily family;
+};
+
+constexpr ArchitectureInfo kArchitectures[] = {
+    {"Qwen3ForCausalLM", "qwen3", ModelFamily::kQwen3},
+    {"Qwen2ForCausalLM", "qwen2", ModelFamily::kQwen2},
+    {"LlamaForCausalLM", "llama", ModelFamily::kLlama},
+    {"MistralForCausalLM", "mistral", ModelFamily::kLlama},
+};
+
+bool IsNull(const json& j, const char* field) { return !j.contains(field) || j[field].is_null(); }
+
+absl::Status FieldError(const char* field, std::string_view problem) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("config.json: field '", field, "' ", std::string(problem)));
+}
+
+// Reads an int32 field: a missing (or null) field takes `fallback` when given, else is an error.
+absl::Status GetInt(const json& j, const char* field, std::optional<int32_t> fallback,
+                    int32_t* out) {
+  if (IsNull(j, field)) {
+    if (!fallback.has_value()) return FieldError(field, "is missing");
+    *out = *fallback;
+    return absl::OkStatus();
+  }
+  const json& v = j[field];
+  constexpr int64_t kMin = std::numeric_limits<int32_t>::min();
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  const bool in_range =
+      v.is_number_unsigned()
+          ? v.get<uint64_t>() <= static_cast<uint64_t>(kMax)
+          : v.is_number_integer() && v.get<int64_t>() >= kMin && v.get<int64_t>() <= kMax;
+  if (!in_range) return FieldError(field, absl::StrCat("must be a 32-bit integer, got ", v.dump()));
+  *out = static_cast<int32_t>(v.get<int64_t>());
+  return absl::OkStatus();
+}
+
+absl::Status GetFloat(const json& j, const char* field, float fallback, float* out) {
+  if (IsNull(j, field)) {
+    *out = fallback;
+    return absl::OkStatus();
+  }
+  if (!j[field].is_number())
+    return FieldError(field, absl::StrCat("must be a number, got ", j[field].dump()));
+  const double value = j[field].get<double>();
+  *out = static_cast<float>(value);
+  // A value beyond float's range would load as inf and serve garbage.
+  if (!std::isfinite(*out)) {
+    return FieldError(field, absl::StrCat("must be a finite float, got ", j[field].dump()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GetBool(const json& j, const char* field, bool fallback, bool* out) {
+  if (IsNull(j, field)) {
+    *out = fallback;
+    return absl::OkStatus();
+  }
+  if (!j[field].is_boolean())
+    return FieldError(field, absl::StrCat("must be true or false, got ", j[field].dump()));
+  *out = j[field].get<bool>();
+  return absl::OkStatus();
+}
+
+absl::Status ParseEos(const json& j, std::vector<int32_t>* out) {
+  out->clear();
+  if (IsNull(j, "eos_token_id")) return absl::OkStatus();
+  const json& v = j["eos_token_id"];
+  auto add = [&](const json& id) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+        id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      return FieldError("eos_token_id",
+                        absl::StrCat("must hold non-negative token ids, got ", v.dump()));
+    }
+    out->push_back(static_cast<int32_t>(id.get<int64_t>()));
+    return absl::OkStatus();
+  };
+  if (!v.is_array()) return add(v);
+  for (const json& id : v) {
+    absl::Status status = add(id);
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+// The double whose shortest decimal form is the shortest one that reads back as `x`, so that
+// 1e-6f is written "1e-06" rather than "9.999999974752427e-07" and still round-trips exactly.
+double ShortestDouble(float x) {
+  char buf[32];
+  for (int precision = 1; precision <= 9; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, static_cast<double>(x));
+    if (std::strtof(buf, nullptr) == x) break;
+  }
+  return std::strtod(buf, nullptr);
+}
+
+absl::StatusOr<ModelConfig> Parse(const json& j) {
+  if (!j.is_object()) return absl::InvalidArgumentError("config.json: not a JSON object");
+  ModelConfig c;
+  std::string name;
+  bool by_model_type = false;
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty()) {
+    if (!j["architectures"][0].is_string()) {
+      return FieldError("architectures", "must be a list of strings");
+    }
+    name = j["architectures"][0].get<std::string>();
+  } else if (j.contains("model_type") && j["model_type"].is_string()) {
+    name = j["model_type"].get<std::string>();
+    by_model_type = true;
+  } else {
+    return FieldError("architectures", "is missing (and there is no \"model_type\" either)");
+  }
+  const ArchitectureInfo* info = nullptr;
+  for (const ArchitectureInfo& a : kArchitectures) {
+    if (name == (by_model_type ? a.model_type : a.architecture)) info = &a;
+  }
+  if (info == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: unsupported architecture '", name,
+                                                   "' (supported: ", kSupported, ")"));
+  }
+  c.architecture = info->architecture;
+  c.family = info->family;
+
+  absl::Status s;
+  auto check = [&](absl::Status status) {
+    if (s.ok()) s = std::move(status);
+  };
+  check(GetInt(j, "num_hidden_layers", std::nullopt, &c.num_layers));
+  check(GetInt(j, "hidden_size", std::nullopt, &c.hidden_size));
+  check(GetInt(j, "intermediate_size", std::nullopt, &c.intermediate_size));
+  check(GetInt(j, "num_attention_heads", std::nullopt, &c.num_attention_heads));
+  check(GetInt(j, "num_key_value_heads", c.num_attention_heads, &c.num_key_value_heads));
+  check(GetInt(j, "vocab_size", std::nullopt, &c.vocab_size));
+  check(GetInt(j, "max_position_embeddings", std::nullopt, &c.max_position_embeddings));
+  check(GetFloat(j, "rms_norm_eps", 1e-6f, &c.rms_norm_eps));
+  check(GetFloat(j, "rope_theta", 10000.0f, &c.rope_theta));
+  check(GetBool(j, "tie_word_embeddings", false, &c.tie_word_embeddings));
+  check(ParseEos(j, &c.eos_token_ids));
+  if (!s.ok()) return s;
+
+  struct Positive {
+    const char* field;
+    int32_t value;
+  };
+  for (const Positive& p :
+       {Positive{"num_hidden_layers", c.num_layers}, Positive{"hidden_size", c.hidden_size},
+        Positive{"intermediate_size", c.intermediate_size},
+        Positive{"num_attention_heads", c.num_attention_heads},
+        Positive{"num_key_value_heads", c.num_key_value_heads},
+        Positive{"vocab_size", c.vocab_size},
+        Positive{"max_position_embeddings", c.max_position_embeddings}}) {
+    if (p.value <= 0) return FieldError(p.field, absl::StrCat("must be positive, got ", p.value));
+  }
+  if (c.num_attention_heads % c.num_key_value_heads != 0) {
+    return FieldError("num_key_value_heads", absl::StrCat("(", c.num_key_value_heads,
+                                                          ") must divide num_attention_heads (",
+                                                          c.num_attention_heads, ")"));
+  }
+  if (IsNull(j, "head_dim") && c.hidden_size % c.num_attention_heads != 0) {
+    return FieldError("head_dim", absl::StrCat("is missing and hidden_size (", c.hidden_size,
+                                               ") is not a multiple of num_attention_heads (",
+                                               c.num_attention_heads, ")"));
+  }
+  s = GetInt(j, "head_dim", c.hidden_size / c.num_attention_heads, &c.head_dim);
+  if (!s.ok()) return s;
+  if (c.head_dim <= 0 || c.head_dim % 2 != 0) {
+    return FieldError("head_dim", absl::StrCat("must be positive and even (RoPE rotates pairs), "
+                                               "got ",
+                                               c.head_dim));
+  }
+  if (!(c.rms_norm_eps > 0.0f)) return FieldError("rms_norm_eps", "must be positive");
+  if (!(c.rope_theta > 0.0f)) return FieldError("rope_theta", "must be positive");
+
+  // Features the engine does not implement are refused rather than silently ignored: the model
+  // would load and produce wrong tokens.
+  if (!IsNull(j, "rope_scaling")) {
+    return FieldError("rope_scaling",
+                      absl::StrCat("is not supported, got ", j["rope_scaling"].dump()));
+  }
+  // transformers 5 writes RoPE as "rope_parameters": {"rope_type": "default", "rope_theta": x}.
+  // Only plain RoPE is implemented; its theta must agree with a top-level rope_theta if both
+  // are present.
+  if (!IsNull(j, "rope_parameters")) {
+    const json& rp = j["rope_parameters"];
+    if (!rp.is_object()) return FieldError("rope_parameters", "must be an object");
+    for (const auto& [key, value] : rp.items()) {
+      if (key == "rope_type") {
+        if (!value.is_string() || value.get<std::string>() != "default") {
+          return FieldError("rope_parameters",
+                            absl::StrCat("rope_type ", value.dump(),
+                                         " is not supported (only \"default\")"));
+        }
+      } else if (key == "rope_theta") {
+        if (!value.is_number() || !(value.get<double>() > 0.0)) {
+          return FieldError("rope_parameters",
+                            absl::StrCat("rope_theta must be a positive number, got ",
+                                         value.dump()));
+        }
+        const float theta = static_cast<float>(value.get<double>());
+        if (!IsNull(j, "rope_theta") && theta != c.rope_theta) {
+          return FieldError("rope_parameters",
+                            absl::StrCat("rope_theta ", value.dump(),
+                                         " disagrees with the top-level rope_theta ",
+                                         j["rope_theta"].dump()));
+        }
+        c.rope_theta = theta;
+      } else {
+        return FieldError("rope_parameters",
+                          absl::StrCat("key \"", key, "\" is not supported (RoPE scaling is not "
+                                       "implemented), got ", rp.dump()));
+      }
+    }
+  }
+  bool flag = false;
+  check(GetBool(j, "use_sliding_window", false, &flag));
+  if (s.ok() && flag) return FieldError("use_sliding_window", "is not supported");
+  if (!s.ok()) return s;
+  if (!IsNull(j, "hidden_act") &&
+      (!j["hidden_act"].is_string() || j["hidden_act"].get<std::string>() != "silu")) {
+    return FieldError("hidden_act", absl::StrCat("must be \"silu\", got ", j["hidden_act"].dump()));
+  }
+  check(GetBool(j, "mlp_bias", false, &flag));
+  if (s.ok() && flag) return FieldError("mlp_bias", "is not supported");
+  if (!s.ok()) return s;
+  bool attention_bias = false;
+  s = GetBool(j, "attention_bias", false, &attention_bias);
+  if (!s.ok()) return s;
+
+  switch (c.family) {
+    case ModelFamily::kQwen3:
+      c.qk_norm = true;
+      c.qkv_bias = false;
+      // In transformers, Qwen3's attention_bias adds biases to q/k/v *and* o_proj.
+      if (attention_bias) {
+        return FieldError("attention_bias", "true is not supported for Qwen3 (o_proj bias)");
+      }
+      break;
+    case ModelFamily::kQwen2:
+      c.qk_norm = false;
+      c.qkv_bias = true;
+      break;
+    case ModelFamily::kLlama:
+      c.qk_norm = false;
+      // Llama's attention_bias also puts a bias on o_proj, which ExpectedTensors and the forward
+      // pass do not model, so only the bias-free variant is accepted.
+      if (attention_bias) {
+        return FieldError("attention_bias", "true is not supported (it adds an o_proj bias)");
+      }
+      c.qkv_bias = false;
+      if (j.contains("sliding_window") && j["sliding_window"].is_number_integer() &&
+          j["sliding_window"].get<int64_t>() < c.max_position_embeddings) {
+        return FieldError("sliding_window",
+                          absl::StrCat("(", j["sliding_window"].dump(), ") is not supported"));
+      }
+      break;
+  }
+
+  if (!IsNull(j, "torch_dtype") || !IsNull(j, "dtype")) {
+    const json& d = IsNull(j, "torch_dtype") ? j["dtype"] : j["torch_dtype"];
+    if (!d.is_string()) return FieldError("torch_dtype", "must be a string");
+    c.torch_dtype = d.get<std::string>();
+  }
+  return c;
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text) {
+  try {
+    json j = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return absl::InvalidArgumentError("config.json: not valid JSON");
+    return Parse(j);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: ", e.what()));
+  }
+}
+
+std::string ModelConfigToJson(const ModelConfig& config) {
+  // A hand-built config may leave `architecture` empty: fall back to the family's first name.
+  const ArchitectureInfo* info = nullptr;
+  for (const ArchitectureInfo& a : kArchitectures) {
+    if (config.architecture == a.architecture) info = &a;
+  }
+  for (const ArchitectureInfo& a : kArchitectures) {
+    if (info == nullptr && a.family == config.family) info = &a;
+  }
+  nlohmann::ordered_json j;
+  j["architectures"] = nlohmann::ordered_json::array({info->architecture});
+  j["model_type"] = info->model_type;
+  j["num_hidden_layers"] = config.num_layers;
+  j["hidden_size"] = config.hidden_size;
+  j["intermediate_size"] = config.intermediate_size;
+  j["num_attention_heads"] = config.num_attention_heads;
+  j["num_key_value_heads"] = config.num_key_value_heads;
+  j["head_dim"] = config.head_dim;
+  j["vocab_size"] = config.vocab_size;
+  j["max_position_embeddings"] = config.max_position_embeddings;
+  j["rms_norm_eps"] = ShortestDouble(config.rms_norm_eps);
+  j["rope_theta"] = ShortestDouble(config.rope_theta);
+  j["rope_scaling"] = nullptr;
+  j["tie_word_embeddings"] = config.tie_word_embeddings;
+  j["attention_bias"] = config.family == ModelFamily::kLlama && config.qkv_bias;
+  j["hidden_act"] = "silu";
+  if (config.eos_token_ids.empty()) {
+    j["eos_token_id"] = nullptr;
+  } else if (config.eos_token_ids.size() == 1) {
+    j["eos_token_id"] = config.eos_token_ids[0];
+  } else {
+    j["eos_token_id"] = config.eos_token_ids;
+  }
+  j["torch_dtype"] = config.torch_dtype;
+  return j.dump(2) + "\n";
+}
+
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
+  const int64_t h = c.hidden_size;
+  const int64_t q_dim = static_cast<int64_t>(c.num_attention_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
+  const int64_t inter = c.intermediate_size;
+  std::vector<TensorSpec> specs;
+  specs.push_back({"model.embed_tokens.weight", {c.vocab_size, h}});
+  for (int32_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    specs.push_back({p + "input_layernorm.weight", {h}});
+    specs.push_back({p + "self_attn.q_proj.weight", {q_dim, h}});
+    specs.push_back({p + "self_attn.k_proj.weight", {kv_dim, h}});
+    specs.push_back({p + "self_attn.v_proj.weight", {kv_dim, h}});
+    specs.push_back({p + "self_attn.o_proj.weight", {h, q_dim}});
+    if (c.qkv_bias) {
+      specs.push_back({p + "self_attn.q_proj.bias", {q_dim}});
+      specs.push_back({p + "self_attn.k_proj.bias", {kv_dim}});
+      specs.push_back({p + "self_attn.v_proj.bias", {kv_dim}});
+    }
+    if (c.qk_norm) {
+      specs.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
+      specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
+    }
+    specs.push_back({p + "post_attention_layernorm.weight", {h}});
+    specs.push_back({p + "mlp.gate_proj.weight", {inter, h}});
+    specs.push_back({p + "mlp.up_proj.weight", {inter, h}});
+    specs.push_back({p + "mlp.down_proj.weight", {h, inter}});
+  }
+  specs.push_back({"model.norm.weight", {h}});
+  if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, h}});
+  return specs;
+}
+
+}  // namespace rollout

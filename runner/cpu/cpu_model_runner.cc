@@ -1,0 +1,496 @@
+#include "runner/cpu/cpu_model_runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "glog/logging.h"
+
+namespace rollout {
+namespace {
+
+std::string LayerName(int i, const char* suffix) {
+  return absl::StrCat("model.layers.", i, ".", suffix);
+}
+
+// The negative control's RMSNorm: the sum of squares runs forwards or backwards depending on
+// how many rows the batch has -- exactly the kind of batch dependence the contract forbids.
+void BatchVariantRmsNorm(float* x, const float* weight, int64_t rows, int64_t dim, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * dim;
+    float ss = 0.0f;
+    if (rows % 2 == 0) {
+      for (int64_t i = 0; i < dim; ++i) ss += row[i] * row[i];
+    } else {
+      for (int64_t i = dim - 1; i >= 0; --i) ss += row[i] * row[i];
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) row[i] = row[i] * inv * weight[i];
+  }
+}
+
+}  // namespace
+
+// Ranks 1..n-1 on threads of their own, rank 0 on the caller's: Run(fn) calls fn(rank) for every
+// rank at once (they meet in collectives, so each needs its own thread) and returns when all
+// are done.
+class CpuModelRunner::RankThreads {
+ public:
+  explicit RankThreads(int num_ranks) {
+    for (int r = 1; r < num_ranks; ++r) threads_.emplace_back([this, r] { Loop(r); });
+  }
+  ~RankThreads() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+  void Run(const std::function<void(int)>& fn) {
+    if (threads_.empty()) {
+      fn(0);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      pending_ = static_cast<int>(threads_.size());
+      ++generation_;
+    }
+    work_cv_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return pending_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void Loop(int rank) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      const std::function<void(int)>* fn = fn_;
+      lock.unlock();
+      (*fn)(rank);
+      lock.lock();
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  // Protected by mu_.
+  const std::function<void(int)>* fn_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+};
+
+CpuModelRunner::CpuModelRunner(ModelConfig config, CpuRunnerOptions options)
+    : config_(std::move(config)), options_(options) {
+  const int tp = options_.tensor_parallel;
+  // The cores are shared: tp ranks of total / tp threads each (thread counts never change bits).
+  const int total = options_.num_threads > 0
+                        ? options_.num_threads
+                        : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int per_rank = tp == 1 ? options_.num_threads : std::max(1, total / tp);
+  std::vector<std::unique_ptr<Communicator>> comms = CreateInProcessGroup(tp);
+  ranks_.resize(tp);
+  for (int r = 0; r < tp; ++r) {
+    ranks_[r].index = r;
+    ranks_[r].comm = std::move(comms[r]);
+    ranks_[r].pool = std::make_unique<cpu::ThreadPool>(per_rank);
+  }
+  threads_ = std::make_unique<RankThreads>(tp);
+}
+
+CpuModelRunner::~CpuModelRunner() = default;
+
+absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
+    const Checkpoint& checkpoint, const CpuRunnerOptions& options) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(checkpoint.config_json());
+  if (!config.ok()) {
+    return absl::Status(config.status().code(),
+                        absl::StrCat(checkpoint.dir(), "/config.json: ", config.status().message()));
+  }
+  if (options.kv_block_size <= 0 || options.attention_split_size <= 0 ||
+      options.attention_split_size % options.kv_block_size != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "attention split size (%d) must be a positive multiple of the KV block size (%d)",
+        options.attention_split_size, options.kv_block_size));
+  }
+  if (absl::Status s = CheckTensorParallel(*config, options.tensor_parallel); !s.ok()) return s;
+  auto runner = std::unique_ptr<CpuModelRunner>(new CpuModelRunner(*std::move(config), options));
+  if (absl::Status s = runner->Load(checkpoint); !s.ok()) return s;
+  return runner;
+}
+
+namespace {
+
+// Copies the pieces of a full tensor whose element i is get(i) into their ranks.
+template <typename Pieces, typename Get>
+void CopyPieces(const Pieces& pieces, int64_t row_length, Get get) {
+  for (const auto& p : pieces) {
+    float* out = p.dest->data() + p.offset;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const int64_t src = (p.row_begin + r) * row_length + p.col_begin;
+      for (int64_t c = 0; c < p.cols; ++c) out[r * p.cols + c] = get(src + c);
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
+  const ModelConfig& c = config_;
+  // Checking against the full list first gives one clear error for a missing tensor even when
+  // it is one this backend would read late.
+  for (const TensorSpec& spec : ExpectedTensors(c)) {
+    if (checkpoint.Find(spec.name) == nullptr) {
+      return absl::NotFoundError(
+          absl::StrCat(checkpoint.dir(), ": checkpoint lacks tensor ", spec.name));
+    }
+  }
+  const int tp = options_.tensor_parallel;
+  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
+                nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
+  vocab_per_rank_ = (vocab + tp - 1) / tp;
+  for (Rank& rk : ranks_) {
+    static_cast<RankShard&>(rk) = ShardOf(c, tp, rk.index, vocab_per_rank_);
+    rk.layers.resize(c.num_layers);
+  }
+  // Every tensor is bound to the pieces of it each rank holds, in fp32; weight updates write
+  // through the same bindings. piece(rank, rows, cols) gives the rank's piece of the tensor
+  // seen as [rows, cols].
+  auto bind = [&](const std::string& name, std::vector<int64_t> shape,
+                  const std::function<Piece(Rank&, int64_t, int64_t)>& piece) {
+    const int64_t rows = shape[0];
+    int64_t cols = 1;
+    for (size_t d = 1; d < shape.size(); ++d) cols *= shape[d];
+    Binding& b = bindings_[name];
+    b.count = rows * cols;
+    b.row_length = cols;
+    for (Rank& rk : ranks_) {
+      Piece p = piece(rk, rows, cols);
+      const size_t end = static_cast<size_t>(p.offset + p.rows * p.cols);
+      if (p.dest->size() < end) p.dest->resize(end);
+      b.pieces.push_back(p);
+    }
+    weight_specs_.push_back(WeightSpec{name, checkpoint.Find(name)->dtype, std::move(shape)});
+  };
+  // The shapes of a piece: all of it, rows [begin, begin + n) (to `offset`), or columns.
+  using Member = std::vector<float> Layer::*;
+  auto whole = [](std::function<std::vector<float>*(Rank&)> dest) {
+    return [dest](Rank& rk, int64_t rows, int64_t cols) {
+      return Piece{dest(rk), 0, 0, rows, 0, cols};
+    };
+  };
+  auto layer_whole = [&](int i, Member m) {
+    return whole([i, m](Rank& rk) { return &(rk.layers[i].*m); });
+  };
+  // Rows of the rank's heads (q) or KV heads (k, v): head_dim rows each.
+  auto layer_heads = [&](int i, Member m, bool kv) {
+    return [i, m, kv, hd](Rank& rk, int64_t, int64_t cols) {
+      const int64_t first = kv ? rk.kv_head_begin : rk.index * rk.heads;
+      const int64_t count = kv ? rk.kv_heads : rk.heads;
+      return Piece{&(rk.layers[i].*m), 0, first * hd, count * hd, 0, cols};
+    };
+  };
+  // Columns [begin, begin + width) of a row-parallel weight: the rank's K slice.
+  auto layer_k_slice = [&](int i, Member m, bool attention) {
+    return [i, m, attention, hd](Rank& rk, int64_t rows, int64_t) {
+      const int64_t width = attention ? rk.heads * hd : rk.inter;
+      return Piece{&(rk.layers[i].*m), 0, 0, rows, rk.index * width, width};
+    };
+  };
+  auto vocab_rows = [](std::vector<float> Rank::*m) {
+    return [m](Rank& rk, int64_t, int64_t cols) {
+      return Piece{&(rk.*m), 0, rk.vocab_begin, rk.vocab_end - rk.vocab_begin, 0, cols};
+    };
+  };
+  bind("model.embed_tokens.weight", {vocab, h}, vocab_rows(&Rank::embed));
+  bind("model.norm.weight", {h}, whole([](Rank& rk) { return &rk.final_norm; }));
+  if (!c.tie_word_embeddings) bind("lm_head.weight", {vocab, h}, vocab_rows(&Rank::lm_head));
+  for (int i = 0; i < c.num_layers; ++i) {
+    bind(LayerName(i, "input_layernorm.weight"), {h}, layer_whole(i, &Layer::input_norm));
+    bind(LayerName(i, "self_attn.q_proj.weight"), {nh * hd, h}, layer_heads(i, &Layer::q, false));
+    bind(LayerName(i, "self_attn.k_proj.weight"), {nkv * hd, h}, layer_heads(i, &Layer::k, true));
+    bind(LayerName(i, "self_attn.v_proj.weight"), {nkv * hd, h}, layer_heads(i, &Layer::v, true));
+    bind(LayerName(i, "self_attn.o_proj.weight"), {h, nh * hd},
+         layer_k_slice(i, &Layer::o, true));
+    bind(LayerName(i, "post_attention_layernorm.weight"), {h}, layer_whole(i, &Layer::post_norm));
+    // One [2 * inter, hidden] matrix per rank: the MLP's two input projections in one pass over
+    // x -- the rank's gate rows, then its up rows.
+    bind(LayerName(i, "mlp.gate_proj.weight"), {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
+      return Piece{&rk.layers[i].gate_up, 0, rk.index * rk.inter, rk.inter, 0, cols};
+    });
+    bind(LayerName(i, "mlp.up_proj.weight"), {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
+      return Piece{&rk.layers[i].gate_up, rk.inter * cols, rk.index * rk.inter, rk.inter, 0,
+                   cols};
+    });
+    bind(LayerName(i, "mlp.down_proj.weight"), {h, inter}, layer_k_slice(i, &Layer::down, false));
+    if (c.qkv_bias) {
+      bind(LayerName(i, "self_attn.q_proj.bias"), {nh * hd}, layer_heads(i, &Layer::q_bias, false));
+      bind(LayerName(i, "self_attn.k_proj.bias"), {nkv * hd}, layer_heads(i, &Layer::k_bias, true));
+      bind(LayerName(i, "self_attn.v_proj.bias"), {nkv * hd}, layer_heads(i, &Layer::v_bias, true));
+    }
+    if (c.qk_norm) {
+      bind(LayerName(i, "self_attn.q_norm.weight"), {hd}, layer_whole(i, &Layer::q_norm));
+      bind(LayerName(i, "self_attn.k_norm.weight"), {hd}, layer_whole(i, &Layer::k_norm));
+    }
+  }
+  std::sort(weight_specs_.begin(), weight_specs_.end(),
+            [](const WeightSpec& a, const WeightSpec& b) { return a.name < b.name; });
+  for (const WeightSpec& spec : weight_specs_) {
+    absl::StatusOr<std::vector<float>> t = checkpoint.ReadF32(spec.name, spec.shape);
+    if (!t.ok()) return t.status();
+    const Binding& b = bindings_.at(spec.name);
+    const float* src = t->data();
+    CopyPieces(b.pieces, b.row_length, [src](int64_t i) { return src[i]; });
+  }
+
+  // Sized as for the unsharded model, so the block count (and with it every scheduling
+  // decision) is the same at every tensor-parallel degree.
+  const int64_t kv_bytes_per_block =
+      2ll * c.num_layers * options_.kv_block_size * nkv * hd * static_cast<int64_t>(sizeof(float));
+  num_kv_blocks_ = static_cast<int32_t>(options_.kv_cache_bytes / kv_bytes_per_block);
+  if (num_kv_blocks_ < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "KV cache of %d bytes holds no block of %d tokens (%d bytes each)",
+        options_.kv_cache_bytes, options_.kv_block_size, kv_bytes_per_block));
+  }
+  for (Rank& rk : ranks_) {
+    const int64_t cache_floats =
+        static_cast<int64_t>(num_kv_blocks_) * options_.kv_block_size * rk.kv_heads * hd;
+    for (Layer& l : rk.layers) {
+      l.k_cache.assign(cache_floats, 0.0f);
+      l.v_cache.assign(cache_floats, 0.0f);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuModelRunner::UpdateWeights(const std::vector<HostTensor>& tensors) {
+  for (const HostTensor& t : tensors) {
+    if (absl::Status s = CheckTensorAgainstSpec(weight_specs_, t.name, t.dtype, t.shape);
+        !s.ok()) {
+      return s;
+    }
+    const Binding& b = bindings_.at(t.name);
+    if (t.bytes.size() != static_cast<size_t>(b.count) * DTypeSize(t.dtype)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tensor '%s': %d bytes given, expected %d", t.name, t.bytes.size(),
+          static_cast<size_t>(b.count) * DTypeSize(t.dtype)));
+    }
+  }
+  // Each full tensor is sliced into the ranks' shards as Load did.
+  for (const HostTensor& t : tensors) {
+    const Binding& b = bindings_.at(t.name);
+    const uint8_t* in = t.bytes.data();
+    switch (t.dtype) {
+      case DType::kF32:
+        CopyPieces(b.pieces, b.row_length, [in](int64_t i) {
+          float v;
+          std::memcpy(&v, in + 4 * i, 4);
+          return v;
+        });
+        break;
+      case DType::kBF16:
+        CopyPieces(b.pieces, b.row_length, [in](int64_t i) {
+          uint16_t v;
+          std::memcpy(&v, in + 2 * i, 2);
+          return BF16ToF32(v);
+        });
+        break;
+      case DType::kF16:
+        CopyPieces(b.pieces, b.row_length, [in](int64_t i) {
+          uint16_t v;
+          std::memcpy(&v, in + 2 * i, 2);
+          return F16ToF32(v);
+        });
+        break;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuModelRunner::Forward(const ForwardBatch& batch, std::vector<float>* logits) {
+  const ModelConfig& c = config_;
+  const int64_t t = batch.num_tokens();
+  const int64_t vocab = c.vocab_size;
+  const int64_t max_blocks = num_kv_blocks_;
+  // Everything that could fail is checked here, before the ranks start: a rank that returned
+  // early would leave its peers waiting in a collective.
+  if (!batch.fed_tokens.empty()) {
+    return absl::InvalidArgumentError("fed tokens outside a launched step (LaunchStep)");
+  }
+  for (int64_t i = 0; i < t; ++i) {
+    const int32_t id = batch.token_ids[i];
+    const int32_t pos = batch.positions[i];
+    const std::vector<int32_t>& table = batch.block_tables[batch.token_seq[i]];
+    if (id < 0 || id >= vocab) return absl::InvalidArgumentError(absl::StrCat("token id ", id));
+    if (pos < 0 || pos / options_.kv_block_size >= static_cast<int64_t>(table.size())) {
+      return absl::InternalError(absl::StrCat("position ", pos, " outside its block table"));
+    }
+    for (int32_t b : table) {
+      if (b < 0 || b >= max_blocks) return absl::InternalError(absl::StrCat("KV block ", b));
+    }
+  }
+  for (int32_t row : batch.logit_rows) {
+    if (row < 0 || row >= t) return absl::InternalError(absl::StrCat("logit row ", row));
+  }
+
+  std::vector<const int32_t*> tables(t);
+  for (int64_t i = 0; i < t; ++i) tables[i] = batch.block_tables[batch.token_seq[i]].data();
+  const cpu::TokenSlots slots{batch.positions.data(), tables.data(), t};
+  std::vector<absl::Status> status(ranks_.size());
+  threads_->Run([&](int r) { status[r] = RankForward(ranks_[r], batch, slots, logits); });
+  for (const absl::Status& s : status) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
+                                         const cpu::TokenSlots& slots,
+                                         std::vector<float>* logits) {
+  const ModelConfig& c = config_;
+  const int tp = options_.tensor_parallel;
+  const int64_t t = batch.num_tokens();
+  // The rank's own heads, KV heads and intermediate features.
+  const int64_t h = c.hidden_size, hd = c.head_dim, nh = rk.heads, nkv = rk.kv_heads,
+                inter = rk.inter, vocab = c.vocab_size;
+  cpu::ThreadPool* pool = rk.pool.get();
+  Communicator* comm = rk.comm.get();
+  // The rank's node of the canonical K tree of o_proj and down_proj.
+  const int seg_begin = rk.index * cpu::kNumKSegments / tp;
+  const int seg_end = (rk.index + 1) * cpu::kNumKSegments / tp;
+
+  std::vector<float> x(t * h), xn(t * h);            // [t, hidden], replicated
+  std::vector<float> q(t * nh * hd), attn(t * nh * hd);  // [t, heads, head_dim]
+  std::vector<float> k(t * nkv * hd), v(t * nkv * hd);   // [t, kv_heads, head_dim]
+  std::vector<float> gate_up(t * 2 * inter), act(t * inter), proj(t * h);
+  std::vector<float> gathered(tp > 1 ? tp * t * h : 0);  // [tp, t, hidden]
+
+  // Vocab-parallel embedding: each rank fills the rows of the tokens it owns; the gathered
+  // rows are selected (never summed), so x is the exact embedding row at every degree.
+  if (tp == 1) {
+    for (int64_t i = 0; i < t; ++i) {
+      std::memcpy(&x[i * h], &rk.embed[static_cast<int64_t>(batch.token_ids[i]) * h],
+                  h * sizeof(float));
+    }
+  } else {
+    std::fill(proj.begin(), proj.end(), 0.0f);
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t id = batch.token_ids[i];
+      if (id >= rk.vocab_begin && id < rk.vocab_end) {
+        std::memcpy(&proj[i * h], &rk.embed[(id - rk.vocab_begin) * h], h * sizeof(float));
+      }
+    }
+    if (absl::Status s = comm->AllGather(proj.data(), t * h, gathered.data()); !s.ok()) return s;
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t owner = batch.token_ids[i] / vocab_per_rank_;
+      std::memcpy(&x[i * h], &gathered[(owner * t + i) * h], h * sizeof(float));
+    }
+  }
+
+  // A row-parallel projection of `in` ([t, k_local], the rank's K slice of a reduction of
+  // length k_full) into proj: the rank's tree node, gathered, combined by the tree's top.
+  auto row_parallel = [&](const float* in, int64_t k_full, const float* w) -> absl::Status {
+    if (tp == 1) {
+      cpu::SegmentedMatMul(pool, in, t, k_full, w, h, nullptr, proj.data());
+      return absl::OkStatus();
+    }
+    cpu::SegmentedPartialMatMul(pool, in, t, w, h, k_full, seg_begin, seg_end, proj.data());
+    if (absl::Status s = comm->AllGather(proj.data(), t * h, gathered.data()); !s.ok()) return s;
+    cpu::CombinePartials(gathered.data(), tp, t * h, proj.data());
+    return absl::OkStatus();
+  };
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (Layer& l : rk.layers) {
+    cpu::RmsNorm(x.data(), l.input_norm.data(), t, h, c.rms_norm_eps, xn.data());
+    cpu::MatMul(pool, xn.data(), t, h, l.q.data(), nh * hd,
+                l.q_bias.empty() ? nullptr : l.q_bias.data(), q.data());
+    cpu::MatMul(pool, xn.data(), t, h, l.k.data(), nkv * hd,
+                l.k_bias.empty() ? nullptr : l.k_bias.data(), k.data());
+    cpu::MatMul(pool, xn.data(), t, h, l.v.data(), nkv * hd,
+                l.v_bias.empty() ? nullptr : l.v_bias.data(), v.data());
+    if (c.qk_norm) {
+      cpu::RmsNorm(q.data(), l.q_norm.data(), t * nh, hd, c.rms_norm_eps, q.data());
+      cpu::RmsNorm(k.data(), l.k_norm.data(), t * nkv, hd, c.rms_norm_eps, k.data());
+    }
+    cpu::ApplyRope(q.data(), batch.positions.data(), t, nh, hd, c.rope_theta);
+    cpu::ApplyRope(k.data(), batch.positions.data(), t, nkv, hd, c.rope_theta);
+    cpu::KvCacheLayer cache{l.k_cache.data(), l.v_cache.data(), options_.kv_block_size, nkv, hd};
+    cpu::WriteKv(k.data(), v.data(), slots, cache);
+    cpu::PagedAttention(pool, q.data(), slots, nh, cache, scale, attn.data());
+    if (absl::Status s = row_parallel(attn.data(), c.num_attention_heads * hd, l.o.data());
+        !s.ok()) {
+      return s;
+    }
+    cpu::Add(x.data(), proj.data(), t * h);
+
+    cpu::RmsNorm(x.data(), l.post_norm.data(), t, h, c.rms_norm_eps, xn.data());
+    cpu::MatMul(pool, xn.data(), t, h, l.gate_up.data(), 2 * inter, nullptr, gate_up.data());
+    cpu::SiluMul(gate_up.data(), t, inter, act.data());
+    if (absl::Status s = row_parallel(act.data(), c.intermediate_size, l.down.data()); !s.ok()) {
+      return s;
+    }
+    cpu::Add(x.data(), proj.data(), t * h);
+  }
+
+  const int64_t r = static_cast<int64_t>(batch.logit_rows.size());
+  std::vector<float> rows(r * h);  // [logit rows, hidden]
+  for (int64_t i = 0; i < r; ++i) {
+    std::memcpy(&rows[i * h], &x[static_cast<int64_t>(batch.logit_rows[i]) * h],
+                h * sizeof(float));
+  }
+  if (options_.batch_variant_for_testing) {
+    BatchVariantRmsNorm(rows.data(), rk.final_norm.data(), r, h, c.rms_norm_eps);
+  } else {
+    cpu::RmsNorm(rows.data(), rk.final_norm.data(), r, h, c.rms_norm_eps, rows.data());
+  }
+  const float* head = rk.lm_head.empty() ? rk.embed.data() : rk.lm_head.data();
+  if (tp == 1) {
+    logits->resize(r * vocab);
+    cpu::MatMul(pool, rows.data(), r, h, head, vocab, nullptr, logits->data());
+    return absl::OkStatus();
+  }
+  // Vocab-parallel lm_head: every logit is one Dot over the full hidden size wherever it is
+  // computed; the ranks' columns (padded to vocab_per_rank_) are gathered into full rows.
+  const int64_t vpr = vocab_per_rank_;
+  const int64_t mine = rk.vocab_end - rk.vocab_begin;
+  std::vector<float> local(r * mine), padded(r * vpr, 0.0f), all(tp * r * vpr);
+  cpu::MatMul(pool, rows.data(), r, h, head, mine, nullptr, local.data());
+  for (int64_t i = 0; i < r; ++i) {
+    std::memcpy(&padded[i * vpr], &local[i * mine], mine * sizeof(float));
+  }
+  if (absl::Status s = comm->AllGather(padded.data(), r * vpr, all.data()); !s.ok()) return s;
+  if (rk.index != 0) return absl::OkStatus();
+  logits->resize(r * vocab);
+  for (int src = 0; src < tp; ++src) {
+    const int64_t begin = std::min(vocab, src * vpr);
+    const int64_t width = std::min(vocab, (src + 1) * vpr) - begin;
+    for (int64_t i = 0; i < r; ++i) {
+      std::memcpy(&(*logits)[i * vocab + begin], &all[(src * r + i) * vpr],
+                  width * sizeof(float));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace rollout

@@ -1,0 +1,134 @@
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runner/cpu/communicator.h"
+#include "runner/host_logits.h"
+#include "engine/model_runner.h"
+#include "model/safetensors.h"
+#include "model/tensor_parallel.h"
+#include "kernels/cpu/ops.h"
+#include "common/thread_pool.h"
+
+namespace rollout {
+
+struct CpuRunnerOptions {
+  int64_t kv_cache_bytes = 256ll << 20;
+  int32_t kv_block_size = 16;
+  int32_t attention_split_size = 64;
+  int32_t num_threads = 0;  // 0 = all cores (shared by the tensor-parallel ranks)
+  // Tensor-parallel degree: 1, 2, 4 or 8 ranks as threads in lockstep, each holding its shard of
+  // the weights and of the KV cache (Megatron partitioning; docs/determinism.md, D10). Every
+  // degree gives the same bits. Requires heads, intermediate size divisible by it and KV heads
+  // a multiple or a divisor of it.
+  int32_t tensor_parallel = 1;
+  // Negative control for the determinism suites only: the final RMSNorm sums a row in an order
+  // chosen by the number of rows in the batch, so batch invariance breaks on purpose.
+  bool batch_variant_for_testing = false;
+};
+
+// The CPU reference backend: fp32 weights and KV, kernels/cpu ops. Engine thread only.
+//
+// Tensor parallelism (options.tensor_parallel = tp): rank r runs on its own thread (rank 0 on
+// the caller's) with an in-process Communicator. Column-parallel q/k/v and gate/up (its heads,
+// its slice of the intermediate features; KV heads split, or replicated when fewer than tp),
+// row-parallel o_proj and down_proj (its K slice; each rank holds the KV cache of its heads),
+// vocab-parallel embedding and lm_head; norms and the residual stream replicated. A row-parallel
+// output is the canonical 8-segment K tree of kernels/cpu/ops.h: each rank computes its node,
+// the nodes are all-gathered in rank order and combined by the tree's top -- so at every degree,
+// tp = 1 included, o_proj and down_proj perform the same operations in the same order. Logits
+// are gathered on the full vocabulary; sampling stays in the engine.
+class CpuModelRunner final : public ModelRunner {
+ public:
+  // Loads and shape-checks every tensor of `checkpoint` (converted to fp32), shards it over the
+  // ranks and reserves the KV cache (kv_cache_bytes sizes it as for the unsharded model: the
+  // block count is the same at every degree). Errors name the missing or mis-shaped tensor, or
+  // the dimension that does not split.
+  static absl::StatusOr<std::unique_ptr<CpuModelRunner>> Create(const Checkpoint& checkpoint,
+                                                                const CpuRunnerOptions& options);
+  ~CpuModelRunner() override;
+
+  int32_t tensor_parallel() const { return options_.tensor_parallel; }
+
+  const ModelConfig& config() const override { return config_; }
+  const char* backend_name() const override { return "cpu"; }
+  int32_t num_kv_blocks() const override { return num_kv_blocks_; }
+  int32_t kv_block_size() const override { return options_.kv_block_size; }
+  int32_t attention_split_size() const override { return options_.attention_split_size; }
+
+  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
+  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
+                             const std::vector<float>& logits,
+                             std::vector<SampleResult>* results) override {
+    // Rank 0 holds the gathered logits; its threads are idle between steps.
+    return ProcessLogitsOnHost(tasks, logits, config_.vocab_size, ranks_[0].pool.get(), results);
+  }
+  const std::vector<WeightSpec>& weight_specs() const override { return weight_specs_; }
+  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
+
+ private:
+  // One layer's weights and KV cache as one rank holds them (the whole layer at tp = 1).
+  struct Layer {
+    std::vector<float> input_norm;     // [hidden]
+    std::vector<float> q, k, v;        // [heads * head_dim, hidden], [kv_heads * head_dim, hidden]
+    std::vector<float> q_bias, k_bias, v_bias;  // empty unless qkv_bias
+    std::vector<float> q_norm, k_norm;          // [head_dim]; empty unless qk_norm
+    std::vector<float> o;              // [hidden, heads * head_dim]: its heads' K slice
+    std::vector<float> post_norm;      // [hidden]
+    std::vector<float> gate_up;        // [2 * inter, hidden]: its gate rows then its up rows
+    std::vector<float> down;           // [hidden, inter]: its K slice
+    std::vector<float> k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  };
+
+  // One tensor-parallel rank: its shard sizes (heads, kv_heads, inter are the rank's own) and
+  // weights.
+  // What the rank holds (RankShard: heads, KV heads, intermediate features, vocab rows), and
+  // its weights, KV cache and workers.
+  struct Rank : RankShard {
+    int index = 0;
+    std::unique_ptr<Communicator> comm;
+    std::unique_ptr<cpu::ThreadPool> pool;
+    std::vector<float> embed;    // [vocab_end - vocab_begin, hidden]
+    std::vector<float> lm_head;  // same rows of lm_head; empty when tied to embed
+    std::vector<float> final_norm;
+    std::vector<Layer> layers;
+  };
+
+  class RankThreads;
+
+  CpuModelRunner(ModelConfig config, CpuRunnerOptions options);
+  absl::Status Load(const Checkpoint& checkpoint);
+  // Rank `rank`'s part of Forward; all ranks run it at once and meet in its collectives.
+  // Rank 0 writes `logits`.
+  absl::Status RankForward(Rank& rank, const ForwardBatch& batch, const cpu::TokenSlots& slots,
+                           std::vector<float>* logits);
+
+  // Where (part of) a named checkpoint tensor lives in a rank: rows [row_begin, row_begin +
+  // rows) and columns [col_begin, col_begin + cols) of the tensor seen as [shape[0], rest]
+  // (1-D: [n, 1]), stored row-major as [rows, cols] in `dest` from `offset`.
+  struct Piece {
+    std::vector<float>* dest;
+    int64_t offset;
+    int64_t row_begin, rows, col_begin, cols;
+  };
+  struct Binding {
+    int64_t count = 0;        // elements of the full tensor
+    int64_t row_length = 0;   // elements per row of the full tensor
+    std::vector<Piece> pieces;
+  };
+
+  const ModelConfig config_;
+  const CpuRunnerOptions options_;
+  int32_t num_kv_blocks_ = 0;
+  int64_t vocab_per_rank_ = 0;  // ceil(vocab / tp): the padded width of gathered logits
+  std::vector<Rank> ranks_;
+  std::unique_ptr<RankThreads> threads_;
+  std::vector<WeightSpec> weight_specs_;  // sorted by name
+  std::map<std::string, Binding> bindings_;
+};
+
+}  // namespace rollout

@@ -1,0 +1,246 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/model_runner.h"
+#include "model/safetensors.h"
+
+namespace rollout {
+
+namespace cuda_runner_internal {
+struct SliceShape;
+struct RankState;
+}  // namespace cuda_runner_internal
+
+// Which attention kernel computes every row (kernels/cuda/ops.h). Each is batch invariant and
+// prefill == decode bitwise; they differ from each other in bits, so the choice is part of the
+// engine configuration the determinism contract is stated for.
+enum class CudaAttentionKernel {
+  kTensorCore,  // PagedAttentionMma: mma.sync, bf16 q and P, split-parallel + ordered merge
+  kSimt,        // PagedAttention: fp32 SIMT (the first, simplest version)
+};
+
+struct CudaRunnerOptions {
+  int device = 0;
+  // Tensor-parallel ranks on separate GPUs: empty (the default) puts every rank on `device`, as
+  // streams of that one GPU. Otherwise one distinct, existing device per rank (its size must be
+  // tensor_parallel; INVALID_ARGUMENT else): rank r's weights shard, KV shard, activations,
+  // stream, cuBLASLt handle and pinned GEMMs live on devices[r] (rank 0's, devices[0], replaces
+  // `device`: metadata, logits and sampling are there), and with more than one device the ranks
+  // exchange through NCCL (kernels/cuda/rank_group.h's CreateNcclGroup; libnccl.so.2 is
+  // dlopen()ed, FAILED_PRECONDITION when it does not load) and decode steps run without CUDA
+  // graphs (cuda_graphs is ignored). The logits are bitwise those of the same degree on one
+  // device. With kv_cache_bytes = 0 the KV pool is sized from the least free memory among the
+  // devices.
+  std::vector<int> devices;
+  // The NCCL library dlopen()ed when `devices` spans devices: a path, or "" for libnccl.so.2 on
+  // the loader's search path (LD_LIBRARY_PATH).
+  std::string nccl_library;
+  // KV page size in tokens. Any positive size works; attention tiles are 32 keys.
+  int32_t kv_block_size = 32;
+  // Split-KV size S: a multiple of 32 and of kv_block_size. Prefill chunks end on multiples of
+  // it (the scheduler cuts them there).
+  int32_t attention_split_size = 256;
+  // Tokens per pass through the layers: the activation workspace is sized for this many.
+  // Larger batches run in consecutive slices (bitwise the same: rows are batch invariant).
+  int32_t max_batch_tokens = 8192;
+  // Logit rows per lm_head pass (bounds the fp32 logits buffer).
+  int32_t max_logit_rows = 512;
+  // KV pool: exactly this many bytes when > 0, else this fraction of the memory still free
+  // after weights and workspace.
+  int64_t kv_cache_bytes = 0;
+  double kv_cache_fraction = 0.90;
+  // The m for which cuBLASLt's heuristic picks each weight shape's one pinned algorithm; <= 0
+  // (or no pinnable algorithm) uses the no-workspace heuristic per m instead. Both are checked
+  // row-invariant by tests/gpu/gemm_test.cc.
+  int64_t gemm_pin_m = 256;
+  // Pinned GEMMs also get a ladder (kernels/cuda/gemm.h): for ranges of m, a faster algorithm
+  // admitted only after it gives the pin's bits on a probe. Same bits, faster at small m (decode
+  // of few sequences) and large m (prefill).
+  bool gemm_ladder = true;
+  CudaAttentionKernel attention_kernel = CudaAttentionKernel::kTensorCore;
+  // kSimt only: decode tokens' attention as one block per (token, kv head, split) and an ordered
+  // merge, instead of one block walking all splits. Same bits, more parallelism.
+  bool split_parallel_decode = true;
+  // Decode steps (every token its sequence's only one, all with logits) replay a CUDA graph
+  // captured per (batch-size bucket, attention-split bucket): the batch is padded to the bucket
+  // (1, 2, 4, 8, 16, 32, then multiples of 32 up to the largest bucket) with rows that write a
+  // reserved KV block and are never read, and the split grid to a power of two. Rows are batch
+  // invariant, so a row's bits are the same with graphs on or off (tests/gpu/model_test.cc).
+  // Off when the ranks span devices (`devices`).
+  bool cuda_graphs = true;
+  // The largest decode batch run as a graph (capped at max_logit_rows and max_batch_tokens);
+  // larger decode batches run eagerly.
+  int32_t max_graph_batch = 512;
+  // Tensor-parallel degree (docs/determinism.md, D10): 1, 2, 4 or 8 ranks on this one device
+  // (or one device each: `devices`),
+  // Megatron-partitioned as CpuModelRunner's (column-parallel q/k/v and gate/up, row-parallel
+  // o_proj and down_proj, vocab-parallel embedding and lm_head, norms and residual replicated),
+  // each rank with its own weights shard, KV-cache shard and stream. Every degree gives the
+  // logits of tp = 1 with canonical_k_tree, bitwise. Requires what CheckTensorParallel
+  // (runner/cpu/cpu_model_runner.h) requires, pinned GEMMs (gemm_pin_m > 0), and heads * head_dim
+  // and the intermediate size multiples of 64.
+  int32_t tensor_parallel = 1;
+  // o_proj and down_proj as the canonical 8-segment K tree (kernels/cuda/tensor_parallel.h):
+  // eight segment GEMMs (fp32 partials) combined, with the residual, by one fixed tree -- the
+  // computation every tensor-parallel degree performs. Always on when tensor_parallel > 1. Off by
+  // default at tp = 1, where the row-parallel GEMMs are one fused GEMM + residual epilogue
+  // (faster; other bits); on, tp = 1 gives exactly the bits of tp = 2, 4 and 8.
+  bool canonical_k_tree = false;
+};
+
+// Time spent per kernel family, summed over profiled Forward calls (CUDA events).
+struct CudaForwardProfile {
+  std::vector<std::string> names;
+  std::vector<double> ms;  // [names.size()]
+  int64_t forwards = 0;
+};
+
+// The CUDA backend: bf16 weights and KV cache, fp32 accumulation and residual stream, fp32
+// logits. Every row is batch invariant (kernels/cuda/ops.h, kernels/cuda/gemm.h): its logits
+// depend only on the weights and its sequence's tokens [0, position], bitwise. Owned and called
+// by one thread (the engine thread); uses one CUDA stream on `options.device` per
+// tensor-parallel rank.
+//
+// Tensor parallelism (options.tensor_parallel = tp > 1) on one device: the calling thread
+// enqueues every rank's work on the rank's stream, phase by phase; the ranks meet only in
+// all-gathers (kernels/cuda/rank_group.h: device copies in rank order between their streams,
+// ordered by events): of the embedding rows (each token's row selected from its owner), of the
+// row-parallel projections' tree nodes (combined, with the residual, by the tree's top levels on
+// every rank), and of the logits columns (rank 0 assembles full rows; sampling is unchanged).
+// Column-parallel GEMMs run the full weight's pinned algorithm on the rank's slice, so each
+// output column has the unsliced GEMM's bits. Decode steps still replay CUDA graphs: the ranks'
+// streams fork from and join into rank 0's, which is what a capture follows.
+//
+// Ranks on separate devices (options.devices): the same phases, each rank's work enqueued with
+// its device current (rank 0's is current between them), the all-gathers NCCL's (one
+// ncclAllGather per rank in one group call), the fork and join by events across devices; the
+// batch metadata and RoPE tables are copied to every device; decode runs eagerly.
+class CudaModelRunner final : public ModelRunner {
+ public:
+  // Loads every tensor of `checkpoint` (bf16, f16 or f32; converted to bf16, norms to fp32),
+  // pins the GEMM algorithms and sizes the KV pool. Errors name the tensor or the CUDA call.
+  static absl::StatusOr<std::unique_ptr<CudaModelRunner>> Create(const Checkpoint& checkpoint,
+                                                                 const CudaRunnerOptions& options);
+  // The same model with seeded weights generated on the GPU: bitwise what
+  // WriteRandomModelForConfig(config, {seed, bf16}) writes, without touching the disk.
+  static absl::StatusOr<std::unique_ptr<CudaModelRunner>> CreateSynthetic(
+      const ModelConfig& config, uint64_t seed, const CudaRunnerOptions& options);
+  ~CudaModelRunner() override;
+
+  const ModelConfig& config() const override { return config_; }
+  const char* backend_name() const override { return "cuda"; }
+  int32_t num_kv_blocks() const override { return num_kv_blocks_; }
+  int32_t kv_block_size() const override { return options_.kv_block_size; }
+  int32_t attention_split_size() const override { return options_.attention_split_size; }
+
+  // As ModelRunner::Forward, except that the fp32 logits stay on the GPU for ProcessLogits:
+  // `logits` (may be nullptr) is left empty. ForwardToHost also copies them to the host.
+  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
+  // Forward, then the logits of batch.logit_rows in `logits` ([rows, vocab]; tests, benchmarks).
+  absl::Status ForwardToHost(const ForwardBatch& batch, std::vector<float>* logits);
+  // Samples / scores on the GPU (kernels/cuda/sampling.h, one block per row, fixed-order
+  // reductions): the rows are the device logits of the last Forward when `logits` is empty, else
+  // `logits` ([tasks.size(), vocab], uploaded: tests). lp = log_softmax(logits / T) (T = 0 -> 1)
+  // is the device's for every row, sampled or scored, so Score equals Generate bitwise. Greedy,
+  // plain-temperature sampling (Gumbel-max with UniformNoise, bitwise the host's u), scoring and
+  // top-N run on the device; a sampled row with top_k, top_p < 1 or min_p > 0 has its token
+  // chosen on the host (SampleToken on the row copied back), and its logprob is then computed
+  // from the device's max and log-sum with the same two subtractions (bitwise the device's lp).
+  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
+                             const std::vector<float>& logits,
+                             std::vector<SampleResult>* results) override;
+  // The step pipeline. A step whose logits stay on the GPU in one pass and whose rows are all
+  // processed there (CanFeed) is only enqueued: metadata upload, the fed tokens copied from the
+  // previous step's sampling results on the device, the forward pass (a decode graph's replay),
+  // sampling, the results' download, an event; CollectStep waits for that event. Other steps run
+  // at launch (Forward + ProcessLogits). Host staging is double-buffered (State::HostSlot).
+  absl::Status LaunchStep(const ForwardBatch& batch,
+                          const std::vector<LogitsRowTask>& tasks) override;
+  absl::Status CollectStep(std::vector<SampleResult>* results) override;
+  // Rows the device picks every token of (greedy, plain-temperature sampling; no scoring, no
+  // top-k / top-p / min-p), at most max_logit_rows, on one device, not profiling.
+  bool CanFeed(const std::vector<LogitsRowTask>& tasks) const override;
+  bool LaunchesAsync() const override { return true; }
+  // Forward and ProcessLogits (and ForwardToHost) must not be called while a launched step is
+  // uncollected: they stage in the host buffers LaunchStep uses.
+  // Weights as the checkpoint had them (bf16 for synthetic models); updates are converted to the
+  // device layout (bf16 matrices, fp32 norms and biases) on the host, then copied.
+  const std::vector<WeightSpec>& weight_specs() const override;
+  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
+
+  // Per-kernel-family timing of later Forward calls (adds one event per kernel; off by default).
+  void EnableProfiling(bool on);
+  CudaForwardProfile profile() const;
+  void ResetProfile();
+
+  int32_t tensor_parallel() const { return options_.tensor_parallel; }
+  // True when tensor_parallel > 1 even if the options said false.
+  bool canonical_k_tree() const { return options_.canonical_k_tree; }
+  // What was pinned per weight shape, one line each.
+  const std::vector<std::string>& gemm_descriptions() const;
+  int64_t weight_bytes() const;
+  int64_t kv_cache_bytes() const;
+  // Decode graphs captured so far, and decode steps that replayed one.
+  int64_t graphs_captured() const;
+  int64_t graph_launches() const;
+
+ private:
+  struct State;
+  CudaModelRunner(ModelConfig config, CudaRunnerOptions options);
+  absl::Status Init();
+  absl::Status LoadCheckpoint(const Checkpoint& checkpoint);
+  absl::Status LoadSynthetic(uint64_t seed);
+  absl::Status Finish();
+  absl::Status PinGemms();
+  absl::Status PinCanonicalGemms();
+  // async (LaunchStep): fed tokens (batch.fed_tokens: rows of the device's sampling results) allowed,
+  // and nothing waits for the device.
+  absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits, bool async = false);
+  absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
+                            float* host_logits, bool keep_on_device, bool async);
+  // Enqueues a slice whose metadata is on the device: the layers, then the logits rows (copied
+  // to `host_logits` pass by pass when it is set).
+  absl::Status EnqueueSlice(const cuda_runner_internal::SliceShape& shape, float* host_logits,
+                            bool keep_on_device);
+  // The parts of EnqueueSlice. Per rank: the attention block up to its o_proj part, the MLP up
+  // to its down_proj part, and a row-parallel projection's part (mlp: down_proj, else o_proj;
+  // the fused GEMM + residual, or the rank's leaves of the K tree into its node -- at tp = 1
+  // the whole tree into x). Across ranks: the embedding, the all-gather of the nodes and the
+  // tree's top into x, the logits.
+  absl::Status EnqueueEmbedding(const cuda_runner_internal::SliceShape& shape);
+  absl::Status EnqueueAttention(cuda_runner_internal::RankState& rk, int layer,
+                                const cuda_runner_internal::SliceShape& shape);
+  absl::Status EnqueueMlp(cuda_runner_internal::RankState& rk, int layer, int64_t n);
+  absl::Status EnqueueRowParallel(cuda_runner_internal::RankState& rk, int layer, bool mlp,
+                                  int64_t n);
+  absl::Status CombineRowParallel(int64_t n);
+  absl::Status EnqueueLogits(const cuda_runner_internal::SliceShape& shape, float* host_logits,
+                             bool keep_on_device);
+  // Replays (capturing it the first time) the decode graph of `shape`'s bucket.
+  absl::Status LaunchDecodeGraph(const cuda_runner_internal::SliceShape& shape);
+  // The bucket a decode batch of n tokens is padded to; 0 when n is above every bucket.
+  int64_t GraphBucket(int64_t n) const;
+  absl::Status ProcessDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
+                                 int64_t first, int64_t count, std::vector<SampleResult>* results);
+  // Enqueues the processing of tasks[first, first + count) (their logits at `rows` on the device):
+  // specs staged and uploaded, the sampling kernel, the results' download into the staging slot.
+  absl::Status EnqueueDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
+                                 int64_t first, int64_t count);
+  // The results of the launched step staged in `slot` (`rows` rows), once its event fires.
+  absl::Status SlotResults(int slot, int64_t rows, std::vector<SampleResult>* results);
+  // The device results of `count` rows from `out` (host) into results[first ..].
+  static void ConvertDeviceRows(const void* out, int64_t first, int64_t count,
+                                std::vector<SampleResult>* results);
+
+  const ModelConfig config_;
+  const CudaRunnerOptions options_;
+  int32_t num_kv_blocks_ = 0;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace rollout
