@@ -485,7 +485,8 @@ Kernel New(AttentionBlockShape shape) {
 }
 // The library's kManyTokens blocks without partials: every split folded in the block.
 Kernel NewFold() {
-  return {"new fold", [](const AttentionParams& p, KvCacheView c, cudaStream_t s) {
+  return {"new fold",
+          [](const AttentionParams& p, KvCacheView c, cudaStream_t s) {
             AttentionParams q = p;
             q.partials = nullptr;
             return cuda::PagedAttentionMma(q, AttentionBlockShape::kManyTokens, c, s);
@@ -542,9 +543,9 @@ void LaunchEngineFold(const Problem& pb, const std::vector<int32_t>& items, int 
     list.insert(list.end(), {items[i], items[i + 1]});
   }
   const Kernel split = New(AttentionBlockShape::kOneToken);
-  Launch(pb, {split.name, [](const AttentionParams&, KvCacheView, cudaStream_t) {
-                return cudaSuccess;
-              }, /*folds=*/true},
+  Launch(pb,
+         {split.name, [](const AttentionParams&, KvCacheView, cudaStream_t) { return cudaSuccess; },
+          /*folds=*/true},
          one, max_splits, run);  // buffers and params only
   AttentionParams p = run->params;
   Check(cuda::PagedAttentionMma(p, AttentionBlockShape::kOneToken, pb.view(), nullptr), "one");
@@ -593,8 +594,7 @@ void ExpectSameBits(const Problem& pb, const Run& ref, const Kernel& kernel,
   Run run;
   Launch(pb, kernel, items, ref.params.max_splits, &run);
   if (kernel.folds) {
-    Report(pb, kernel.name, what, 0,
-           DifferentWords(ref.out.get(), run.out.get(), ref.out_bytes));
+    Report(pb, kernel.name, what, 0, DifferentWords(ref.out.get(), run.out.get(), ref.out_bytes));
     return;
   }
   const uint64_t partials =
@@ -767,10 +767,9 @@ __global__ void PatternReadKernel(const int32_t* positions, const int32_t* offse
       const int idx = q * 32 + lane;
       const int key = tile + idx / 16, chunk = idx % 16;
       const int64_t page = table[min(key, pos) / bs];
-      const int64_t off =
-          (kHeadMajor ? cuda::KvPageOffset(page, kv_head, key % bs, bs, nkv, 128)
-                      : ((page * bs + key % bs) * nkv + kv_head) * 128) +
-          chunk * 8;
+      const int64_t off = (kHeadMajor ? cuda::KvPageOffset(page, kv_head, key % bs, bs, nkv, 128)
+                                      : ((page * bs + key % bs) * nkv + kv_head) * 128) +
+                          chunk * 8;
       x[q] = __ldcs(reinterpret_cast<const uint4*>(k + off));
       x[16 + q] = __ldcs(reinterpret_cast<const uint4*>(v + off));
     }
@@ -799,20 +798,18 @@ void ReadProbes(const Problem& pb, double copy_bw, int reps) {
       auto kernel = head_major ? PatternReadKernel<true> : PatternReadKernel<false>;
       const double ms = MedianMs(reps, [&] {
         kernel<<<blocks, 32, smem>>>(pb.d_positions.get<int32_t>(), pb.d_offsets.get<int32_t>(),
-                                     pb.d_tables.get<int32_t>(), pb.k.get<bf16>(),
-                                     pb.v.get<bf16>(), s.nkv, s.bs, s.split, pb.max_splits,
-                                     sink.get<uint32_t>());
+                                     pb.d_tables.get<int32_t>(), pb.k.get<bf16>(), pb.v.get<bf16>(),
+                                     s.nkv, s.bs, s.split, pb.max_splits, sink.get<uint32_t>());
       });
       Check(cudaGetLastError(), "pattern probe");
-      std::printf("   probe, decode pattern (%s), no math, %s: %.4f ms = %.2f TB/s (%.0f%% of copy)\n",
-                  head_major ? "head-major pages, the cache's" : "token-major pages", smem == 0 ? "32 warps/SM" : "12 warps/SM",
-                  ms, pb.KeyBytes() / (ms * 1e-3) / 1e12,
-                  100.0 * pb.KeyBytes() / (ms * 1e-3) / copy_bw);
+      std::printf(
+          "   probe, decode pattern (%s), no math, %s: %.4f ms = %.2f TB/s (%.0f%% of copy)\n",
+          head_major ? "head-major pages, the cache's" : "token-major pages",
+          smem == 0 ? "32 warps/SM" : "12 warps/SM", ms, pb.KeyBytes() / (ms * 1e-3) / 1e12,
+          100.0 * pb.KeyBytes() / (ms * 1e-3) / copy_bw);
     }
   }
 }
-
-
 
 double TimeKernel(const Problem& pb, const Kernel& kernel, const std::vector<int32_t>& items,
                   int max_splits, int reps) {
@@ -848,10 +845,11 @@ void TimeDecode(int batch, int lo, int hi, double copy_bw, bool quick) {
   if (s.hd == 128) ReadProbes(pb, copy_bw, reps);
   const double merge = TimeMerge(pb, pb.max_splits, reps);
   std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
-  std::printf("   (the old kernel's copy addresses the head-major cache through cuda::KvOffset, a\n"
-              "   division per key: a bitwise reference, its times no longer the old kernel's)\n");
+  std::printf(
+      "   (the old kernel's copy addresses the head-major cache through cuda::KvOffset, a\n"
+      "   division per key: a bitwise reference, its times no longer the old kernel's)\n");
   const int padded = 2 * pb.max_splits;  // half the blocks idle, as in a padded CUDA graph
-  double cur_ms = 0;  // x factors against the old kernel
+  double cur_ms = 0;                     // x factors against the old kernel
   for (const Kernel& k :
        {Old(AttentionBlockShape::kOneToken), New(AttentionBlockShape::kOneToken)}) {
     const double ms = TimeKernel(pb, k, items, pb.max_splits, reps);
@@ -861,8 +859,8 @@ void TimeDecode(int batch, int lo, int hi, double copy_bw, bool quick) {
         "   %-15s %.4f ms/layer = %6.2f ms/step (with merge %6.2f)  %4.2f TB/s = %3.0f%% of copy"
         "  x%.2f  [max_splits %d -> %d: %.4f ms]\n",
         k.name.c_str(), ms, ms * kLayers, (ms + (k.folds ? 0.0 : merge)) * kLayers,
-        bytes / (ms * 1e-3) / 1e12,
-        100.0 * bytes / (ms * 1e-3) / copy_bw, cur_ms / ms, pb.max_splits, padded, idle);
+        bytes / (ms * 1e-3) / 1e12, 100.0 * bytes / (ms * 1e-3) / copy_bw, cur_ms / ms,
+        pb.max_splits, padded, idle);
   }
 }
 
@@ -878,15 +876,16 @@ void TimePrefill(bool quick) {
   const double merge = TimeMerge(pb, pb.max_splits, reps);
   std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
   double cur_total = 0;  // x factors of kernel + merge against the old kernel's
-  for (const Kernel& k : {Old(AttentionBlockShape::kManyTokens),
-                          New(AttentionBlockShape::kManyTokens), NewFold()}) {
+  for (const Kernel& k :
+       {Old(AttentionBlockShape::kManyTokens), New(AttentionBlockShape::kManyTokens), NewFold()}) {
     const double ms = TimeKernel(pb, k, Items(pb, {cap}, cap), pb.max_splits, reps);
     const double total = ms + (k.folds ? 0.0 : merge);
     if (cur_total == 0) cur_total = total;
-    std::printf("   %-17s %.4f ms/layer = %6.2f ms/step; with merge %.4f ms/layer = %6.2f ms/step"
-                "  x%.2f%s\n",
-                k.name.c_str(), ms, ms * kLayers, total, total * kLayers, cur_total / total,
-                k.folds ? " (no merge: splits folded in-block)" : "");
+    std::printf(
+        "   %-17s %.4f ms/layer = %6.2f ms/step; with merge %.4f ms/layer = %6.2f ms/step"
+        "  x%.2f%s\n",
+        k.name.c_str(), ms, ms * kLayers, total, total * kLayers, cur_total / total,
+        k.folds ? " (no merge: splits folded in-block)" : "");
   }
 }
 

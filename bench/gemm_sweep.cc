@@ -8,10 +8,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstring>
-#include <random>
 #include <cstdio>
+#include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -113,8 +113,7 @@ double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, con
   cublasLtMatmulHeuristicResult_t r;
   int found = 0;
   cublasLtMatmulAlgoGetHeuristic(lt, mm.desc, mm.la, mm.lb, mm.lc, mm.lc, pref, 1, &r, &found);
-  const double ms =
-      found == 0 ? -1.0 : TimeMs([&] { mm.Run(lt, r.algo, x, w, y, ws, ws_bytes); });
+  const double ms = found == 0 ? -1.0 : TimeMs([&] { mm.Run(lt, r.algo, x, w, y, ws, ws_bytes); });
   cublasLtMatmulPreferenceDestroy(pref);
   return ms;
 }
@@ -122,8 +121,8 @@ double BestMs(cublasLtHandle_t lt, const Shape& s, int64_t m, const void* x, con
 // Bitwise equivalence of the single-split candidates with the m = 256 pin, and their speed.
 int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::DeviceBuffer& x,
                 cuda::DeviceBuffer& w, cuda::DeviceBuffer& y, const char* only) {
-  constexpr int64_t kCheckMs[] = {1, 3, 8, 61, 64, 200, 256, 300, 1000, 1024, 2048, 3000, 4096,
-                                  5000, 8192};
+  constexpr int64_t kCheckMs[] = {1,    3,    8,    61,   64,   200,  256, 300,
+                                  1000, 1024, 2048, 3000, 4096, 5000, 8192};
   cuda::DeviceBuffer y_ref, y_init;
   const int64_t max_out = 8192ll * 151936;
   y_ref.Allocate(max_out * 4);
@@ -228,8 +227,7 @@ int Equivalence(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cud
 // m = 256 and 8192 against the pin's, and whether each is row-invariant -- rows of m = 1 .. 1000
 // against the same rows of an m = 8192 run, bitwise.
 int SplitK(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::DeviceBuffer& x,
-           cuda::DeviceBuffer& w, cuda::DeviceBuffer& y, cuda::DeviceBuffer& ws,
-           const char* only) {
+           cuda::DeviceBuffer& w, cuda::DeviceBuffer& y, cuda::DeviceBuffer& ws, const char* only) {
   cuda::DeviceBuffer y_ref, y_init;
   y_ref.Allocate(8192ll * 24576 * 4);
   FillNormal(&y_init, 8192ll * 24576);
@@ -244,8 +242,8 @@ int SplitK(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::De
     cuda::PinnedGemm::Create(lt, s.n, s.k, s.output, 256, &pin);
     const double pin256 =
         TimeMs([&] { pin->Run(x.get<cuda::bf16>(), 256, w.get<cuda::bf16>(), y.get(), nullptr); });
-    const double pin8192 = TimeMs(
-        [&] { pin->Run(x.get<cuda::bf16>(), 8192, w.get<cuda::bf16>(), y.get(), nullptr); });
+    const double pin8192 =
+        TimeMs([&] { pin->Run(x.get<cuda::bf16>(), 8192, w.get<cuda::bf16>(), y.get(), nullptr); });
     std::printf("\n%s [n %ld, k %ld]: pin %.1f us at m=256, %.1f us at m=8192\n", s.name,
                 static_cast<long>(s.n), static_cast<long>(s.k), pin256 * 1e3, pin8192 * 1e3);
     const RawMatmul mm(s, 256);
@@ -278,8 +276,8 @@ int SplitK(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::De
       }
       std::printf(
           "  %2d  m=256 %7.1f us (%.2fx pin)  m=8192 %8.1f us (%.2fx pin)  ws %7zu  %s  %s\n", i,
-          t256 * 1e3, t256 / pin256, t8192 * 1e3, t8192 / pin8192,
-                  results[i].workspaceSize, info.ToString().c_str(), verdict.c_str());
+          t256 * 1e3, t256 / pin256, t8192 * 1e3, t8192 / pin8192, results[i].workspaceSize,
+          info.ToString().c_str(), verdict.c_str());
     }
     std::fflush(stdout);
   }

@@ -155,9 +155,8 @@ int Main() {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     if (progress_s > 0 && Seconds(last_progress, Clock::now()) >= progress_s) {
       last_progress = Clock::now();
-      std::printf("  %6.1f s: %d/%d finished, %ld tokens received\n",
-                  Seconds(start, last_progress), finished.load(), requests,
-                  static_cast<long>(tokens.load()));
+      std::printf("  %6.1f s: %d/%d finished, %ld tokens received\n", Seconds(start, last_progress),
+                  finished.load(), requests, static_cast<long>(tokens.load()));
       std::fflush(stdout);
     }
   }

@@ -20,10 +20,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "bench/rollout_workload.h"
 #include "engine/engine.h"
 #include "engine/model_runner.h"
 #include "model/random_model.h"
-#include "bench/rollout_workload.h"
 
 ABSL_FLAG(int32_t, requests, 256, "requests (all submitted at once)");
 ABSL_FLAG(int32_t, input_len, 1024, "prompt tokens per request");
@@ -45,9 +45,7 @@ class NoOpRunner final : public ModelRunner {
   int32_t kv_block_size() const override { return 32; }
   int32_t attention_split_size() const override { return 256; }
   const std::vector<WeightSpec>& weight_specs() const override { return specs_; }
-  absl::Status UpdateWeights(const std::vector<HostTensor>&) override {
-    return absl::OkStatus();
-  }
+  absl::Status UpdateWeights(const std::vector<HostTensor>&) override { return absl::OkStatus(); }
   absl::Status Forward(const ForwardBatch&, std::vector<float>*) override {
     steps_.fetch_add(1);
     return absl::OkStatus();

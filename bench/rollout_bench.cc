@@ -28,14 +28,14 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "runner/cuda/cuda_model_runner.h"
-#include "runner/host_logits.h"
-#include "engine/engine.h"
-#include "model/random_model.h"
 #include "bench/rollout_workload.h"
 #include "common/thread_pool.h"
+#include "engine/engine.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/event_timer.h"
+#include "model/random_model.h"
+#include "runner/cuda/cuda_model_runner.h"
+#include "runner/host_logits.h"
 
 ABSL_FLAG(int32_t, num_requests, 256, "requests in the end-to-end run");
 ABSL_FLAG(int32_t, input_len, 1024, "prompt tokens per request");

@@ -20,8 +20,7 @@ inline std::vector<int32_t> RandomPrompt(int n, int vocab, std::mt19937_64* rng)
 // `requests` samples (rollout i, sample seed 1000 + i) of random prompts of input_len tokens,
 // each generating exactly output_len tokens (ignore_eos) at `temperature`.
 inline std::vector<SampleSpec> RolloutWorkload(int requests, int input_len, int output_len,
-                                               float temperature, int vocab,
-                                               std::mt19937_64* rng) {
+                                               float temperature, int vocab, std::mt19937_64* rng) {
   std::vector<SampleSpec> samples;
   samples.reserve(requests);
   for (int i = 0; i < requests; ++i) {

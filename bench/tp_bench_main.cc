@@ -24,11 +24,11 @@
 #include <utility>
 #include <vector>
 
-#include "runner/cpu/communicator.h"
-#include "runner/cpu/cpu_model_runner.h"
-#include "model/random_model.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/reference_test_util.h"
+#include "model/random_model.h"
+#include "runner/cpu/communicator.h"
+#include "runner/cpu/cpu_model_runner.h"
 
 namespace rollout {
 namespace {
@@ -74,8 +74,6 @@ std::pair<double, double> TimePair(const std::function<void()>& a, const std::fu
   return {sa[sa.size() / 2], sb[sb.size() / 2]};
 }
 
-
-
 struct Shape {
   const char* name;
   int64_t k, n;  // y[m, n] = x[m, k] . w[n, k]^T
@@ -104,8 +102,7 @@ void PlainRank(const Shards& sh, int r, int64_t m, const Shape& s, float* out) {
 }
 void CanonicalRank(const Shards& sh, int r, int tp, int64_t m, const Shape& s, float* out) {
   const int s0 = r * cpu::kNumKSegments / tp, s1 = (r + 1) * cpu::kNumKSegments / tp;
-  cpu::SegmentedPartialMatMul(nullptr, sh.x[r].data(), m, sh.w[r].data(), s.n, s.k, s0, s1,
-                              out);
+  cpu::SegmentedPartialMatMul(nullptr, sh.x[r].data(), m, sh.w[r].data(), s.n, s.k, s0, s1, out);
 }
 void PlainReduce(std::vector<float>& parts, int tp, int64_t count, float* y) {
   std::memcpy(y, parts.data(), count * sizeof(float));
@@ -114,9 +111,9 @@ void PlainReduce(std::vector<float>& parts, int tp, int64_t count, float* y) {
 
 void Part1And2(bool quick, const std::string& filter) {
   const std::vector<Shape> shapes = {
-      {"small o_proj", 256, 256},          {"small down_proj", 768, 256},
-      {"medium o_proj", 2048, 2048},       {"medium down_proj", 5632, 2048},
-      {"qwen3-8b o_proj", 4096, 4096},     {"qwen3-8b down_proj", 12288, 4096}};
+      {"small o_proj", 256, 256},      {"small down_proj", 768, 256},
+      {"medium o_proj", 2048, 2048},   {"medium down_proj", 5632, 2048},
+      {"qwen3-8b o_proj", 4096, 4096}, {"qwen3-8b down_proj", 12288, 4096}};
   const std::vector<int64_t> ms = quick ? std::vector<int64_t>{1} : std::vector<int64_t>{1, 64};
   std::printf("\n## Part 1: compute only (ranks one after another, one thread)\n\n");
   std::printf("| shape (K x N) | m | TP | plain ms | canonical ms | canonical / plain |\n");
@@ -222,8 +219,10 @@ void Part3(bool quick) {
     std::printf("cannot write the model: %s\n", std::string(s.message()).c_str());
     return;
   }
-  std::printf("\n## Part 3: CPU runner forward, \"small\" preset, all cores shared by the ranks\n\n");
-  std::printf("| TP | decode step, 16 sequences at context 128 (ms) | prefill, 512 tokens (ms) |\n");
+  std::printf(
+      "\n## Part 3: CPU runner forward, \"small\" preset, all cores shared by the ranks\n\n");
+  std::printf(
+      "| TP | decode step, 16 sequences at context 128 (ms) | prefill, 512 tokens (ms) |\n");
   std::printf("|---|---|---|\n");
   for (int tp : {1, 2, 4}) {
     absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(dir);

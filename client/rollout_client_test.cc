@@ -35,12 +35,12 @@ using google::protobuf::util::MessageDifferencer;
 using rollout::v1::Completion;
 using rollout::v1::GenerateRequest;
 using rollout::v1::GenerateResponse;
-using ::testing::HasSubstr;
 using test_pki::kTestCaPem;
 using test_pki::kTestClientKey;
 using test_pki::kTestClientPem;
 using test_pki::kTestServerKey;
 using test_pki::kTestServerPem;
+using ::testing::HasSubstr;
 
 class ScriptedService final : public rollout::v1::RolloutService::Service {
  public:

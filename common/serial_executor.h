@@ -28,12 +28,12 @@ class SerialExecutor {
   void Loop();
 
   std::mutex mu_;
-  std::condition_variable cv_;       // work posted, or stop
-  std::condition_variable idle_cv_;  // the queue ran empty
+  std::condition_variable cv_;                // work posted, or stop
+  std::condition_variable idle_cv_;           // the queue ran empty
   std::vector<std::function<void()>> queue_;  // guarded by mu_
-  bool running_ = false;  // guarded by mu_: a batch taken off queue_ is running
-  bool stop_ = false;     // guarded by mu_
-  std::thread thread_;    // last: starts once the members above exist
+  bool running_ = false;                      // guarded by mu_: a batch taken off queue_ is running
+  bool stop_ = false;                         // guarded by mu_
+  std::thread thread_;                        // last: starts once the members above exist
 };
 
 }  // namespace rollout

@@ -75,9 +75,9 @@ Engine::Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options
       runner_(std::move(runner)),
       blocks_(num_kv_blocks_, kv_block_size_),
       cache_(&blocks_, options.prefix_cache),
-      scheduler_(SchedulerOptions{options.max_running_samples, options.max_batch_tokens,
-                                  split_size_},
-                 &blocks_, &cache_, options.weight_version),
+      scheduler_(
+          SchedulerOptions{options.max_running_samples, options.max_batch_tokens, split_size_},
+          &blocks_, &cache_, options.weight_version),
       version_(options.weight_version),
       published_version_(options.weight_version) {
   PublishCounters();
@@ -107,9 +107,8 @@ absl::Status Engine::Validate(const SampleSpec& spec) const {
   }
   for (size_t i = 0; i < spec.prompt.size(); ++i) {
     if (spec.prompt[i] < 0 || spec.prompt[i] >= vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("prompt_token_ids[%d] = %d is outside the vocabulary [0, %d)", i,
-                          spec.prompt[i], vocab));
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "prompt_token_ids[%d] = %d is outside the vocabulary [0, %d)", i, spec.prompt[i], vocab));
     }
   }
   if (spec.score_start != 0) {
@@ -153,8 +152,8 @@ absl::Status Engine::Validate(const SampleSpec& spec) const {
   for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
     if (p.stop_token_ids[i] < 0 || p.stop_token_ids[i] >= vocab) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("sampling.stop_token_ids[%d] = %d is outside the vocabulary [0, %d)",
-                          i, p.stop_token_ids[i], vocab));
+          absl::StrFormat("sampling.stop_token_ids[%d] = %d is outside the vocabulary [0, %d)", i,
+                          p.stop_token_ids[i], vocab));
     }
   }
   if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs) {
@@ -247,14 +246,13 @@ std::string Engine::weight_version() const {
   return published_version_;
 }
 
-void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
-                            StepEvents* events) {
+void Engine::ProcessUpdates(std::vector<PendingUpdate> updates, StepEvents* events) {
   for (PendingUpdate& pending : updates) {
     if (DropIfCancelled(&pending)) continue;
     if (draining_.has_value()) {
       Reply(pending.done, FailedUpdate(absl::AbortedError(absl::StrFormat(
-          "weight update to '%s' is still draining; one update at a time",
-          draining_->update.version))));
+                              "weight update to '%s' is still draining; one update at a time",
+                              draining_->update.version))));
       continue;
     }
     switch (pending.update.policy) {
@@ -280,10 +278,11 @@ void Engine::ProcessUpdates(std::vector<PendingUpdate> updates,
           paused = paused_;
         }
         if (paused && !scheduler_.idle()) {
-          Reply(pending.done, FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
-              "the server is paused with %d samples in flight, which DRAIN cannot finish; "
-              "resume first, or update with policy ABORT or CONTINUE",
-              scheduler_.num_running() + scheduler_.num_waiting()))));
+          Reply(pending.done,
+                FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
+                    "the server is paused with %d samples in flight, which DRAIN cannot finish; "
+                    "resume first, or update with policy ABORT or CONTINUE",
+                    scheduler_.num_running() + scheduler_.num_waiting()))));
           break;
         }
         draining_ = std::move(pending);
@@ -532,8 +531,8 @@ std::optional<Engine::LaunchedStep> Engine::Launch(std::vector<LaunchedStep::Chu
     batch.block_tables[c].assign(seq->block_table.begin(), seq->block_table.end());
     const int64_t first_token = batch.num_tokens();
     if (chunk.fed_row.has_value()) {
-      batch.fed_tokens.push_back({static_cast<int32_t>(first_token),
-                                  static_cast<int32_t>(*chunk.fed_row)});
+      batch.fed_tokens.push_back(
+          {static_cast<int32_t>(first_token), static_cast<int32_t>(*chunk.fed_row)});
     }
     for (int64_t pos = chunk.begin; pos < chunk.end; ++pos) {
       const bool fed = pos == chunk.begin && chunk.fed_row.has_value();
@@ -754,8 +753,7 @@ void Engine::Report(Sequence* seq, std::optional<FinishReason> reason, StepEvent
   job_events.entries.push_back(entry);
 }
 
-void Engine::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
-                      StepEvents* events) {
+void Engine::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, StepEvents* events) {
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
   for (auto& seq : it->second.sequences) {

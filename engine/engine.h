@@ -140,7 +140,7 @@ struct UpdateResult {
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<ModelRunner> runner,
-                                                         const EngineOptions& options);
+                                                        const EngineOptions& options);
   // Aborts whatever is in flight (each sample still gets its completion) and joins the thread.
   ~Engine();
   Engine(const Engine&) = delete;
@@ -242,7 +242,7 @@ class Engine {
   // A step launched on the runner (ModelRunner::LaunchStep) and not collected yet.
   struct LaunchedStep {
     struct Chunk {
-      Sequence* seq;  // nullptr: the sequence finished while the step ran; its row is dropped
+      Sequence* seq;       // nullptr: the sequence finished while the step ran; its row is dropped
       int64_t begin, end;  // tokens [begin, end) of seq
       // Its logits rows [first_row, first_row + num_rows) of the step, for positions from
       // first_position.
@@ -280,18 +280,15 @@ class Engine {
   // Collects the launched step, if any (before anything changes the engine's state).
   void DrainLaunched(StepEvents* events);
   // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
-  void Report(Sequence* seq, std::optional<FinishReason> reason,
-              StepEvents* events);
-  void AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
-                StepEvents* events);
+  void Report(Sequence* seq, std::optional<FinishReason> reason, StepEvents* events);
+  void AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, StepEvents* events);
   // Posts the events to the delivery thread, in job order.
   void Deliver(StepEvents* events);
   // Calls an update's `done` once the events of earlier steps were delivered.
   void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
   void PublishCounters();
   // Takes updates off the inbox, applies those that can be applied now.
-  void ProcessUpdates(std::vector<PendingUpdate> updates,
-                      StepEvents* events);
+  void ProcessUpdates(std::vector<PendingUpdate> updates, StepEvents* events);
   void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
   // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
   bool DropIfCancelled(PendingUpdate* pending);
@@ -344,7 +341,7 @@ class Engine {
   EngineCounters counters_;
 
   SerialExecutor delivery_;  // event sinks, in step order
-  std::thread thread_;  // last: starts after everything above is built
+  std::thread thread_;       // last: starts after everything above is built
 };
 
 }  // namespace rollout

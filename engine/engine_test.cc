@@ -6,11 +6,11 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "runner/cpu/cpu_model_runner.h"
-#include "model/random_model.h"
-#include "engine/sampler.h"
 #include "engine/engine_test_util.h"
+#include "engine/sampler.h"
 #include "gtest/gtest.h"
+#include "model/random_model.h"
+#include "runner/cpu/cpu_model_runner.h"
 
 namespace rollout {
 namespace {

@@ -21,8 +21,8 @@ class Collector {
     return [this](std::vector<SampleEvent> events) {
       std::lock_guard<std::mutex> lock(mu_);
       for (SampleEvent& e : events) {
-        streamed_[e.sample_index].insert(streamed_[e.sample_index].end(),
-                                         e.new_token_ids.begin(), e.new_token_ids.end());
+        streamed_[e.sample_index].insert(streamed_[e.sample_index].end(), e.new_token_ids.begin(),
+                                         e.new_token_ids.end());
         if (e.completion.has_value()) {
           completions_[e.sample_index] = *std::move(e.completion);
           ++done_;

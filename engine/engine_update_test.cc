@@ -6,12 +6,12 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "runner/cpu/cpu_model_runner.h"
 #include "engine/engine.h"
-#include "model/random_model.h"
-#include "engine/sampler.h"
 #include "engine/engine_test_util.h"
+#include "engine/sampler.h"
 #include "gtest/gtest.h"
+#include "model/random_model.h"
+#include "runner/cpu/cpu_model_runner.h"
 
 namespace rollout {
 namespace {
@@ -118,7 +118,6 @@ UpdateResult Update(Engine* engine, std::string version, UpdatePolicy policy,
   return future.get();
 }
 
-
 TEST(EngineUpdateTest, NewWeightsChangeOutputsAndTheOriginalBytesRestoreThemBitwise) {
   std::unique_ptr<Engine> engine = MakeEngine();
   const SampleCompletion before = RunJob(engine.get(), {Spec()})[0];
@@ -149,8 +148,8 @@ TEST(EngineUpdateTest, AnInvalidUpdateLeavesTheOldWeightsServingBitwise) {
   short_bytes.bytes.resize(short_bytes.bytes.size() - 2);
   for (const HostTensor& bad : {wrong_shape, unknown, wrong_dtype, short_bytes}) {
     // A valid tensor beside the bad one must not be applied either: all or nothing.
-    UpdateResult r = Update(engine.get(), "bad", UpdatePolicy::kContinue,
-                            {ScaledTensor(5.0f), bad});
+    UpdateResult r =
+        Update(engine.get(), "bad", UpdatePolicy::kContinue, {ScaledTensor(5.0f), bad});
     EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
     EXPECT_EQ(engine->weight_version(), "v0");
     EXPECT_EQ(Bits(RunJob(engine.get(), {Spec()})[0]), Bits(before)) << r.status;
@@ -159,8 +158,9 @@ TEST(EngineUpdateTest, AnInvalidUpdateLeavesTheOldWeightsServingBitwise) {
 
 TEST(EngineUpdateTest, AbortPolicyEndsInFlightSamplesThenSwaps) {
   std::unique_ptr<Engine> engine = MakeEngine();
-  auto long_run = std::async(std::launch::async,
-                             [&] { return RunJob(engine.get(), {Spec(400), Spec(400)}); });
+  auto long_run = std::async(std::launch::async, [&] {
+    return RunJob(engine.get(), {Spec(400), Spec(400)});
+  });
   while (engine->counters().generated_tokens < 4) std::this_thread::yield();
   UpdateResult r = Update(engine.get(), "v1", UpdatePolicy::kAbort, {ScaledTensor(2.0f)});
   ASSERT_TRUE(r.status.ok());
@@ -182,7 +182,8 @@ TEST(EngineUpdateTest, AbortPolicyDeliversTheAbortedCompletionsBeforeItsReply) {
   ASSERT_TRUE(engine
                   ->Submit(specs,
                            [completions](std::vector<SampleEvent> events) {
-                             for (const SampleEvent& e : events) *completions += e.completion.has_value();
+                             for (const SampleEvent& e : events)
+                               *completions += e.completion.has_value();
                            })
                   .ok());
   while (engine->counters().generated_tokens < 4) std::this_thread::yield();
@@ -245,9 +246,11 @@ TEST(EngineUpdateTest, DrainFinishesInFlightOnOldWeightsAndNewWorkRunsOnTheNew) 
 
 TEST(EngineUpdateTest, ContinueRecordsTheVersionOfEveryToken) {
   std::unique_ptr<Engine> engine = MakeEngine();
-  auto in_flight = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(300)}); });
+  auto in_flight =
+      std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(300)}); });
   while (engine->counters().generated_tokens < 5) std::this_thread::yield();
-  ASSERT_TRUE(Update(engine.get(), "v1", UpdatePolicy::kContinue, {ScaledTensor(2.0f)}).status.ok());
+  ASSERT_TRUE(
+      Update(engine.get(), "v1", UpdatePolicy::kContinue, {ScaledTensor(2.0f)}).status.ok());
   const SampleCompletion c = in_flight.get()[0];
   EXPECT_EQ(c.finish_reason, FinishReason::kLength);
   EXPECT_EQ(c.weight_version, "v1");

@@ -10,9 +10,9 @@ absl::Status ModelRunner::ResolveFedTokens(const std::vector<SampleResult>& fed_
                                            ForwardBatch* batch) {
   for (const FedToken& fed : batch->fed_tokens) {
     if (fed.from_row < 0 || fed.from_row >= static_cast<int64_t>(fed_from.size())) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "fed token of row %d: the previous launched step has %d rows", fed.from_row,
-          fed_from.size()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("fed token of row %d: the previous launched step has %d rows",
+                          fed.from_row, fed_from.size()));
     }
     if (fed.token_index < 0 || fed.token_index >= batch->num_tokens()) {
       return absl::InvalidArgumentError(absl::StrFormat(

@@ -24,11 +24,11 @@ struct FedToken {
 
 // One engine step's tokens, flattened: prefill chunks and decode tokens of many sequences.
 struct ForwardBatch {
-  std::vector<int32_t> token_ids;   // [num_tokens]; a fed token's entry is a placeholder (0)
-  std::vector<int32_t> positions;   // [num_tokens] absolute position in its sequence
-  std::vector<int32_t> token_seq;   // [num_tokens] index into block_tables
+  std::vector<int32_t> token_ids;  // [num_tokens]; a fed token's entry is a placeholder (0)
+  std::vector<int32_t> positions;  // [num_tokens] absolute position in its sequence
+  std::vector<int32_t> token_seq;  // [num_tokens] index into block_tables
   std::vector<std::vector<int32_t>> block_tables;  // per sequence: KV block ids
-  std::vector<int32_t> logit_rows;  // tokens whose next-token logits are wanted, ascending
+  std::vector<int32_t> logit_rows;   // tokens whose next-token logits are wanted, ascending
   std::vector<FedToken> fed_tokens;  // ascending token_index; only in launched batches
 
   int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
@@ -39,7 +39,7 @@ struct ForwardBatch {
 struct LogitsRowTask {
   const SamplingParams* params = nullptr;  // temperature (0 = greedy), filters, top_logprobs
   uint64_t sample_seed = 0;
-  int64_t position = 0;                    // absolute position of the token being sampled
+  int64_t position = 0;  // absolute position of the token being sampled
   std::optional<int32_t> score_token;
 };
 

@@ -12,11 +12,11 @@ struct PrefixCache::Node {
   Node* parent = nullptr;
   std::vector<int32_t> page;  // the page's tokens (the key under parent)
   int32_t block = 0;
-  int32_t refs = 0;           // sequences whose path holds this node
+  int32_t refs = 0;  // sequences whose path holds this node
   uint64_t last_use = 0;
-  bool detached = false;      // flushed: unreachable, freed when refs drop to 0
+  bool detached = false;  // flushed: unreachable, freed when refs drop to 0
   std::map<std::vector<int32_t>, Node*> children;
-  bool evictable = false;     // in PrefixCache::evictable_ under (indexed_use, id)
+  bool evictable = false;  // in PrefixCache::evictable_ under (indexed_use, id)
   uint64_t indexed_use = 0;
 };
 

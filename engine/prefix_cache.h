@@ -77,8 +77,8 @@ class PrefixCache {
   KvBlockManager* const blocks_;
   const bool enabled_;
   int32_t page_size_;
-  uint64_t clock_ = 0;    // LRU time: bumped on every lock and unlock
-  uint64_t next_id_ = 0;  // creation order: the stable tie-break
+  uint64_t clock_ = 0;                                  // LRU time: bumped on every lock and unlock
+  uint64_t next_id_ = 0;                                // creation order: the stable tie-break
   std::map<std::string, std::unique_ptr<Node>> roots_;  // by weight version
   std::map<uint64_t, std::unique_ptr<Node>> nodes_;     // every node holding a block, by id
   // Unlocked leaves as (last use, id), the next victim first: Evict is O(log n) per block.

@@ -106,8 +106,8 @@ TEST(PrefixCacheTest, ExtendReusesAnExistingPageAndKeepsTheDuplicatePrivate) {
 TEST(PrefixCacheTest, FlushFreesUnlockedPagesAndDetachesLockedOnesUntilReleased) {
   KvBlockManager blocks(8, 2);
   PrefixCache cache(&blocks);
-  std::vector<PrefixCache::Node*> held = InsertAll(&cache, &blocks, Tokens(4));       // 2 pages
-  std::vector<PrefixCache::Node*> idle = InsertAll(&cache, &blocks, Tokens(4, 50));   // 2 pages
+  std::vector<PrefixCache::Node*> held = InsertAll(&cache, &blocks, Tokens(4));      // 2 pages
+  std::vector<PrefixCache::Node*> idle = InsertAll(&cache, &blocks, Tokens(4, 50));  // 2 pages
   cache.Unlock(&idle);
   FlushResult r = cache.Flush();
   EXPECT_EQ(r.freed_blocks, 2);

@@ -35,8 +35,8 @@ struct TokenLogprob {
 
 struct SampleResult {
   int32_t token = 0;
-  float logprob = 0.0f;             // log_softmax(logits / T)[token], T = 1 when greedy
-  std::vector<TokenLogprob> top;    // top-N by logprob, ties by lower id; N = top_logprobs
+  float logprob = 0.0f;           // log_softmax(logits / T)[token], T = 1 when greedy
+  std::vector<TokenLogprob> top;  // top-N by logprob, ties by lower id; N = top_logprobs
 };
 
 // Picks the token at absolute `position` from one row of fp32 logits [vocab]:

@@ -12,9 +12,9 @@
 namespace rollout {
 
 struct SchedulerOptions {
-  int32_t max_running = 64;       // sequences holding KV and taking part in steps
-  int32_t max_batch_tokens = 512; // tokens computed in one step (decode + prefill chunks)
-  int32_t split_size = 64;        // prefill chunks end at multiples of this, or at the prompt end
+  int32_t max_running = 64;        // sequences holding KV and taking part in steps
+  int32_t max_batch_tokens = 512;  // tokens computed in one step (decode + prefill chunks)
+  int32_t split_size = 64;         // prefill chunks end at multiples of this, or at the prompt end
 };
 
 // Tokens [begin, end) of one sequence to run this step.

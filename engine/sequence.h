@@ -30,13 +30,13 @@ struct Sequence {
   SamplingParams params;
   uint64_t sample_seed = 0;
   int64_t prompt_len = 0;
-  std::vector<int32_t> tokens;  // prompt, then generated tokens
-  std::vector<float> logprobs;  // one per generated token
+  std::vector<int32_t> tokens;                          // prompt, then generated tokens
+  std::vector<float> logprobs;                          // one per generated token
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // one per generated token if asked
-  int64_t num_computed = 0;     // tokens [0, num_computed) have their KV in the cache
+  int64_t num_computed = 0;  // tokens [0, num_computed) have their KV in the cache
   std::vector<int32_t> block_table;
-  int64_t num_reported = 0;     // generated tokens already sent to the caller
-  bool finished = false;        // its completion has been reported
+  int64_t num_reported = 0;  // generated tokens already sent to the caller
+  bool finished = false;     // its completion has been reported
   // Leading pages found in or added to the prefix cache, locked while this sequence lives.
   std::vector<PrefixCache::Node*> cache_path;
   std::optional<int64_t> cached_prompt_tokens;  // prefix-cache hit at first admission

@@ -211,28 +211,30 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
     for (const auto& [key, value] : rp.items()) {
       if (key == "rope_type") {
         if (!value.is_string() || value.get<std::string>() != "default") {
-          return FieldError("rope_parameters",
-                            absl::StrCat("rope_type ", value.dump(),
-                                         " is not supported (only \"default\")"));
+          return FieldError(
+              "rope_parameters",
+              absl::StrCat("rope_type ", value.dump(), " is not supported (only \"default\")"));
         }
       } else if (key == "rope_theta") {
         if (!value.is_number() || !(value.get<double>() > 0.0)) {
-          return FieldError("rope_parameters",
-                            absl::StrCat("rope_theta must be a positive number, got ",
-                                         value.dump()));
+          return FieldError(
+              "rope_parameters",
+              absl::StrCat("rope_theta must be a positive number, got ", value.dump()));
         }
         const float theta = static_cast<float>(value.get<double>());
         if (!IsNull(j, "rope_theta") && theta != c.rope_theta) {
-          return FieldError("rope_parameters",
-                            absl::StrCat("rope_theta ", value.dump(),
-                                         " disagrees with the top-level rope_theta ",
-                                         j["rope_theta"].dump()));
+          return FieldError(
+              "rope_parameters",
+              absl::StrCat("rope_theta ", value.dump(), " disagrees with the top-level rope_theta ",
+                           j["rope_theta"].dump()));
         }
         c.rope_theta = theta;
       } else {
         return FieldError("rope_parameters",
-                          absl::StrCat("key \"", key, "\" is not supported (RoPE scaling is not "
-                                       "implemented), got ", rp.dump()));
+                          absl::StrCat("key \"", key,
+                                       "\" is not supported (RoPE scaling is not "
+                                       "implemented), got ",
+                                       rp.dump()));
       }
     }
   }

@@ -20,21 +20,21 @@ enum class ModelFamily {
 struct ModelConfig {
   std::string architecture;  // HF "architectures"[0], e.g. "Qwen3ForCausalLM"
   ModelFamily family = ModelFamily::kQwen3;
-  int32_t num_layers = 0;               // num_hidden_layers
+  int32_t num_layers = 0;  // num_hidden_layers
   int32_t hidden_size = 0;
   int32_t intermediate_size = 0;
   int32_t num_attention_heads = 0;
-  int32_t num_key_value_heads = 0;      // defaults to num_attention_heads
-  int32_t head_dim = 0;                 // defaults to hidden_size / num_attention_heads
+  int32_t num_key_value_heads = 0;  // defaults to num_attention_heads
+  int32_t head_dim = 0;             // defaults to hidden_size / num_attention_heads
   int32_t vocab_size = 0;
   int32_t max_position_embeddings = 0;
   float rms_norm_eps = 1e-6f;
   float rope_theta = 10000.0f;
   bool tie_word_embeddings = false;
-  bool qk_norm = false;                 // true for Qwen3
-  bool qkv_bias = false;                // true for Qwen2, or Llama with attention_bias
-  std::vector<int32_t> eos_token_ids;   // "eos_token_id": int or list; may be empty
-  std::string torch_dtype = "bfloat16"; // informational
+  bool qk_norm = false;                  // true for Qwen3
+  bool qkv_bias = false;                 // true for Qwen2, or Llama with attention_bias
+  std::vector<int32_t> eos_token_ids;    // "eos_token_id": int or list; may be empty
+  std::string torch_dtype = "bfloat16";  // informational
 };
 
 // Parses config.json text. Unknown architectures, missing or non-positive sizes and

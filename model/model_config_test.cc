@@ -288,10 +288,10 @@ TEST(ModelConfigTest, RopeParametersOfTransformers5AreRead) {
 }
 
 TEST(ModelConfigTest, RopeParametersThatAreNotPlainRopeAreRefused) {
-  for (const json& rp : {json{{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}},
-                         json{{"rope_type", "default"}, {"rope_theta", -1}},
-                         json{{"rope_theta", 1e6}, {"factor", 2.0}}, json("default"),
-                         json{{"rope_theta", 5e5}}}) {
+  for (const json& rp :
+       {json{{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}},
+        json{{"rope_type", "default"}, {"rope_theta", -1}},
+        json{{"rope_theta", 1e6}, {"factor", 2.0}}, json("default"), json{{"rope_theta", 5e5}}}) {
     json j = MinimalConfig();
     j["rope_theta"] = 1000000;  // disagrees with the last case
     j["rope_parameters"] = rp;

@@ -27,22 +27,26 @@ absl::Status CheckTensorParallel(const ModelConfig& c, int32_t tp) {
   if (tp != 1 && tp != 2 && tp != 4 && tp != 8) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "tensor-parallel degree %d: must be 1, 2, 4 or 8 (each rank owns a node of the "
-        "canonical 8-segment reduction tree)", tp));
+        "canonical 8-segment reduction tree)",
+        tp));
   }
   if (c.num_attention_heads % tp != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "tensor-parallel degree %d: the model's %d attention heads do not split evenly over %d "
-        "ranks", tp, c.num_attention_heads, tp));
+        "ranks",
+        tp, c.num_attention_heads, tp));
   }
   if (c.num_key_value_heads % tp != 0 && tp % c.num_key_value_heads != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "tensor-parallel degree %d: the model's %d KV heads neither split evenly over %d ranks "
-        "nor replicate evenly across them", tp, c.num_key_value_heads, tp));
+        "nor replicate evenly across them",
+        tp, c.num_key_value_heads, tp));
   }
   if (c.intermediate_size % tp != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "tensor-parallel degree %d: the model's intermediate size %d does not split evenly over "
-        "%d ranks", tp, c.intermediate_size, tp));
+        "%d ranks",
+        tp, c.intermediate_size, tp));
   }
   return absl::OkStatus();
 }

@@ -26,9 +26,9 @@ absl::Status CheckTensorAgainstSpec(const std::vector<WeightSpec>& specs, const 
         absl::StrFormat("tensor '%s' is not a weight of the served model", name));
   }
   if (dtype != spec->dtype) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "tensor '%s': dtype %s given, the served tensor is %s", name, DTypeName(dtype),
-        DTypeName(spec->dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor '%s': dtype %s given, the served tensor is %s", name,
+                        DTypeName(dtype), DTypeName(spec->dtype)));
   }
   if (shape != spec->shape) {
     return absl::InvalidArgumentError(absl::StrFormat("tensor '%s': shape %s given, expected %s",

@@ -65,7 +65,7 @@ absl::Status CheckBackend(const BackendOptions& options) {
 }
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(const Checkpoint& checkpoint,
-                                                                const BackendOptions& options) {
+                                                               const BackendOptions& options) {
   if (absl::Status s = CheckBackend(options); !s.ok()) return s;
   if (options.backend == "cuda") return CreateCudaRunner(checkpoint, options);
   return CreateCpuRunner(checkpoint, options);

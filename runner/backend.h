@@ -22,9 +22,9 @@ struct BackendOptions {
   int32_t max_batch_tokens = 512;
   int32_t num_threads = 0;  // cpu: 0 = all cores
   int32_t tensor_parallel = 1;
-  bool cuda_graphs = true;         // cuda
-  bool tp_invariant = true;        // cuda: the canonical K tree at tp = 1 too
-  std::vector<int> cuda_devices;   // cuda: one per rank, or empty (every rank on GPU 0)
+  bool cuda_graphs = true;                 // cuda
+  bool tp_invariant = true;                // cuda: the canonical K tree at tp = 1 too
+  std::vector<int> cuda_devices;           // cuda: one per rank, or empty (every rank on GPU 0)
   bool batch_variant_for_testing = false;  // cpu: the determinism suites' negative control
 };
 
@@ -36,6 +36,6 @@ absl::Status CheckBackend(const BackendOptions& options);
 // The runner of `options.backend` over `checkpoint`. Errors name what failed (a dimension that
 // cannot be split, memory that does not fit, no usable GPU, ...).
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(const Checkpoint& checkpoint,
-                                                                const BackendOptions& options);
+                                                               const BackendOptions& options);
 
 }  // namespace rollout

@@ -20,8 +20,7 @@ absl::Status ProcessLogitsOnHost(const std::vector<LogitsRowTask>& tasks,
       const float* row = logits.data() + r * vocab_size;
       SampleResult& out = (*results)[r];
       if (!task.score_token.has_value()) {
-        out = SampleToken(row, vocab_size, *task.params, task.sample_seed, task.position,
-                          &scratch);
+        out = SampleToken(row, vocab_size, *task.params, task.sample_seed, task.position, &scratch);
         continue;
       }
       // Same definition as sampling: T = 0 scores like greedy generation, at T = 1.

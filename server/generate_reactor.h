@@ -31,7 +31,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   // and the engine's event sink so that a late event after OnDone finds it alive.
   struct Stream {
     std::mutex mu;
-    GenerateReactor* reactor = nullptr;  // null once OnDone ran
+    GenerateReactor* reactor = nullptr;      // null once OnDone ran
     std::deque<v1::GenerateResponse> queue;  // front() is being written while `writing`
     bool writing = false;
     bool finished = false;  // Finish has been called

@@ -3,9 +3,9 @@
 #include <utility>
 #include <vector>
 
-#include "civetweb.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "civetweb.h"
 
 namespace rollout {
 namespace {
@@ -35,8 +35,7 @@ void Header(std::string* out, const char* name, const char* type, const char* he
   absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
 }
 
-void Scalar(std::string* out, const char* name, const char* type, const char* help,
-            double value) {
+void Scalar(std::string* out, const char* name, const char* type, const char* help, double value) {
   Header(out, name, type, help);
   absl::StrAppend(out, name, " ", absl::StrFormat("%.17g", value), "\n");
 }
@@ -51,8 +50,8 @@ void Histogram(std::string* out, const char* name, const char* help, const StepH
                                : std::string("+Inf");
     absl::StrAppend(out, name, "_bucket{le=\"", le, "\"} ", cumulative, "\n");
   }
-  absl::StrAppend(out, name, "_sum ", absl::StrFormat("%.9g", h.sum_seconds), "\n", name,
-                  "_count ", h.count, "\n");
+  absl::StrAppend(out, name, "_sum ", absl::StrFormat("%.9g", h.sum_seconds), "\n", name, "_count ",
+                  h.count, "\n");
 }
 
 std::string EscapeLabel(const std::string& v) {
@@ -92,9 +91,7 @@ void ServiceMetrics::RecordCall(const std::string& method, grpc::StatusCode code
   ++calls_[{method, static_cast<int>(code)}];
 }
 
-void ServiceMetrics::RecordSample(FinishReason reason) {
-  ++samples_[static_cast<int>(reason)];
-}
+void ServiceMetrics::RecordSample(FinishReason reason) { ++samples_[static_cast<int>(reason)]; }
 
 void ServiceMetrics::RecordUpdate(double seconds, bool ok) {
   (ok ? updates_ok_ : updates_failed_)++;
@@ -109,8 +106,8 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [key, n] : calls_) {
-      absl::StrAppend(&out, "rollout_rpcs_total{method=\"", EscapeLabel(key.first),
-                      "\",code=\"", CodeName(key.second), "\"} ", n, "\n");
+      absl::StrAppend(&out, "rollout_rpcs_total{method=\"", EscapeLabel(key.first), "\",code=\"",
+                      CodeName(key.second), "\"} ", n, "\n");
     }
   }
   Header(&out, "rollout_samples_total", "counter", "Completed samples by finish reason.");
@@ -150,8 +147,7 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
          static_cast<double>(e.lookahead_steps));
   Histogram(&out, "rollout_prefill_step_seconds", "Duration of steps that prefill.",
             e.prefill_steps);
-  Histogram(&out, "rollout_decode_step_seconds", "Duration of decode-only steps.",
-            e.decode_steps);
+  Histogram(&out, "rollout_decode_step_seconds", "Duration of decode-only steps.", e.decode_steps);
   Header(&out, "rollout_weight_updates_total", "counter", "Weight updates by outcome.");
   absl::StrAppend(&out, "rollout_weight_updates_total{outcome=\"ok\"} ", updates_ok_.load(),
                   "\nrollout_weight_updates_total{outcome=\"failed\"} ", updates_failed_.load(),
@@ -204,9 +200,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   mg_error_data error = {&code, text, sizeof(text)};
   server->context_ = mg_start2(&init, &error);
   if (server->context_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", address, ": ", text[0] ? text : "unknown error",
-                     " (error ", code, ")"));
+    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", address, ": ",
+                                               text[0] ? text : "unknown error", " (error ", code,
+                                               ")"));
   }
   mg_set_request_handler(server->context_, "/metrics", &MetricsHttpServer::HandleRequest,
                          server.get());

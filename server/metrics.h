@@ -32,14 +32,13 @@ class ServiceMetrics {
  private:
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int>, uint64_t> calls_;  // guarded by mu_
-  std::array<std::atomic<uint64_t>, 3> samples_{};           // by FinishReason
+  std::array<std::atomic<uint64_t>, 3> samples_{};         // by FinishReason
   std::atomic<uint64_t> updates_ok_{0}, updates_failed_{0};
-  double update_seconds_sum_ = 0;                           // guarded by mu_
+  double update_seconds_sum_ = 0;  // guarded by mu_
 };
 
 // Counts every RPC's final status into ServiceMetrics: one mechanism for all methods.
-class MetricsInterceptorFactory
-    : public grpc::experimental::ServerInterceptorFactoryInterface {
+class MetricsInterceptorFactory : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
   explicit MetricsInterceptorFactory(ServiceMetrics* metrics) : metrics_(metrics) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(

@@ -76,8 +76,8 @@ absl::StatusOr<std::vector<SampleSpec>> ToSampleSpecs(const v1::GenerateRequest&
     for (int t = 0; t < s.stop_token_ids_size(); ++t) {
       if (s.stop_token_ids(t) >= vocab) {
         return absl::InvalidArgumentError(absl::StrFormat(
-            "rollouts[%d].sampling.stop_token_ids[%d] = %d is outside the vocabulary [0, %d)",
-            i, t, s.stop_token_ids(t), vocab));
+            "rollouts[%d].sampling.stop_token_ids[%d] = %d is outside the vocabulary [0, %d)", i, t,
+            s.stop_token_ids(t), vocab));
       }
     }
     if (s.max_new_tokens() == 0) {
@@ -121,8 +121,8 @@ absl::StatusOr<std::vector<SampleSpec>> ToScoreSpecs(const v1::ScoreRequest& req
     return absl::InvalidArgumentError("sequences is empty; send at least one ScoreSequence");
   }
   if (static_cast<size_t>(request.sequences_size()) > kMaxSamplesPerRequest) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "the request has more than %d sequences; split it", kMaxSamplesPerRequest));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the request has more than %d sequences; split it", kMaxSamplesPerRequest));
   }
   const uint32_t vocab = static_cast<uint32_t>(engine.model_config().vocab_size);
   std::vector<SampleSpec> specs;
@@ -130,9 +130,9 @@ absl::StatusOr<std::vector<SampleSpec>> ToScoreSpecs(const v1::ScoreRequest& req
     const v1::ScoreSequence& seq = request.sequences(i);
     for (int t = 0; t < seq.token_ids_size(); ++t) {
       if (seq.token_ids(t) >= vocab) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "sequences[%d].token_ids[%d] = %d is outside the vocabulary [0, %d)", i, t,
-            seq.token_ids(t), vocab));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("sequences[%d].token_ids[%d] = %d is outside the vocabulary [0, %d)", i,
+                            t, seq.token_ids(t), vocab));
       }
     }
     if (seq.start() == 0 || seq.start() >= static_cast<uint32_t>(seq.token_ids_size())) {
@@ -146,8 +146,8 @@ absl::StatusOr<std::vector<SampleSpec>> ToScoreSpecs(const v1::ScoreRequest& req
           seq.temperature()));
     }
     if (seq.top_logprobs() > 1024) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("sequences[%d].top_logprobs = %d is out of range", i, seq.top_logprobs()));
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "sequences[%d].top_logprobs = %d is out of range", i, seq.top_logprobs()));
     }
     SampleSpec spec;
     spec.rollout_index = i;

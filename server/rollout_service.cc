@@ -186,9 +186,9 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Score(grpc::CallbackServerContext*
   return new ScoreReactor(this, request, response);
 }
 
-grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(
-    grpc::CallbackServerContext* context, const v1::GetServerInfoRequest* request,
-    v1::ServerInfo* response) {
+grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServerContext* context,
+                                                            const v1::GetServerInfoRequest* request,
+                                                            v1::ServerInfo* response) {
   if (auto* denied = DenyUnless(CheckAccess(context, false), context)) return denied;
   const ModelConfig& c = engine_->model_config();
   v1::ModelInfo* m = response->mutable_model();
@@ -238,8 +238,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(
 }
 
 absl::StatusOr<uint64_t> RolloutServiceImpl::StartGenerate(
-    const std::vector<std::string>& request_ids, std::vector<SampleSpec> samples,
-    EventSink sink) {
+    const std::vector<std::string>& request_ids, std::vector<SampleSpec> samples, EventSink sink) {
   // One lock over check, submit and record, so two calls cannot both claim an id and an Abort
   // never sees an id without its job.
   std::lock_guard<std::mutex> lock(mu_);
@@ -285,8 +284,9 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Abort(grpc::CallbackServerContext*
   if (auto* denied = DenyUnless(CheckAccess(context, true), context)) return denied;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (request->all() == !request->request_ids().empty()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                 "name the rollouts to abort in request_ids, or set all (not both)"));
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                     "name the rollouts to abort in request_ids, or set all (not both)"));
     return reactor;
   }
   std::lock_guard<std::mutex> lock(mu_);

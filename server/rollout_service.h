@@ -9,14 +9,14 @@
 
 #include "common/serial_executor.h"
 #include "engine/engine.h"
-#include "server/metrics.h"
 #include "rollout/v1/rollout.grpc.pb.h"
+#include "server/metrics.h"
 
 namespace rollout {
 
 // Facts about the served model that the engine does not know.
 struct ServedModel {
-  std::string source;  // checkpoint directory
+  std::string source;           // checkpoint directory
   int32_t tensor_parallel = 1;  // ranks the runner splits the model over (ServerInfo reports it)
 };
 

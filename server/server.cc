@@ -15,14 +15,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "glog/logging.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
 #include "model/random_model.h"
 #include "model/safetensors.h"
 #include "runner/backend.h"
-#include "glog/logging.h"
-#include "grpcpp/health_check_service_interface.h"
-#include "grpcpp/security/server_credentials.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
-#include "grpcpp/server_builder.h"
 
 namespace rollout {
 namespace {
@@ -98,7 +98,8 @@ absl::StatusOr<std::string> EnsureDefaultModel() {
   std::error_code ec;
   if (fs::exists(fs::path(dir) / "config.json", ec)) return dir;
   fs::create_directories(CacheRoot(), ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot create ", CacheRoot(), ": ", ec.message()));
+  if (ec)
+    return absl::InternalError(absl::StrCat("cannot create ", CacheRoot(), ": ", ec.message()));
   // Written beside and renamed into place, so concurrent starts never see half a model.
   const std::string tmp = absl::StrCat(dir, ".tmp.", getpid());
   RandomModelOptions options;
@@ -117,8 +118,7 @@ absl::StatusOr<std::string> EnsureDefaultModel() {
   return dir;
 }
 
-absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(
-    const ServerOptions& given) {
+absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const ServerOptions& given) {
   const ServerOptions options = WithBackendDefaults(given);
   auto server = std::unique_ptr<RolloutServer>(new RolloutServer());
   // Configuration errors first, before minutes of model loading.
@@ -177,7 +177,6 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(
       AccessPolicy{options.auth_token, options.auth_all_rpcs}, server->metrics_.get(),
       options.max_queued_samples);
 
-
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -234,8 +233,7 @@ void RolloutServer::Drain(std::chrono::milliseconds grace) {
     engine_->AbortAll();
     // Give their reactors a moment to write the ABORT completions before calls are cut.
     const auto flush_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (engine_->unfinished_samples() > 0 &&
-           std::chrono::steady_clock::now() < flush_deadline) {
+    while (engine_->unfinished_samples() > 0 && std::chrono::steady_clock::now() < flush_deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }

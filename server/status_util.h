@@ -7,8 +7,7 @@ namespace rollout {
 
 // absl and gRPC share the canonical status codes; this keeps code and message.
 inline grpc::Status ToGrpcStatus(const absl::Status& status) {
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
 }  // namespace rollout

@@ -59,8 +59,8 @@ void UpdateWeightsReactor::OnReadDone(bool ok) {
     status = absl::InvalidArgumentError("an empty WeightsChunk: set header or data");
   }
   if (!status.ok()) {
-    FinishOnce(ToGrpcStatus(absl::Status(
-        status.code(), absl::StrCat(status.message(), "; nothing was applied"))));
+    FinishOnce(ToGrpcStatus(
+        absl::Status(status.code(), absl::StrCat(status.message(), "; nothing was applied"))));
     return;
   }
   StartRead(&message_);

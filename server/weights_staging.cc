@@ -35,14 +35,13 @@ absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
     const v1::TensorDecl& decl = header.tensors(i);
     absl::StatusOr<DType> dtype = ParseDType(decl.dtype());
     if (!dtype.ok()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "header.tensors[%d] ('%s'): dtype '%s' is not BF16, F16 or F32", i, decl.name(),
-          decl.dtype()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("header.tensors[%d] ('%s'): dtype '%s' is not BF16, F16 or F32", i,
+                          decl.name(), decl.dtype()));
     }
     std::vector<int64_t> shape(decl.shape().begin(), decl.shape().end());
     if (absl::Status s = CheckTensorAgainstSpec(*specs_, decl.name(), *dtype, shape); !s.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("header.tensors[%d]: %s", i, s.message()));
+      return absl::InvalidArgumentError(absl::StrFormat("header.tensors[%d]: %s", i, s.message()));
     }
     if (tensors_.count(decl.name()) != 0) {
       return absl::InvalidArgumentError(
@@ -78,8 +77,7 @@ absl::Status WeightsStaging::AddData(const v1::TensorData& data) {
   }
   if (begin >= size || end > size || end < begin) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "data for '%s' covers bytes [%d, %d), beyond its %d bytes", data.name(), begin, end,
-        size));
+        "data for '%s' covers bytes [%d, %d), beyond its %d bytes", data.name(), begin, end, size));
   }
   // The first range starting at or after `end` bounds the search; its predecessor must end
   // before `begin`.
@@ -87,9 +85,9 @@ absl::Status WeightsStaging::AddData(const v1::TensorData& data) {
   if (next != staged.received.begin()) {
     auto prev = std::prev(next);
     if (prev->second > begin) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "data for '%s' bytes [%d, %d) overlaps bytes [%d, %d) sent earlier", data.name(),
-          begin, end, prev->first, prev->second));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("data for '%s' bytes [%d, %d) overlaps bytes [%d, %d) sent earlier",
+                          data.name(), begin, end, prev->first, prev->second));
     }
   }
   std::memcpy(staged.tensor.bytes.data() + begin, data.data().data(), data.data().size());
@@ -138,16 +136,16 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
   for (const WeightSpec& spec : specs) {
     const TensorView* view = (*checkpoint)->Find(spec.name);
     if (view == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s: checkpoint lacks tensor '%s'; nothing was applied", path,
-                          spec.name));
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: checkpoint lacks tensor '%s'; nothing was applied", path, spec.name));
     }
     if (absl::Status s = CheckTensorAgainstSpec(specs, spec.name, view->dtype, view->shape);
         !s.ok()) {
       return absl::InvalidArgumentError(absl::StrFormat("%s: %s", path, s.message()));
     }
-    update.tensors.push_back(HostTensor{spec.name, view->dtype, view->shape,
-                                        std::vector<uint8_t>(view->data, view->data + view->nbytes)});
+    update.tensors.push_back(
+        HostTensor{spec.name, view->dtype, view->shape,
+                   std::vector<uint8_t>(view->data, view->data + view->nbytes)});
   }
   return update;
 }

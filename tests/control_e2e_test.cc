@@ -60,8 +60,7 @@ TEST_F(ControlE2eTest, ScoreBadInputsGetInvalidArgumentNamingTheField) {
        "sequences[0].token_ids[1] = 5000"},
       {[](v1::ScoreRequest* r) { r->mutable_sequences(0)->set_temperature(-1); },
        "sequences[0].temperature"},
-      {[](v1::ScoreRequest* r) { r->mutable_sequences(0)->set_top_logprobs(99); },
-       "top_logprobs"},
+      {[](v1::ScoreRequest* r) { r->mutable_sequences(0)->set_top_logprobs(99); }, "top_logprobs"},
   };
   for (const Case& c : cases) {
     v1::ScoreRequest request;
@@ -72,8 +71,7 @@ TEST_F(ControlE2eTest, ScoreBadInputsGetInvalidArgumentNamingTheField) {
     v1::ScoreResponse response;
     grpc::Status status = Score(stub(), request, &response);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.expect;
-    EXPECT_NE(status.error_message().find(c.expect), std::string::npos)
-        << status.error_message();
+    EXPECT_NE(status.error_message().find(c.expect), std::string::npos) << status.error_message();
   }
 }
 

@@ -52,9 +52,15 @@ struct Spec {
 v1::RolloutRequest Stranger(std::mt19937_64& rng, int max_prompt, int max_new = 24) {
   SamplingMode mode;
   switch (RandomInt(rng, 0, 2)) {
-    case 0: mode = Greedy(); break;
-    case 1: mode = Sampled(); break;
-    default: mode = {"t1", 1.0f, std::nullopt}; break;
+    case 0:
+      mode = Greedy();
+      break;
+    case 1:
+      mode = Sampled();
+      break;
+    default:
+      mode = {"t1", 1.0f, std::nullopt};
+      break;
   }
   return ModeRollout(RandomPrompt(rng, RandomInt(rng, 1, max_prompt)), rng(),
                      RandomInt(rng, 4, max_new), mode, RandomInt(rng, 1, 3));
@@ -214,7 +220,6 @@ TEST_F(DeterminismTest, ConcurrentStaggeredTrafficWithCancelledNeighboursEqualsE
   EXPECT_EQ(outputs.MaxUnique(), 1u) << outputs.Summary("mixed");
 }
 
-
 // The "prefix" mode (D4): shared prefixes shorter than a page, page aligned, and longer than a
 // prefill chunk (max_batch_tokens 64), the cache flushed between trials, the prompts randomly
 // grouped and sent one group after another or from two threads at once. On `server` (started
@@ -238,8 +243,7 @@ UniqueOutputs PrefixMode(TestServer* server, uint64_t* cached) {
   UniqueOutputs outputs = CountUniqueOverTrials(4, [&](int trial, UniqueOutputs* out) {
     v1::FlushCacheResponse flushed;
     grpc::Status flush = FlushCache(server->stub.get(), &flushed);
-    EXPECT_TRUE(flush.ok()) << "FlushCache: " << flush.error_code() << " "
-                            << flush.error_message();
+    EXPECT_TRUE(flush.ok()) << "FlushCache: " << flush.error_code() << " " << flush.error_message();
     if (trial > 0) {
       EXPECT_GT(flushed.freed_blocks() + flushed.detached_blocks(), 0u)
           << "the previous trial left nothing in the cache to flush";
@@ -315,8 +319,7 @@ TEST_F(DeterminismTest, RadixHitOnGeneratedTokensEqualsTheMissAfterFlush) {
     ASSERT_EQ(first.token_ids_size(), 16);
     EXPECT_EQ(first.cached_prompt_tokens(), 0u) << "nothing is cached after a flush";
     // 40 prompt + 16 generated: the KV of 55 tokens exists, 48 of them in full blocks.
-    const std::vector<uint32_t> next =
-        Concat(Concat(prompt, Tokens(first)), RandomPrompt(rng, 5));
+    const std::vector<uint32_t> next = Concat(Concat(prompt, Tokens(first)), RandomPrompt(rng, 5));
     const v1::RolloutRequest rollout = ModeRollout(next, 12, 12, mode);
     UniqueOutputs outputs;
     const v1::Completion hit = GenerateOne(stub(), rollout);
@@ -364,8 +367,10 @@ void ScoreVsGenerateMode(v1::RolloutService::Stub* stub, UniqueOutputs* outputs_
       rollout.mutable_sampling()->set_top_logprobs(3);
       const v1::Completion c = GenerateOne(stub, rollout);
       ASSERT_EQ(c.token_ids_size(), 12);
-      Case k{absl::StrCat("len", length, "/T", temperature), Concat(prompt, Tokens(c)),
-             static_cast<uint32_t>(length), {}};
+      Case k{absl::StrCat("len", length, "/T", temperature),
+             Concat(prompt, Tokens(c)),
+             static_cast<uint32_t>(length),
+             {}};
       if (temperature == 0.0f) {
         k.score_temperatures = {0.0f, 1.0f, std::nullopt};
       } else {
@@ -575,8 +580,8 @@ void PressureMode(v1::RolloutService::Stub* reference, TestServer* pressured,
   std::vector<Spec> specs;
   for (int i = 0; i < 8; ++i) {
     // At most 150 + 24 tokens = 11 blocks per sample; 24 samples want ~200 blocks.
-    specs.push_back({RandomPrompt(rng, RandomInt(rng, 40, 150)), rng(), 24,
-                     i % 2 ? Sampled() : Greedy(), 3});
+    specs.push_back(
+        {RandomPrompt(rng, RandomInt(rng, 40, 150)), rng(), 24, i % 2 ? Sampled() : Greedy(), 3});
   }
   UniqueOutputs& outputs = *outputs_out;
   auto add = [&](const GenerateOutcome& o, size_t first) {
@@ -705,8 +710,8 @@ void InterruptAndResume(v1::RolloutService::Stub* stub, bool use_abort_rpc) {
     std::vector<uint32_t> head_tokens;
     std::vector<float> head_logprobs;
     if (use_abort_rpc) {
-      ASSERT_TRUE(abort_status.ok()) << "Abort: " << abort_status.error_code() << " "
-                                     << abort_status.error_message();
+      ASSERT_TRUE(abort_status.ok())
+          << "Abort: " << abort_status.error_code() << " " << abort_status.error_message();
       EXPECT_EQ(abort_response.aborted_rollouts(), 1u) << name;
       ASSERT_TRUE(o.status.ok()) << name << ": " << o.status.error_message();
       ASSERT_TRUE(o.has_completion[0][0]) << name;
@@ -747,9 +752,9 @@ TEST_F(DeterminismTest, PartialRolloutAfterClientCancelContinuesBitwise) {
 }
 
 // D10: the key modes -- single (greedy and sampled), prefix, pressure, score-vs-generate -- on
-// servers of tensor-parallel degree 1, 2 and 4 (CPU: ranks as threads; CUDA: ranks as streams on one GPU).
-// Each mode must pass at each degree, and every rollout must give the same bits at every degree:
-// the counts are merged over the degrees and the only passing count is still 1.
+// servers of tensor-parallel degree 1, 2 and 4 (CPU: ranks as threads; CUDA: ranks as streams on
+// one GPU). Each mode must pass at each degree, and every rollout must give the same bits at every
+// degree: the counts are merged over the degrees and the only passing count is still 1.
 TEST_F(DeterminismTest, TensorParallelDegrees2And4PassTheKeyModesWithTheBitsOfTp1) {
   std::map<std::string, UniqueOutputs> merged;  // mode -> outputs at every degree
   for (int32_t tp : {1, 2, 4}) {

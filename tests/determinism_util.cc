@@ -182,10 +182,10 @@ uint64_t DerivedSampleSeed(uint64_t seed, uint32_t j) {
   return SplitMix64(seed + static_cast<uint64_t>(j) * 0x9E3779B97F4A7C15ull);
 }
 
-StreamedOutcome RunGenerateStreamed(
-    v1::RolloutService::Stub* stub, const v1::GenerateRequest& request,
-    const std::function<void(const v1::GenerateResponse&, int, grpc::ClientContext*)>&
-        on_response) {
+StreamedOutcome RunGenerateStreamed(v1::RolloutService::Stub* stub,
+                                    const v1::GenerateRequest& request,
+                                    const std::function<void(const v1::GenerateResponse&, int,
+                                                             grpc::ClientContext*)>& on_response) {
   StreamedOutcome out;
   const int n = request.rollouts_size();
   out.completions.resize(n);

@@ -103,7 +103,7 @@ struct StreamedOutcome {
 };
 StreamedOutcome RunGenerateStreamed(
     v1::RolloutService::Stub* stub, const v1::GenerateRequest& request,
-    const std::function<void(const v1::GenerateResponse&, int tokens_so_far,
-                             grpc::ClientContext*)>& on_response = nullptr);
+    const std::function<void(const v1::GenerateResponse&, int tokens_so_far, grpc::ClientContext*)>&
+        on_response = nullptr);
 
 }  // namespace rollout::testing

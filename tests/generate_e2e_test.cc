@@ -9,9 +9,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/naive_model.h"
 #include "tests/test_server.h"
 
@@ -162,8 +162,8 @@ TEST_F(GenerateE2eTest, RolloutAloneEqualsRolloutInsideAMixedBatch) {
     mixed.mutable_rollouts(1)->set_num_samples(5);
     *mixed.add_rollouts() = MakeRollout(kPrompt, 31, 16, temperature);  // the same rollout
     *mixed.add_rollouts() = MakeRollout(kPrompt, 31, 16, temperature);  // and a copy
-    *mixed.add_rollouts() = MakeRollout({9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9}, 8,
-                                        8, 0.0f);
+    *mixed.add_rollouts() =
+        MakeRollout({9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9}, 8, 8, 0.0f);
     GenerateOutcome m = RunGenerate(stub(), mixed);
     ASSERT_TRUE(m.status.ok());
     EXPECT_EQ(Fingerprint(m.completions[2][0]), Fingerprint(a.completions[0][0]));
@@ -186,9 +186,7 @@ TEST_F(GenerateE2eTest, EachBadInputGetsInvalidArgumentAndTheServerKeepsServing)
        [](v1::GenerateRequest* r) { r->mutable_rollouts(0)->set_prompt_token_ids(2, 4096); },
        "prompt_token_ids[2] = 4096"},
       {"huge token id",
-       [](v1::GenerateRequest* r) {
-         r->mutable_rollouts(0)->set_prompt_token_ids(0, 4294967295u);
-       },
+       [](v1::GenerateRequest* r) { r->mutable_rollouts(0)->set_prompt_token_ids(0, 4294967295u); },
        "outside the vocabulary"},
       {"no sampling", [](v1::GenerateRequest* r) { r->mutable_rollouts(0)->clear_sampling(); },
        "sampling is missing"},
@@ -216,9 +214,7 @@ TEST_F(GenerateE2eTest, EachBadInputGetsInvalidArgumentAndTheServerKeepsServing)
        [](v1::GenerateRequest* r) { r->mutable_rollouts(0)->mutable_sampling()->set_top_p(0); },
        "top_p"},
       {"top_p above one",
-       [](v1::GenerateRequest* r) {
-         r->mutable_rollouts(0)->mutable_sampling()->set_top_p(1.5f);
-       },
+       [](v1::GenerateRequest* r) { r->mutable_rollouts(0)->mutable_sampling()->set_top_p(1.5f); },
        "top_p"},
       {"negative top_k",
        [](v1::GenerateRequest* r) { r->mutable_rollouts(0)->mutable_sampling()->set_top_k(-1); },

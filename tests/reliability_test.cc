@@ -26,10 +26,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "model/random_model.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "model/random_model.h"
 #include "tests/reliability_util.h"
 #include "tests/test_server.h"
 
@@ -212,7 +212,9 @@ class ReliabilityBadInputTest : public ::testing::Test {
     EXPECT_FALSE(info.weight_update_in_progress());
   }
   static v1::RolloutService::Stub* stub() { return server_->stub.get(); }
-  static int32_t max_context() { return static_cast<int32_t>(rel::FetchServerInfo(stub()).model().max_context()); }
+  static int32_t max_context() {
+    return static_cast<int32_t>(rel::FetchServerInfo(stub()).model().max_context());
+  }
 
   // Asserts the code and that every `needles` substring is in the message, then that the
   // server still answers health checks with SERVING.
@@ -449,7 +451,8 @@ TEST_F(ReliabilityBadInputTest, ControlRpcsAnswerOddRequestsPrecisely) {
 TEST_F(ReliabilityBadInputTest, BadWeightUpdatesAreRefusedAndTheSlotIsFreedEachTime) {
   const HostTensor original = rel::ReadCheckpointTensor(server_->server->model_dir(), kTensor);
   const std::vector<HostTensor> changed = {rel::ScaledBf16(original, 3.0f)};
-  const v1::WeightsHeader header = rel::MakeWeightsHeader("bad", v1::IN_FLIGHT_POLICY_CONTINUE, changed);
+  const v1::WeightsHeader header =
+      rel::MakeWeightsHeader("bad", v1::IN_FLIGHT_POLICY_CONTINUE, changed);
   const std::vector<v1::WeightsChunk> data = rel::MakeDataChunks(changed, 8192);
   auto with_header = [&](const v1::WeightsHeader& h, std::vector<v1::WeightsChunk> d) {
     v1::WeightsChunk first;
@@ -566,15 +569,30 @@ TEST_F(ReliabilityBadInputTest, BadCheckpointPathsAreRefusedNamingTheFile) {
   const std::vector<Case> cases = {
       {"empty version", served, "", grpc::StatusCode::INVALID_ARGUMENT, {"version is empty"}},
       {"missing directory", root + "nope", "x", grpc::StatusCode::NOT_FOUND, {root + "nope"}},
-      {"no weights", root + "no-weights", "x", grpc::StatusCode::NOT_FOUND,
+      {"no weights",
+       root + "no-weights",
+       "x",
+       grpc::StatusCode::NOT_FOUND,
        {"no weights in", root + "no-weights"}},
-      {"corrupt header", root + "corrupt", "x", grpc::StatusCode::INVALID_ARGUMENT,
+      {"corrupt header",
+       root + "corrupt",
+       "x",
+       grpc::StatusCode::INVALID_ARGUMENT,
        {root + "corrupt/model.safetensors", "header length"}},
-      {"index escapes the directory", root + "escape", "x", grpc::StatusCode::INVALID_ARGUMENT,
+      {"index escapes the directory",
+       root + "escape",
+       "x",
+       grpc::StatusCode::INVALID_ARGUMENT,
        {"model.norm.weight", "not a file name inside"}},
-      {"another model's shapes", root + "tiny", "x", grpc::StatusCode::INVALID_ARGUMENT,
+      {"another model's shapes",
+       root + "tiny",
+       "x",
+       grpc::StatusCode::INVALID_ARGUMENT,
        {root + "tiny"}},
-      {"truncated file", root + "truncated", "x", grpc::StatusCode::INVALID_ARGUMENT,
+      {"truncated file",
+       root + "truncated",
+       "x",
+       grpc::StatusCode::INVALID_ARGUMENT,
        {root + "truncated/model.safetensors"}},
   };
   for (const Case& c : cases) {
@@ -618,13 +636,14 @@ TEST_F(ReliabilityBadInputTest, MalformedProtobufBytesOnEveryMethodAreRejected) 
   // Each payload is not a parseable message of any type: a length-delimited field whose
   // length runs past the end, an invalid wire type, a truncated varint, a group start with no
   // end.
-  const std::vector<std::string> payloads = {
-      std::string("\x0a\xff\xff\xff\xff\x0f", 6), std::string("\x0f", 1),
-      std::string("\x08\x80", 2), std::string("\x0b\x10\x01", 3),
-      std::string("\x12\x05\x01\x02", 4)};
+  const std::vector<std::string> payloads = {std::string("\x0a\xff\xff\xff\xff\x0f", 6),
+                                             std::string("\x0f", 1), std::string("\x08\x80", 2),
+                                             std::string("\x0b\x10\x01", 3),
+                                             std::string("\x12\x05\x01\x02", 4)};
   const std::vector<std::string> methods = {
-      "Generate", "Score", "GetServerInfo", "Abort", "FlushCache", "UpdateWeights",
-      "UpdateWeightsFromPath", "Pause", "Resume"};
+      "Generate",   "Score",         "GetServerInfo",         "Abort",
+      "FlushCache", "UpdateWeights", "UpdateWeightsFromPath", "Pause",
+      "Resume"};
   for (const std::string& method : methods) {
     for (size_t p = 0; p < payloads.size(); ++p) {
       const std::string name = absl::StrCat(method, " payload ", p);
@@ -662,8 +681,8 @@ TEST_F(ReliabilityBadInputTest, AnUnparseableMessageAfterACompleteUpdateFailsItA
   std::vector<std::string> messages;
   {
     v1::WeightsChunk first;
-    *first.mutable_header() = rel::MakeWeightsHeader("garbage-tail", v1::IN_FLIGHT_POLICY_CONTINUE,
-                                                changed);
+    *first.mutable_header() =
+        rel::MakeWeightsHeader("garbage-tail", v1::IN_FLIGHT_POLICY_CONTINUE, changed);
     messages.push_back(first.SerializeAsString());
     for (const v1::WeightsChunk& c : rel::MakeDataChunks(changed, 1 << 20)) {
       messages.push_back(c.SerializeAsString());
@@ -810,10 +829,16 @@ TEST(ReliabilityAuthTest, EveryProtectedRpcRefusesMissingAndMalformedTokens) {
              return stub->Resume(c, {}, &response);
            }},
       };
-  const std::vector<std::string> bad_values = {
-      "",  // no header at all
-      "Bearer wrong", "Bearer s3cre", "Bearer s3cret ", "Bearer s3cretx", "bearer s3cret",
-      "s3cret", "Basic s3cret", "Bearer  s3cret", "Bearer"};
+  const std::vector<std::string> bad_values = {"",  // no header at all
+                                               "Bearer wrong",
+                                               "Bearer s3cre",
+                                               "Bearer s3cret ",
+                                               "Bearer s3cretx",
+                                               "bearer s3cret",
+                                               "s3cret",
+                                               "Basic s3cret",
+                                               "Bearer  s3cret",
+                                               "Bearer"};
   for (const auto& [name, call] : rpcs) {
     for (const std::string& value : bad_values) {
       grpc::ClientContext context;
@@ -1034,8 +1059,8 @@ TEST_F(ReliabilityFaultTest, CancelledAbandonedExpiredAndAbortedStreamsAllReturn
             }
           }
           const grpc::Status f = reader->Finish();
-          if (!s.ok() || aborted.aborted_rollouts() != 1 || !f.ok() ||
-              completions != 1 + i % 3 || aborts != completions) {
+          if (!s.ok() || aborted.aborted_rollouts() != 1 || !f.ok() || completions != 1 + i % 3 ||
+              aborts != completions) {
             errors[i] = absl::StrCat("abort: ", s.error_message(), " aborted ",
                                      aborted.aborted_rollouts(), ", finish ", f.error_code(),
                                      ", completions ", completions, ", aborts ", aborts);
@@ -1168,9 +1193,8 @@ TEST_F(ReliabilityFaultTest, ACancelAfterEveryByteButBeforeTheHalfCloseNeverAppl
     v1::UpdateWeightsResponse response;
     auto writer = stub()->UpdateWeights(&context, &response);
     v1::WeightsChunk first;
-    *first.mutable_header() =
-        rel::MakeWeightsHeader(absl::StrCat("cancelled-", attempt), v1::IN_FLIGHT_POLICY_CONTINUE,
-                               changed);
+    *first.mutable_header() = rel::MakeWeightsHeader(absl::StrCat("cancelled-", attempt),
+                                                     v1::IN_FLIGHT_POLICY_CONTINUE, changed);
     ASSERT_TRUE(writer->Write(first));
     for (const v1::WeightsChunk& chunk : data) ASSERT_TRUE(writer->Write(chunk));
     std::this_thread::sleep_for(milliseconds(attempt % 2 == 0 ? 0 : 100));
@@ -1300,10 +1324,10 @@ TEST_F(ReliabilityFaultTest, UpdatesFromPathDoNotAccumulateThreads) {
 #ifdef ROLLOUT_SERVER_BIN
 TEST(ReliabilityShutdownTest, SigtermUnderLoadEndsEveryRolloutAndExitsZero) {
   const std::string cache = ::testing::TempDir() + "rollout-test-cache";
-  std::unique_ptr<rel::ChildProcess> child = rel::ChildProcess::Start(
-      {ROLLOUT_SERVER_BIN, "--port=0", "--address=127.0.0.1", "--metrics_port=0",
-       "--shutdown_grace_s=1", "--kv_cache_mb=64"},
-      {"ROLLOUT_CACHE_DIR=" + cache});
+  std::unique_ptr<rel::ChildProcess> child =
+      rel::ChildProcess::Start({ROLLOUT_SERVER_BIN, "--port=0", "--address=127.0.0.1",
+                                "--metrics_port=0", "--shutdown_grace_s=1", "--kv_cache_mb=64"},
+                               {"ROLLOUT_CACHE_DIR=" + cache});
   ASSERT_NE(child, nullptr);
   const std::string needle = "rollout server listening on port ";
   const std::string line = child->WaitForOutput(needle, seconds(120));
@@ -1393,8 +1417,8 @@ TEST(ReliabilityShutdownTest, SigtermUnderLoadEndsEveryRolloutAndExitsZero) {
     std::this_thread::sleep_for(milliseconds(10));
   }
   EXPECT_FALSE(refused.ok()) << "new calls were still admitted 10 s after SIGTERM";
-  EXPECT_TRUE(saw_draining_message) << "refused, but not by the draining server: "
-                                    << refused.error_message();
+  EXPECT_TRUE(saw_draining_message)
+      << "refused, but not by the draining server: " << refused.error_message();
 
   for (std::thread& t : clients) t.join();
   int aborted = 0, finished = 0;
@@ -1435,8 +1459,7 @@ TEST(ReliabilityShutdownTest, SigtermUnderLoadEndsEveryRolloutAndExitsZero) {
   std::printf("[ shutdown ] %d samples finished, %d aborted at the end of the grace period\n",
               finished, aborted);
   const int status = child->Wait(seconds(30));
-  ASSERT_NE(status, -1) << "rollout-server still running 30 s after SIGTERM:\n"
-                        << child->output();
+  ASSERT_NE(status, -1) << "rollout-server still running 30 s after SIGTERM:\n" << child->output();
   EXPECT_TRUE(WIFEXITED(status)) << "status " << status << "\n" << child->output();
   EXPECT_EQ(WEXITSTATUS(status), 0) << child->output();
 }
@@ -1507,16 +1530,15 @@ TEST(ReliabilitySoakTest, MixedTrafficWithCancellationsAndWeightUpdatesLosesNoth
           if (cancel && ++responses == cancel_after) context.TryCancel();
         }
         const grpc::Status status = reader->Finish();
-        const double ms =
-            std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
         ++done;
         if (status.error_code() == grpc::StatusCode::CANCELLED && cancel) {
           ++tally.cancelled_by_us;
           continue;
         }
         if (!status.ok()) {
-          tally.errors.push_back(absl::StrCat("request ", k, ": ", status.error_code(), " ",
-                                              status.error_message()));
+          tally.errors.push_back(
+              absl::StrCat("request ", k, ": ", status.error_code(), " ", status.error_message()));
           continue;
         }
         if (cancel) ++tally.cancelled_but_finished;
@@ -1561,8 +1583,8 @@ TEST(ReliabilitySoakTest, MixedTrafficWithCancellationsAndWeightUpdatesLosesNoth
   // bytes back with CONTINUE at two thirds (so the probe must match its baseline at the end).
   std::vector<std::string> update_errors;
   for (const auto& [at, version, policy, scale] :
-       {std::tuple<int, std::string, v1::InFlightPolicy, float>{
-            total_requests / 3, "soak-drain", v1::IN_FLIGHT_POLICY_DRAIN, 1.5f},
+       {std::tuple<int, std::string, v1::InFlightPolicy, float>{total_requests / 3, "soak-drain",
+                                                                v1::IN_FLIGHT_POLICY_DRAIN, 1.5f},
         {2 * total_requests / 3, "soak-continue", v1::IN_FLIGHT_POLICY_CONTINUE, 1.0f}}) {
     const auto deadline = Clock::now() + seconds(300);
     while (done < at && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(5));

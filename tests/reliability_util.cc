@@ -137,9 +137,8 @@ std::string HttpGet(int port, const std::string& path) {
     ::close(fd);
     return "";
   }
-  const std::string request =
-      absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1:", port,
-                   "\r\nConnection: close\r\n\r\n");
+  const std::string request = absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1:", port,
+                                           "\r\nConnection: close\r\n\r\n");
   size_t sent = 0;
   while (sent < request.size()) {
     const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);

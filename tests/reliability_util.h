@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "model/safetensors.h"
 #include "grpcpp/grpcpp.h"
+#include "model/safetensors.h"
 #include "rollout/v1/rollout.grpc.pb.h"
 
 namespace rollout::testing::reliability {

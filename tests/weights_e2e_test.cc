@@ -5,10 +5,10 @@
 #include <future>
 #include <thread>
 
-#include "model/random_model.h"
-#include "model/safetensors.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "model/random_model.h"
+#include "model/safetensors.h"
 #include "tests/reliability_util.h"
 #include "tests/test_server.h"
 
@@ -86,8 +86,9 @@ TEST_F(WeightsE2eTest, PushChangesOutputsAndVersionAndOriginalBytesRestoreThemBi
   const std::string after = Generate(stub(), &version);
   EXPECT_EQ(version, "step-1");
   EXPECT_NE(after, before);
-  PushOutcome back = Push(stub(), MakeWeightsHeader("step-2", v1::IN_FLIGHT_POLICY_ABORT, {original_}),
-                          MakeDataChunks({original_}, 1 << 20));
+  PushOutcome back =
+      Push(stub(), MakeWeightsHeader("step-2", v1::IN_FLIGHT_POLICY_ABORT, {original_}),
+           MakeDataChunks({original_}, 1 << 20));
   ASSERT_TRUE(back.status.ok()) << back.status.error_message();
   EXPECT_EQ(Generate(stub()), before);
 }
@@ -134,8 +135,7 @@ TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
        [](v1::WeightsHeader*, std::vector<v1::WeightsChunk>* d) { d->erase(d->begin() + 3); },
        "incomplete"},
       {"truncated stream",
-       [](v1::WeightsHeader*, std::vector<v1::WeightsChunk>* d) { d->pop_back(); },
-       "incomplete"},
+       [](v1::WeightsHeader*, std::vector<v1::WeightsChunk>* d) { d->pop_back(); }, "incomplete"},
       {"overlap",
        [](v1::WeightsHeader*, std::vector<v1::WeightsChunk>* d) {
          d->at(2).mutable_data()->set_offset(d->at(2).data().offset() - 10);
@@ -170,8 +170,9 @@ TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
     EXPECT_EQ(version, "0") << c.name;
   }
   // A stream cancelled halfway applies nothing either.
-  PushOutcome cancelled = Push(stub(), MakeWeightsHeader("cancelled", v1::IN_FLIGHT_POLICY_DRAIN, changed),
-                               good_data, "", /*cancel_midway=*/true);
+  PushOutcome cancelled =
+      Push(stub(), MakeWeightsHeader("cancelled", v1::IN_FLIGHT_POLICY_DRAIN, changed), good_data,
+           "", /*cancel_midway=*/true);
   EXPECT_EQ(cancelled.status.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_EQ(Generate(stub()), before);
 }
@@ -249,7 +250,8 @@ TEST_F(WeightsE2eTest, DrainPolicyFinishesInFlightSamplesOnTheOldWeights) {
 }
 
 TEST_F(WeightsE2eTest, ContinuePolicyReportsTheVersionOfEveryToken) {
-  PolicyRun run = RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_CONTINUE, {ScaledBf16(original_, 2.0f)});
+  PolicyRun run =
+      RunWithUpdate(stub(), v1::IN_FLIGHT_POLICY_CONTINUE, {ScaledBf16(original_, 2.0f)});
   ASSERT_TRUE(run.push.status.ok()) << run.push.status.error_message();
   const v1::Completion& c = run.completion;
   EXPECT_EQ(c.finish_reason(), v1::FINISH_REASON_LENGTH);
@@ -333,8 +335,7 @@ TEST(AccessControlE2eTest, ControlCallsNeedTheTokenAndNothingChangesWithoutIt) {
     grpc::ClientContext context;
     if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
     v1::PauseResponse paused;
-    EXPECT_EQ(stub->Pause(&context, {}, &paused).error_code(),
-              grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(stub->Pause(&context, {}, &paused).error_code(), grpc::StatusCode::UNAUTHENTICATED);
     grpc::ClientContext flush_context;
     v1::FlushCacheResponse flushed;
     EXPECT_EQ(stub->FlushCache(&flush_context, {}, &flushed).error_code(),

@@ -4,8 +4,8 @@
 
 #include "client/checkpoint_upload.h"
 #include "client/rollout_client.h"
-#include "model/random_model.h"
 #include "gtest/gtest.h"
+#include "model/random_model.h"
 #include "tests/test_server.h"
 
 namespace rollout::testing {
@@ -26,7 +26,8 @@ TEST(WeightsThroughputTest, AOneGigabyteModelStreamsThroughUpdateWeightsAndServe
 
   v1::GenerateRequest request;
   *request.add_rollouts() = MakeRollout({5, 6, 7, 8}, 3, 4, 0.7f);
-  const std::string before = Fingerprint(RunGenerate(server->stub.get(), request).completions[0][0]);
+  const std::string before =
+      Fingerprint(RunGenerate(server->stub.get(), request).completions[0][0]);
 
   absl::StatusOr<std::unique_ptr<RolloutClient>> client =
       RolloutClient::Connect(server->address(), ClientOptions());
@@ -39,9 +40,10 @@ TEST(WeightsThroughputTest, AOneGigabyteModelStreamsThroughUpdateWeightsAndServe
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_GT(pushed->bytes_received(), 900ull << 20) << "the whole ~1 GB model was pushed";
   const double mb = pushed->bytes_received() / 1048576.0;
-  std::printf("1 GB update: %.0f MiB in %.2f s = %.0f MiB/s end to end (server: receive %.2f s, "
-              "swap %.2f s), 4 MiB chunks, loopback, CPU backend\n",
-              mb, seconds, mb / seconds, pushed->receive_seconds(), pushed->swap_seconds());
+  std::printf(
+      "1 GB update: %.0f MiB in %.2f s = %.0f MiB/s end to end (server: receive %.2f s, "
+      "swap %.2f s), 4 MiB chunks, loopback, CPU backend\n",
+      mb, seconds, mb / seconds, pushed->receive_seconds(), pushed->swap_seconds());
   RecordProperty("update_mib", static_cast<int>(mb));
   RecordProperty("update_mib_per_s", static_cast<int>(mb / seconds));
 

@@ -104,8 +104,8 @@ inline __attribute__((always_inline)) void AccumulateTile(const float* x, int64_
 // y[r, c] = Dot(x[r], w[c], k) (+ bias[c]) for MR rows of x and NR rows of w: AccumulateTile,
 // then each dot's tail and 16-lane tree (FinishDot).
 template <int MR, int NR>
-void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k,
-             const float* bias, float* y, int64_t ldy) {
+void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, const float* bias,
+             float* y, int64_t ldy) {
   const int64_t k_full = k / kLanes * kLanes;
   Float8 lo[MR][NR], hi[MR][NR];
   AccumulateTile<MR, NR>(x, ldx, w, ldw, k_full, lo, hi);
@@ -125,7 +125,7 @@ constexpr int kTileRows = 4;
 constexpr int kTileCols = 3;
 
 using DotTileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*,
-                          float*, int64_t);
+                           float*, int64_t);
 
 // kTileFns[mr - 1][nr - 1] handles the edge tiles of a matrix whose sides are not multiples of
 // the tile.
@@ -164,8 +164,8 @@ void ForEachTile(int64_t m, int64_t k, int64_t col_begin, int64_t col_end, TileF
 void MatMulColumns(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
                    const float* bias, float* y, int64_t col_begin, int64_t col_end) {
   ForEachTile(m, k, col_begin, col_end, [&](int64_t r0, int64_t mr, int64_t c0, int64_t nr) {
-    kTileFns[mr - 1][nr - 1](x + r0 * k, k, w + c0 * k, k, k,
-                             bias == nullptr ? nullptr : bias + c0, y + r0 * n + c0, n);
+    kTileFns[mr - 1][nr - 1](x + r0 * k, k, w + c0 * k, k, k, bias == nullptr ? nullptr : bias + c0,
+                             y + r0 * n + c0, n);
   });
 }
 
@@ -220,8 +220,8 @@ inline __attribute__((always_inline)) Float8 FinishDots8(const Float8* s8) {
 template <int MR, int NR>
 void SegmentedTile(const float* x, int64_t ldx, const float* w, int64_t ldw, const int64_t* seg,
                    int num_segments, const float* bias, float* y, int64_t ldy) {
-  constexpr int kDots = MR * NR;              // dot j = (r, c) with j = r * NR + c
-  constexpr int kGroups = (kDots + 7) / 8;    // of 8 dots
+  constexpr int kDots = MR * NR;            // dot j = (r, c) with j = r * NR + c
+  constexpr int kGroups = (kDots + 7) / 8;  // of 8 dots
   // leaves[s][g * 8 + kFinishLane[i]]: the leaf of dot g * 8 + i in segment s.
   alignas(32) float leaves[kNumKSegments][kGroups * 8];
   for (int s = 0; s < num_segments; ++s) {
@@ -262,8 +262,8 @@ void SegmentedTile(const float* x, int64_t ldx, const float* w, int64_t ldw, con
   }
 }
 
-using SegmentedTileFn = void (*)(const float*, int64_t, const float*, int64_t, const int64_t*,
-                                 int, const float*, float*, int64_t);
+using SegmentedTileFn = void (*)(const float*, int64_t, const float*, int64_t, const int64_t*, int,
+                                 const float*, float*, int64_t);
 constexpr SegmentedTileFn kSegmentedTileFns[kTileRows][kTileCols] = {
     {SegmentedTile<1, 1>, SegmentedTile<1, 2>, SegmentedTile<1, 3>},
     {SegmentedTile<2, 1>, SegmentedTile<2, 2>, SegmentedTile<2, 3>},
@@ -275,21 +275,19 @@ constexpr SegmentedTileFn kSegmentedTileFns[kTileRows][kTileCols] = {
 // x: [m, k_slice], w: [n, k_slice] hold the columns [KSegmentBegin(k_full, seg_begin),
 // KSegmentBegin(k_full, seg_end)) of the full operands.
 void SegmentedColumns(const float* x, int64_t m, const float* w, int64_t n, int64_t k_full,
-                      int seg_begin, int seg_end, const float* bias, float* y,
-                      int64_t col_begin, int64_t col_end) {
+                      int seg_begin, int seg_end, const float* bias, float* y, int64_t col_begin,
+                      int64_t col_end) {
   const int num_segments = seg_end - seg_begin;
   int64_t seg[kNumKSegments + 1];  // segment bounds relative to the slice
   for (int s = 0; s <= num_segments; ++s) {
     seg[s] = KSegmentBegin(k_full, seg_begin + s) - KSegmentBegin(k_full, seg_begin);
   }
   const int64_t k_slice = seg[num_segments];
-  ForEachTile(m, k_slice, col_begin, col_end,
-              [&](int64_t r0, int64_t mr, int64_t c0, int64_t nr) {
-                kSegmentedTileFns[mr - 1][nr - 1](x + r0 * k_slice, k_slice, w + c0 * k_slice,
-                                                  k_slice, seg, num_segments,
-                                                  bias == nullptr ? nullptr : bias + c0,
-                                                  y + r0 * n + c0, n);
-              });
+  ForEachTile(m, k_slice, col_begin, col_end, [&](int64_t r0, int64_t mr, int64_t c0, int64_t nr) {
+    kSegmentedTileFns[mr - 1][nr - 1](x + r0 * k_slice, k_slice, w + c0 * k_slice, k_slice, seg,
+                                      num_segments, bias == nullptr ? nullptr : bias + c0,
+                                      y + r0 * n + c0, n);
+  });
 }
 
 }  // namespace
@@ -330,8 +328,8 @@ bool IsCanonicalSegmentBlock(int seg_begin, int seg_end) {
          seg_begin % size == 0;
 }
 
-void SegmentedPartialMatMul(ThreadPool* pool, const float* x, int64_t m, const float* w,
-                            int64_t n, int64_t k_full, int seg_begin, int seg_end, float* y) {
+void SegmentedPartialMatMul(ThreadPool* pool, const float* x, int64_t m, const float* w, int64_t n,
+                            int64_t k_full, int seg_begin, int seg_end, float* y) {
   if (m <= 0 || n <= 0) return;
   // Same column split as MatMul: a column's arithmetic is fixed, whoever computes it.
   const int64_t k_slice = KSegmentBegin(k_full, seg_end) - KSegmentBegin(k_full, seg_begin);

@@ -51,8 +51,8 @@ bool IsCanonicalSegmentBlock(int seg_begin, int seg_end);
 // [KSegmentBegin(k_full, seg_begin), KSegmentBegin(k_full, seg_end)) = k_slice of the full
 // operands (a rank's shard). REQUIRES IsCanonicalSegmentBlock(seg_begin, seg_end).
 // Threads split output columns as in MatMul; bits never depend on m, n or the thread count.
-void SegmentedPartialMatMul(ThreadPool* pool, const float* x, int64_t m, const float* w,
-                            int64_t n, int64_t k_full, int seg_begin, int seg_end, float* y);
+void SegmentedPartialMatMul(ThreadPool* pool, const float* x, int64_t m, const float* w, int64_t n,
+                            int64_t k_full, int seg_begin, int seg_end, float* y);
 
 // The row-parallel matmul on one rank holding all of K: the root of the tree (segments
 // [0, 8)), then + bias[c] (optional). Bitwise equal to CombinePartials of the nodes that any
@@ -96,8 +96,8 @@ struct KvCacheLayer {
 // Where each token of a flattened batch lives: its absolute position and its sequence's block
 // table (block ids of positions [0, block_size), [block_size, 2 * block_size), ...).
 struct TokenSlots {
-  const int32_t* positions = nullptr;             // [num_tokens]
-  const int32_t* const* block_tables = nullptr;   // [num_tokens] -> table of its sequence
+  const int32_t* positions = nullptr;            // [num_tokens]
+  const int32_t* const* block_tables = nullptr;  // [num_tokens] -> table of its sequence
   int64_t num_tokens = 0;
 };
 

@@ -27,8 +27,7 @@ float NaiveSegmented(const float* x, const float* w, int64_t k) {
 }
 
 std::vector<float> NaiveSegmentedMatMul(const std::vector<float>& x, int64_t m, int64_t k,
-                                        const std::vector<float>& w, int64_t n,
-                                        const float* bias) {
+                                        const std::vector<float>& w, int64_t n, const float* bias) {
   std::vector<float> y(m * n);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < n; ++c) {
@@ -39,7 +38,6 @@ std::vector<float> NaiveSegmentedMatMul(const std::vector<float>& x, int64_t m, 
   }
   return y;
 }
-
 
 // (m, k, n): k multiple of 8 * 16, multiple of 8 only, not a multiple of 8, shorter than 8.
 const std::vector<std::tuple<int64_t, int64_t, int64_t>> kShapes = {

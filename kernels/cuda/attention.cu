@@ -101,10 +101,10 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int c = i % kChunks;
       const int key = tile_start + j;
       if (key <= max_pos) {
-        const int64_t offset = KvPageOffset(table[key / cache.block_size], kv_head,
-                                            key % cache.block_size, cache.block_size,
-                                            num_kv_heads, kHeadDim) +
-                               c * 8;
+        const int64_t offset =
+            KvPageOffset(table[key / cache.block_size], kv_head, key % cache.block_size,
+                         cache.block_size, num_kv_heads, kHeadDim) +
+            c * 8;
         *reinterpret_cast<uint4*>(k_s + j * Smem::kKStride + c * 8) =
             *reinterpret_cast<const uint4*>(cache.k + offset);
         *reinterpret_cast<uint4*>(v_s + j * kHeadDim + c * 8) =

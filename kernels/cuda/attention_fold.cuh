@@ -59,9 +59,9 @@ __device__ __forceinline__ void MergeStoredSplits(const float* partials, int32_t
   float big_m = -INFINITY, big_l = 0.0f, big_o[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) big_o[e] = 0.0f;
-  // Unrolled so that the loads of several splits are in flight before their folds (the fold
-  // order, and so the bits, do not change); o in pairs where a lane has an even count (a
-  // partial is an even number of floats, so pairs are 8-byte aligned).
+    // Unrolled so that the loads of several splits are in flight before their folds (the fold
+    // order, and so the bits, do not change); o in pairs where a lane has an even count (a
+    // partial is an even number of floats, so pairs are 8-byte aligned).
 #pragma unroll 4
   for (int s = 0; s < splits; ++s) {
     const float* src = partials + (row * max_splits + s) * (kHeadDim + 2);

@@ -6,8 +6,8 @@
 #include <cstring>
 #include <utility>
 
-#include "kernels/cuda/compare.h"
 #include "common/status.h"
+#include "kernels/cuda/compare.h"
 #include "kernels/cuda/event_timer.h"
 #include "kernels/cuda/ops.h"
 
@@ -28,35 +28,46 @@ struct Layouts {
     if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
   }
   cublasStatus_t Init(int64_t m, int64_t n, int64_t k, GemmOutput output) {
-    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k), CUBLAS_STATUS_SUCCESS);
-    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, k), CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k),
+                             CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, k),
+                             CUBLAS_STATUS_SUCCESS);
     return cublasLtMatrixLayoutCreate(&c, OutputType(output), n, m, n);
   }
   // x rows ldx apart, and `batch` products with these element strides between them.
   cublasStatus_t InitBatched(int64_t m, int64_t n, int64_t k, GemmOutput output, int64_t ldx,
                              int batch, int64_t x_step, int64_t w_step, int64_t y_step) {
-    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k), CUBLAS_STATUS_SUCCESS);
-    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, ldx), CUBLAS_STATUS_SUCCESS);
-    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&c, OutputType(output), n, m, n), CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, k),
+                             CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, ldx),
+                             CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutCreate(&c, OutputType(output), n, m, n),
+                             CUBLAS_STATUS_SUCCESS);
     if (batch == 1) return CUBLAS_STATUS_SUCCESS;
     const int32_t count = batch;
     const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {
         {a, w_step}, {b, x_step}, {c, y_step}};
     for (const auto& [layout, step] : strided) {
-      ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutSetAttribute(
-          layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)), CUBLAS_STATUS_SUCCESS);
-      ROLLOUT_RETURN_IF_FAILED(cublasLtMatrixLayoutSetAttribute(
-          layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &step, sizeof(step)), CUBLAS_STATUS_SUCCESS);
+      ROLLOUT_RETURN_IF_FAILED(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                           sizeof(count)),
+          CUBLAS_STATUS_SUCCESS);
+      ROLLOUT_RETURN_IF_FAILED(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                           &step, sizeof(step)),
+          CUBLAS_STATUS_SUCCESS);
     }
     return CUBLAS_STATUS_SUCCESS;
   }
 };
 
 cublasStatus_t CreateDesc(cublasLtMatmulDesc_t* desc) {
-  ROLLOUT_RETURN_IF_FAILED(cublasLtMatmulDescCreate(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), CUBLAS_STATUS_SUCCESS);
+  ROLLOUT_RETURN_IF_FAILED(cublasLtMatmulDescCreate(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                           CUBLAS_STATUS_SUCCESS);
   const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
   ROLLOUT_RETURN_IF_FAILED(
-      cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)), CUBLAS_STATUS_SUCCESS);
+      cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)),
+      CUBLAS_STATUS_SUCCESS);
   return cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb,
                                         sizeof(transb));
 }
@@ -155,8 +166,8 @@ cublasStatus_t PinnedGemm::CreateWithAlgo(cublasLtHandle_t handle, int64_t n, in
                                           GemmOutput output, const cublasLtMatmulAlgo_t& algo,
                                           std::unique_ptr<PinnedGemm>* gemm,
                                           std::string* diagnostics, int max_batch) {
-  return CreateChecked(handle, n, k, output, algo, {1, 7, 64, 1000, 8192, 65535}, gemm,
-                       diagnostics, max_batch);
+  return CreateChecked(handle, n, k, output, algo, {1, 7, 64, 1000, 8192, 65535}, gemm, diagnostics,
+                       max_batch);
 }
 
 cublasStatus_t PinnedGemm::CreateChecked(cublasLtHandle_t handle, int64_t n, int64_t k,
@@ -198,7 +209,8 @@ cublasStatus_t PinnedGemm::CreateChecked(cublasLtHandle_t handle, int64_t n, int
       if (m > 8192) continue;  // batched products are K segments of at most a slice's rows
       Layouts layouts;
       ROLLOUT_RETURN_IF_FAILED(
-          layouts.InitBatched(m, n, k, output, batch * k, batch, k, n * k, m * n), CUBLAS_STATUS_SUCCESS);
+          layouts.InitBatched(m, n, k, output, batch * k, batch, k, n * k, m * n),
+          CUBLAS_STATUS_SUCCESS);
       cublasLtMatmulHeuristicResult_t check{};
       const cublasStatus_t status = cublasLtMatmulAlgoCheck(
           handle, g->desc_, layouts.a, layouts.b, layouts.c, layouts.c, &g->algo_, &check);
@@ -224,7 +236,8 @@ cublasStatus_t PinnedGemm::Create(cublasLtHandle_t handle, int64_t n, int64_t k,
                                   int64_t pin_m, std::unique_ptr<PinnedGemm>* gemm,
                                   std::string* diagnostics, int max_batch) {
   std::vector<cublasLtMatmulAlgo_t> algos;
-  ROLLOUT_RETURN_IF_FAILED(Candidates(handle, n, k, output, pin_m, 32, &algos, diagnostics), CUBLAS_STATUS_SUCCESS);
+  ROLLOUT_RETURN_IF_FAILED(Candidates(handle, n, k, output, pin_m, 32, &algos, diagnostics),
+                           CUBLAS_STATUS_SUCCESS);
   if (diagnostics != nullptr) {
     *diagnostics += std::to_string(algos.size()) +
                     " single-split candidates at m=" + std::to_string(pin_m) + "\n";
@@ -264,8 +277,8 @@ struct GemmProbe {
                               nullptr);
     }
     if (err == cudaSuccess) {
-      err = FillRandomWeights(0x70726f6265, 0.02, 0, int64_t{batch} * n * k, w.get<bf16>(),
-                              nullptr, nullptr);
+      err = FillRandomWeights(0x70726f6265, 0.02, 0, int64_t{batch} * n * k, w.get<bf16>(), nullptr,
+                              nullptr);
     }
     return err;
   }
@@ -286,9 +299,11 @@ struct GemmProbe {
     cudaMemsetAsync(b.get(), 0x3c, bytes, nullptr);
     const int64_t y_step = m * n;
     ROLLOUT_RETURN_IF_FAILED(reference.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
-                                                  n * k, a.get(), y_step, batch, nullptr), CUBLAS_STATUS_SUCCESS);
+                                                  n * k, a.get(), y_step, batch, nullptr),
+                             CUBLAS_STATUS_SUCCESS);
     ROLLOUT_RETURN_IF_FAILED(candidate.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
-                                                  n * k, b.get(), y_step, batch, nullptr), CUBLAS_STATUS_SUCCESS);
+                                                  n * k, b.get(), y_step, batch, nullptr),
+                             CUBLAS_STATUS_SUCCESS);
     unsigned long long differ = 1;
     if (CountDifferentWords(a.get(), b.get(), static_cast<int64_t>(bytes),
                             count.get<unsigned long long>(), nullptr) != cudaSuccess ||
@@ -304,8 +319,8 @@ struct GemmProbe {
 constexpr int kLadderCandidates = 16;
 
 const std::vector<PinnedGemm::LadderRange>& PinnedGemm::Ladder() {
-  static const std::vector<LadderRange> ladder = {
-      {1, 1}, {8, 16}, {48, 64}, {160, 256}, {640, 1024}, {2560, 4096}};
+  static const std::vector<LadderRange> ladder = {{1, 1},     {8, 16},     {48, 64},
+                                                  {160, 256}, {640, 1024}, {2560, 4096}};
   return ladder;
 }
 
@@ -337,8 +352,8 @@ cublasStatus_t PinnedGemm::Admit(int64_t min_m, int64_t end_m, int64_t represent
     ROLLOUT_RETURN_IF_FAILED(probe.SameBits(*this, *rung, m, &same), CUBLAS_STATUS_SUCCESS);
     if (!same) {
       if (diagnostics != nullptr) {
-        *diagnostics += "    " + DescribeAlgo(algo).ToString() + ": other bits at m=" +
-                        std::to_string(m) + "\n";
+        *diagnostics += "    " + DescribeAlgo(algo).ToString() +
+                        ": other bits at m=" + std::to_string(m) + "\n";
       }
       return CUBLAS_STATUS_NOT_SUPPORTED;
     }
@@ -366,7 +381,8 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
     const int64_t end_m = i + 1 < ladder.size() ? ladder[i + 1].min_m : INT64_MAX;
     const int64_t rep = ladder[i].representative_m;
     std::vector<cublasLtMatmulAlgo_t> algos;
-    ROLLOUT_RETURN_IF_FAILED(Candidates(handle_, n_, k_, output_, rep, kLadderCandidates, &algos), CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(Candidates(handle_, n_, k_, output_, rep, kLadderCandidates, &algos),
+                             CUBLAS_STATUS_SUCCESS);
     // The fastest admitted candidate at the representative m (as far as the probe reaches),
     // if it beats the pin there by 3%: which one wins is a matter of speed only, every
     // candidate gives the pin's bits.
@@ -386,11 +402,11 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
     const bool admitted = best != nullptr;
     if (admitted) rungs_.push_back(Rung{min_m, end_m, rep, std::move(best)});
     if (diagnostics != nullptr) {
-      *diagnostics += "  m in [" + std::to_string(min_m) + ", " +
-                      (end_m == INT64_MAX ? std::string("inf") : std::to_string(end_m)) + "): " +
-                      (admitted ? DescribeAlgo(rungs_.back().gemm->algo_).ToString()
-                                : std::string("the pin")) +
-                      "\n" + why;
+      *diagnostics +=
+          "  m in [" + std::to_string(min_m) + ", " +
+          (end_m == INT64_MAX ? std::string("inf") : std::to_string(end_m)) + "): " +
+          (admitted ? DescribeAlgo(rungs_.back().gemm->algo_).ToString() : std::string("the pin")) +
+          "\n" + why;
     }
   }
   return CUBLAS_STATUS_SUCCESS;
@@ -435,9 +451,9 @@ std::string PinnedGemm::Describe() const {
     for (const Rung& rung : rungs_) {
       ladder += "; m in [" + std::to_string(rung.min_m) + ", " +
                 (rung.end_m == INT64_MAX ? std::string("inf") : std::to_string(rung.end_m)) +
-                "): algo tile " + std::to_string(DescribeAlgo(rung.gemm->algo_).tile) +
-                " custom " + std::to_string(DescribeAlgo(rung.gemm->algo_).custom) +
-                " cluster " + std::to_string(DescribeAlgo(rung.gemm->algo_).cluster);
+                "): algo tile " + std::to_string(DescribeAlgo(rung.gemm->algo_).tile) + " custom " +
+                std::to_string(DescribeAlgo(rung.gemm->algo_).custom) + " cluster " +
+                std::to_string(DescribeAlgo(rung.gemm->algo_).cluster);
     }
     return "pinned " + DescribeAlgo(algo_).ToString() + " workspace " +
            std::to_string(workspace_.bytes()) + batching +
@@ -463,7 +479,8 @@ cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfl
     auto it = per_m_.find(m);
     if (it == per_m_.end()) {
       std::vector<cublasLtMatmulAlgo_t> algos;
-      ROLLOUT_RETURN_IF_FAILED(Candidates(handle_, n_, k_, output_, m, 1, &algos), CUBLAS_STATUS_SUCCESS);
+      ROLLOUT_RETURN_IF_FAILED(Candidates(handle_, n_, k_, output_, m, 1, &algos),
+                               CUBLAS_STATUS_SUCCESS);
       if (algos.empty()) return CUBLAS_STATUS_NOT_SUPPORTED;
       it = per_m_.emplace(m, algos[0]).first;
     }
@@ -488,15 +505,16 @@ cublasStatus_t PinnedGemm::RunBatched(const __nv_bfloat16* x, int64_t ldx, int64
   if (batch == 1 || batched_) {
     Layouts layouts;
     ROLLOUT_RETURN_IF_FAILED(
-        layouts.InitBatched(m, n_, k_, output_, ldx, batch, x_step, w_step, y_step), CUBLAS_STATUS_SUCCESS);
+        layouts.InitBatched(m, n_, k_, output_, ldx, batch, x_step, w_step, y_step),
+        CUBLAS_STATUS_SUCCESS);
     return cublasLtMatmul(handle_, desc_, &alpha, w, layouts.a, x, layouts.b, &beta, y, layouts.c,
                           y, layouts.c, &algo_, workspace_.get(), workspace_.bytes(), stream);
   }
   const size_t y_bytes = output_ == GemmOutput::kBf16 ? 2 : 4;
   for (int b = 0; b < batch; ++b) {
     ROLLOUT_RETURN_IF_FAILED(RunBatched(x + b * x_step, ldx, 0, m, w + b * w_step, 0,
-                                        static_cast<char*>(y) + b * y_step * y_bytes, 0, 1,
-                                        stream), CUBLAS_STATUS_SUCCESS);
+                                        static_cast<char*>(y) + b * y_step * y_bytes, 0, 1, stream),
+                             CUBLAS_STATUS_SUCCESS);
   }
   return CUBLAS_STATUS_SUCCESS;
 }

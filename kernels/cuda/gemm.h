@@ -91,11 +91,11 @@ class PinnedGemm {
   // Builds the ladder (see the top of this file) for a kPinned gemm: for each range of m in
   // Ladder(), of the heuristic's first 16 split-K-free algorithms for the range's representative
   // m, those that pass CreateWithAlgo's checks at the range's ends and representative m (with
-  // this gemm's max_batch; a rung serves its range only) and give this gemm's bits on the probe (RunBatched over max_batch products, random inputs, m at the range's ends
-  // and middle) are timed at that m; the fastest becomes the range's rung if it beats the pin by
-  // 3%. Ranges without one keep the pin. Allocates (and frees) probe buffers of up to ~3.3 GiB
-  // (lm_head); without the memory, no ladder (Describe says so). `diagnostics` receives one line
-  // per range.
+  // this gemm's max_batch; a rung serves its range only) and give this gemm's bits on the probe
+  // (RunBatched over max_batch products, random inputs, m at the range's ends and middle) are timed
+  // at that m; the fastest becomes the range's rung if it beats the pin by 3%. Ranges without one
+  // keep the pin. Allocates (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the
+  // memory, no ladder (Describe says so). `diagnostics` receives one line per range.
   cublasStatus_t BuildLadder(std::string* diagnostics = nullptr);
   // The same rungs as `from`'s (a gemm of another n with the same k and pin: a rank's slice of a
   // column-parallel weight), each admitted again by the probe on this gemm's shape.

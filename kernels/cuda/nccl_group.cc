@@ -24,7 +24,7 @@ namespace {
 // ncclCommInitRank); ncclResult_t and ncclDataType_t are C enums (int-sized):
 // ncclSuccess = 0, ncclFloat32 = 7.
 struct NcclComm;
-using NcclCommHandle = NcclComm *;
+using NcclCommHandle = NcclComm*;
 struct NcclUniqueId {
   char internal[128];
 };
@@ -40,16 +40,16 @@ class NcclLibrary {
     if (handle_ != nullptr) dlclose(handle_);
   }
 
-  GroupStatus Load(const std::string &path) {
+  GroupStatus Load(const std::string& path) {
     const std::string name = path.empty() ? "libnccl.so.2" : path;
     handle_ = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (handle_ == nullptr) {
-      const char *why = dlerror();
+      const char* why = dlerror();
       return GroupStatus::Error("cannot load NCCL (" + name + "): " + (why ? why : "dlopen"));
     }
     GroupStatus status = GroupStatus::Ok();
-    auto bind = [&](auto *fn, const char *symbol) {
-      void *p = dlsym(handle_, symbol);
+    auto bind = [&](auto* fn, const char* symbol) {
+      void* p = dlsym(handle_, symbol);
       if (p == nullptr && status.ok()) {
         status = GroupStatus::Error(name + " lacks " + symbol);
       }
@@ -66,25 +66,25 @@ class NcclLibrary {
     return status;
   }
 
-  GroupStatus Check(NcclResult result, const char *what) const {
+  GroupStatus Check(NcclResult result, const char* what) const {
     if (result == kNcclSuccess) return GroupStatus::Ok();
-    const char *text = GetErrorString != nullptr ? GetErrorString(result) : nullptr;
+    const char* text = GetErrorString != nullptr ? GetErrorString(result) : nullptr;
     return GroupStatus::Error(std::string(what) + ": NCCL error " + std::to_string(result) +
                               (text != nullptr ? std::string(" (") + text + ")" : ""));
   }
 
-  NcclResult (*GetVersion)(int *version) = nullptr;
-  NcclResult (*GetUniqueId)(NcclUniqueId *id) = nullptr;
-  NcclResult (*CommInitRank)(NcclCommHandle *comm, int nranks, NcclUniqueId id, int rank) = nullptr;
+  NcclResult (*GetVersion)(int* version) = nullptr;
+  NcclResult (*GetUniqueId)(NcclUniqueId* id) = nullptr;
+  NcclResult (*CommInitRank)(NcclCommHandle* comm, int nranks, NcclUniqueId id, int rank) = nullptr;
   NcclResult (*CommDestroy)(NcclCommHandle comm) = nullptr;
-  NcclResult (*AllGatherFn)(const void *send, void *recv, size_t send_count, int data_type,
+  NcclResult (*AllGatherFn)(const void* send, void* recv, size_t send_count, int data_type,
                             NcclCommHandle comm, cudaStream_t stream) = nullptr;
   NcclResult (*GroupStart)() = nullptr;
   NcclResult (*GroupEnd)() = nullptr;
-  const char *(*GetErrorString)(NcclResult result) = nullptr;
+  const char* (*GetErrorString)(NcclResult result) = nullptr;
 
  private:
-  void *handle_ = nullptr;
+  void* handle_ = nullptr;
 };
 
 class NcclGroup final : public RankGroup {
@@ -130,9 +130,9 @@ class NcclGroup final : public RankGroup {
   }
 
   int world_size() const override { return static_cast<int>(devices_.size()); }
-  const char *kind() const override { return "nccl"; }
+  const char* kind() const override { return "nccl"; }
 
-  GroupStatus AllGather(const float *const *send, int64_t count, float *const *recv) override {
+  GroupStatus AllGather(const float* const* send, int64_t count, float* const* recv) override {
     if (count == 0) return GroupStatus::Ok();
     CudaDeviceScope guard;
     ROLLOUT_RETURN_IF_ERROR(nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"));
@@ -160,9 +160,9 @@ class NcclGroup final : public RankGroup {
 
 }  // namespace
 
-GroupStatus CreateNcclGroup(const std::vector<int> &devices,
-                            const std::vector<cudaStream_t> &streams, const std::string &library,
-                            std::unique_ptr<RankGroup> *group) {
+GroupStatus CreateNcclGroup(const std::vector<int>& devices,
+                            const std::vector<cudaStream_t>& streams, const std::string& library,
+                            std::unique_ptr<RankGroup>* group) {
   if (devices.empty() || devices.size() != streams.size()) {
     return GroupStatus::Error("an NCCL group needs one device and one stream per rank");
   }
@@ -174,7 +174,7 @@ GroupStatus CreateNcclGroup(const std::vector<int> &devices,
   return GroupStatus::Ok();
 }
 
-GroupStatus NcclLibraryVersion(const std::string &library, int *version) {
+GroupStatus NcclLibraryVersion(const std::string& library, int* version) {
   NcclLibrary nccl;
   ROLLOUT_RETURN_IF_ERROR(nccl.Load(library));
   return nccl.Check(nccl.GetVersion(version), "ncclGetVersion");

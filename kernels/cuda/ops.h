@@ -160,10 +160,10 @@ cudaError_t PagedAttention(const AttentionParams& params, AttentionBlockShape sh
 //   bf16(O / L) (FoldedOutput) to params.out itself: no partials, no merge for these rows. Less
 //   parallel (a row's splits run one after the other), so for many items of short to moderate
 //   context: prefill.
-// Per row (token at position p), exactly: q rounded to bf16; per tile of 32 keys of its split (tiles up
-// to p's), S = q . K^T as 4 key-tiles of 8 x (head_dim / 16) MMAs in increasing dim order,
-// s = S * scale (keys > p: -inf), m' = max(m, tile max), a = expf(m - m'), p_j = expf(s_j - m'),
-// l = l * a + (the row's 32 p_j summed per thread in key order, then across the quad by xor 1,
+// Per row (token at position p), exactly: q rounded to bf16; per tile of 32 keys of its split
+// (tiles up to p's), S = q . K^T as 4 key-tiles of 8 x (head_dim / 16) MMAs in increasing dim
+// order, s = S * scale (keys > p: -inf), m' = max(m, tile max), a = expf(m - m'), p_j = expf(s_j -
+// m'), l = l * a + (the row's 32 p_j summed per thread in key order, then across the quad by xor 1,
 // 2), o = o * a, then o += bf16(P) . V as (head_dim / 8) dim-tiles x 2 key chunks of MMAs in
 // increasing order. Rows of an MMA are independent, so padding rows and neighbours cannot touch
 // a row's bits: kOneToken (one warp: a token's GQA group padded to 16 rows) and kManyTokens

@@ -10,7 +10,7 @@
 namespace rollout::cuda {
 namespace {
 
-GroupStatus CudaStatus(cudaError_t err, const char *what) {
+GroupStatus CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return GroupStatus::Ok();
   return GroupStatus::Error(std::string(what) + ": " + cudaGetErrorName(err) + " (" +
                             cudaGetErrorString(err) + ")");
@@ -38,9 +38,9 @@ class SameDeviceGroup final : public RankGroup {
   }
 
   int world_size() const override { return static_cast<int>(streams_.size()); }
-  const char *kind() const override { return "same-device"; }
+  const char* kind() const override { return "same-device"; }
 
-  GroupStatus AllGather(const float *const *send, int64_t count, float *const *recv) override {
+  GroupStatus AllGather(const float* const* send, int64_t count, float* const* recv) override {
     const int n = world_size();
     const size_t bytes = static_cast<size_t>(count) * sizeof(float);
     if (count == 0) return GroupStatus::Ok();
@@ -53,11 +53,11 @@ class SameDeviceGroup final : public RankGroup {
     }
     for (int r = 0; r < n; ++r) {
       for (int i = 0; i < n; ++i) {
-        float *dst = recv[r] + i * count;
+        float* dst = recv[r] + i * count;
         if (dst == send[i]) continue;  // rank r's own slot, in place
         if (i != r) {
           ROLLOUT_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(streams_[r], ready_[i], 0),
-                                                   "all-gather: cudaStreamWaitEvent"));
+                                             "all-gather: cudaStreamWaitEvent"));
         }
         ROLLOUT_RETURN_IF_ERROR(
             CudaStatus(cudaMemcpyAsync(dst, send[i], bytes, cudaMemcpyDeviceToDevice, streams_[r]),
@@ -73,7 +73,7 @@ class SameDeviceGroup final : public RankGroup {
       for (int i = 0; i < n; ++i) {
         if (i == r) continue;
         ROLLOUT_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(streams_[r], read_[i], 0),
-                                                 "all-gather: cudaStreamWaitEvent"));
+                                           "all-gather: cudaStreamWaitEvent"));
       }
     }
     return GroupStatus::Ok();
@@ -87,8 +87,8 @@ class SameDeviceGroup final : public RankGroup {
 
 }  // namespace
 
-GroupStatus CreateSameDeviceGroup(const std::vector<cudaStream_t> &streams,
-                                  std::unique_ptr<RankGroup> *group) {
+GroupStatus CreateSameDeviceGroup(const std::vector<cudaStream_t>& streams,
+                                  std::unique_ptr<RankGroup>* group) {
   if (streams.empty()) return GroupStatus::Error("a rank group needs at least one rank");
   auto g = std::make_unique<SameDeviceGroup>(streams);
   ROLLOUT_RETURN_IF_ERROR(g->Init());

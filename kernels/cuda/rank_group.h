@@ -31,7 +31,7 @@ class GroupStatus {
   static GroupStatus Ok() { return GroupStatus(); }
   static GroupStatus Error(std::string message) { return GroupStatus(std::move(message)); }
   bool ok() const { return message_.empty(); }
-  const std::string &message() const { return message_; }
+  const std::string& message() const { return message_; }
 
  private:
   GroupStatus() = default;
@@ -47,14 +47,14 @@ class RankGroup {
   virtual ~RankGroup() = default;
 
   virtual int world_size() const = 0;
-  virtual const char *kind() const = 0;  // "same-device", "nccl"
+  virtual const char* kind() const = 0;  // "same-device", "nccl"
 
   // For every rank r and every rank i: recv[r][i * count, (i + 1) * count) =
   // send[i][0, count) (floats, exact copies, in rank order), enqueued on rank
   // r's stream. send[r] may be recv[r] + r * count (in place). On return the
   // work is enqueued: in each rank's stream order, what follows may read
   // recv[r] and rewrite send[r] (no peer reads it any more).
-  virtual GroupStatus AllGather(const float *const *send, int64_t count, float *const *recv) = 0;
+  virtual GroupStatus AllGather(const float* const* send, int64_t count, float* const* recv) = 0;
 };
 
 // Ranks that share the current device, rank r on streams[r]. AllGather: every
@@ -63,20 +63,20 @@ class RankGroup {
 // (cudaMemcpyAsync, rank order); then a second round of events so that no rank
 // rewrites its send buffer while a peer still copies it. Captures into a CUDA
 // graph like any stream work (the streams must be part of the capture).
-GroupStatus CreateSameDeviceGroup(const std::vector<cudaStream_t> &streams,
-                                  std::unique_ptr<RankGroup> *group);
+GroupStatus CreateSameDeviceGroup(const std::vector<cudaStream_t>& streams,
+                                  std::unique_ptr<RankGroup>* group);
 
 // NCCL ranks in this process, rank r on devices[r] and streams[r] (a stream of
 // that device): the library is dlopen()ed from `library` ("" = "libnccl.so.2"
 // on the loader's search path), the communicators made with ncclGetUniqueId +
 // ncclCommInitRank in one group; AllGather is ncclAllGather of every rank in
 // one group. NCCL refuses two ranks on one device.
-GroupStatus CreateNcclGroup(const std::vector<int> &devices,
-                            const std::vector<cudaStream_t> &streams, const std::string &library,
-                            std::unique_ptr<RankGroup> *group);
+GroupStatus CreateNcclGroup(const std::vector<int>& devices,
+                            const std::vector<cudaStream_t>& streams, const std::string& library,
+                            std::unique_ptr<RankGroup>* group);
 
 // The version NCCL reports (ncclGetVersion, e.g. 22703 for 2.27.3) when
 // `library` loads, else an error saying why it did not.
-GroupStatus NcclLibraryVersion(const std::string &library, int *version);
+GroupStatus NcclLibraryVersion(const std::string& library, int* version);
 
 }  // namespace rollout::cuda

@@ -31,16 +31,16 @@ inline constexpr int kNumKSegments = 8;
 // -- so the residual is added after the whole tree (x + T), as the CPU
 // reference does. REQUIRES: num_parts in {1, 2, 4, 8}; count and part_stride
 // multiples of 4; parts and out 16-byte aligned; out does not overlap parts.
-cudaError_t SumTree(const float *parts, int num_parts, int64_t part_stride, int64_t count,
-                    float *out, bool accumulate, cudaStream_t stream);
+cudaError_t SumTree(const float* parts, int num_parts, int64_t part_stride, int64_t count,
+                    float* out, bool accumulate, cudaStream_t stream);
 
 // The vocab-parallel embedding, one rank's part: x[t, :] =
 // float(shard[token_ids[t] - vocab_begin, :]) when vocab_begin <= token_ids[t]
 // < vocab_end, else zeros. shard: [>= vocab_end - vocab_begin, hidden] bf16; x:
 // [num_tokens, hidden] fp32. REQUIRES: hidden % 8 == 0.
-cudaError_t EmbeddingGatherShard(const int32_t *token_ids, int64_t num_tokens,
-                                 const __nv_bfloat16 *shard, int64_t vocab_begin, int64_t vocab_end,
-                                 int64_t hidden, float *x, cudaStream_t stream);
+cudaError_t EmbeddingGatherShard(const int32_t* token_ids, int64_t num_tokens,
+                                 const __nv_bfloat16* shard, int64_t vocab_begin, int64_t vocab_end,
+                                 int64_t hidden, float* x, cudaStream_t stream);
 
 // After the ranks' EmbeddingGatherShard outputs are all-gathered into
 // `gathered`
@@ -48,8 +48,8 @@ cudaError_t EmbeddingGatherShard(const int32_t *token_ids, int64_t num_tokens,
 // of rank token_ids[t] / rows_per_rank, the one that owns the token. Selected,
 // never summed (a sum with the other ranks' zeros would turn -0 into +0): x is
 // the exact embedding row at every degree. REQUIRES: hidden % 4 == 0.
-cudaError_t SelectOwnerRows(const int32_t *token_ids, int64_t num_tokens, const float *gathered,
-                            int64_t rank_stride, int64_t rows_per_rank, int64_t hidden, float *x,
+cudaError_t SelectOwnerRows(const int32_t* token_ids, int64_t num_tokens, const float* gathered,
+                            int64_t rank_stride, int64_t rows_per_rank, int64_t hidden, float* x,
                             cudaStream_t stream);
 
 }  // namespace rollout::cuda

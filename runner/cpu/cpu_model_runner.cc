@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <condition_variable>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -123,8 +123,9 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
     const Checkpoint& checkpoint, const CpuRunnerOptions& options) {
   absl::StatusOr<ModelConfig> config = ParseModelConfig(checkpoint.config_json());
   if (!config.ok()) {
-    return absl::Status(config.status().code(),
-                        absl::StrCat(checkpoint.dir(), "/config.json: ", config.status().message()));
+    return absl::Status(
+        config.status().code(),
+        absl::StrCat(checkpoint.dir(), "/config.json: ", config.status().message()));
   }
   if (options.kv_block_size <= 0 || options.attention_split_size <= 0 ||
       options.attention_split_size % options.kv_block_size != 0) {
@@ -229,8 +230,7 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
     bind(LayerName(i, "self_attn.q_proj.weight"), {nh * hd, h}, layer_heads(i, &Layer::q, false));
     bind(LayerName(i, "self_attn.k_proj.weight"), {nkv * hd, h}, layer_heads(i, &Layer::k, true));
     bind(LayerName(i, "self_attn.v_proj.weight"), {nkv * hd, h}, layer_heads(i, &Layer::v, true));
-    bind(LayerName(i, "self_attn.o_proj.weight"), {h, nh * hd},
-         layer_k_slice(i, &Layer::o, true));
+    bind(LayerName(i, "self_attn.o_proj.weight"), {h, nh * hd}, layer_k_slice(i, &Layer::o, true));
     bind(LayerName(i, "post_attention_layernorm.weight"), {h}, layer_whole(i, &Layer::post_norm));
     // One [2 * inter, hidden] matrix per rank: the MLP's two input projections in one pass over
     // x -- the rank's gate rows, then its up rows.
@@ -238,8 +238,7 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
       return Piece{&rk.layers[i].gate_up, 0, rk.index * rk.inter, rk.inter, 0, cols};
     });
     bind(LayerName(i, "mlp.up_proj.weight"), {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
-      return Piece{&rk.layers[i].gate_up, rk.inter * cols, rk.index * rk.inter, rk.inter, 0,
-                   cols};
+      return Piece{&rk.layers[i].gate_up, rk.inter * cols, rk.index * rk.inter, rk.inter, 0, cols};
     });
     bind(LayerName(i, "mlp.down_proj.weight"), {h, inter}, layer_k_slice(i, &Layer::down, false));
     if (c.qkv_bias) {
@@ -268,9 +267,9 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
       2ll * c.num_layers * options_.kv_block_size * nkv * hd * static_cast<int64_t>(sizeof(float));
   num_kv_blocks_ = static_cast<int32_t>(options_.kv_cache_bytes / kv_bytes_per_block);
   if (num_kv_blocks_ < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "KV cache of %d bytes holds no block of %d tokens (%d bytes each)",
-        options_.kv_cache_bytes, options_.kv_block_size, kv_bytes_per_block));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("KV cache of %d bytes holds no block of %d tokens (%d bytes each)",
+                        options_.kv_cache_bytes, options_.kv_block_size, kv_bytes_per_block));
   }
   for (Rank& rk : ranks_) {
     const int64_t cache_floats =
@@ -285,15 +284,14 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
 
 absl::Status CpuModelRunner::UpdateWeights(const std::vector<HostTensor>& tensors) {
   for (const HostTensor& t : tensors) {
-    if (absl::Status s = CheckTensorAgainstSpec(weight_specs_, t.name, t.dtype, t.shape);
-        !s.ok()) {
+    if (absl::Status s = CheckTensorAgainstSpec(weight_specs_, t.name, t.dtype, t.shape); !s.ok()) {
       return s;
     }
     const Binding& b = bindings_.at(t.name);
     if (t.bytes.size() != static_cast<size_t>(b.count) * DTypeSize(t.dtype)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "tensor '%s': %d bytes given, expected %d", t.name, t.bytes.size(),
-          static_cast<size_t>(b.count) * DTypeSize(t.dtype)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor '%s': %d bytes given, expected %d", t.name, t.bytes.size(),
+                          static_cast<size_t>(b.count) * DTypeSize(t.dtype)));
     }
   }
   // Each full tensor is sliced into the ranks' shards as Load did.
@@ -365,8 +363,7 @@ absl::Status CpuModelRunner::Forward(const ForwardBatch& batch, std::vector<floa
 }
 
 absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
-                                         const cpu::TokenSlots& slots,
-                                         std::vector<float>* logits) {
+                                         const cpu::TokenSlots& slots, std::vector<float>* logits) {
   const ModelConfig& c = config_;
   const int tp = options_.tensor_parallel;
   const int64_t t = batch.num_tokens();
@@ -379,7 +376,7 @@ absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
   const int seg_begin = rk.index * cpu::kNumKSegments / tp;
   const int seg_end = (rk.index + 1) * cpu::kNumKSegments / tp;
 
-  std::vector<float> x(t * h), xn(t * h);            // [t, hidden], replicated
+  std::vector<float> x(t * h), xn(t * h);                // [t, hidden], replicated
   std::vector<float> q(t * nh * hd), attn(t * nh * hd);  // [t, heads, head_dim]
   std::vector<float> k(t * nkv * hd), v(t * nkv * hd);   // [t, kv_heads, head_dim]
   std::vector<float> gate_up(t * 2 * inter), act(t * inter), proj(t * h);
@@ -456,8 +453,7 @@ absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
   const int64_t r = static_cast<int64_t>(batch.logit_rows.size());
   std::vector<float> rows(r * h);  // [logit rows, hidden]
   for (int64_t i = 0; i < r; ++i) {
-    std::memcpy(&rows[i * h], &x[static_cast<int64_t>(batch.logit_rows[i]) * h],
-                h * sizeof(float));
+    std::memcpy(&rows[i * h], &x[static_cast<int64_t>(batch.logit_rows[i]) * h], h * sizeof(float));
   }
   if (options_.batch_variant_for_testing) {
     BatchVariantRmsNorm(rows.data(), rk.final_norm.data(), r, h, c.rms_norm_eps);
@@ -486,8 +482,7 @@ absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
     const int64_t begin = std::min(vocab, src * vpr);
     const int64_t width = std::min(vocab, (src + 1) * vpr) - begin;
     for (int64_t i = 0; i < r; ++i) {
-      std::memcpy(&(*logits)[i * vocab + begin], &all[(src * r + i) * vpr],
-                  width * sizeof(float));
+      std::memcpy(&(*logits)[i * vocab + begin], &all[(src * r + i) * vpr], width * sizeof(float));
     }
   }
   return absl::OkStatus();

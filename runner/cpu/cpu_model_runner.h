@@ -6,13 +6,13 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "runner/cpu/communicator.h"
-#include "runner/host_logits.h"
+#include "common/thread_pool.h"
 #include "engine/model_runner.h"
+#include "kernels/cpu/ops.h"
 #include "model/safetensors.h"
 #include "model/tensor_parallel.h"
-#include "kernels/cpu/ops.h"
-#include "common/thread_pool.h"
+#include "runner/cpu/communicator.h"
+#include "runner/host_logits.h"
 
 namespace rollout {
 
@@ -73,14 +73,14 @@ class CpuModelRunner final : public ModelRunner {
  private:
   // One layer's weights and KV cache as one rank holds them (the whole layer at tp = 1).
   struct Layer {
-    std::vector<float> input_norm;     // [hidden]
-    std::vector<float> q, k, v;        // [heads * head_dim, hidden], [kv_heads * head_dim, hidden]
+    std::vector<float> input_norm;  // [hidden]
+    std::vector<float> q, k, v;     // [heads * head_dim, hidden], [kv_heads * head_dim, hidden]
     std::vector<float> q_bias, k_bias, v_bias;  // empty unless qkv_bias
     std::vector<float> q_norm, k_norm;          // [head_dim]; empty unless qk_norm
-    std::vector<float> o;              // [hidden, heads * head_dim]: its heads' K slice
-    std::vector<float> post_norm;      // [hidden]
-    std::vector<float> gate_up;        // [2 * inter, hidden]: its gate rows then its up rows
-    std::vector<float> down;           // [hidden, inter]: its K slice
+    std::vector<float> o;                       // [hidden, heads * head_dim]: its heads' K slice
+    std::vector<float> post_norm;               // [hidden]
+    std::vector<float> gate_up;           // [2 * inter, hidden]: its gate rows then its up rows
+    std::vector<float> down;              // [hidden, inter]: its K slice
     std::vector<float> k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
   };
 
@@ -116,8 +116,8 @@ class CpuModelRunner final : public ModelRunner {
     int64_t row_begin, rows, col_begin, cols;
   };
   struct Binding {
-    int64_t count = 0;        // elements of the full tensor
-    int64_t row_length = 0;   // elements per row of the full tensor
+    int64_t count = 0;       // elements of the full tensor
+    int64_t row_length = 0;  // elements per row of the full tensor
     std::vector<Piece> pieces;
   };
 

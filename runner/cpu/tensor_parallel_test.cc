@@ -6,13 +6,13 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
-#include "runner/cpu/cpu_model_runner.h"
 #include "engine/engine.h"
 #include "engine/engine_test_util.h"
-#include "model/random_model.h"
 #include "engine/sampler.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "model/random_model.h"
+#include "runner/cpu/cpu_model_runner.h"
 
 namespace rollout {
 namespace {
@@ -132,9 +132,8 @@ TEST(TensorParallelRunnerTest, LogitsAreBitwiseEqualAtEveryDegree) {
         const std::vector<std::string> got = RunSteps(runner.get());
         ASSERT_EQ(got.size(), want.size());
         for (size_t i = 0; i < got.size(); ++i) {
-          EXPECT_TRUE(got[i] == want[i])
-              << m.name << ": TP " << tp << " (threads " << threads << ") step " << i
-              << " logits differ from TP 1";
+          EXPECT_TRUE(got[i] == want[i]) << m.name << ": TP " << tp << " (threads " << threads
+                                         << ") step " << i << " logits differ from TP 1";
         }
       }
     }
@@ -165,13 +164,17 @@ HostTensor RandomTensor(const WeightSpec& spec, uint32_t seed, float scale, floa
 TEST(TensorParallelRunnerTest, WeightUpdatesSliceIntoTheRankShards) {
   // Every kind of binding: vocab rows (embed, lm_head), head rows (q, k, v and biases), K
   // slices (o, down), gate and up into one matrix, replicated norms.
-  const std::vector<std::string> names = {
-      "model.embed_tokens.weight",          "lm_head.weight",
-      "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
-      "model.layers.0.self_attn.v_proj.bias",   "model.layers.1.self_attn.o_proj.weight",
-      "model.layers.0.mlp.gate_proj.weight",    "model.layers.1.mlp.up_proj.weight",
-      "model.layers.0.mlp.down_proj.weight",    "model.layers.1.input_layernorm.weight",
-      "model.norm.weight"};
+  const std::vector<std::string> names = {"model.embed_tokens.weight",
+                                          "lm_head.weight",
+                                          "model.layers.0.self_attn.q_proj.weight",
+                                          "model.layers.1.self_attn.k_proj.weight",
+                                          "model.layers.0.self_attn.v_proj.bias",
+                                          "model.layers.1.self_attn.o_proj.weight",
+                                          "model.layers.0.mlp.gate_proj.weight",
+                                          "model.layers.1.mlp.up_proj.weight",
+                                          "model.layers.0.mlp.down_proj.weight",
+                                          "model.layers.1.input_layernorm.weight",
+                                          "model.norm.weight"};
   std::unique_ptr<CpuModelRunner> tp1 = MakeRunner(Qwen2Dir(), 1);
   ASSERT_NE(tp1, nullptr);
   std::vector<HostTensor> update;
@@ -274,9 +277,17 @@ std::vector<std::string> RunRollouts(const std::string& dir, int tp, int vocab) 
     s.sample_index = static_cast<int32_t>(i);
     for (int t = 0; t < lengths[i]; ++t) s.prompt.push_back((t * 31 + i * 7 + 3) % vocab);
     switch (i % 3) {
-      case 0: s.params.temperature = 0.0f; break;
-      case 1: s.params.temperature = 0.8f; s.params.top_p = 0.9f; break;
-      default: s.params.temperature = 1.3f; s.params.top_k = 20; break;
+      case 0:
+        s.params.temperature = 0.0f;
+        break;
+      case 1:
+        s.params.temperature = 0.8f;
+        s.params.top_p = 0.9f;
+        break;
+      default:
+        s.params.temperature = 1.3f;
+        s.params.top_k = 20;
+        break;
     }
     s.params.max_new_tokens = 24;
     s.params.ignore_eos = true;

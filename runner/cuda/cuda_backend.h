@@ -18,12 +18,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "runner/cuda/cuda_model_runner.h"  // CudaRunnerOptions only: declares, links nothing
-#include "model/model_config.h"
 #include "engine/model_runner.h"
-#include "model/safetensors.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
+#include "model/model_config.h"
+#include "model/safetensors.h"
+#include "runner/cuda/cuda_model_runner.h"  // CudaRunnerOptions only: declares, links nothing
 
 namespace rollout {
 
@@ -69,9 +69,8 @@ struct CudaBackendAbi {
            checkpoint_size == o.checkpoint_size && config_size == o.config_size &&
            batch_size == o.batch_size && task_size == o.task_size &&
            sampling_params_size == o.sampling_params_size &&
-           sample_result_size == o.sample_result_size &&
-           weight_spec_size == o.weight_spec_size && host_tensor_size == o.host_tensor_size &&
-           runner_size == o.runner_size;
+           sample_result_size == o.sample_result_size && weight_spec_size == o.weight_spec_size &&
+           host_tensor_size == o.host_tensor_size && runner_size == o.runner_size;
   }
   bool operator!=(const CudaBackendAbi& o) const { return !(*this == o); }
 };

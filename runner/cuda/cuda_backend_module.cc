@@ -9,8 +9,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
-#include "runner/cuda/cuda_model_runner.h"
 #include "runner/cuda/cuda_backend.h"
+#include "runner/cuda/cuda_model_runner.h"
 
 namespace rollout {
 namespace {

@@ -14,10 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "runner/cuda/cuda_runner_state.h"
 #include "glog/logging.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sampling.h"
+#include "runner/cuda/cuda_runner_state.h"
 
 namespace rollout {
 
@@ -250,8 +250,7 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   const auto fed_in = [&](const FedToken& f) {
     return f.token_index >= begin && f.token_index < end;
   };
-  const int64_t num_fed =
-      std::count_if(batch.fed_tokens.begin(), batch.fed_tokens.end(), fed_in);
+  const int64_t num_fed = std::count_if(batch.fed_tokens.begin(), batch.fed_tokens.end(), fed_in);
   const int64_t off_fed = shape.off_tables() + tables_size;
   const int64_t meta_ints = off_fed + 2 * num_fed;
   const size_t meta_bytes = static_cast<size_t>(meta_ints) * 4;
@@ -537,10 +536,10 @@ absl::Status CudaModelRunner::EnqueueAttention(RankState& rk, int layer,
     ROLLOUT_RETURN_IF_ERROR(CudaError(
         cuda::PagedAttentionMma(many, cuda::AttentionBlockShape::kManyTokens, cache, stream),
         "attention (many-token items)"));
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        fold ? cuda::MergeAttentionSplitsOfItems(ap, static_cast<int32_t>(hd), stream)
-             : cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), stream),
-        "attention split merge"));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(fold ? cuda::MergeAttentionSplitsOfItems(ap, static_cast<int32_t>(hd), stream)
+                       : cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), stream),
+                  "attention split merge"));
   } else {
     if (options_.split_parallel_decode) {
       ap.partials = rk.partials.get<float>();
@@ -798,10 +797,10 @@ absl::Status CudaModelRunner::EnqueueDeviceRows(const float* rows,
       CudaError(cuda::ProcessLogitsRows(rows, count, vocab, s.row_specs.get<cuda::LogitsRowSpec>(),
                                         s.row_results.get<cuda::LogitsRowResult>(), s.stream),
                 "sampling kernel"));
-  return CudaError(cudaMemcpyAsync(s.staging().results.get(), s.row_results.get(),
-                                   count * sizeof(cuda::LogitsRowResult), cudaMemcpyDeviceToHost,
-                                   s.stream),
-                   "downloading sampling results");
+  return CudaError(
+      cudaMemcpyAsync(s.staging().results.get(), s.row_results.get(),
+                      count * sizeof(cuda::LogitsRowResult), cudaMemcpyDeviceToHost, s.stream),
+      "downloading sampling results");
 }
 
 void CudaModelRunner::ConvertDeviceRows(const void* host, int64_t first, int64_t count,
@@ -877,8 +876,8 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
     return absl::FailedPreconditionError("two launched steps are not collected yet");
   }
   if (tasks.size() != batch.logit_rows.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat("%d tasks for %d logits rows", tasks.size(),
-                                                      batch.logit_rows.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%d tasks for %d logits rows", tasks.size(), batch.logit_rows.size()));
   }
   const bool fed = HasFedTokens(batch);
   if (fed && s.launched.empty()) {
@@ -886,8 +885,8 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
   // A staging slot no uncollected step uses, once the step that used it last is done with it.
-  s.slot = s.launched.empty() || s.launched.back().slot < 0 ? s.slot ^ 1
-                                                            : s.launched.back().slot ^ 1;
+  s.slot =
+      s.launched.empty() || s.launched.back().slot < 0 ? s.slot ^ 1 : s.launched.back().slot ^ 1;
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(cudaEventSynchronize(s.staging().done), "waiting for a staging slot"));
   const int64_t rows = static_cast<int64_t>(tasks.size());
@@ -896,8 +895,7 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
   // Enqueued only: one slice, its logits on the device, every row processed there, its fed
   // tokens (if any) in the device's results of the step before.
   absl::Status status;
-  if (batch.num_tokens() <= options_.max_batch_tokens && CanFeed(tasks) &&
-      (!fed || s.feed_ready)) {
+  if (batch.num_tokens() <= options_.max_batch_tokens && CanFeed(tasks) && (!fed || s.feed_ready)) {
     status = ForwardImpl(batch, nullptr, /*async=*/true);
     if (status.ok() && rows > 0) {
       status = EnqueueDeviceRows(s.logits.get<float>(), tasks, 0, rows);

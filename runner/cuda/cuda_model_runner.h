@@ -198,8 +198,8 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status Finish();
   absl::Status PinGemms();
   absl::Status PinCanonicalGemms();
-  // async (LaunchStep): fed tokens (batch.fed_tokens: rows of the device's sampling results) allowed,
-  // and nothing waits for the device.
+  // async (LaunchStep): fed tokens (batch.fed_tokens: rows of the device's sampling results)
+  // allowed, and nothing waits for the device.
   absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits, bool async = false);
   absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
                             float* host_logits, bool keep_on_device, bool async);

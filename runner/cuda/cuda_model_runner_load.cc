@@ -13,11 +13,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/cuda_device_scope.h"
+#include "glog/logging.h"
+#include "model/random_model.h"
 #include "model/tensor_parallel.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/cuda/cuda_runner_state.h"
-#include "model/random_model.h"
-#include "glog/logging.h"
 
 namespace rollout {
 namespace {
@@ -292,8 +292,7 @@ absl::Status CudaModelRunner::Init() {
         return absl::FailedPreconditionError(absl::StrCat(
             "tensor parallelism across devices needs NCCL (",
             o.nccl_library.empty() ? "libnccl.so.2" : o.nccl_library,
-            ", loaded at run time), which did not load: ",
-            loaded.message(),
+            ", loaded at run time), which did not load: ", loaded.message(),
             ". Install NCCL 2.x, or put the directory holding libnccl.so.2 (e.g. a PyTorch "
             "environment's site-packages/nvidia/nccl/lib) on LD_LIBRARY_PATH; or leave devices "
             "empty to run every rank on one device"));
@@ -301,9 +300,9 @@ absl::Status CudaModelRunner::Init() {
       const cuda::GroupStatus group =
           cuda::CreateNcclGroup(devices, streams, o.nccl_library, &s.group);
       if (!group.ok()) {
-        return absl::InternalError(
-            absl::StrCat("creating the NCCL group of devices ", absl::StrJoin(devices, ","),
-                         " (NCCL ", version, "): ", group.message()));
+        return absl::InternalError(absl::StrCat("creating the NCCL group of devices ",
+                                                absl::StrJoin(devices, ","), " (NCCL ", version,
+                                                "): ", group.message()));
       }
       ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
     }
@@ -514,9 +513,9 @@ absl::Status CudaModelRunner::LoadSynthetic(uint64_t seed) {
             host.resize(count * elem);
             ROLLOUT_RETURN_IF_ERROR(
                 CudaError(cudaStreamSynchronize(s.stream), "generating weights"));
-            ROLLOUT_RETURN_IF_ERROR(CudaError(
-                cudaMemcpy(host.data(), full.get(), count * elem, cudaMemcpyDeviceToHost),
-                absl::StrCat("staging ", spec.name)));
+            ROLLOUT_RETURN_IF_ERROR(
+                CudaError(cudaMemcpy(host.data(), full.get(), count * elem, cudaMemcpyDeviceToHost),
+                          absl::StrCat("staging ", spec.name)));
           }
           CudaDeviceScope scope;
           ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(p.device), "cudaSetDevice"));
@@ -613,8 +612,8 @@ absl::Status CudaModelRunner::Finish() {
     ROLLOUT_RETURN_IF_ERROR(CudaError(buffer->Allocate(bytes), "allocating activations"));
   }
   for (State::HostSlot& h : s.slots) {
-    ROLLOUT_RETURN_IF_ERROR(CudaError(h.specs.Allocate(r * sizeof(cuda::LogitsRowSpec)),
-                                      "allocating sampling specs"));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(h.specs.Allocate(r * sizeof(cuda::LogitsRowSpec)), "allocating sampling specs"));
     ROLLOUT_RETURN_IF_ERROR(CudaError(h.results.Allocate(r * sizeof(cuda::LogitsRowResult)),
                                       "allocating sampling results"));
     ROLLOUT_RETURN_IF_ERROR(
@@ -646,8 +645,7 @@ absl::Status CudaModelRunner::Finish() {
       bytes_per_block = std::max(bytes_per_block, block_bytes(rk.kv_heads));
       size_t rank_free = 0, rank_total = 0;
       ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
-      ROLLOUT_RETURN_IF_ERROR(
-          CudaError(cudaMemGetInfo(&rank_free, &rank_total), "cudaMemGetInfo"));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&rank_free, &rank_total), "cudaMemGetInfo"));
       free_bytes = std::min(free_bytes, rank_free);
     }
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
@@ -712,8 +710,8 @@ absl::Status CudaModelRunner::PinGemms() {
           CublasError(cuda::PinnedGemm::CreateHeuristic(s.lt, g.n, g.k, g.output, g.gemm),
                       absl::StrCat("creating the GEMM for ", g.name)));
     } else if (options_.gemm_ladder) {
-      ROLLOUT_RETURN_IF_ERROR(CublasError((*g.gemm)->BuildLadder(),
-                                          absl::StrCat("the GEMM ladder for ", g.name)));
+      ROLLOUT_RETURN_IF_ERROR(
+          CublasError((*g.gemm)->BuildLadder(), absl::StrCat("the GEMM ladder for ", g.name)));
     }
     s.gemm_descriptions.push_back(
         absl::StrFormat("%-8s n=%-6d k=%-6d %s", g.name, g.n, g.k, (*g.gemm)->Describe()));

@@ -16,14 +16,14 @@
 #include "absl/strings/str_cat.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
-#include "model/tensor_parallel.h"
-#include "runner/cuda/cuda_model_runner.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/rank_group.h"
 #include "kernels/cuda/sampling.h"
 #include "kernels/cuda/tensor_parallel.h"
+#include "model/tensor_parallel.h"
+#include "runner/cuda/cuda_model_runner.h"
 
 namespace rollout {
 namespace cuda_runner_internal {
@@ -33,7 +33,7 @@ using cuda::bf16;
 // One layer's weights as one rank holds them (heads, kv_heads, intermediate: the rank's own;
 // the whole layer at tensor_parallel = 1).
 struct LayerWeights {
-  bf16* qkv = nullptr;      // [(heads + 2 * kv_heads) * head_dim, hidden]: q rows, k rows, v rows
+  bf16* qkv = nullptr;  // [(heads + 2 * kv_heads) * head_dim, hidden]: q rows, k rows, v rows
   // [hidden, heads * head_dim]; with the canonical K tree [segments, hidden, K / 8], the rank's
   // segments of K = all heads * head_dim, each contiguous.
   bf16* o = nullptr;
@@ -123,9 +123,9 @@ struct RankState : RankShard {
 
   // Frees the rank's device memory (with its device current).
   void ReleaseBuffers() {
-    for (cuda::DeviceBuffer* b : {&meta, &rope_cos, &rope_sin, &weights_bf16, &weights_f32, &kv,
-                                  &x, &xn, &qkv, &q, &attn, &gate_up, &act, &final_rows,
-                                  &partials, &leaves, &gathered}) {
+    for (cuda::DeviceBuffer* b :
+         {&meta, &rope_cos, &rope_sin, &weights_bf16, &weights_f32, &kv, &x, &xn, &qkv, &q, &attn,
+          &gate_up, &act, &final_rows, &partials, &leaves, &gathered}) {
       b->Reset();
     }
   }

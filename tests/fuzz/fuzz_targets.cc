@@ -13,15 +13,15 @@
 #include <string>
 #include <string_view>
 
-#include "runner/cpu/cpu_model_runner.h"
 #include "engine/engine.h"
-#include "model/model_config.h"
-#include "model/random_model.h"
-#include "model/safetensors.h"
 #include "engine/sampler.h"
 #include "glog/logging.h"
 #include "google/protobuf/stubs/logging.h"
+#include "model/model_config.h"
+#include "model/random_model.h"
+#include "model/safetensors.h"
 #include "rollout/v1/rollout.pb.h"
+#include "runner/cpu/cpu_model_runner.h"
 #include "server/proto_convert.h"
 #include "server/weights_staging.h"
 
@@ -35,18 +35,17 @@ namespace {
   std::abort();
 }
 
-#define FUZZ_CHECK(cond, what)                               \
-  do {                                                       \
+#define FUZZ_CHECK(cond, what)                                \
+  do {                                                        \
     if (!(cond)) Violation(std::string(#cond ": ") + (what)); \
   } while (0)
-
 
 // A scratch directory for this process, removed at exit.
 const std::string& ScratchDir() {
   static const std::string* dir = [] {
     const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base != nullptr && *base ? base : "/tmp") +
-                          "/rollout-fuzz-XXXXXX";
+    std::string pattern =
+        std::string(base != nullptr && *base ? base : "/tmp") + "/rollout-fuzz-XXXXXX";
     if (::mkdtemp(pattern.data()) == nullptr) Violation("mkdtemp failed");
     auto* d = new std::string(pattern);
     std::atexit([] {
@@ -216,18 +215,17 @@ int FuzzModelConfig(const uint8_t* data, size_t size) {
   absl::StatusOr<ModelConfig> again = ParseModelConfig(written);
   FUZZ_CHECK(again.ok(), again.status().ToString() + "\n" + written);
   const ModelConfig& d = *again;
-  FUZZ_CHECK(d.architecture == c.architecture && d.family == c.family &&
-                 d.num_layers == c.num_layers && d.hidden_size == c.hidden_size &&
-                 d.intermediate_size == c.intermediate_size &&
-                 d.num_attention_heads == c.num_attention_heads &&
-                 d.num_key_value_heads == c.num_key_value_heads && d.head_dim == c.head_dim &&
-                 d.vocab_size == c.vocab_size &&
-                 d.max_position_embeddings == c.max_position_embeddings &&
-                 d.rms_norm_eps == c.rms_norm_eps && d.rope_theta == c.rope_theta &&
-                 d.tie_word_embeddings == c.tie_word_embeddings && d.qk_norm == c.qk_norm &&
-                 d.qkv_bias == c.qkv_bias && d.eos_token_ids == c.eos_token_ids &&
-                 d.torch_dtype == c.torch_dtype,
-             "ModelConfigToJson does not round-trip:\n" + written);
+  FUZZ_CHECK(
+      d.architecture == c.architecture && d.family == c.family && d.num_layers == c.num_layers &&
+          d.hidden_size == c.hidden_size && d.intermediate_size == c.intermediate_size &&
+          d.num_attention_heads == c.num_attention_heads &&
+          d.num_key_value_heads == c.num_key_value_heads && d.head_dim == c.head_dim &&
+          d.vocab_size == c.vocab_size && d.max_position_embeddings == c.max_position_embeddings &&
+          d.rms_norm_eps == c.rms_norm_eps && d.rope_theta == c.rope_theta &&
+          d.tie_word_embeddings == c.tie_word_embeddings && d.qk_norm == c.qk_norm &&
+          d.qkv_bias == c.qkv_bias && d.eos_token_ids == c.eos_token_ids &&
+          d.torch_dtype == c.torch_dtype,
+      "ModelConfigToJson does not round-trip:\n" + written);
   return 0;
 }
 
@@ -259,9 +257,9 @@ int FuzzGenerateRequest(const uint8_t* data, size_t size) {
       FUZZ_CHECK(s.score_start == 0, "a generate sample marked as scoring");
       FUZZ_CHECK(static_cast<int>(s.prompt.size()) == r.prompt_token_ids_size(), "prompt");
       FUZZ_CHECK(s.params.max_new_tokens >= 1, "max_new_tokens");
-      FUZZ_CHECK(static_cast<int64_t>(s.prompt.size()) + s.params.max_new_tokens <=
-                     engine.max_context(),
-                 "beyond the context");
+      FUZZ_CHECK(
+          static_cast<int64_t>(s.prompt.size()) + s.params.max_new_tokens <= engine.max_context(),
+          "beyond the context");
       FUZZ_CHECK(std::isfinite(s.params.temperature) && s.params.temperature >= 0, "temperature");
       const absl::Status valid = engine.Validate(s);
       FUZZ_CHECK(valid.ok(), valid.ToString());
@@ -369,12 +367,9 @@ int FuzzWeightsStream(const uint8_t* data, size_t size) {
 
 const std::vector<Target>& Targets() {
   static const std::vector<Target> targets = {
-      {"checkpoint", &FuzzCheckpoint},
-      {"checkpoint_index", &FuzzCheckpointIndex},
-      {"model_config", &FuzzModelConfig},
-      {"generate_request", &FuzzGenerateRequest},
-      {"score_request", &FuzzScoreRequest},
-      {"weights_stream", &FuzzWeightsStream},
+      {"checkpoint", &FuzzCheckpoint},      {"checkpoint_index", &FuzzCheckpointIndex},
+      {"model_config", &FuzzModelConfig},   {"generate_request", &FuzzGenerateRequest},
+      {"score_request", &FuzzScoreRequest}, {"weights_stream", &FuzzWeightsStream},
   };
   return targets;
 }

@@ -13,10 +13,10 @@
 #include <tuple>
 #include <vector>
 
-#include "runner/cuda/cuda_model_runner.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/compare.h"
 #include "kernels/cuda/ops.h"
+#include "runner/cuda/cuda_model_runner.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace rollout {
@@ -52,8 +52,8 @@ constexpr int64_t kLeafPinChoices[] = {256, 2048, -256};
 std::vector<int64_t> RowCounts(int64_t max_m) {
   std::vector<int64_t> ms;
   for (int64_t m = 1; m <= 512; ++m) ms.push_back(m);
-  for (int64_t m : {640, 768, 1000, 1024, 1536, 2048, 3000, 4096, 5000, 6144, 8191, 8192, 12288,
-                    16383}) {
+  for (int64_t m :
+       {640, 768, 1000, 1024, 1536, 2048, 3000, 4096, 5000, 6144, 8191, 8192, 12288, 16383}) {
     if (m < max_m) ms.push_back(m);
   }
   return ms;
@@ -77,9 +77,9 @@ TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
     ASSERT_EQ(CUBLAS_STATUS_SUCCESS,
               cuda::PinnedGemm::CreateHeuristic(lt_, s.n, s.k, s.output, &gemm));
   } else {
-    ASSERT_EQ(CUBLAS_STATUS_SUCCESS, cuda::PinnedGemm::Create(lt_, s.n, s.k, s.output,
-                                                              std::abs(pin_m), &gemm, &why,
-                                                              s.leaves))
+    ASSERT_EQ(
+        CUBLAS_STATUS_SUCCESS,
+        cuda::PinnedGemm::Create(lt_, s.n, s.k, s.output, std::abs(pin_m), &gemm, &why, s.leaves))
         << why;
   }
   if (pin_m < 0) {
@@ -130,10 +130,10 @@ TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
     unsigned long long differ = 0;
     for (int b = 0; b < s.leaves; ++b) {
       const int64_t leaf_bytes = m * s.n * out_bytes;
-      ASSERT_CUDA_OK(cuda::CountDifferentWords(
-          static_cast<char*>(y.get()) + b * leaf_bytes,
-          static_cast<char*>(ref.get()) + b * max_m * s.n * out_bytes, leaf_bytes,
-          count.get<unsigned long long>(), 0));
+      ASSERT_CUDA_OK(
+          cuda::CountDifferentWords(static_cast<char*>(y.get()) + b * leaf_bytes,
+                                    static_cast<char*>(ref.get()) + b * max_m * s.n * out_bytes,
+                                    leaf_bytes, count.get<unsigned long long>(), 0));
       unsigned long long leaf_differ = 0;
       ASSERT_CUDA_OK(cudaMemcpy(&leaf_differ, count.get(), 8, cudaMemcpyDeviceToHost));
       differ += leaf_differ;
@@ -142,9 +142,9 @@ TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
   }
   std::printf("[ checked  ] %-8s %zu row counts, %zu differ%s\n", s.name, RowCounts(max_m).size(),
               bad.size(), bad.empty() ? "" : " (first listed below)");
-  EXPECT_TRUE(bad.empty()) << s.name << ": rows differ from the m = " << max_m << " result at m = "
-                           << (bad.empty() ? 0 : bad.front()) << " (" << bad.size()
-                           << " row counts in all)";
+  EXPECT_TRUE(bad.empty()) << s.name << ": rows differ from the m = " << max_m
+                           << " result at m = " << (bad.empty() ? 0 : bad.front()) << " ("
+                           << bad.size() << " row counts in all)";
 
   // Not vacuous: the reference holds real, finite numbers.
   std::vector<float> head(64);
@@ -162,10 +162,10 @@ TEST_P(GemmTest, EveryRowIsBitwiseIndependentOfM) {
 
 std::string CaseName(const ::testing::TestParamInfo<std::tuple<Shape, int64_t>>& info) {
   const int64_t pin = std::get<1>(info.param);
-  return std::string(std::get<0>(info.param).name) +
-         (pin == 0  ? "_heuristic"
-          : pin < 0 ? "_ladder_at_" + std::to_string(-pin)
-                    : "_pinned_at_" + std::to_string(pin));
+  return std::string(std::get<0>(info.param).name) + (pin == 0 ? "_heuristic"
+                                                      : pin < 0
+                                                          ? "_ladder_at_" + std::to_string(-pin)
+                                                          : "_pinned_at_" + std::to_string(pin));
 }
 
 INSTANTIATE_TEST_SUITE_P(Qwen3_8b, GemmTest,

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "runner/cuda/cuda_model_runner.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "runner/cuda/cuda_model_runner.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace rollout {

@@ -87,9 +87,9 @@ TEST_F(KernelsTest, NormKernelsRefuseMisalignedPointers) {
   EXPECT_EQ(cudaErrorInvalidValue,
             cuda::RmsNorm(d_x.get<float>() + 1, nullptr, 1, dim, d_w.get<float>(), 1e-6f,
                           d_y.get<bf16>(), nullptr));
-  EXPECT_EQ(cudaErrorInvalidValue, cuda::RmsNorm(d_x.get<float>(), nullptr, 1, dim,
-                                                 d_w.get<float>(), 1e-6f, d_y.get<bf16>() + 2,
-                                                 nullptr));
+  EXPECT_EQ(cudaErrorInvalidValue,
+            cuda::RmsNorm(d_x.get<float>(), nullptr, 1, dim, d_w.get<float>(), 1e-6f,
+                          d_y.get<bf16>() + 2, nullptr));
   EXPECT_EQ(cudaSuccess, cuda::RmsNorm(d_x.get<float>() + dim, nullptr, 1, dim, d_w.get<float>(),
                                        1e-6f, d_y.get<bf16>() + dim, nullptr));
 
@@ -261,8 +261,8 @@ struct AttentionFixture {
     std::vector<bf16> out(cpu.size());
     for (int64_t slot = 0; slot < num_blocks * block_size; ++slot) {
       for (int32_t h = 0; h < nkv; ++h) {
-        std::memcpy(&out[cuda::KvOffset(slot, h, block_size, nkv, hd)],
-                    &cpu[(slot * nkv + h) * hd], hd * sizeof(bf16));
+        std::memcpy(&out[cuda::KvOffset(slot, h, block_size, nkv, hd)], &cpu[(slot * nkv + h) * hd],
+                    hd * sizeof(bf16));
       }
     }
     return out;

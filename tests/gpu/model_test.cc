@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "gtest/gtest.h"
+#include "model/random_model.h"
 #include "runner/cpu/cpu_model_runner.h"
 #include "runner/cuda/cuda_model_runner.h"
-#include "model/random_model.h"
-#include "gtest/gtest.h"
 #include "tests/gpu/forward_script.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -434,8 +434,7 @@ TEST_F(ModelTest, Qwen3_8bShapedGemmLadderGivesThePinsBits) {
       ++length[i];
     }
     batch = MakeBatch(seqs, step);
-    EXPECT_TRUE(
-        SameRows(all_rows(ladder->get(), batch), all_rows(pinned->get(), batch), vocab, 0))
+    EXPECT_TRUE(SameRows(all_rows(ladder->get(), batch), all_rows(pinned->get(), batch), vocab, 0))
         << "decode of " << rows << " rows";
   }
 }

@@ -11,13 +11,13 @@
 #include <mutex>
 #include <random>
 
+#include "common/thread_pool.h"
+#include "engine/engine.h"
+#include "engine/sampler.h"
+#include "kernels/cuda/sampling.h"
+#include "model/random_model.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/host_logits.h"
-#include "engine/engine.h"
-#include "model/random_model.h"
-#include "engine/sampler.h"
-#include "common/thread_pool.h"
-#include "kernels/cuda/sampling.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace rollout {
@@ -140,11 +140,13 @@ TEST(SamplingTest, DeviceResultsMatchTheHostSamplerWithinTolerance) {
     max_lp_err = std::max(max_lp_err, std::fabs(got[r].logprob - want[r].logprob));
     ASSERT_EQ(got[r].top.size(), want[r].top.size()) << r;
     for (size_t j = 0; j < got[r].top.size(); ++j) {
-      max_top_err = std::max(max_top_err, std::fabs(got[r].top[j].logprob - want[r].top[j].logprob));
+      max_top_err =
+          std::max(max_top_err, std::fabs(got[r].top[j].logprob - want[r].top[j].logprob));
       // Ids agree unless the host's neighbours are near-equal.
       const bool near_tie =
           (j > 0 && want[r].top[j - 1].logprob - want[r].top[j].logprob < 1e-4f) ||
-          (j + 1 < want[r].top.size() && want[r].top[j].logprob - want[r].top[j + 1].logprob < 1e-4f);
+          (j + 1 < want[r].top.size() &&
+           want[r].top[j].logprob - want[r].top[j + 1].logprob < 1e-4f);
       if (!near_tie) {
         EXPECT_EQ(got[r].top[j].token, want[r].top[j].token) << r << " " << j;
       }
@@ -229,7 +231,8 @@ TEST(SamplingTest, DeviceKeptLogitsEqualUploadedLogits) {
         b.token_ids.push_back(static_cast<int32_t>(rng() % c.vocab_size));
         b.positions.push_back(p);
         b.token_seq.push_back(s);
-        if (p % 3 == 0 || p == 39) b.logit_rows.push_back(static_cast<int32_t>(b.token_ids.size()) - 1);
+        if (p % 3 == 0 || p == 39)
+          b.logit_rows.push_back(static_cast<int32_t>(b.token_ids.size()) - 1);
       }
     }
     std::vector<SamplingParams> params = ParamVariants();
@@ -238,7 +241,8 @@ TEST(SamplingTest, DeviceKeptLogitsEqualUploadedLogits) {
       tasks[r].params = &params[r % params.size()];
       tasks[r].sample_seed = r;
       tasks[r].position = r;
-      if (r % params.size() == 8) tasks[r].score_token = static_cast<int32_t>(r * 31 % c.vocab_size);
+      if (r % params.size() == 8)
+        tasks[r].score_token = static_cast<int32_t>(r * 31 % c.vocab_size);
     }
     std::vector<float> host;
     ASSERT_TRUE((*runner)->ForwardToHost(b, &host).ok());
@@ -352,8 +356,8 @@ TEST(SamplingTest, ScoreEqualsGenerateBitwiseThroughTheEngine) {
       }
     }
   }
-  std::printf("score vs generate: %ld logprobs compared, %ld differ\n",
-              static_cast<long>(compared), static_cast<long>(differing));
+  std::printf("score vs generate: %ld logprobs compared, %ld differ\n", static_cast<long>(compared),
+              static_cast<long>(differing));
   EXPECT_EQ(differing, 0);
 }
 

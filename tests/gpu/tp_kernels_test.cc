@@ -45,7 +45,7 @@ class TpGemmTest : public gpu_test::CublasLtTest<> {
     return b;
   }
   template <typename T>
-  static std::vector<T> Download(const void *p, int64_t count) {
+  static std::vector<T> Download(const void* p, int64_t count) {
     std::vector<T> host(count);
     EXPECT_EQ(cudaSuccess, cudaMemcpy(host.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost));
     return host;
@@ -64,13 +64,13 @@ TEST_F(TpGemmTest, ColumnSlicesWithTheFullShapesAlgorithmAreBitwiseTheFullGemmsC
   constexpr int64_t kHidden = 4096, kHd = 128, kHeads = 32, kKvHeads = 8, kInter = 12288,
                     kVocab = 151936;
   struct Case {
-    const char *name;
+    const char* name;
     int64_t n;
     GemmOutput output;
     std::function<Slice(int tp, int rank)> slice;
     std::vector<int64_t> ms;
   };
-  auto range = [](Slice *s, int64_t begin, int64_t count) {
+  auto range = [](Slice* s, int64_t begin, int64_t count) {
     for (int64_t i = 0; i < count; ++i) s->rows.push_back(begin + i);
   };
   const std::vector<Case> cases = {
@@ -112,7 +112,7 @@ TEST_F(TpGemmTest, ColumnSlicesWithTheFullShapesAlgorithmAreBitwiseTheFullGemmsC
        },
        {1, 5, 64, 256}},
   };
-  for (const Case &c : cases) {
+  for (const Case& c : cases) {
     std::unique_ptr<cuda::PinnedGemm> full;
     std::string why;
     ASSERT_EQ(CUBLAS_STATUS_SUCCESS,
@@ -317,7 +317,7 @@ TEST_F(TpGemmTest, SumTreeIsTheCanonicalOrderAndPlainReductionsAreNot) {
                                        false, nullptr));
   ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
   const std::vector<float> t = Download<float>(tree.get(), count);
-  auto compare = [&](const cuda::DeviceBuffer &other, const char *what) {
+  auto compare = [&](const cuda::DeviceBuffer& other, const char* what) {
     const std::vector<float> o = Download<float>(other.get(), count);
     int64_t differing = 0;
     double max_rel = 0.0;
@@ -342,7 +342,7 @@ TEST(TpGroupTest, SameDeviceAllGatherCopiesEveryRankInRankOrder) {
   constexpr int kRanks = 4;
   constexpr int64_t kCount = 1000;
   std::vector<cudaStream_t> streams(kRanks);
-  for (cudaStream_t &s : streams) {
+  for (cudaStream_t& s : streams) {
     ASSERT_EQ(cudaSuccess, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   }
   std::unique_ptr<cuda::RankGroup> group;
@@ -350,8 +350,8 @@ TEST(TpGroupTest, SameDeviceAllGatherCopiesEveryRankInRankOrder) {
   ASSERT_TRUE(created.ok()) << created.message();
   std::vector<cuda::DeviceBuffer> recv(kRanks), own(kRanks);
   for (int round = 0; round < 2; ++round) {  // events are reused across calls
-    std::vector<const float *> send_ptrs;
-    std::vector<float *> recv_ptrs;
+    std::vector<const float*> send_ptrs;
+    std::vector<float*> recv_ptrs;
     std::vector<std::vector<float>> sent;
     for (int r = 0; r < kRanks; ++r) {
       sent.push_back(gpu_test::RandomFloats(kCount, 400 + 10 * round + r, 1.0f));
@@ -384,7 +384,7 @@ TEST(TpGroupTest, SameDeviceAllGatherCopiesEveryRankInRankOrder) {
 }
 
 std::string NcclLibrary() {
-  const char *path = std::getenv("ROLLOUT_NCCL_LIBRARY");
+  const char* path = std::getenv("ROLLOUT_NCCL_LIBRARY");
   return path != nullptr ? path : "";
 }
 
@@ -409,8 +409,8 @@ TEST(TpNcclTest, OneRankGroupThroughTheLoadedLibraryCopies) {
   const std::vector<float> sent = gpu_test::RandomFloats(4096, 501, 1.0f);
   cuda::DeviceBuffer send = gpu_test::Upload(sent), recv;
   ASSERT_EQ(cudaSuccess, recv.Allocate(4096 * 4));
-  const float *send_ptr = send.get<float>();
-  float *recv_ptr = recv.get<float>();
+  const float* send_ptr = send.get<float>();
+  float* recv_ptr = recv.get<float>();
   const cuda::GroupStatus s = group->AllGather(&send_ptr, 4096, &recv_ptr);
   ASSERT_TRUE(s.ok()) << s.message();
   ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(stream));
@@ -436,8 +436,8 @@ TEST(TpNcclTest, AllGatherOverTwoOrMoreGpusCopiesEveryRankInRankOrder) {
   std::vector<cudaStream_t> streams(ranks);
   std::vector<cuda::DeviceBuffer> send(ranks), recv(ranks);
   std::vector<std::vector<float>> sent(ranks);
-  std::vector<const float *> send_ptrs;
-  std::vector<float *> recv_ptrs;
+  std::vector<const float*> send_ptrs;
+  std::vector<float*> recv_ptrs;
   for (int r = 0; r < ranks; ++r) {
     ids[r] = r;
     ASSERT_EQ(cudaSuccess, cudaSetDevice(r));
@@ -477,19 +477,19 @@ TEST(TpNcclTest, AllGatherOverTwoOrMoreGpusCopiesEveryRankInRankOrder) {
 // SumTree of the leaves + residual). Also the leaves as eight separate calls,
 // and whole 2-layer forward steps with canonical_k_tree off and on.
 
-double TimeMs(const std::function<void()> &fn, int iters) {
+double TimeMs(const std::function<void()>& fn, int iters) {
   return cuda::MeanMilliseconds(fn, iters, /*warmups=*/3);
 }
 
 TEST_F(TpGemmTest, CostOfTheCanonicalKTreeAtQwen3_8bShapes) {
   constexpr int64_t kHidden = 4096;
   struct Proj {
-    const char *name;
+    const char* name;
     int64_t k;
   };
   double per_layer[2][2] = {};  // [m index][fused, tree] ms, o + down
   const int64_t ms[2] = {256, 8192};
-  for (const Proj &p : {Proj{"o_proj", 4096}, Proj{"down_proj", 12288}}) {
+  for (const Proj& p : {Proj{"o_proj", 4096}, Proj{"down_proj", 12288}}) {
     const int64_t seg = p.k / 8;
     std::unique_ptr<cuda::PinnedGemm> fused, proto, leaf;
     ASSERT_EQ(CUBLAS_STATUS_SUCCESS,

@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "runner/cuda/cuda_model_runner.h"
-#include "model/random_model.h"
-#include "kernels/cuda/rank_group.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/rank_group.h"
+#include "model/random_model.h"
+#include "runner/cuda/cuda_model_runner.h"
 #include "tests/gpu/forward_script.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -99,14 +99,14 @@ Script MakeScript(int vocab, int block_size, int num_seqs, int max_prompt, bool 
   return script;
 }
 
-ForwardBatch MakeBatch(const Script &script, const std::vector<Chunk> &chunks) {
+ForwardBatch MakeBatch(const Script& script, const std::vector<Chunk>& chunks) {
   return gpu_test::MakeBatch(script.seqs, chunks);
 }
 
 // Every step's logits rows, concatenated.
-std::vector<float> RunScript(CudaModelRunner *runner, const Script &script) {
+std::vector<float> RunScript(CudaModelRunner* runner, const Script& script) {
   std::vector<float> all;
-  for (const std::vector<Chunk> &step : script.steps) {
+  for (const std::vector<Chunk>& step : script.steps) {
     std::vector<float> logits;
     const absl::Status s = runner->ForwardToHost(MakeBatch(script, step), &logits);
     EXPECT_TRUE(s.ok()) << s;
@@ -116,15 +116,15 @@ std::vector<float> RunScript(CudaModelRunner *runner, const Script &script) {
   return all;
 }
 
-int32_t BlocksNeeded(const Script &script) {
+int32_t BlocksNeeded(const Script& script) {
   int32_t blocks = 0;
-  for (const Seq &s : script.seqs) blocks += static_cast<int32_t>(s.blocks.size());
+  for (const Seq& s : script.seqs) blocks += static_cast<int32_t>(s.blocks.size());
   return blocks;
 }
 
 // Bitwise comparison of logits rows, naming the first differing row and how
 // many differ.
-::testing::AssertionResult SameBits(const std::vector<float> &got, const std::vector<float> &want,
+::testing::AssertionResult SameBits(const std::vector<float>& got, const std::vector<float>& want,
                                     int64_t vocab) {
   if (got.size() != want.size() || want.empty()) {
     return ::testing::AssertionFailure()
@@ -163,8 +163,8 @@ class TpModelTest : public ::testing::Test {
   // The script's logits at TP 1 with the canonical tree (eager: no graphs),
   // then at each degree (graphs on): every degree bitwise equal to the
   // reference, every degree > 1 having replayed decode graphs.
-  static void CheckDegrees(const ModelConfig &config, const std::vector<int> &degrees,
-                           const Script &script, int64_t kv_bytes, int32_t max_batch_tokens) {
+  static void CheckDegrees(const ModelConfig& config, const std::vector<int>& degrees,
+                           const Script& script, int64_t kv_bytes, int32_t max_batch_tokens) {
     const int64_t vocab = config.vocab_size;
     std::vector<float> want;
     {
@@ -172,7 +172,7 @@ class TpModelTest : public ::testing::Test {
           config, 7, Options(1, true, false, kv_bytes, max_batch_tokens));
       ASSERT_TRUE(ref.ok()) << ref.status();
       ASSERT_GE((*ref)->num_kv_blocks(), BlocksNeeded(script));
-      for (const std::string &line : (*ref)->gemm_descriptions()) {
+      for (const std::string& line : (*ref)->gemm_descriptions()) {
         std::printf("[ pinned   ] %s\n", line.c_str());
       }
       const auto t0 = std::chrono::steady_clock::now();
@@ -216,10 +216,10 @@ TEST_F(TpModelTest, Qwen3_8bShapedLogitsAreBitwiseEqualAtTp1Tp2Tp4Tp8) {
 
 // New bf16 values (seeded) for every tensor of layer 1 and every tensor outside the layers
 // (embedding, final norm, lm_head): an update that touches each kind of binding.
-std::vector<HostTensor> RandomLayer1AndTopLevelUpdate(const ModelConfig &config, uint32_t seed) {
+std::vector<HostTensor> RandomLayer1AndTopLevelUpdate(const ModelConfig& config, uint32_t seed) {
   std::vector<HostTensor> update;
   std::mt19937 rng(seed);
-  for (const TensorSpec &spec : ExpectedTensors(config)) {
+  for (const TensorSpec& spec : ExpectedTensors(config)) {
     const bool pick = spec.name.find("layers.1.") != std::string::npos ||
                       spec.name.find("layers.") == std::string::npos;
     if (!pick) continue;
@@ -327,7 +327,7 @@ TEST_F(TpModelTest, DegreesTheModelCannotSplitAreRefused) {
 
 // Forward + ProcessLogits over the script: greedy, sampled with top-N logprobs and scored rows,
 // each result's token, logprob and top-N as bytes.
-std::vector<std::string> ProcessScript(CudaModelRunner *runner, const Script &script,
+std::vector<std::string> ProcessScript(CudaModelRunner* runner, const Script& script,
                                        int32_t vocab) {
   SamplingParams greedy, sampled;
   greedy.temperature = 0.0f;
@@ -335,7 +335,7 @@ std::vector<std::string> ProcessScript(CudaModelRunner *runner, const Script &sc
   sampled.temperature = 0.8f;
   sampled.top_logprobs = 5;
   std::vector<std::string> got;
-  for (const std::vector<Chunk> &step : script.steps) {
+  for (const std::vector<Chunk>& step : script.steps) {
     const ForwardBatch batch = MakeBatch(script, step);
     const absl::Status forward = runner->Forward(batch, nullptr);
     EXPECT_TRUE(forward.ok()) << forward;
@@ -351,11 +351,11 @@ std::vector<std::string> ProcessScript(CudaModelRunner *runner, const Script &sc
     const absl::Status s = runner->ProcessLogits(tasks, {}, &results);
     EXPECT_TRUE(s.ok()) << s;
     if (!s.ok()) return {};
-    for (const SampleResult &r : results) {
-      std::string bits(reinterpret_cast<const char *>(&r.token), 4);
-      bits.append(reinterpret_cast<const char *>(&r.logprob), 4);
-      for (const TokenLogprob &t : r.top) {
-        bits.append(reinterpret_cast<const char *>(&t), sizeof(t));
+    for (const SampleResult& r : results) {
+      std::string bits(reinterpret_cast<const char*>(&r.token), 4);
+      bits.append(reinterpret_cast<const char*>(&r.logprob), 4);
+      for (const TokenLogprob& t : r.top) {
+        bits.append(reinterpret_cast<const char*>(&t), sizeof(t));
       }
       got.push_back(bits);
     }
@@ -415,7 +415,7 @@ TEST_F(TpModelTest, CostOfTheCanonicalKTreeInForwardSteps) {
       for (int i = first; i < first + 16; ++i) step.push_back({i, 0, kContext, false});
       ASSERT_TRUE((*runner)->Forward(MakeBatch(script, step), &logits).ok());
     }
-    auto time_steps = [&](const std::function<std::vector<Chunk>(int)> &step_at, int steps) {
+    auto time_steps = [&](const std::function<std::vector<Chunk>(int)>& step_at, int steps) {
       bool ok = (*runner)->Forward(MakeBatch(script, step_at(0)), &logits).ok();  // warm-up
       const auto t0 = std::chrono::steady_clock::now();
       for (int k = 1; k <= steps && ok; ++k) {
@@ -452,7 +452,7 @@ TEST_F(TpModelTest, CostOfTheCanonicalKTreeInForwardSteps) {
 // --- Ranks on separate GPUs (CudaRunnerOptions::devices, exchanges through NCCL) ---
 
 std::string NcclLibraryPath() {
-  const char *path = std::getenv("ROLLOUT_NCCL_LIBRARY");
+  const char* path = std::getenv("ROLLOUT_NCCL_LIBRARY");
   return path != nullptr ? path : "";
 }
 
@@ -490,7 +490,7 @@ class TpMultiGpuTest : public TpModelTest {
 
   // TP 1 (canonical K tree) on GPU 0 vs TP d with rank r on GPU r, for every degree d the host
   // has GPUs for: the script's logits (ForwardToHost), and Forward + ProcessLogits results.
-  void CheckSpread(const ModelConfig &config, const Script &script, int64_t kv_bytes,
+  void CheckSpread(const ModelConfig& config, const Script& script, int64_t kv_bytes,
                    int32_t max_batch_tokens) {
     const int32_t vocab = config.vocab_size;
     std::vector<float> want_logits;
@@ -516,11 +516,10 @@ class TpMultiGpuTest : public TpModelTest {
         EXPECT_GE((*runner)->num_kv_blocks(), BlocksNeeded(script));
         const auto t0 = std::chrono::steady_clock::now();
         const std::vector<float> got = RunScript(runner->get(), script);
-        std::printf(
-            "[ multi    ] tp %d on %d GPUs: %zu logits rows, %.1f ms\n", tp, tp,
-            got.size() / vocab,
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                .count());
+        std::printf("[ multi    ] tp %d on %d GPUs: %zu logits rows, %.1f ms\n", tp, tp,
+                    got.size() / vocab,
+                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                        .count());
         EXPECT_TRUE(SameBits(got, want_logits, vocab)) << "tp " << tp << " on " << tp << " GPUs";
         EXPECT_EQ((*runner)->graph_launches(), 0) << "decode graphs are off across devices";
       }
@@ -586,8 +585,8 @@ TEST_F(TpModelTest, DevicesOptionIsValidated) {
     o.devices = std::move(devices);
     return CudaModelRunner::CreateSynthetic(config, 7, o);
   };
-  auto expect_refused = [](const absl::StatusOr<std::unique_ptr<CudaModelRunner>> &runner,
-                           const std::string &needle, const char *what) {
+  auto expect_refused = [](const absl::StatusOr<std::unique_ptr<CudaModelRunner>>& runner,
+                           const std::string& needle, const char* what) {
     ASSERT_FALSE(runner.ok()) << what;
     EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument) << runner.status();
     EXPECT_NE(std::string(runner.status().message()).find(needle), std::string::npos)
