@@ -1,9 +1,9 @@
-// rollout-bench: the offline throughput benchmark of design.md section 5 on the CUDA backend.
+// rollout-bench: the offline throughput benchmark of docs/benchmarks.md on the CUDA backend.
 //
 //   rollout-bench [--num_requests=256 --input_len=1024 --output_len=1024]
 //
 // 1. Measures this GPU's ceilings: device-to-device copy bandwidth and a bf16 GEMM rate
-//    (8192^3, cuBLASLt with a workspace), and computes design.md's floor from them.
+//    (8192^3, cuBLASLt with a workspace), and computes the floor of docs/benchmarks.md from them.
 // 2. Batch-1 decode ms/token vs its floor (weights read once per token).
 // 3. A per-kernel profile of one prefill step (max_batch_tokens) and one decode step (the whole
 //    batch at the mean decode context), CUDA events around every kernel.
@@ -93,7 +93,7 @@ void Check(const absl::Status& s) {
   }
 }
 
-// Device-to-device copy, bytes read + written per second (how design.md's 4.3 TB/s is counted).
+// Device-to-device copy, bytes read + written per second (how the floor's 4.3 TB/s is counted).
 double MeasureCopyBandwidth() {
   const size_t bytes = size_t{4} << 30;
   cuda::DeviceBuffer a, b;
@@ -155,7 +155,7 @@ double MeasureGemmFlops() {
   return 2.0 * n * n * n / (ms * 1e-3);
 }
 
-// design.md section 5's floor, from the measured rates.
+// The floor of docs/benchmarks.md ("The workload and its floor"), from the measured rates.
 struct Floor {
   double prefill_s = 0, decode_gemm_s = 0, decode_kv_s = 0;
   double total() const { return prefill_s + decode_gemm_s + decode_kv_s; }
@@ -413,7 +413,7 @@ int Main() {
   const int64_t kv_tokens = static_cast<int64_t>(runner->num_kv_blocks()) * runner->kv_block_size();
   const Floor floor = ComputeFloor(config, requests, in, out, kv_tokens, flops, bw);
   std::printf(
-      "floor (design.md section 5, measured rates): %.2f s = prefill GEMMs %.2f + decode "
+      "floor (docs/benchmarks.md, measured rates): %.2f s = prefill GEMMs %.2f + decode "
       "GEMMs %.2f + decode KV reads %.2f\n",
       floor.total(), floor.prefill_s, floor.decode_gemm_s, floor.decode_kv_s);
   const double batch1_floor_ms =

@@ -1,6 +1,6 @@
 #pragma once
 
-// The rollout benchmark's workload (design.md section 5), shared by the tools that drive the
+// The rollout benchmark's workload (docs/benchmarks.md, "The workload and its floor"), shared by the tools that drive the
 // Engine with it: rollout-bench (GPU) and rollout-engine-host-bench (no runner work).
 #include <cstdint>
 #include <random>

@@ -1,4 +1,4 @@
-// Paged causal attention with one per-row algorithm for prefill and decode (design.md section 3).
+// Paged causal attention with one per-row algorithm for prefill and decode (docs/determinism.md).
 //
 // Version 1 (this file): SIMT fp32. A block owns one work item (up to a few consecutive tokens of
 // one sequence) for one kv head, so the GQA group's query heads share every K/V tile read. Tiles

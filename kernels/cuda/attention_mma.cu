@@ -1,5 +1,5 @@
 // Paged causal attention on tensor cores: one per-row algorithm for prefill and decode
-// (design.md section 3), the contract in kernels/cuda/ops.h (PagedAttentionMma).
+// (docs/determinism.md), the contract in kernels/cuda/ops.h (PagedAttentionMma).
 //
 // Version 2 (this file): mma.sync m16n8k16 (bf16 in, fp32 accumulate). A warp owns 16 query rows;
 // a block owns one split of one work item for one kv head: kOneToken blocks are one warp (a

@@ -16,7 +16,7 @@
 // accumulation, one cuBLASLt algorithm per weight shape chosen once and used for every m.
 //
 // Why one algorithm: each output row must come out of the same sequence of operations whatever
-// m is (design.md section 3). cuBLAS promises nothing about m; its heuristics change kernels with
+// m is (docs/determinism.md, "On the CUDA backend"). cuBLAS promises nothing about m; its heuristics change kernels with
 // m, and a split-K kernel reduces K in an m-dependent way. A pinned algorithm with split-K 1 and
 // no reduction scheme walks K in one fixed order per output element; tests/gpu/gemm_test.cc
 // checks every row bitwise for m = 1..512 and larger powers of two on every weight shape.
@@ -61,7 +61,7 @@ class PinnedGemm {
   enum class Mode {
     kPinned,                // one algorithm for every m
     kHeuristicNoWorkspace,  // fallback: the no-workspace heuristic's pick per m (cached); what
-                            // design.md measured row-invariant through cublasGemmEx
+                            // measured row-invariant through cublasGemmEx (docs/cuda.md)
   };
 
   // Asks cuBLASLt's heuristic (no workspace) for algorithms for m = pin_m and pins the first

@@ -18,9 +18,9 @@
 // order (tensor_parallel.h), so nothing can depend on message size, algorithm
 // or chunking.
 //
-// Two implementations: ranks on one device exchanging by device copies
-// (CreateSameDeviceGroup; what CudaModelRunner uses), and NCCL loaded at run
-// time (CreateNcclGroup; one device per rank). kernels/cuda links no NCCL: the
+// Two implementations, both used by CudaModelRunner: ranks on one device
+// exchanging by device copies (CreateSameDeviceGroup), and NCCL loaded at run
+// time (CreateNcclGroup; one device per rank, --cuda_devices). kernels/cuda links no NCCL: the
 // build needs neither the library nor its header.
 namespace rollout::cuda {
 

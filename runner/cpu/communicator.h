@@ -8,17 +8,17 @@
 
 namespace rollout {
 
-// One rank's handle on a tensor-parallel group (the analogue of an ncclComm_t): collectives are
-// called by every rank of the group, each from the thread that runs that rank, in the same
-// sequence. The only collectives are the ones that move bits without arithmetic: the ordered
-// reductions of tensor parallelism are done by the caller on gathered partials (a fixed tree,
-// kernels/cpu/ops.h), never inside the communicator, so nothing can depend on message size,
-// algorithm or chunking.
+// One rank's handle on the CPU backend's tensor-parallel group (the analogue of an ncclComm_t):
+// collectives are called by every rank of the group, each from the thread that runs that rank,
+// in the same sequence, on host memory. The only collectives are the ones that move bits without
+// arithmetic: the ordered reductions of tensor parallelism are done by the caller on gathered
+// partials (a fixed tree, kernels/cpu/ops.h), never inside the communicator, so nothing can
+// depend on message size, algorithm or chunking.
 //
-// Buffers live where the rank's backend keeps its tensors: host memory for the in-process
-// implementation below; device memory for an NCCL implementation, which would bind each rank's
-// communicator to its stream at construction and enqueue ncclAllGather / a barrier on it (the
-// interface has room for that: calls return once the result may be used in stream order).
+// The CUDA backend has its own interface for the same rule, cuda::RankGroup
+// (kernels/cuda/rank_group.h): there one host thread enqueues the collectives of every rank on
+// the ranks' streams and nothing blocks, while here each rank is a thread that blocks in the
+// collective. One interface for both would have to be one of those two models.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -37,7 +37,7 @@ class Communicator {
 };
 
 // A group of `world_size` ranks that are threads of this process sharing memory (the CPU
-// backend's tensor parallelism, and the GPU backend's on one device with a stream per rank).
+// backend's tensor parallelism).
 // Returns one communicator per rank, index = rank; each must be used only by its rank's thread.
 // AllGather: every rank publishes its send pointer, a barrier, every rank copies all peers'
 // buffers into its own recv in rank order, a barrier (so no rank reuses its send buffer while
