@@ -76,7 +76,10 @@ Engine::Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options
       blocks_(num_kv_blocks_, kv_block_size_),
       cache_(&blocks_, options.prefix_cache),
       scheduler_(
-          SchedulerOptions{options.max_running_samples, options.max_batch_tokens, split_size_},
+          SchedulerOptions{options.max_running_samples, options.max_batch_tokens, split_size_,
+                           options.admission,
+                           std::min<int64_t>(config_.max_position_embeddings,
+                                             int64_t{num_kv_blocks_} * kv_block_size_)},
           &blocks_, &cache_, options.weight_version),
       version_(options.weight_version),
       published_version_(options.weight_version) {
@@ -363,6 +366,7 @@ void Engine::PublishCounters() {
   c.steps = steps_;
   c.lookahead_steps = lookahead_steps_;
   c.preemptions = scheduler_.num_preemptions();
+  c.recomputed_tokens = scheduler_.num_recomputed_tokens();
   c.kv_blocks_cached = cache_.num_cached_blocks();
   c.prompt_tokens = scheduler_.num_prompt_tokens();
   c.cache_hit_tokens = scheduler_.num_cache_hit_tokens();

@@ -27,6 +27,9 @@ struct EngineOptions {
   int32_t max_batch_tokens = 512;
   std::string weight_version = "0";
   bool prefix_cache = true;
+  // When a waiting sample may start (engine/scheduler.h): kReserve, the default, only when the
+  // KV pool can hold everything it may still need, so nothing is ever preempted.
+  AdmissionPolicy admission = AdmissionPolicy::kReserve;
   // Launch decode step N + 1 before step N's results are applied, its tokens fed from step N's
   // rows on the runner (Engine::LookaheadReady says when), on a runner whose launched steps run
   // on a device (ModelRunner::LaunchesAsync: the CUDA backend): the device then never waits for
@@ -101,6 +104,7 @@ struct EngineCounters {
   uint64_t steps = 0;
   uint64_t lookahead_steps = 0;  // of those, decode steps launched before the previous finished
   uint64_t preemptions = 0;
+  uint64_t recomputed_tokens = 0;  // prefilled again after a preemption
   int32_t kv_blocks_cached = 0;
   uint64_t prompt_tokens = 0;
   uint64_t cache_hit_tokens = 0;

@@ -2,6 +2,7 @@
 
 #include <condition_variable>
 #include <cstring>
+#include <iostream>
 #include <map>
 #include <mutex>
 
@@ -99,12 +100,62 @@ TEST(EngineTest, PreemptionUnderKvPressureGivesTheSameBits) {
   // 10 blocks of 16 tokens (K and V, 2 layers, 2 KV heads of 16 floats): just enough for the
   // longest sample alone, far less than the workload needs at once.
   small.kv_cache_bytes = 10ll * (2 * 2 * 16 * 2 * 16 * sizeof(float));
-  std::unique_ptr<Engine> engine = MakeEngine(small);
+  EngineOptions optimistic;
+  optimistic.admission = AdmissionPolicy::kOptimistic;  // admits on the prompt: preempts
+  std::unique_ptr<Engine> engine = MakeEngine(small, optimistic);
   ASSERT_EQ(engine->counters().kv_blocks_total, 10);
   EXPECT_EQ(RunWorkload(engine.get(), Workload()), reference);
   EXPECT_GT(engine->counters().preemptions, 0u);
   const EngineCounters c = engine->counters();
   EXPECT_EQ(c.kv_blocks_free + c.kv_blocks_cached, c.kv_blocks_total) << "no block leaked";
+}
+
+// 32 rollouts of 64 + 192 tokens against a pool of 2048 tokens (4x over-subscribed). Under the
+// default admission (kReserve) every sample completes with all its tokens and the bits of a
+// roomy pool, and nothing is recomputed; the optimistic policy, run beside it as the yardstick,
+// preempts and recomputes (and keeps the bits too: D5).
+TEST(EngineAdmissionTest, FourTimesOverSubscribedPoolFinishesEverySampleWithoutRecompute) {
+  std::vector<SampleSpec> specs;
+  for (int i = 0; i < 32; ++i) {
+    SampleSpec s;
+    s.sample_index = i;
+    for (int t = 0; t < 64; ++t) s.prompt.push_back((t * 13 + i * 29 + 1) % 256);
+    s.params.temperature = 0.8f;
+    s.params.max_new_tokens = 192;
+    s.params.ignore_eos = true;
+    s.sample_seed = DeriveSampleSeed(5, static_cast<uint32_t>(i));
+    specs.push_back(s);
+  }
+  const std::vector<std::string> reference = RunWorkload(MakeEngine({}).get(), specs);
+  CpuRunnerOptions small;
+  small.kv_cache_bytes = 2048ll * (2 * 2 * 16 * 2 * sizeof(float));  // the tiny model's KV/token
+  for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kOptimistic}) {
+    const bool reserve = policy == AdmissionPolicy::kReserve;
+    EngineOptions options;
+    options.admission = policy;
+    std::unique_ptr<Engine> engine = MakeEngine(small, options);
+    ASSERT_EQ(engine->counters().kv_blocks_total * 16, 2048);
+    Collector collector(specs.size());
+    ASSERT_TRUE(engine->Submit(specs, collector.Sink()).ok());
+    const std::vector<SampleCompletion> done = collector.Wait();
+    for (size_t i = 0; i < done.size(); ++i) {
+      EXPECT_EQ(done[i].token_ids.size(), 192u) << "sample " << i;
+      EXPECT_EQ(done[i].finish_reason, FinishReason::kLength) << "sample " << i;
+      EXPECT_EQ(Bits(done[i]), reference[i]) << "sample " << i;
+    }
+    const EngineCounters c = engine->counters();
+    std::cout << "[admission] " << (reserve ? "reserve" : "optimistic") << ": " << c.preemptions
+              << " preemptions, " << c.recomputed_tokens << " recomputed tokens, "
+              << c.prefilled_tokens << " prefilled for " << c.prompt_tokens << " prompt tokens, "
+              << c.steps << " steps" << std::endl;
+    if (reserve) {
+      EXPECT_EQ(c.preemptions, 0u);
+      EXPECT_LE(c.recomputed_tokens, c.prompt_tokens / 4);
+    } else {
+      EXPECT_GT(c.preemptions, 0u) << "the yardstick was never short of KV";
+    }
+    EXPECT_EQ(c.kv_blocks_free + c.kv_blocks_cached, c.kv_blocks_total) << "no block leaked";
+  }
 }
 
 TEST(EngineTest, DecodeLookaheadGivesTheBitsOfOneStepAtATime) {

@@ -63,7 +63,7 @@ std::vector<PrefixCache::Node*> PrefixCache::Match(const std::string& version,
     auto it = node->children.find(key);
     if (it == node->children.end()) break;
     node = it->second;
-    ++node->refs;
+    if (node->refs++ == 0) --unlocked_;
     Touch(node);
     path.push_back(node);
     blocks->push_back(node->block);
@@ -95,7 +95,7 @@ bool PrefixCache::Extend(const std::string& version, const std::vector<int32_t>&
     Reindex(parent);  // no longer a leaf
     owned = true;
   }
-  ++node->refs;
+  if (node->refs++ == 0 && !owned) --unlocked_;
   Touch(node);
   path->push_back(node);
   return owned;
@@ -126,7 +126,12 @@ void PrefixCache::Unlock(std::vector<Node*>* path) {
     CHECK_GT(node->refs, 0);
     --node->refs;
     Touch(node);
-    if (node->detached && node->refs == 0 && node->children.empty()) Free(node);
+    if (node->refs > 0) continue;
+    if (node->detached) {
+      if (node->children.empty()) Free(node);
+    } else {
+      ++unlocked_;
+    }
   }
   path->clear();
 }
@@ -135,6 +140,7 @@ int32_t PrefixCache::Evict(int32_t num_blocks) {
   int32_t freed = 0;
   while (freed < num_blocks && !evictable_.empty()) {
     Free(nodes_.at(evictable_.begin()->second).get());
+    --unlocked_;
     ++freed;
   }
   return freed;
@@ -165,6 +171,7 @@ FlushResult PrefixCache::Flush() {
     }
   }
   result.detached_blocks = static_cast<int32_t>(nodes_.size());
+  unlocked_ = 0;  // what is left is locked (and detached)
   return result;
 }
 

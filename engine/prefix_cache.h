@@ -67,6 +67,9 @@ class PrefixCache {
   FlushResult Flush();
 
   int32_t num_cached_blocks() const { return static_cast<int32_t>(nodes_.size()); }
+  // Cached blocks no sequence holds: every one can be evicted (a locked node's ancestors are
+  // locked too, so an unlocked node has only unlocked descendants).
+  int32_t num_unlocked_blocks() const { return unlocked_; }
 
  private:
   Node* Root(const std::string& version);
@@ -83,6 +86,7 @@ class PrefixCache {
   std::map<uint64_t, std::unique_ptr<Node>> nodes_;     // every node holding a block, by id
   // Unlocked leaves as (last use, id), the next victim first: Evict is O(log n) per block.
   std::set<std::pair<uint64_t, uint64_t>> evictable_;
+  int32_t unlocked_ = 0;  // reachable nodes with refs == 0
 };
 
 }  // namespace rollout

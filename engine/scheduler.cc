@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "glog/logging.h"
@@ -61,6 +62,33 @@ void Scheduler::CachePages(Sequence* seq) {
   }
 }
 
+int64_t Scheduler::MaxTokens(const Sequence& seq) const {
+  const int64_t context = options_.max_context > 0
+                              ? options_.max_context
+                              : static_cast<int64_t>(blocks_->num_total()) * blocks_->block_size();
+  if (seq.is_score()) return seq.num_tokens();
+  const int64_t most = seq.prompt_len + std::max<int64_t>(seq.params.max_new_tokens, 0);
+  return std::max(seq.num_tokens(), std::min(most, context));
+}
+
+int64_t Scheduler::FutureBlocks(const Sequence& seq) const {
+  return std::max<int64_t>(
+      0, blocks_->BlocksFor(MaxTokens(seq)) - static_cast<int64_t>(seq.block_table.size()));
+}
+
+bool Scheduler::FitsBesideRunning(int64_t extra_blocks) const {
+  int64_t committed = extra_blocks;
+  for (const Sequence* seq : running_) committed += FutureBlocks(*seq);
+  return committed <= blocks_->num_free() + cache_->num_unlocked_blocks();
+}
+
+void Scheduler::Take(Sequence* seq, int64_t end, std::vector<ScheduledChunk>* chunks) {
+  const int64_t begin = seq->num_computed;
+  num_recomputed_tokens_ += std::max<int64_t>(0, std::min(end, seq->max_computed) - begin);
+  seq->max_computed = std::max(seq->max_computed, end);
+  chunks->push_back({seq, begin, end});
+}
+
 bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>* chunks) {
   const int64_t page = blocks_->block_size();
   seq->cache_path = cache_->Match(cache_version_, seq->tokens, seq->max_prefix_tokens() / page,
@@ -68,9 +96,12 @@ bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>
   seq->num_computed = static_cast<int64_t>(seq->cache_path.size()) * page;
   seq->kv_version = cache_version_;
   const int64_t end = ChunkEnd(*seq, budget);
-  // Reserve KV for the whole known sequence up front, so an admitted prefill never waits on
-  // blocks midway.
-  if (end <= seq->num_computed || !Reserve(seq->num_tokens(), seq)) {
+  // kReserve counts what the sequence may still need against the room the running ones leave
+  // (its matched pages are locked now, so they no longer count as room). Either policy takes
+  // the KV of the whole known sequence up front, so an admitted prefill never waits midway.
+  const bool fits = options_.admission != AdmissionPolicy::kReserve ||
+                    FitsBesideRunning(FutureBlocks(*seq));
+  if (end <= seq->num_computed || !fits || !Reserve(seq->num_tokens(), seq)) {
     ReleaseKv(seq);
     seq->num_computed = 0;
     return false;
@@ -80,7 +111,7 @@ bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>
     num_prompt_tokens_ += seq->prompt_len;
     num_cache_hit_tokens_ += *seq->cached_prompt_tokens;
   }
-  chunks->push_back({seq, seq->num_computed, end});
+  Take(seq, end, chunks);
   return true;
 }
 
@@ -94,13 +125,19 @@ void Scheduler::Preempt(Sequence* seq) {
   ++num_preemptions_;
 }
 
-Sequence* Scheduler::LatestUnscheduled(const std::vector<ScheduledChunk>& chunks) const {
-  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+size_t Scheduler::VictimIndex(const std::vector<ScheduledChunk>& chunks) const {
+  std::optional<size_t> victim;
+  for (size_t i = 0; i < running_.size(); ++i) {
     bool scheduled = false;
-    for (const ScheduledChunk& c : chunks) scheduled |= c.seq == *it;
-    if (!scheduled) return *it;
+    for (const ScheduledChunk& c : chunks) scheduled |= c.seq == running_[i];
+    if (scheduled) continue;
+    // running_ ascends by arrival, so <= prefers the later arrival on a tie.
+    if (!victim.has_value() || running_[i]->num_computed <= running_[*victim]->num_computed) {
+      victim = i;
+    }
   }
-  LOG(FATAL) << "no unscheduled running sequence to preempt";
+  CHECK(victim.has_value()) << "no unscheduled running sequence to preempt";
+  return *victim;
 }
 
 int64_t Scheduler::ChunkEnd(const Sequence& seq, int64_t budget) const {
@@ -130,12 +167,13 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
         continue;
       }
       if (!Reserve(end, seq)) {
-        // The latest arrival not already in this step gives way; since everything before
-        // index i is scheduled or skipped, that is seq itself or one behind it.
-        Preempt(LatestUnscheduled(chunks));
+        // A running sequence not already in this step gives way (seq itself, possibly).
+        const size_t victim = VictimIndex(chunks);
+        Preempt(running_[victim]);
+        if (victim < i) --i;  // running_[i] is seq again
         continue;  // retry running_[i]: seq again, or its successor if seq was the victim
       }
-      chunks.push_back({seq, seq->num_computed, end});
+      Take(seq, end, &chunks);
       budget -= end - seq->num_computed;
       ++i;
     }

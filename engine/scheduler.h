@@ -11,10 +11,27 @@
 
 namespace rollout {
 
+// When a waiting sequence may start (docs/architecture.md, "Admission").
+enum class AdmissionPolicy {
+  // Only when the pool can hold everything it may still need -- its prompt plus max_new_tokens
+  // (capped at max_context) -- beside what every running sequence may still need. Blocks are
+  // still taken as the sequence grows; only the count is reserved. A running sequence then never
+  // waits for a block, so nothing is preempted and nothing recomputed; memory a sample does not
+  // use because it stops early is idle until it ends.
+  kReserve,
+  // As soon as its prompt fits; when a running sequence then needs a block and none is left,
+  // one gives way (preemption) and is recomputed later. Admits more at once when samples stop
+  // early, and pays for it in recomputation under pressure. Tests use it to force preemption.
+  kOptimistic,
+};
+
 struct SchedulerOptions {
   int32_t max_running = 64;        // sequences holding KV and taking part in steps
   int32_t max_batch_tokens = 512;  // tokens computed in one step (decode + prefill chunks)
   int32_t split_size = 64;         // prefill chunks end at multiples of this, or at the prompt end
+  AdmissionPolicy admission = AdmissionPolicy::kReserve;
+  // The most tokens a sequence can reach (the engine ends it there); 0: the whole pool.
+  int64_t max_context = 0;
 };
 
 // Tokens [begin, end) of one sequence to run this step.
@@ -53,17 +70,21 @@ class Scheduler {
   bool Reserve(int64_t num_tokens, Sequence* seq);
 
   // Picks this step's work. Running decoders first (oldest first), then running prefills, then
-  // new admissions in arrival order while the head of the queue fits (strict FCFS); an
-  // admission first takes the longest cached prefix. When a block is needed and none is free,
-  // unlocked cached pages are evicted (LRU); if that is not enough for a running sequence, the
-  // latest arrival is preempted: its blocks are freed (its computed pages stay cached) and it
-  // goes back to the queue, to be recomputed later.
+  // new admissions in arrival order while the head of the queue fits under the admission policy
+  // (strict FCFS); an admission first takes the longest cached prefix. When a block is needed
+  // and none is free, unlocked cached pages are evicted (LRU); if that is not enough for a
+  // running sequence (only under kOptimistic), the one that loses least gives way: the running
+  // sequence not in this step with the fewest computed tokens (ties: the latest arrival). Its
+  // blocks are freed, its computed whole pages stay cached (most recently used, so evicted
+  // last), and it goes back to the queue, to be resumed from what the cache still holds.
   std::vector<ScheduledChunk> Schedule();
 
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
   bool idle() const { return running_.empty() && waiting_.empty(); }
   uint64_t num_preemptions() const { return num_preemptions_; }
+  // Tokens computed again after a preemption (prefix-cache hits excluded).
+  uint64_t num_recomputed_tokens() const { return num_recomputed_tokens_; }
   uint64_t num_prompt_tokens() const { return num_prompt_tokens_; }
   uint64_t num_cache_hit_tokens() const { return num_cache_hit_tokens_; }
 
@@ -76,7 +97,18 @@ class Scheduler {
   // Takes the head of the queue into the running set with its cached prefix and a chunk
   // within `budget`; false (and no change) if it does not fit.
   bool Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>* chunks);
-  Sequence* LatestUnscheduled(const std::vector<ScheduledChunk>& chunks) const;
+  // The most tokens `seq` can reach: the whole sequence when scoring, else its prompt plus
+  // max_new_tokens, at most max_context.
+  int64_t MaxTokens(const Sequence& seq) const;
+  // Blocks `seq` may still take beyond the ones it holds.
+  int64_t FutureBlocks(const Sequence& seq) const;
+  // kReserve: whether the pool can hold `extra_blocks` more beside every running sequence's
+  // FutureBlocks (free blocks and unlocked cached pages count as room).
+  bool FitsBesideRunning(int64_t extra_blocks) const;
+  // Index in running_ of the preemption victim among those not in `chunks`.
+  size_t VictimIndex(const std::vector<ScheduledChunk>& chunks) const;
+  // Records the chunk and counts what of it is recomputation.
+  void Take(Sequence* seq, int64_t end, std::vector<ScheduledChunk>* chunks);
   static void InsertByArrival(Sequence* seq, std::vector<Sequence*>* list);
 
   const SchedulerOptions options_;
@@ -86,6 +118,7 @@ class Scheduler {
   std::vector<Sequence*> running_;  // ascending arrival
   std::vector<Sequence*> waiting_;  // ascending arrival
   uint64_t num_preemptions_ = 0;
+  uint64_t num_recomputed_tokens_ = 0;
   uint64_t num_prompt_tokens_ = 0;     // at first admission
   uint64_t num_cache_hit_tokens_ = 0;  // of those, served from the cache
 };

@@ -64,10 +64,10 @@ TEST(SchedulerTest, DecodersRunBeforePrefillsAndAdmissionIsFcfs) {
   EXPECT_EQ(second[0].end - second[0].begin, 1);
 }
 
-TEST(SchedulerTest, KvPressurePreemptsTheLatestArrivalAndItResumesLater) {
+TEST(SchedulerTest, OptimisticAdmissionUnderKvPressurePreemptsAndTheVictimResumesLater) {
   KvBlockManager blocks(4, 4);  // 16 tokens of KV in all
   PrefixCache cache(&blocks, /*enabled=*/false);
-  Scheduler scheduler({8, 32, 4}, &blocks, &cache, "v");
+  Scheduler scheduler({8, 32, 4, AdmissionPolicy::kOptimistic}, &blocks, &cache, "v");
   auto old_seq = MakeSeq(0, 6), new_seq = MakeSeq(1, 6);
   scheduler.Add(old_seq.get());
   scheduler.Add(new_seq.get());
@@ -88,6 +88,56 @@ TEST(SchedulerTest, KvPressurePreemptsTheLatestArrivalAndItResumesLater) {
   ASSERT_EQ(chunks.size(), 1u);
   EXPECT_EQ(chunks[0].seq, new_seq.get());
   EXPECT_EQ(chunks[0].begin, 0);
+  // Its KV was computed before (6 prompt tokens, then decode steps): all of it is recomputed,
+  // all but its last token, sampled before the preemption and never computed.
+  EXPECT_EQ(scheduler.num_recomputed_tokens(), static_cast<uint64_t>(chunks[0].end - 1));
+}
+
+// kReserve: a sequence starts only when the pool can hold its prompt plus max_new_tokens beside
+// what the running ones may still take, so no running sequence ever waits for a block.
+TEST(SchedulerTest, ReserveAdmissionFinishesWhatItStartsWithoutPreemption) {
+  KvBlockManager blocks(6, 4);  // 24 tokens of KV in all
+  PrefixCache cache(&blocks, /*enabled=*/false);
+  Scheduler scheduler({8, 32, 4}, &blocks, &cache, "v");  // kReserve is the default
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (int i = 0; i < 3; ++i) {
+    seqs.push_back(MakeSeq(i, 6));
+    seqs.back()->params.max_new_tokens = 6;  // 12 tokens = 3 blocks each: two fit at once
+    scheduler.Add(seqs.back().get());
+  }
+  size_t most_running = 0;
+  for (int step = 0; step < 200 && !scheduler.idle(); ++step) {
+    Apply(scheduler.Schedule());
+    most_running = std::max(most_running, scheduler.num_running());
+    for (auto& seq : seqs) {
+      if (seq->num_generated() == 6 && !seq->block_table.empty()) scheduler.Remove(seq.get());
+    }
+  }
+  EXPECT_TRUE(scheduler.idle());
+  EXPECT_EQ(most_running, 2u) << "two reservations of three blocks fit in six";
+  EXPECT_EQ(scheduler.num_preemptions(), 0u);
+  EXPECT_EQ(scheduler.num_recomputed_tokens(), 0u);
+  for (auto& seq : seqs) EXPECT_EQ(seq->num_generated(), 6);
+  EXPECT_EQ(blocks.num_free(), 6);
+}
+
+// Under pressure the running sequence that loses least gives way: the fewest computed tokens,
+// not the latest arrival.
+TEST(SchedulerTest, PreemptionTakesTheSequenceWithTheFewestComputedTokens) {
+  KvBlockManager blocks(7, 4);  // 28 tokens
+  PrefixCache cache(&blocks, /*enabled=*/false);
+  Scheduler scheduler({8, 64, 4, AdmissionPolicy::kOptimistic}, &blocks, &cache, "v");
+  auto a = MakeSeq(0, 11), b = MakeSeq(1, 3), c = MakeSeq(2, 7);
+  for (Sequence* seq : {a.get(), b.get(), c.get()}) scheduler.Add(seq);
+  Apply(scheduler.Schedule());  // 3 + 1 + 2 blocks, one left
+  Apply(scheduler.Schedule());  // every decode fits its blocks
+  ASSERT_EQ(scheduler.num_preemptions(), 0u);
+  // a takes the last block; b (4 computed tokens) needs one: b, not the later c (8), gives way.
+  Apply(scheduler.Schedule());
+  EXPECT_EQ(scheduler.num_preemptions(), 1u);
+  EXPECT_EQ(b->num_computed, 0) << "the sequence with the least KV gave way";
+  EXPECT_EQ(c->num_computed, 9);
+  EXPECT_EQ(a->num_computed, 13);
 }
 
 TEST(SchedulerTest, RemoveReleasesBlocksOfRunningAndWaiting) {

@@ -34,6 +34,9 @@ struct Sequence {
   std::vector<float> logprobs;                          // one per generated token
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // one per generated token if asked
   int64_t num_computed = 0;  // tokens [0, num_computed) have their KV in the cache
+  // Tokens [0, max_computed) were computed at least once (a chunk below it after a preemption
+  // is recomputation; a prefix-cache hit is not).
+  int64_t max_computed = 0;
   std::vector<int32_t> block_table;
   int64_t num_reported = 0;  // generated tokens already sent to the caller
   bool finished = false;     // its completion has been reported

@@ -140,6 +140,9 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
          e.kv_blocks_total - e.kv_blocks_free - e.kv_blocks_cached);
   Scalar(&out, "rollout_preemptions_total", "counter", "Samples preempted under KV pressure.",
          static_cast<double>(e.preemptions));
+  Scalar(&out, "rollout_recomputed_tokens_total", "counter",
+         "Tokens prefilled again because their sample was preempted.",
+         static_cast<double>(e.recomputed_tokens));
   Scalar(&out, "rollout_engine_steps_total", "counter", "Engine steps.",
          static_cast<double>(e.steps));
   Scalar(&out, "rollout_engine_lookahead_steps_total", "counter",

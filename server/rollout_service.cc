@@ -227,6 +227,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   k->set_prefilled_tokens(counters.prefilled_tokens);
   k->set_engine_steps(counters.steps);
   k->set_preemptions(counters.preemptions);
+  k->set_recomputed_tokens(counters.recomputed_tokens);
   k->set_kv_blocks_cached(static_cast<uint32_t>(counters.kv_blocks_cached));
   k->set_prompt_tokens(counters.prompt_tokens);
   k->set_cache_hit_tokens(counters.cache_hit_tokens);

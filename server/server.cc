@@ -167,6 +167,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   engine_options.weight_version = options.weight_version;
   engine_options.prefix_cache = options.prefix_cache;
   engine_options.decode_lookahead = options.decode_lookahead;
+  engine_options.admission = options.admission;
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(*std::move(runner), engine_options);
   if (!engine.ok()) return engine.status();

@@ -46,6 +46,10 @@ ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
           "through NCCL: libnccl.so.2 must load); empty: every rank on GPU 0");
 ABSL_FLAG(std::string, weight_version, "0", "version string reported with every completion");
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of shared prefixes across requests");
+ABSL_FLAG(std::string, admission, "reserve",
+          "when a waiting sample starts: reserve (only when the KV pool can hold its prompt plus "
+          "max_new_tokens beside the running ones: no preemption, no recomputation) or "
+          "optimistic (as soon as its prompt fits; preempts and recomputes under KV pressure)");
 ABSL_FLAG(bool, decode_lookahead, true,
           "cuda backend: launch decode step N + 1 before step N's results are applied (its "
           "tokens fed on the device); false: one step at a time. Never changes a bit");
@@ -105,6 +109,16 @@ int main(int argc, char** argv) {
   options.weight_version = absl::GetFlag(FLAGS_weight_version);
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   options.decode_lookahead = absl::GetFlag(FLAGS_decode_lookahead);
+  const std::string admission = absl::GetFlag(FLAGS_admission);
+  if (admission == "reserve") {
+    options.admission = rollout::AdmissionPolicy::kReserve;
+  } else if (admission == "optimistic") {
+    options.admission = rollout::AdmissionPolicy::kOptimistic;
+  } else {
+    std::fprintf(stderr, "rollout-server: --admission: '%s' is not reserve or optimistic\n",
+                 admission.c_str());
+    return 1;
+  }
   options.auth_token = absl::GetFlag(FLAGS_auth_token);
   if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
     std::ifstream in(file);

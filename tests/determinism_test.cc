@@ -630,6 +630,7 @@ ServerOptions PressureModeOptions(int32_t tensor_parallel = 1) {
   const int64_t bytes_per_token =
       backend != nullptr && std::string(backend) == "cuda" ? 1024 : 2048;
   options.kv_cache_bytes = 40ll * 16 * bytes_per_token;
+  options.admission = AdmissionPolicy::kOptimistic;  // admits on the prompt: preempts (D5)
   options.tensor_parallel = tensor_parallel;
   return options;
 }

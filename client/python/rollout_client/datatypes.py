@@ -137,6 +137,7 @@ class EngineCounters:
     prompt_tokens: int
     cache_hit_tokens: int
     scored_tokens: int
+    recomputed_tokens: int
 
 
 @dataclass
