@@ -1,6 +1,7 @@
 // rollout-bench: the offline throughput benchmark of docs/benchmarks.md on the CUDA backend.
 //
 //   rollout-bench [--num_requests=256 --input_len=1024 --output_len=1024]
+//   rollout-bench --workload=rl [--rl_prompts=64 --rl_samples=8 --input_len=1024]
 //
 // 1. Measures this GPU's ceilings: device-to-device copy bandwidth and a bf16 GEMM rate
 //    (8192^3, cuBLASLt with a workspace), and computes the floor of docs/benchmarks.md from them.
@@ -9,7 +10,11 @@
 //    batch at the mean decode context), CUDA events around every kernel.
 // 4. End to end through the Engine (synthetic Qwen3-8B weights generated on the GPU): random
 //    prompts, ignore_eos, fixed max_new_tokens; seconds, tokens/s, time in prefill and decode
-//    steps and on the host, and the ratio to the floor.
+//    steps and on the host, and the ratio to the floor; preemptions, recomputed tokens and the
+//    peak device memory. A run in which any sample ended short or aborted has failed: it says
+//    so, prints no RESULT line and exits 1.
+//    --workload=rl: the RL-shaped workload (bench/rollout_workload.h: prompts x samples sharing
+//    each prompt, long-tailed output lengths ending on a stop token), with its oracle floor.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -19,8 +24,10 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -28,6 +35,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
 #include "bench/rollout_workload.h"
 #include "common/thread_pool.h"
 #include "engine/engine.h"
@@ -67,6 +75,15 @@ ABSL_FLAG(bool, replay, true,
           "replay the workload's steps on the runner alone (no engine, "
           "logits left on the GPU): the device time of the forward passes");
 ABSL_FLAG(int32_t, batch1_tokens, 128, "decode steps timed at batch 1 (0: skip)");
+ABSL_FLAG(std::string, admission, "reserve",
+          "engine admission policy: reserve (the server's default) or optimistic");
+ABSL_FLAG(std::string, workload, "fixed",
+          "fixed: num_requests x input_len/output_len, ignore_eos; rl: rl_prompts requests of "
+          "rl_samples samples each, output lengths long-tailed (median rl_median, at most "
+          "output_len) ending on a stop token");
+ABSL_FLAG(int32_t, rl_prompts, 64, "--workload=rl: prompts (one request each)");
+ABSL_FLAG(int32_t, rl_samples, 8, "--workload=rl: samples per prompt");
+ABSL_FLAG(int32_t, rl_median, 2048, "--workload=rl: median output length");
 
 namespace rollout {
 namespace {
@@ -172,20 +189,23 @@ int64_t KvBytesPerToken(const ModelConfig& c) {
   return 2ll * c.num_layers * c.num_key_value_heads * c.head_dim * 2;
 }
 
-Floor ComputeFloor(const ModelConfig& c, int64_t requests, int64_t in, int64_t out,
-                   int64_t kv_capacity_tokens, double flops, double bw) {
+// prefill_tokens: the prompt tokens to compute (a prompt shared by samples counts once);
+// lengths: every sample's generated tokens after `in` prompt tokens.
+Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t in,
+                   const std::vector<int>& lengths, int64_t kv_capacity_tokens, double flops,
+                   double bw) {
   Floor f;
   const double p = GemmParams(c), lm = static_cast<double>(c.vocab_size) * c.hidden_size;
-  f.prefill_s = 2.0 * p * requests * in / flops;
-  // Requests run in waves of what fits in the KV cache.
-  const int64_t wave = std::max<int64_t>(1, std::min(requests, kv_capacity_tokens / (in + out)));
-  for (int64_t done = 0; done < requests; done += wave) {
-    const int64_t b = std::min(wave, requests - done);
-    for (int64_t s = 1; s <= out; ++s) {
-      f.decode_gemm_s += std::max(2.0 * (p + lm) / bw, 2.0 * (p + lm) * b / flops);
-      f.decode_kv_s += static_cast<double>(b) * (in + s) * KvBytesPerToken(c) / bw;
-    }
-  }
+  f.prefill_s = 2.0 * p * prefill_tokens / flops;
+  const double kv_bytes = static_cast<double>(KvBytesPerToken(c));
+  OracleDecodeSeconds(lengths, static_cast<int>(in), kv_capacity_tokens,
+                      [&](int64_t batch, int64_t kv_tokens) {
+                        const double gemm = std::max(2.0 * (p + lm) / bw,
+                                                     2.0 * (p + lm) * batch / flops);
+                        f.decode_gemm_s += gemm;
+                        f.decode_kv_s += kv_tokens * kv_bytes / bw;
+                        return 0.0;
+                      });
   return f;
 }
 
@@ -226,7 +246,11 @@ class TimedRunner final : public ModelRunner {
     if (s.ok()) {
       ++kind.steps;
       kind.tokens += batch.num_tokens();
-      launched_.push_back(&kind);
+      Launched launched{&kind, {}};
+      if (!stop_after_.empty()) {
+        for (const LogitsRowTask& t : tasks) launched.rows.push_back({t.sample_seed, t.position});
+      }
+      launched_.push_back(std::move(launched));
     }
     return s;
   }
@@ -234,10 +258,22 @@ class TimedRunner final : public ModelRunner {
     const auto start = Clock::now();
     absl::Status s = inner_->CollectStep(results);
     if (!launched_.empty()) {
-      launched_.front()->collect_ns += Nanoseconds(start);
+      launched_.front().kind->collect_ns += Nanoseconds(start);
+      if (s.ok()) EmulateStops(launched_.front().rows, results);
       launched_.pop_front();
     }
     return s;
+  }
+
+  // The RL workload's stand-in for a trained model's EOS: the sample with seed `seed` samples
+  // `stop_token` as its generated token number stop_after[seed] (counted from 1, after prompts of
+  // `prompt_len` tokens), and never before (a random model would hit it by chance). Only the
+  // token the engine sees changes; on the device a launched-ahead step of the sample may have
+  // used the original token, as after any stop (the engine drops that row).
+  void EmulateStops(int32_t stop_token, int64_t prompt_len, std::map<uint64_t, int> stop_after) {
+    stop_token_ = stop_token;
+    prompt_len_ = prompt_len;
+    stop_after_ = std::move(stop_after);
   }
 
   struct Kind {
@@ -253,8 +289,33 @@ class TimedRunner final : public ModelRunner {
   static int64_t Nanoseconds(Clock::time_point start) {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
   }
+  struct Row {
+    uint64_t seed;
+    int64_t position;  // of the token being sampled
+  };
+  struct Launched {
+    Kind* kind;
+    std::vector<Row> rows;  // with EmulateStops only
+  };
+  void EmulateStops(const std::vector<Row>& rows, std::vector<SampleResult>* results) const {
+    for (size_t r = 0; r < rows.size() && r < results->size(); ++r) {
+      auto it = stop_after_.find(rows[r].seed);
+      if (it == stop_after_.end()) continue;
+      int32_t& token = (*results)[r].token;
+      const int64_t generated = rows[r].position - prompt_len_ + 1;
+      if (generated == it->second) {
+        token = stop_token_;
+      } else if (token == stop_token_) {
+        token = stop_token_ + 1;
+      }
+    }
+  }
+
   CudaModelRunner* inner_;
-  std::deque<Kind*> launched_;  // engine thread only
+  std::deque<Launched> launched_;  // engine thread only
+  int32_t stop_token_ = 0;
+  int64_t prompt_len_ = 0;
+  std::map<uint64_t, int> stop_after_;  // by sample seed
 };
 
 // A batch of `seqs` sequences, each with blocks [i * per_seq, (i + 1) * per_seq), taking tokens
@@ -367,22 +428,68 @@ double ReplayDeviceOnly(CudaModelRunner* runner, int requests, int in, int out, 
   return Seconds(t0, t2);
 }
 
-int Main() {
-  const int32_t requests = absl::GetFlag(FLAGS_num_requests);
-  const int32_t in = absl::GetFlag(FLAGS_input_len), out = absl::GetFlag(FLAGS_output_len);
+// The end-to-end workload: the jobs to submit (one Submit each), every sample's expected
+// generated tokens and finish reason, and what its floor counts.
+struct Workload {
+  std::string name;
+  std::vector<std::vector<SampleSpec>> jobs;
+  std::vector<int> lengths;  // every sample's generated tokens, in job order
+  FinishReason finish = FinishReason::kLength;
+  int64_t prefill_tokens = 0;  // prompt tokens to compute (a shared prompt once)
+  int32_t stop_token = 0;      // rl: the stand-in EOS (TimedRunner::EmulateStops)
+};
+
+Workload MakeWorkload(int vocab, std::mt19937_64* rng) {
+  const int in = absl::GetFlag(FLAGS_input_len), out = absl::GetFlag(FLAGS_output_len);
+  const float temperature = absl::GetFlag(FLAGS_temperature);
+  Workload w;
+  if (absl::GetFlag(FLAGS_workload) == "rl") {
+    const int prompts = absl::GetFlag(FLAGS_rl_prompts), samples = absl::GetFlag(FLAGS_rl_samples);
+    w.stop_token = 1;
+    w.jobs = RlWorkload(prompts, samples, in, out, w.stop_token, temperature, vocab, rng);
+    w.lengths = RlOutputLengths(prompts * samples, absl::GetFlag(FLAGS_rl_median), out);
+    w.finish = FinishReason::kStop;
+    w.prefill_tokens = static_cast<int64_t>(prompts) * in;
+    std::vector<int> sorted = w.lengths;
+    std::sort(sorted.begin(), sorted.end());
+    int64_t total = 0;
+    for (int l : sorted) total += l;
+    w.name = absl::StrFormat("rl %d x %d samples, %d prompt + %d..%d (median %d, mean %.0f) tokens",
+                             prompts, samples, in, sorted.front(), sorted.back(),
+                             sorted[sorted.size() / 2], double(total) / sorted.size());
+    return w;
+  }
+  const int requests = absl::GetFlag(FLAGS_num_requests);
+  w.jobs = {RolloutWorkload(requests, in, out, temperature, vocab, rng)};
+  w.lengths.assign(requests, out);
+  w.prefill_tokens = static_cast<int64_t>(requests) * in;
+  w.name = absl::StrFormat("%d x %d/%d", requests, in, out);
+  return w;
+}
+
+// The GPU's rates, the runner on synthetic weights, and the floor of the workload.
+struct Setup {
+  ModelConfig config;
+  CudaRunnerOptions options;
+  std::unique_ptr<CudaModelRunner> runner;
+  double bw = 0, flops = 0, batch1_floor_ms = 0;
+};
+
+absl::StatusOr<Setup> MakeSetup() {
+  Setup setup;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, %.1f GiB\n", prop.name, prop.multiProcessorCount,
               prop.totalGlobalMem / double(1 << 30));
-
-  const double bw = MeasureCopyBandwidth();
-  const double flops = MeasureGemmFlops();
+  setup.bw = MeasureCopyBandwidth();
+  setup.flops = MeasureGemmFlops();
   std::printf("measured: device copy %.2f TB/s (read + write), bf16 GEMM 8192^3 %.0f TFLOP/s\n",
-              bw / 1e12, flops / 1e12);
+              setup.bw / 1e12, setup.flops / 1e12);
 
-  ModelConfig config = *PresetConfig(absl::GetFlag(FLAGS_preset));
+  ModelConfig& config = setup.config;
+  config = *PresetConfig(absl::GetFlag(FLAGS_preset));
   if (absl::GetFlag(FLAGS_num_layers) > 0) config.num_layers = absl::GetFlag(FLAGS_num_layers);
-  CudaRunnerOptions options;
+  CudaRunnerOptions& options = setup.options;
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.gemm_pin_m = absl::GetFlag(FLAGS_gemm_pin_m);
   options.gemm_ladder = absl::GetFlag(FLAGS_gemm_ladder);
@@ -395,212 +502,243 @@ int Main() {
   std::printf("attention kernel: %s, decode CUDA graphs: %s, row-parallel K: %s\n",
               absl::GetFlag(FLAGS_attention).c_str(), options.cuda_graphs ? "on" : "off",
               options.canonical_k_tree ? "canonical 8-segment tree (tp-invariant)" : "fused GEMM");
-  auto t0 = Clock::now();
+  const auto t0 = Clock::now();
   auto created = CudaModelRunner::CreateSynthetic(config, 0, options);
-  if (!created.ok()) {
-    std::fprintf(stderr, "creating the runner: %s\n", created.status().ToString().c_str());
-    return 1;
-  }
-  std::unique_ptr<CudaModelRunner> runner = *std::move(created);
+  if (!created.ok()) return created.status();
+  setup.runner = *std::move(created);
+  CudaModelRunner& runner = *setup.runner;
   std::printf(
       "synthetic %s weights generated on the GPU in %.1f s: %.2f GB weights, KV pool "
       "%.1f GB = %d blocks x %d tokens\n",
-      absl::GetFlag(FLAGS_preset).c_str(), Seconds(t0, Clock::now()), runner->weight_bytes() / 1e9,
-      runner->kv_cache_bytes() / 1e9, runner->num_kv_blocks(), runner->kv_block_size());
-  for (const std::string& line : runner->gemm_descriptions()) {
+      absl::GetFlag(FLAGS_preset).c_str(), Seconds(t0, Clock::now()), runner.weight_bytes() / 1e9,
+      runner.kv_cache_bytes() / 1e9, runner.num_kv_blocks(), runner.kv_block_size());
+  for (const std::string& line : runner.gemm_descriptions()) {
     std::printf("  pinned %s\n", line.c_str());
   }
-  const int64_t kv_tokens = static_cast<int64_t>(runner->num_kv_blocks()) * runner->kv_block_size();
-  const Floor floor = ComputeFloor(config, requests, in, out, kv_tokens, flops, bw);
-  std::printf(
-      "floor (docs/benchmarks.md, measured rates): %.2f s = prefill GEMMs %.2f + decode "
-      "GEMMs %.2f + decode KV reads %.2f\n",
-      floor.total(), floor.prefill_s, floor.decode_gemm_s, floor.decode_kv_s);
-  const double batch1_floor_ms =
-      2.0 * (GemmParams(config) + double(config.vocab_size) * config.hidden_size) / bw * 1e3;
+  setup.batch1_floor_ms =
+      2.0 * (GemmParams(config) + double(config.vocab_size) * config.hidden_size) / setup.bw * 1e3;
+  return setup;
+}
 
-  std::mt19937_64 rng(7);
-  const int bs = runner->kv_block_size();
-  const int vocab = config.vocab_size;
+// Batch-1 decode on the runner after a prompt of input_len tokens.
+void RunBatch1(const Setup& setup, std::mt19937_64* rng) {
+  const int steps = absl::GetFlag(FLAGS_batch1_tokens), in = absl::GetFlag(FLAGS_input_len);
+  CudaModelRunner& runner = *setup.runner;
+  const int bs = runner.kv_block_size(), vocab = setup.config.vocab_size;
   std::vector<float> logits;
-
-  // Batch-1 decode after a prompt of input_len tokens.
-  if (absl::GetFlag(FLAGS_batch1_tokens) > 0) {
-    const int steps = absl::GetFlag(FLAGS_batch1_tokens);
-    ForwardBatch prefill = SyntheticBatch(1, 0, in, bs, vocab, &rng);
-    prefill.block_tables[0].resize((in + steps + bs - 1) / bs);
-    for (int i = 0; i < static_cast<int>(prefill.block_tables[0].size()); ++i) {
-      prefill.block_tables[0][i] = i;
-    }
-    Check(runner->Forward(prefill, &logits));
-    ForwardBatch step = prefill;
-    double total = 0;
-    for (int s = 0; s < steps; ++s) {
-      step.token_ids = {static_cast<int32_t>(rng() % vocab)};
-      step.positions = {in + s};
-      step.token_seq = {0};
-      step.logit_rows = {0};
-      const auto a = Clock::now();
-      Check(runner->Forward(step, &logits));
-      if (s >= 8) total += Seconds(a, Clock::now());
-    }
-    const double ms = total / (steps - 8) * 1e3;
-    std::printf(
-        "\nbatch-1 decode at context %d: %.3f ms/token (floor %.3f ms: weights once at "
-        "the measured copy rate) = %.2fx the floor\n",
-        in, ms, batch1_floor_ms, ms / batch1_floor_ms);
+  ForwardBatch prefill = SyntheticBatch(1, 0, in, bs, vocab, rng);
+  prefill.block_tables[0].resize((in + steps + bs - 1) / bs);
+  for (int i = 0; i < static_cast<int>(prefill.block_tables[0].size()); ++i) {
+    prefill.block_tables[0][i] = i;
   }
+  Check(runner.Forward(prefill, &logits));
+  ForwardBatch step = prefill;
+  double total = 0;
+  for (int s = 0; s < steps; ++s) {
+    step.token_ids = {static_cast<int32_t>((*rng)() % vocab)};
+    step.positions = {in + s};
+    step.token_seq = {0};
+    step.logit_rows = {0};
+    const auto a = Clock::now();
+    Check(runner.Forward(step, &logits));
+    if (s >= 8) total += Seconds(a, Clock::now());
+  }
+  const double ms = total / (steps - 8) * 1e3;
+  std::printf(
+      "\nbatch-1 decode at context %d: %.3f ms/token (floor %.3f ms: weights once at "
+      "the measured copy rate) = %.2fx the floor\n",
+      in, ms, setup.batch1_floor_ms, ms / setup.batch1_floor_ms);
+}
 
-  // Per-kernel profiles: one full prefill step, one decode step of the whole batch.
-  {
-    runner->EnableProfiling(true);
-    const int per_step = std::max(1, options.max_batch_tokens / in);
-    ForwardBatch prefill = SyntheticBatch(per_step, 0, in, bs, vocab, &rng);
-    Check(runner->Forward(prefill, &logits));  // warm-up
-    runner->ResetProfile();
-    for (int i = 0; i < 3; ++i) Check(runner->Forward(prefill, &logits));
-    PrintProfile("prefill step profile", runner->profile(), prefill.num_tokens());
-    const int batch = std::min(requests, absl::GetFlag(FLAGS_max_running));
-    const int ctx = in + out / 2;
-    if (static_cast<int64_t>(batch) * ((ctx + bs) / bs + 1) <= runner->num_kv_blocks()) {
-      ForwardBatch decode = SyntheticBatch(batch, ctx, ctx + 1, bs, vocab, &rng);
-      Check(runner->ForwardToHost(decode, &logits));
-      runner->ResetProfile();
-      for (int i = 0; i < 5; ++i) Check(runner->ForwardToHost(decode, &logits));
-      PrintProfile("decode step profile (mean context), logits copied to the host",
-                   runner->profile(), batch);
-      const double kv_ms = double(batch) * ctx * KvBytesPerToken(config) / bw * 1e3;
-      const double gemm_ms =
-          std::max(
-              2.0 * (GemmParams(config) + double(vocab) * config.hidden_size) / bw,
-              2.0 * (GemmParams(config) + double(vocab) * config.hidden_size) * batch / flops) *
-          1e3;
-      std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms = %.2f ms\n", gemm_ms,
-                  kv_ms, gemm_ms + kv_ms);
-      // The device work alone, without the logits copy to the host.
-      runner->ResetProfile();
-      for (int i = 0; i < 5; ++i) Check(runner->Forward(decode, nullptr));
-      PrintProfile("decode step profile, logits left on the GPU", runner->profile(), batch);
-      // Sampling the step's rows on the GPU (T = 1, Gumbel-max, logprob), and on the host.
-      SamplingParams sp;
-      sp.temperature = 1.0f;
-      std::vector<LogitsRowTask> tasks(batch);
-      for (int q = 0; q < batch; ++q) {
-        tasks[q].params = &sp;
-        tasks[q].sample_seed = q;
-        tasks[q].position = ctx + 1;
+// Samples `tasks` rows on the GPU and on the host, and prints both times.
+void CompareSampling(CudaModelRunner& runner, const ForwardBatch& decode, int batch, int ctx) {
+  SamplingParams sp;
+  sp.temperature = 1.0f;
+  std::vector<LogitsRowTask> tasks(batch);
+  for (int q = 0; q < batch; ++q) {
+    tasks[q].params = &sp;
+    tasks[q].sample_seed = q;
+    tasks[q].position = ctx + 1;
+  }
+  std::vector<SampleResult> results;
+  std::vector<float> logits;
+  Check(runner.ProcessLogits(tasks, {}, &results));
+  const auto a = Clock::now();
+  for (int i = 0; i < 10; ++i) Check(runner.ProcessLogits(tasks, {}, &results));
+  const double gpu_ms = Seconds(a, Clock::now()) / 10 * 1e3;
+  Check(runner.ForwardToHost(decode, &logits));
+  cpu::ThreadPool pool;
+  const auto b = Clock::now();
+  Check(ProcessLogitsOnHost(tasks, logits, runner.config().vocab_size, &pool, &results));
+  const double host_ms = Seconds(b, Clock::now()) * 1e3;
+  std::printf(
+      "  sampling %d rows x %d vocab (T = 1): %.3f ms on the GPU (ProcessLogits: kernel + "
+      "transfers + sync) vs %.1f ms on the host (%d threads, after the logits copy)\n",
+      batch, runner.config().vocab_size, gpu_ms, host_ms,
+      static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+// Per-kernel profiles: one full prefill step, one decode step of the whole batch at the mean
+// decode context, each beside its floor.
+void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
+  const int in = absl::GetFlag(FLAGS_input_len), out = absl::GetFlag(FLAGS_output_len);
+  CudaModelRunner& runner = *setup.runner;
+  const ModelConfig& config = setup.config;
+  const int bs = runner.kv_block_size(), vocab = config.vocab_size;
+  std::vector<float> logits;
+  runner.EnableProfiling(true);
+  const int per_step = std::max(1, setup.options.max_batch_tokens / in);
+  ForwardBatch prefill = SyntheticBatch(per_step, 0, in, bs, vocab, rng);
+  Check(runner.Forward(prefill, &logits));  // warm-up
+  runner.ResetProfile();
+  for (int i = 0; i < 3; ++i) Check(runner.Forward(prefill, &logits));
+  PrintProfile("prefill step profile", runner.profile(), prefill.num_tokens());
+  const int batch = std::min(requests, absl::GetFlag(FLAGS_max_running));
+  const int ctx = in + out / 2;
+  if (static_cast<int64_t>(batch) * ((ctx + bs) / bs + 1) <= runner.num_kv_blocks()) {
+    ForwardBatch decode = SyntheticBatch(batch, ctx, ctx + 1, bs, vocab, rng);
+    Check(runner.ForwardToHost(decode, &logits));
+    runner.ResetProfile();
+    for (int i = 0; i < 5; ++i) Check(runner.ForwardToHost(decode, &logits));
+    PrintProfile("decode step profile (mean context), logits copied to the host", runner.profile(),
+                 batch);
+    const double kv_ms = double(batch) * ctx * KvBytesPerToken(config) / setup.bw * 1e3;
+    const double weights = 2.0 * (GemmParams(config) + double(vocab) * config.hidden_size);
+    const double gemm_ms = std::max(weights / setup.bw, weights * batch / setup.flops) * 1e3;
+    std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms = %.2f ms\n", gemm_ms,
+                kv_ms, gemm_ms + kv_ms);
+    // The device work alone, without the logits copy to the host.
+    runner.ResetProfile();
+    for (int i = 0; i < 5; ++i) Check(runner.Forward(decode, nullptr));
+    PrintProfile("decode step profile, logits left on the GPU", runner.profile(), batch);
+    CompareSampling(runner, decode, batch, ctx);
+  }
+  runner.EnableProfiling(false);
+}
+
+// What the end-to-end run's sink sees, under mu.
+struct E2eProgress {
+  std::mutex mu;
+  std::condition_variable cv;
+  int finished = 0;
+  int64_t generated = 0;
+  // Per job, per sample: generated tokens and finish reason of its completion.
+  std::vector<std::vector<std::optional<SampleCompletion>>> completions;
+};
+
+// The samples that did not end as the workload says (tokens, finish reason), printed; 0 when
+// every sample is whole.
+int CountBrokenSamples(const Workload& w, const E2eProgress& progress) {
+  int broken = 0;
+  size_t k = 0;
+  for (size_t j = 0; j < w.jobs.size(); ++j) {
+    for (size_t i = 0; i < w.jobs[j].size(); ++i, ++k) {
+      const std::optional<SampleCompletion>& c = progress.completions[j][i];
+      const bool whole = c.has_value() && c->finish_reason == w.finish &&
+                         static_cast<int>(c->token_ids.size()) == w.lengths[k];
+      if (whole) continue;
+      if (++broken <= 5) {
+        std::printf("  sample %zu of request %zu: %s\n", i, j,
+                    !c.has_value() ? "no completion"
+                                   : absl::StrFormat("%d of %d tokens, finish reason %d",
+                                                     c->token_ids.size(), w.lengths[k],
+                                                     static_cast<int>(c->finish_reason))
+                                         .c_str());
       }
-      std::vector<SampleResult> results;
-      Check(runner->ProcessLogits(tasks, {}, &results));
-      const auto a = Clock::now();
-      for (int i = 0; i < 10; ++i) Check(runner->ProcessLogits(tasks, {}, &results));
-      const double gpu_ms = Seconds(a, Clock::now()) / 10 * 1e3;
-      Check(runner->ForwardToHost(decode, &logits));
-      cpu::ThreadPool pool;
-      const auto b = Clock::now();
-      Check(ProcessLogitsOnHost(tasks, logits, vocab, &pool, &results));
-      const double host_ms = Seconds(b, Clock::now()) * 1e3;
-      std::printf(
-          "  sampling %d rows x %d vocab (T = 1): %.3f ms on the GPU (ProcessLogits: kernel + "
-          "transfers + sync) vs %.1f ms on the host (%d threads, after the logits copy)\n",
-          batch, vocab, gpu_ms, host_ms, static_cast<int>(std::thread::hardware_concurrency()));
-    }
-    runner->EnableProfiling(false);
-  }
-
-  if (absl::GetFlag(FLAGS_replay)) {
-    const double replay_s =
-        ReplayDeviceOnly(runner.get(), requests, in, out, options.max_batch_tokens, &rng);
-    if (replay_s > 0) {
-      std::printf("  floor %.2f s -> device-only replay at %.2fx the floor\n", floor.total(),
-                  replay_s / floor.total());
     }
   }
-  if (!absl::GetFlag(FLAGS_e2e)) return 0;
+  return broken;
+}
 
-  // End to end through the engine.
-  auto timed = std::make_unique<TimedRunner>(runner.get());
+// Waits for the run, printing progress every 10 s and tracking the device memory in use; false
+// when --e2e_timeout_s ran out first.
+bool WaitForRun(E2eProgress* progress, int samples, const TimedRunner& timer,
+                Clock::time_point start, int64_t* peak_used_bytes) {
+  std::unique_lock<std::mutex> lock(progress->mu);
+  const int timeout_s = absl::GetFlag(FLAGS_e2e_timeout_s);
+  double next_report = 10.0;
+  while (progress->finished < samples) {
+    progress->cv.wait_for(lock, std::chrono::seconds(1));
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      *peak_used_bytes = std::max<int64_t>(*peak_used_bytes, total_bytes - free_bytes);
+    }
+    const double now = Seconds(start, Clock::now());
+    if (timeout_s > 0 && now > timeout_s) return false;
+    if (now < next_report && progress->finished < samples) continue;
+    next_report += 10.0;
+    std::printf(
+        "  %6.1f s: %d/%d finished, %ld tokens generated, prefill steps %.1f s, decode "
+        "steps %.1f s\n",
+        now, progress->finished, samples, static_cast<long>(progress->generated),
+        timer.prefill.total_s(), timer.decode.total_s());
+    std::fflush(stdout);
+  }
+  return true;
+}
+
+// End to end through the engine. Returns the exit code: 1 when any sample ended short or
+// aborted (no RESULT line then), or when the run did not finish.
+int RunEndToEnd(const Setup& setup, const Workload& w, const Floor& floor, std::mt19937_64* rng) {
+  CudaModelRunner* runner = setup.runner.get();
+  auto timed = std::make_unique<TimedRunner>(runner);
   TimedRunner* timer = timed.get();
-  // The engine owns a ModelRunner; keep ours alive by handing it the decorator and a deleter
-  // order that destroys the engine first.
+  if (w.finish == FinishReason::kStop) {
+    std::map<uint64_t, int> stop_after;
+    size_t k = 0;
+    for (const auto& job : w.jobs) {
+      for (const SampleSpec& spec : job) stop_after[spec.sample_seed] = w.lengths[k++];
+    }
+    timer->EmulateStops(w.stop_token, absl::GetFlag(FLAGS_input_len), std::move(stop_after));
+  }
   EngineOptions engine_options;
   engine_options.max_running_samples = absl::GetFlag(FLAGS_max_running);
   engine_options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   engine_options.decode_lookahead = absl::GetFlag(FLAGS_decode_lookahead);
+  engine_options.admission = absl::GetFlag(FLAGS_admission) == "optimistic"
+                                 ? AdmissionPolicy::kOptimistic
+                                 : AdmissionPolicy::kReserve;
+  // The engine owns the decorator; it is destroyed (and its thread joined) before `runner`.
   auto engine = Engine::Create(std::move(timed), engine_options);
   if (!engine.ok()) {
     std::fprintf(stderr, "engine: %s\n", engine.status().ToString().c_str());
     return 1;
   }
-  std::vector<SampleSpec> samples =
-      RolloutWorkload(requests, in, out, absl::GetFlag(FLAGS_temperature), vocab, &rng);
-  std::mutex mu;
-  std::condition_variable cv;
-  bool timed_out = false;
-  int finished = 0;
-  int64_t generated = 0;
-  const auto start = Clock::now();
-  auto job = (*engine)->Submit(std::move(samples), [&](std::vector<SampleEvent> events) {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const SampleEvent& e : events) {
-      generated += static_cast<int64_t>(e.new_token_ids.size());
-      if (e.completion.has_value()) ++finished;
-    }
-    cv.notify_all();
-  });
-  if (!job.ok()) {
-    std::fprintf(stderr, "submit: %s\n", job.status().ToString().c_str());
-    return 1;
+  E2eProgress progress;
+  int samples = 0;
+  int64_t expected_tokens = 0;
+  for (const auto& job : w.jobs) {
+    progress.completions.emplace_back(job.size());
+    samples += static_cast<int>(job.size());
   }
+  for (int l : w.lengths) expected_tokens += l;
   std::printf(
-      "\nend to end: %d requests, %d prompt + %d generated tokens each, temperature %.2g, "
-      "max_running %d, max_batch_tokens %d\n",
-      requests, in, out, absl::GetFlag(FLAGS_temperature), engine_options.max_running_samples,
-      engine_options.max_batch_tokens);
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    const int timeout_s = absl::GetFlag(FLAGS_e2e_timeout_s);
-    double next_report = 10.0;
-    while (finished < requests) {
-      cv.wait_for(lock, std::chrono::seconds(1));
-      const double now = Seconds(start, Clock::now());
-      if (timeout_s > 0 && now > timeout_s) {
-        timed_out = true;
-        break;
+      "\nend to end: %s, temperature %.2g, max_running %d, max_batch_tokens %d, admission %s\n",
+      w.name.c_str(), absl::GetFlag(FLAGS_temperature), engine_options.max_running_samples,
+      engine_options.max_batch_tokens, absl::GetFlag(FLAGS_admission).c_str());
+  const auto start = Clock::now();
+  for (size_t j = 0; j < w.jobs.size(); ++j) {
+    auto job = (*engine)->Submit(w.jobs[j], [&progress, j](std::vector<SampleEvent> events) {
+      std::lock_guard<std::mutex> lock(progress.mu);
+      for (SampleEvent& e : events) {
+        progress.generated += static_cast<int64_t>(e.new_token_ids.size());
+        if (!e.completion.has_value()) continue;
+        ++progress.finished;
+        progress.completions[j][e.sample_index] = *std::move(e.completion);
       }
-      if (now < next_report && finished < requests) continue;
-      next_report += 10.0;
-      std::printf(
-          "  %6.1f s: %d/%d finished, %ld tokens generated, prefill steps %.1f s, decode "
-          "steps %.1f s\n",
-          Seconds(start, Clock::now()), finished, requests, static_cast<long>(generated),
-          timer->prefill.total_s(), timer->decode.total_s());
-      std::fflush(stdout);
+      progress.cv.notify_all();
+    });
+    if (!job.ok()) {
+      std::fprintf(stderr, "submit: %s\n", job.status().ToString().c_str());
+      return 1;
     }
   }
+  int64_t peak_used = 0;
+  const bool done = WaitForRun(&progress, samples, *timer, start, &peak_used);
   const double e2e = Seconds(start, Clock::now());
   const double forward = timer->prefill.total_s() + timer->decode.total_s();
   const int64_t decode_steps = timer->decode.steps.load();
   const int64_t steps = timer->prefill.steps.load() + decode_steps;
-  if (timed_out) {
-    // Not a result: what the steps so far cost, per kind, to say where the time goes.
-    std::printf(
-        "\nE2E INCOMPLETE after %.1f s (--e2e_timeout_s): %d/%d requests finished, %ld "
-        "tokens generated\n",
-        e2e, finished, requests, static_cast<long>(generated));
-    std::printf(
-        "  steps with prefill: %ld, %.2f s in their launches and collections; decode-only "
-        "steps: %ld, %.2f s (%.1f ms/step); engine host work outside them: %.2f s (%.1f ms per "
-        "step)\n",
-        static_cast<long>(timer->prefill.steps.load()), timer->prefill.total_s(),
-        static_cast<long>(decode_steps), timer->decode.total_s(), timer->decode.ms_per_step(),
-        e2e - forward, (e2e - forward) / std::max<int64_t>(1, steps) * 1e3);
-    engine->reset();
-    return 0;
-  }
-  std::printf("\nRESULT %s %d x %d/%d: %.2f s end to end, %.0f output tok/s, %.0f total tok/s\n",
-              absl::GetFlag(FLAGS_preset).c_str(), requests, in, out, e2e,
-              double(requests) * out / e2e, double(requests) * (in + out) / e2e);
   const EngineCounters counters = (*engine)->counters();
   std::printf(
       "  steps with prefill: %ld (%ld tokens), %.2f s in their launches and collections (%.2f "
@@ -615,55 +753,123 @@ int Main() {
       timer->decode.launch_s() / std::max<int64_t>(1, decode_steps) * 1e3,
       static_cast<long>(counters.lookahead_steps), e2e - forward,
       (e2e - forward) / std::max<int64_t>(1, steps) * 1e3);
+  std::printf(
+      "  KV: %lu preemptions, %lu recomputed tokens, %lu prefilled for %lu prompt tokens (%lu "
+      "from the prefix cache); peak device memory in use %.2f GB of which KV pool %.2f GB\n",
+      static_cast<unsigned long>(counters.preemptions),
+      static_cast<unsigned long>(counters.recomputed_tokens),
+      static_cast<unsigned long>(counters.prefilled_tokens),
+      static_cast<unsigned long>(counters.prompt_tokens),
+      static_cast<unsigned long>(counters.cache_hit_tokens), peak_used / 1e9,
+      runner->kv_cache_bytes() / 1e9);
+  engine->reset();  // joins the engine thread before `runner` goes
+  if (!done) {
+    std::printf(
+        "\nE2E INCOMPLETE after %.1f s (--e2e_timeout_s): %d/%d samples finished, %ld of %ld "
+        "tokens generated: no result\n",
+        e2e, progress.finished, samples, static_cast<long>(progress.generated),
+        static_cast<long>(expected_tokens));
+    return 1;
+  }
+  if (const int broken = CountBrokenSamples(w, progress); broken > 0) {
+    std::printf(
+        "\nE2E FAILED: %d of %d samples ended short or aborted (%ld of %ld tokens generated): "
+        "no result\n",
+        broken, samples, static_cast<long>(progress.generated),
+        static_cast<long>(expected_tokens));
+    return 1;
+  }
+  std::printf("\nRESULT %s %s: %.2f s end to end, %.0f output tok/s, %.0f total tok/s\n",
+              absl::GetFlag(FLAGS_preset).c_str(), w.name.c_str(), e2e, expected_tokens / e2e,
+              (expected_tokens + double(absl::GetFlag(FLAGS_input_len)) * samples) / e2e);
   std::printf("  decode graphs: %ld captured, %ld replays\n",
               static_cast<long>(runner->graphs_captured()),
               static_cast<long>(runner->graph_launches()));
   std::printf(
-      "  floor %.2f s -> %.2fx the floor (published on H200: SGLang 30.85 s, SGLang "
-      "deterministic 43.99 s, floor ~23 s)\n",
+      "  floor %.2f s -> %.2fx the floor (published on H200 for 256 x 1024/1024: SGLang "
+      "30.85 s, SGLang deterministic 43.99 s, floor ~23 s)\n",
       floor.total(), e2e / floor.total());
-  engine->reset();  // joins the engine thread before `runner` goes
+  return 0;
+}
 
-  // Batch-1 decode through the engine: one request, input_len prompt, batch1_tokens generated.
-  const int b1 = absl::GetFlag(FLAGS_batch1_tokens);
-  if (b1 > 1) {
-    auto timed1 = std::make_unique<TimedRunner>(runner.get());
-    TimedRunner* timer1 = timed1.get();
-    auto engine1 = Engine::Create(std::move(timed1), engine_options);
-    if (!engine1.ok()) return 1;
-    std::vector<SampleSpec> one(1);
-    one[0].prompt = RandomPrompt(in, vocab, &rng);
-    one[0].params.temperature = absl::GetFlag(FLAGS_temperature);
-    one[0].params.max_new_tokens = b1;
-    one[0].params.ignore_eos = true;
-    one[0].sample_seed = 5;
-    bool done = false;
-    int64_t got = 0;
-    Clock::time_point first_token, last_token;
-    auto job1 = (*engine1)->Submit(std::move(one), [&](std::vector<SampleEvent> events) {
-      std::lock_guard<std::mutex> lock(mu);
-      for (const SampleEvent& e : events) {
-        if (!e.new_token_ids.empty()) {
-          if (got == 0) first_token = Clock::now();
-          got += static_cast<int64_t>(e.new_token_ids.size());
-          last_token = Clock::now();
-        }
-        if (e.completion.has_value()) done = true;
+// Batch-1 decode through the engine: one request, input_len prompt, batch1_tokens generated.
+void RunBatch1ThroughEngine(const Setup& setup, std::mt19937_64* rng) {
+  const int b1 = absl::GetFlag(FLAGS_batch1_tokens), in = absl::GetFlag(FLAGS_input_len);
+  auto timed1 = std::make_unique<TimedRunner>(setup.runner.get());
+  TimedRunner* timer1 = timed1.get();
+  EngineOptions engine_options;
+  engine_options.decode_lookahead = absl::GetFlag(FLAGS_decode_lookahead);
+  auto engine1 = Engine::Create(std::move(timed1), engine_options);
+  if (!engine1.ok()) return;
+  std::vector<SampleSpec> one(1);
+  one[0].prompt = RandomPrompt(in, setup.config.vocab_size, rng);
+  one[0].params.temperature = absl::GetFlag(FLAGS_temperature);
+  one[0].params.max_new_tokens = b1;
+  one[0].params.ignore_eos = true;
+  one[0].sample_seed = 5;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  int64_t got = 0;
+  Clock::time_point first_token, last_token;
+  auto job1 = (*engine1)->Submit(std::move(one), [&](std::vector<SampleEvent> events) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const SampleEvent& e : events) {
+      if (!e.new_token_ids.empty()) {
+        if (got == 0) first_token = Clock::now();
+        got += static_cast<int64_t>(e.new_token_ids.size());
+        last_token = Clock::now();
       }
-      cv.notify_all();
-    });
-    if (!job1.ok()) return 1;
-    {
-      std::unique_lock<std::mutex> lock(mu);
-      cv.wait_for(lock, std::chrono::seconds(120), [&] { return done; });
+      if (e.completion.has_value()) done = true;
     }
-    const double ms = Seconds(first_token, last_token) / std::max<int64_t>(1, got - 1) * 1e3;
-    std::printf(
-        "\nbatch-1 decode through the Engine at context %d..%d: %.3f ms/token (launch + "
-        "collect %.3f ms per step) = %.2fx the %.3f ms floor\n",
-        in, in + b1, ms, timer1->decode.ms_per_step(), ms / batch1_floor_ms, batch1_floor_ms);
-    engine1->reset();
+    cv.notify_all();
+  });
+  if (!job1.ok()) return;
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(120), [&] { return done; });
   }
+  const double ms = Seconds(first_token, last_token) / std::max<int64_t>(1, got - 1) * 1e3;
+  std::printf(
+      "\nbatch-1 decode through the Engine at context %d..%d: %.3f ms/token (launch + "
+      "collect %.3f ms per step) = %.2fx the %.3f ms floor\n",
+      in, in + b1, ms, timer1->decode.ms_per_step(), ms / setup.batch1_floor_ms,
+      setup.batch1_floor_ms);
+  engine1->reset();
+}
+
+int Main() {
+  absl::StatusOr<Setup> setup = MakeSetup();
+  if (!setup.ok()) {
+    std::fprintf(stderr, "creating the runner: %s\n", setup.status().ToString().c_str());
+    return 1;
+  }
+  std::mt19937_64 rng(7);
+  const int in = absl::GetFlag(FLAGS_input_len), out = absl::GetFlag(FLAGS_output_len);
+  const Workload workload = MakeWorkload(setup->config.vocab_size, &rng);
+  const int64_t kv_tokens =
+      static_cast<int64_t>(setup->runner->num_kv_blocks()) * setup->runner->kv_block_size();
+  const Floor floor = ComputeFloor(setup->config, workload.prefill_tokens, in, workload.lengths,
+                                   kv_tokens, setup->flops, setup->bw);
+  std::printf(
+      "floor of %s (docs/benchmarks.md, measured rates): %.2f s = prefill GEMMs %.2f + decode "
+      "GEMMs %.2f + decode KV reads %.2f\n",
+      workload.name.c_str(), floor.total(), floor.prefill_s, floor.decode_gemm_s,
+      floor.decode_kv_s);
+  const int requests = static_cast<int>(workload.lengths.size());
+  if (absl::GetFlag(FLAGS_batch1_tokens) > 0) RunBatch1(*setup, &rng);
+  RunProfiles(*setup, requests, &rng);
+  if (absl::GetFlag(FLAGS_replay) && absl::GetFlag(FLAGS_workload) == "fixed") {
+    const double replay_s = ReplayDeviceOnly(setup->runner.get(), requests, in, out,
+                                             setup->options.max_batch_tokens, &rng);
+    if (replay_s > 0) {
+      std::printf("  floor %.2f s -> device-only replay at %.2fx the floor\n", floor.total(),
+                  replay_s / floor.total());
+    }
+  }
+  if (!absl::GetFlag(FLAGS_e2e)) return 0;
+  if (const int rc = RunEndToEnd(*setup, workload, floor, &rng); rc != 0) return rc;
+  if (absl::GetFlag(FLAGS_batch1_tokens) > 1) RunBatch1ThroughEngine(*setup, &rng);
   return 0;
 }
 

@@ -1,12 +1,16 @@
 #pragma once
 
-// The rollout benchmark's workload (docs/benchmarks.md, "The workload and its floor"), shared by the tools that drive the
-// Engine with it: rollout-bench (GPU) and rollout-engine-host-bench (no runner work).
+// The rollout benchmark's workloads (docs/benchmarks.md, "The workload and its floor"), shared by
+// the tools that drive the Engine with them: rollout-bench (GPU) and rollout-engine-host-bench
+// (no runner work).
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/sampler.h"
 
 namespace rollout {
 
@@ -34,6 +38,85 @@ inline std::vector<SampleSpec> RolloutWorkload(int requests, int input_len, int 
     samples.push_back(std::move(s));
   }
   return samples;
+}
+
+// The RL-shaped workload: `prompts` prompts of input_len tokens, each one request (one Submit)
+// of `samples` samples with seeds DeriveSampleSeed(2000 + prompt, j), so the prompt is shared
+// through the prefix cache. Every sample may generate max_new_tokens; how many it does is
+// lengths[prompt * samples + j] (RlOutputLengths), ending on `stop_token` -- which the benchmark's
+// runner decorator makes the sampled token at that length, as a trained model's EOS would be.
+inline std::vector<std::vector<SampleSpec>> RlWorkload(int prompts, int samples, int input_len,
+                                                       int max_new_tokens, int32_t stop_token,
+                                                       float temperature, int vocab,
+                                                       std::mt19937_64* rng) {
+  std::vector<std::vector<SampleSpec>> jobs(prompts);
+  for (int p = 0; p < prompts; ++p) {
+    const std::vector<int32_t> prompt = RandomPrompt(input_len, vocab, rng);
+    for (int j = 0; j < samples; ++j) {
+      SampleSpec s;
+      s.rollout_index = p;
+      s.sample_index = j;
+      s.prompt = prompt;
+      s.params.temperature = temperature;
+      s.params.max_new_tokens = max_new_tokens;
+      s.params.ignore_eos = true;  // the synthetic model's EOS would stop samples at random
+      s.params.stop_token_ids = {stop_token};
+      s.sample_seed = DeriveSampleSeed(2000 + static_cast<uint64_t>(p), static_cast<uint32_t>(j));
+      jobs[p].push_back(std::move(s));
+    }
+  }
+  return jobs;
+}
+
+// n output lengths from a fixed seed, long-tailed like reasoning rollouts: log-normal with median
+// `median` and sigma 0.8, clamped to [16, max_len].
+inline std::vector<int> RlOutputLengths(int n, int median, int max_len) {
+  std::mt19937_64 rng(11);
+  std::lognormal_distribution<double> dist(std::log(static_cast<double>(median)), 0.8);
+  std::vector<int> lengths(n);
+  for (int& l : lengths) {
+    l = std::clamp(static_cast<int>(std::lround(dist(rng))), 16, max_len);
+  }
+  return lengths;
+}
+
+// The decode part of the floor for samples of `lengths` generated tokens after input_len prompt
+// tokens, as an oracle that knows every length would schedule them: continuous batching in
+// arrival order, a sample admitted when its whole KV (prompt + length) fits in
+// kv_capacity_tokens beside the running ones. Each decode step costs `step_cost(batch, kv_tokens)`
+// seconds (its GEMMs and one read of every running sample's KV). Equal lengths give waves.
+template <typename StepCost>
+double OracleDecodeSeconds(const std::vector<int>& lengths, int input_len,
+                           int64_t kv_capacity_tokens, StepCost step_cost) {
+  struct Running {
+    int64_t generated, length;
+  };
+  std::vector<Running> running;
+  size_t next = 0;
+  int64_t held = 0;  // KV tokens reserved by the running samples
+  double seconds = 0;
+  while (next < lengths.size() || !running.empty()) {
+    while (next < lengths.size() &&
+           (running.empty() || held + input_len + lengths[next] <= kv_capacity_tokens)) {
+      running.push_back({0, lengths[next]});
+      held += input_len + lengths[next];
+      ++next;
+    }
+    int64_t kv_tokens = 0;
+    for (const Running& r : running) kv_tokens += input_len + r.generated + 1;
+    seconds += step_cost(static_cast<int64_t>(running.size()), kv_tokens);
+    for (Running& r : running) ++r.generated;
+    for (size_t i = 0; i < running.size();) {
+      if (running[i].generated >= running[i].length) {
+        held -= input_len + running[i].length;
+        running[i] = running.back();
+        running.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  return seconds;
 }
 
 }  // namespace rollout
