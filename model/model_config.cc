@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "nlohmann/json.hpp"
 
 namespace rollout {
@@ -119,9 +120,9 @@ double ShortestDouble(float x) {
   return std::strtod(buf, nullptr);
 }
 
-absl::StatusOr<ModelConfig> Parse(const json& j) {
-  if (!j.is_object()) return absl::InvalidArgumentError("config.json: not a JSON object");
-  ModelConfig c;
+// The supported architecture `j` names: "architectures"[0], or "model_type" for configs that
+// omit the list.
+absl::StatusOr<const ArchitectureInfo*> FindArchitecture(const json& j) {
   std::string name;
   bool by_model_type = false;
   if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty()) {
@@ -135,34 +136,37 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
   } else {
     return FieldError("architectures", "is missing (and there is no \"model_type\" either)");
   }
-  const ArchitectureInfo* info = nullptr;
   for (const ArchitectureInfo& a : kArchitectures) {
-    if (name == (by_model_type ? a.model_type : a.architecture)) info = &a;
+    if (name == (by_model_type ? a.model_type : a.architecture)) return &a;
   }
-  if (info == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: unsupported architecture '", name,
-                                                   "' (supported: ", kSupported, ")"));
-  }
-  c.architecture = info->architecture;
-  c.family = info->family;
+  return absl::InvalidArgumentError(absl::StrCat("config.json: unsupported architecture '", name,
+                                                 "' (supported: ", kSupported, ")"));
+}
 
+// The sizes every config must give and the fields that have Hugging Face defaults. All are
+// read before any is reported, so the error names the first bad field in this order.
+absl::Status ReadFields(const json& j, ModelConfig* c) {
   absl::Status s;
   auto check = [&](absl::Status status) {
     if (s.ok()) s = std::move(status);
   };
-  check(GetInt(j, "num_hidden_layers", std::nullopt, &c.num_layers));
-  check(GetInt(j, "hidden_size", std::nullopt, &c.hidden_size));
-  check(GetInt(j, "intermediate_size", std::nullopt, &c.intermediate_size));
-  check(GetInt(j, "num_attention_heads", std::nullopt, &c.num_attention_heads));
-  check(GetInt(j, "num_key_value_heads", c.num_attention_heads, &c.num_key_value_heads));
-  check(GetInt(j, "vocab_size", std::nullopt, &c.vocab_size));
-  check(GetInt(j, "max_position_embeddings", std::nullopt, &c.max_position_embeddings));
-  check(GetFloat(j, "rms_norm_eps", 1e-6f, &c.rms_norm_eps));
-  check(GetFloat(j, "rope_theta", 10000.0f, &c.rope_theta));
-  check(GetBool(j, "tie_word_embeddings", false, &c.tie_word_embeddings));
-  check(ParseEos(j, &c.eos_token_ids));
-  if (!s.ok()) return s;
+  check(GetInt(j, "num_hidden_layers", std::nullopt, &c->num_layers));
+  check(GetInt(j, "hidden_size", std::nullopt, &c->hidden_size));
+  check(GetInt(j, "intermediate_size", std::nullopt, &c->intermediate_size));
+  check(GetInt(j, "num_attention_heads", std::nullopt, &c->num_attention_heads));
+  check(GetInt(j, "num_key_value_heads", c->num_attention_heads, &c->num_key_value_heads));
+  check(GetInt(j, "vocab_size", std::nullopt, &c->vocab_size));
+  check(GetInt(j, "max_position_embeddings", std::nullopt, &c->max_position_embeddings));
+  check(GetFloat(j, "rms_norm_eps", 1e-6f, &c->rms_norm_eps));
+  check(GetFloat(j, "rope_theta", 10000.0f, &c->rope_theta));
+  check(GetBool(j, "tie_word_embeddings", false, &c->tie_word_embeddings));
+  check(ParseEos(j, &c->eos_token_ids));
+  return s;
+}
 
+// Every size is positive and the query heads split evenly over the KV heads (grouped-query
+// attention), so the divisions below and in the runners are exact.
+absl::Status CheckSizes(const ModelConfig& c) {
   struct Positive {
     const char* field;
     int32_t value;
@@ -181,112 +185,153 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
                                                           ") must divide num_attention_heads (",
                                                           c.num_attention_heads, ")"));
   }
-  if (IsNull(j, "head_dim") && c.hidden_size % c.num_attention_heads != 0) {
-    return FieldError("head_dim", absl::StrCat("is missing and hidden_size (", c.hidden_size,
+  return absl::OkStatus();
+}
+
+// head_dim defaults to hidden_size / num_attention_heads, but only where that is exact: a
+// truncated default would load a model whose projections do not match its checkpoint.
+// REQUIRES: CheckSizes(*c) is OK.
+absl::Status ReadHeadDim(const json& j, ModelConfig* c) {
+  if (IsNull(j, "head_dim") && c->hidden_size % c->num_attention_heads != 0) {
+    return FieldError("head_dim", absl::StrCat("is missing and hidden_size (", c->hidden_size,
                                                ") is not a multiple of num_attention_heads (",
-                                               c.num_attention_heads, ")"));
+                                               c->num_attention_heads, ")"));
   }
-  s = GetInt(j, "head_dim", c.hidden_size / c.num_attention_heads, &c.head_dim);
-  if (!s.ok()) return s;
-  if (c.head_dim <= 0 || c.head_dim % 2 != 0) {
+  ROLLOUT_RETURN_IF_ERROR(
+      GetInt(j, "head_dim", c->hidden_size / c->num_attention_heads, &c->head_dim));
+  if (c->head_dim <= 0 || c->head_dim % 2 != 0) {
     return FieldError("head_dim", absl::StrCat("must be positive and even (RoPE rotates pairs), "
                                                "got ",
-                                               c.head_dim));
+                                               c->head_dim));
   }
-  if (!(c.rms_norm_eps > 0.0f)) return FieldError("rms_norm_eps", "must be positive");
-  if (!(c.rope_theta > 0.0f)) return FieldError("rope_theta", "must be positive");
+  return absl::OkStatus();
+}
 
-  // Features the engine does not implement are refused rather than silently ignored: the model
-  // would load and produce wrong tokens.
+// transformers 5 writes RoPE as "rope_parameters": {"rope_type": "default", "rope_theta": x}.
+// Only plain RoPE is implemented; its theta must agree with a top-level rope_theta if both
+// are present.
+absl::Status ReadRopeParameters(const json& j, ModelConfig* c) {
+  if (IsNull(j, "rope_parameters")) return absl::OkStatus();
+  const json& rp = j["rope_parameters"];
+  if (!rp.is_object()) return FieldError("rope_parameters", "must be an object");
+  for (const auto& [key, value] : rp.items()) {
+    if (key == "rope_type") {
+      if (!value.is_string() || value.get<std::string>() != "default") {
+        return FieldError("rope_parameters", absl::StrCat("rope_type ", value.dump(),
+                                                          " is not supported (only \"default\")"));
+      }
+    } else if (key == "rope_theta") {
+      if (!value.is_number() || !(value.get<double>() > 0.0)) {
+        return FieldError("rope_parameters",
+                          absl::StrCat("rope_theta must be a positive number, got ", value.dump()));
+      }
+      const float theta = static_cast<float>(value.get<double>());
+      if (!IsNull(j, "rope_theta") && theta != c->rope_theta) {
+        return FieldError(
+            "rope_parameters",
+            absl::StrCat("rope_theta ", value.dump(), " disagrees with the top-level rope_theta ",
+                         j["rope_theta"].dump()));
+      }
+      c->rope_theta = theta;
+    } else {
+      return FieldError("rope_parameters", absl::StrCat("key \"", key,
+                                                        "\" is not supported (RoPE scaling is not "
+                                                        "implemented), got ",
+                                                        rp.dump()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The norm epsilon and RoPE. Features the engine does not implement, here and in
+// RefuseUnsupportedFeatures, are refused rather than silently ignored: the model would load
+// and produce wrong tokens.
+absl::Status ReadNormAndRope(const json& j, ModelConfig* c) {
+  if (!(c->rms_norm_eps > 0.0f)) return FieldError("rms_norm_eps", "must be positive");
+  if (!(c->rope_theta > 0.0f)) return FieldError("rope_theta", "must be positive");
   if (!IsNull(j, "rope_scaling")) {
     return FieldError("rope_scaling",
                       absl::StrCat("is not supported, got ", j["rope_scaling"].dump()));
   }
-  // transformers 5 writes RoPE as "rope_parameters": {"rope_type": "default", "rope_theta": x}.
-  // Only plain RoPE is implemented; its theta must agree with a top-level rope_theta if both
-  // are present.
-  if (!IsNull(j, "rope_parameters")) {
-    const json& rp = j["rope_parameters"];
-    if (!rp.is_object()) return FieldError("rope_parameters", "must be an object");
-    for (const auto& [key, value] : rp.items()) {
-      if (key == "rope_type") {
-        if (!value.is_string() || value.get<std::string>() != "default") {
-          return FieldError(
-              "rope_parameters",
-              absl::StrCat("rope_type ", value.dump(), " is not supported (only \"default\")"));
-        }
-      } else if (key == "rope_theta") {
-        if (!value.is_number() || !(value.get<double>() > 0.0)) {
-          return FieldError(
-              "rope_parameters",
-              absl::StrCat("rope_theta must be a positive number, got ", value.dump()));
-        }
-        const float theta = static_cast<float>(value.get<double>());
-        if (!IsNull(j, "rope_theta") && theta != c.rope_theta) {
-          return FieldError(
-              "rope_parameters",
-              absl::StrCat("rope_theta ", value.dump(), " disagrees with the top-level rope_theta ",
-                           j["rope_theta"].dump()));
-        }
-        c.rope_theta = theta;
-      } else {
-        return FieldError("rope_parameters",
-                          absl::StrCat("key \"", key,
-                                       "\" is not supported (RoPE scaling is not "
-                                       "implemented), got ",
-                                       rp.dump()));
-      }
-    }
-  }
+  return ReadRopeParameters(j, c);
+}
+
+// Sliding-window attention, activations other than SiLU and MLP biases are not implemented.
+absl::Status RefuseUnsupportedFeatures(const json& j) {
   bool flag = false;
-  check(GetBool(j, "use_sliding_window", false, &flag));
-  if (s.ok() && flag) return FieldError("use_sliding_window", "is not supported");
-  if (!s.ok()) return s;
+  ROLLOUT_RETURN_IF_ERROR(GetBool(j, "use_sliding_window", false, &flag));
+  if (flag) return FieldError("use_sliding_window", "is not supported");
   if (!IsNull(j, "hidden_act") &&
       (!j["hidden_act"].is_string() || j["hidden_act"].get<std::string>() != "silu")) {
     return FieldError("hidden_act", absl::StrCat("must be \"silu\", got ", j["hidden_act"].dump()));
   }
-  check(GetBool(j, "mlp_bias", false, &flag));
-  if (s.ok() && flag) return FieldError("mlp_bias", "is not supported");
-  if (!s.ok()) return s;
-  bool attention_bias = false;
-  s = GetBool(j, "attention_bias", false, &attention_bias);
-  if (!s.ok()) return s;
+  ROLLOUT_RETURN_IF_ERROR(GetBool(j, "mlp_bias", false, &flag));
+  if (flag) return FieldError("mlp_bias", "is not supported");
+  return absl::OkStatus();
+}
 
-  switch (c.family) {
+// The family's attention flags (qk_norm, qkv_bias), and the family-specific variants of
+// attention_bias and sliding_window that the forward pass does not model.
+absl::Status SetFamilyFlags(const json& j, ModelConfig* c) {
+  bool attention_bias = false;
+  ROLLOUT_RETURN_IF_ERROR(GetBool(j, "attention_bias", false, &attention_bias));
+  switch (c->family) {
     case ModelFamily::kQwen3:
-      c.qk_norm = true;
-      c.qkv_bias = false;
+      c->qk_norm = true;
+      c->qkv_bias = false;
       // In transformers, Qwen3's attention_bias adds biases to q/k/v *and* o_proj.
       if (attention_bias) {
         return FieldError("attention_bias", "true is not supported for Qwen3 (o_proj bias)");
       }
       break;
     case ModelFamily::kQwen2:
-      c.qk_norm = false;
-      c.qkv_bias = true;
+      c->qk_norm = false;
+      c->qkv_bias = true;
       break;
     case ModelFamily::kLlama:
-      c.qk_norm = false;
+      c->qk_norm = false;
       // Llama's attention_bias also puts a bias on o_proj, which ExpectedTensors and the forward
       // pass do not model, so only the bias-free variant is accepted.
       if (attention_bias) {
         return FieldError("attention_bias", "true is not supported (it adds an o_proj bias)");
       }
-      c.qkv_bias = false;
+      c->qkv_bias = false;
+      // A window shorter than the context would make attention differ from full attention.
       if (j.contains("sliding_window") && j["sliding_window"].is_number_integer() &&
-          j["sliding_window"].get<int64_t>() < c.max_position_embeddings) {
+          j["sliding_window"].get<int64_t>() < c->max_position_embeddings) {
         return FieldError("sliding_window",
                           absl::StrCat("(", j["sliding_window"].dump(), ") is not supported"));
       }
       break;
   }
+  return absl::OkStatus();
+}
 
-  if (!IsNull(j, "torch_dtype") || !IsNull(j, "dtype")) {
-    const json& d = IsNull(j, "torch_dtype") ? j["dtype"] : j["torch_dtype"];
-    if (!d.is_string()) return FieldError("torch_dtype", "must be a string");
-    c.torch_dtype = d.get<std::string>();
-  }
+// "torch_dtype", or "dtype", its newer name in transformers. Informational only.
+absl::Status ReadDtype(const json& j, ModelConfig* c) {
+  if (IsNull(j, "torch_dtype") && IsNull(j, "dtype")) return absl::OkStatus();
+  const json& d = IsNull(j, "torch_dtype") ? j["dtype"] : j["torch_dtype"];
+  if (!d.is_string()) return FieldError("torch_dtype", "must be a string");
+  c->torch_dtype = d.get<std::string>();
+  return absl::OkStatus();
+}
+
+// The steps run in this order and stop at the first error, so which problem a config with
+// several is reported for stays fixed (model_config_test.cc relies on it).
+absl::StatusOr<ModelConfig> Parse(const json& j) {
+  if (!j.is_object()) return absl::InvalidArgumentError("config.json: not a JSON object");
+  absl::StatusOr<const ArchitectureInfo*> info = FindArchitecture(j);
+  if (!info.ok()) return info.status();
+  ModelConfig c;
+  c.architecture = (*info)->architecture;
+  c.family = (*info)->family;
+  ROLLOUT_RETURN_IF_ERROR(ReadFields(j, &c));
+  ROLLOUT_RETURN_IF_ERROR(CheckSizes(c));
+  ROLLOUT_RETURN_IF_ERROR(ReadHeadDim(j, &c));
+  ROLLOUT_RETURN_IF_ERROR(ReadNormAndRope(j, &c));
+  ROLLOUT_RETURN_IF_ERROR(RefuseUnsupportedFeatures(j));
+  ROLLOUT_RETURN_IF_ERROR(SetFamilyFlags(j, &c));
+  ROLLOUT_RETURN_IF_ERROR(ReadDtype(j, &c));
   return c;
 }
 

@@ -13,7 +13,7 @@ namespace rollout {
 enum class ModelFamily {
   kQwen3,  // q/k RMSNorm per head, no qkv bias
   kQwen2,  // qkv bias, no q/k norm
-  kLlama,  // neither (attention_bias may turn on the qkv bias)
+  kLlama,  // neither (also Mistral; attention_bias is refused: it adds an o_proj bias)
 };
 
 // A model's hyper-parameters, read from a Hugging Face config.json. Plain value type.
@@ -32,13 +32,14 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   bool tie_word_embeddings = false;
   bool qk_norm = false;                  // true for Qwen3
-  bool qkv_bias = false;                 // true for Qwen2, or Llama with attention_bias
+  bool qkv_bias = false;                 // true for Qwen2
   std::vector<int32_t> eos_token_ids;    // "eos_token_id": int or list; may be empty
   std::string torch_dtype = "bfloat16";  // informational
 };
 
-// Parses config.json text. Unknown architectures, missing or non-positive sizes and
-// inconsistent head counts (heads not divisible by kv heads) are INVALID_ARGUMENT with a
+// Parses config.json text. Unknown architectures, missing or non-positive sizes, inconsistent
+// head counts (heads not divisible by kv heads) and features the forward pass does not
+// implement (RoPE scaling, sliding windows, MLP or o_proj biases) are INVALID_ARGUMENT with a
 // message naming the field.
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text);
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 #include "glog/logging.h"
 
 namespace rollout {
@@ -18,6 +19,11 @@ namespace {
 
 std::string LayerName(int i, const char* suffix) {
   return absl::StrCat("model.layers.", i, ".", suffix);
+}
+
+// A layer without qkv_bias holds empty biases; the kernels take that as nullptr.
+const float* BiasOrNull(const std::vector<float>& bias) {
+  return bias.empty() ? nullptr : bias.data();
 }
 
 // The negative control's RMSNorm: the sum of squares runs forwards or backwards depending on
@@ -156,54 +162,76 @@ void CopyPieces(const Pieces& pieces, int64_t row_length, Get get) {
 }  // namespace
 
 absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
-  const ModelConfig& c = config_;
   // Checking against the full list first gives one clear error for a missing tensor even when
   // it is one this backend would read late.
-  for (const TensorSpec& spec : ExpectedTensors(c)) {
+  for (const TensorSpec& spec : ExpectedTensors(config_)) {
     if (checkpoint.Find(spec.name) == nullptr) {
       return absl::NotFoundError(
           absl::StrCat(checkpoint.dir(), ": checkpoint lacks tensor ", spec.name));
     }
   }
   const int tp = options_.tensor_parallel;
-  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
-                nkv = c.num_key_value_heads, inter = c.intermediate_size, vocab = c.vocab_size;
-  vocab_per_rank_ = (vocab + tp - 1) / tp;
+  vocab_per_rank_ = (config_.vocab_size + tp - 1) / tp;
   for (Rank& rk : ranks_) {
-    static_cast<RankShard&>(rk) = ShardOf(c, tp, rk.index, vocab_per_rank_);
-    rk.layers.resize(c.num_layers);
+    static_cast<RankShard&>(rk) = ShardOf(config_, tp, rk.index, vocab_per_rank_);
+    rk.layers.resize(config_.num_layers);
   }
-  // Every tensor is bound to the pieces of it each rank holds, in fp32; weight updates write
-  // through the same bindings. piece(rank, rows, cols) gives the rank's piece of the tensor
-  // seen as [rows, cols].
-  auto bind = [&](const std::string& name, std::vector<int64_t> shape,
-                  const std::function<Piece(Rank&, int64_t, int64_t)>& piece) {
-    const int64_t rows = shape[0];
-    int64_t cols = 1;
-    for (size_t d = 1; d < shape.size(); ++d) cols *= shape[d];
-    Binding& b = bindings_[name];
-    b.count = rows * cols;
-    b.row_length = cols;
-    for (Rank& rk : ranks_) {
-      Piece p = piece(rk, rows, cols);
-      const size_t end = static_cast<size_t>(p.offset + p.rows * p.cols);
-      if (p.dest->size() < end) p.dest->resize(end);
-      b.pieces.push_back(p);
-    }
-    weight_specs_.push_back(WeightSpec{name, checkpoint.Find(name)->dtype, std::move(shape)});
-  };
-  // The shapes of a piece: all of it, rows [begin, begin + n) (to `offset`), or columns.
-  using Member = std::vector<float> Layer::*;
-  auto whole = [](std::function<std::vector<float>*(Rank&)> dest) {
-    return [dest](Rank& rk, int64_t rows, int64_t cols) {
-      return Piece{dest(rk), 0, 0, rows, 0, cols};
+  BindWeights(checkpoint);
+  ROLLOUT_RETURN_IF_ERROR(ReadWeights(checkpoint));
+  return ReserveKvCache();
+}
+
+void CpuModelRunner::Bind(const Checkpoint& checkpoint, const std::string& name,
+                          std::vector<int64_t> shape, const PieceOf& piece) {
+  const int64_t rows = shape[0];
+  int64_t cols = 1;
+  for (size_t d = 1; d < shape.size(); ++d) cols *= shape[d];
+  Binding& b = bindings_[name];
+  b.count = rows * cols;
+  b.row_length = cols;
+  for (Rank& rk : ranks_) {
+    Piece p = piece(rk, rows, cols);
+    const size_t end = static_cast<size_t>(p.offset + p.rows * p.cols);
+    if (p.dest->size() < end) p.dest->resize(end);
+    b.pieces.push_back(p);
+  }
+  weight_specs_.push_back(WeightSpec{name, checkpoint.Find(name)->dtype, std::move(shape)});
+}
+
+void CpuModelRunner::BindWeights(const Checkpoint& checkpoint) {
+  const int64_t h = config_.hidden_size, vocab = config_.vocab_size;
+  // The rank's vocab rows [vocab_begin, vocab_end) of embed or lm_head.
+  auto vocab_rows = [](std::vector<float> Rank::*m) {
+    return [m](Rank& rk, int64_t, int64_t cols) {
+      return Piece{&(rk.*m), 0, rk.vocab_begin, rk.vocab_end - rk.vocab_begin, 0, cols};
     };
   };
-  auto layer_whole = [&](int i, Member m) {
-    return whole([i, m](Rank& rk) { return &(rk.layers[i].*m); });
+  Bind(checkpoint, "model.embed_tokens.weight", {vocab, h}, vocab_rows(&Rank::embed));
+  Bind(checkpoint, "model.norm.weight", {h}, [](Rank& rk, int64_t rows, int64_t cols) {
+    return Piece{&rk.final_norm, 0, 0, rows, 0, cols};
+  });
+  if (!config_.tie_word_embeddings) {
+    Bind(checkpoint, "lm_head.weight", {vocab, h}, vocab_rows(&Rank::lm_head));
+  }
+  for (int i = 0; i < config_.num_layers; ++i) BindLayer(checkpoint, i);
+}
+
+void CpuModelRunner::BindLayer(const Checkpoint& checkpoint, int i) {
+  const ModelConfig& c = config_;
+  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
+                nkv = c.num_key_value_heads, inter = c.intermediate_size;
+  auto bind = [&](const char* suffix, std::vector<int64_t> shape, const PieceOf& piece) {
+    Bind(checkpoint, LayerName(i, suffix), std::move(shape), piece);
+  };
+  // The shapes of a piece: all of it, the rank's rows, or its columns.
+  using Member = std::vector<float> Layer::*;
+  auto whole = [i](Member m) {
+    return [i, m](Rank& rk, int64_t rows, int64_t cols) {
+      return Piece{&(rk.layers[i].*m), 0, 0, rows, 0, cols};
+    };
   };
   // Rows of the rank's heads (q) or KV heads (k, v): head_dim rows each.
-  auto layer_heads = [&](int i, Member m, bool kv) {
+  auto heads = [i, hd](Member m, bool kv) {
     return [i, m, kv, hd](Rank& rk, int64_t, int64_t cols) {
       const int64_t first = kv ? rk.kv_head_begin : rk.index * rk.heads;
       const int64_t count = kv ? rk.kv_heads : rk.heads;
@@ -211,46 +239,40 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
     };
   };
   // Columns [begin, begin + width) of a row-parallel weight: the rank's K slice.
-  auto layer_k_slice = [&](int i, Member m, bool attention) {
+  auto k_slice = [i, hd](Member m, bool attention) {
     return [i, m, attention, hd](Rank& rk, int64_t rows, int64_t) {
       const int64_t width = attention ? rk.heads * hd : rk.inter;
       return Piece{&(rk.layers[i].*m), 0, 0, rows, rk.index * width, width};
     };
   };
-  auto vocab_rows = [](std::vector<float> Rank::*m) {
-    return [m](Rank& rk, int64_t, int64_t cols) {
-      return Piece{&(rk.*m), 0, rk.vocab_begin, rk.vocab_end - rk.vocab_begin, 0, cols};
-    };
-  };
-  bind("model.embed_tokens.weight", {vocab, h}, vocab_rows(&Rank::embed));
-  bind("model.norm.weight", {h}, whole([](Rank& rk) { return &rk.final_norm; }));
-  if (!c.tie_word_embeddings) bind("lm_head.weight", {vocab, h}, vocab_rows(&Rank::lm_head));
-  for (int i = 0; i < c.num_layers; ++i) {
-    bind(LayerName(i, "input_layernorm.weight"), {h}, layer_whole(i, &Layer::input_norm));
-    bind(LayerName(i, "self_attn.q_proj.weight"), {nh * hd, h}, layer_heads(i, &Layer::q, false));
-    bind(LayerName(i, "self_attn.k_proj.weight"), {nkv * hd, h}, layer_heads(i, &Layer::k, true));
-    bind(LayerName(i, "self_attn.v_proj.weight"), {nkv * hd, h}, layer_heads(i, &Layer::v, true));
-    bind(LayerName(i, "self_attn.o_proj.weight"), {h, nh * hd}, layer_k_slice(i, &Layer::o, true));
-    bind(LayerName(i, "post_attention_layernorm.weight"), {h}, layer_whole(i, &Layer::post_norm));
-    // One [2 * inter, hidden] matrix per rank: the MLP's two input projections in one pass over
-    // x -- the rank's gate rows, then its up rows.
-    bind(LayerName(i, "mlp.gate_proj.weight"), {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
-      return Piece{&rk.layers[i].gate_up, 0, rk.index * rk.inter, rk.inter, 0, cols};
-    });
-    bind(LayerName(i, "mlp.up_proj.weight"), {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
-      return Piece{&rk.layers[i].gate_up, rk.inter * cols, rk.index * rk.inter, rk.inter, 0, cols};
-    });
-    bind(LayerName(i, "mlp.down_proj.weight"), {h, inter}, layer_k_slice(i, &Layer::down, false));
-    if (c.qkv_bias) {
-      bind(LayerName(i, "self_attn.q_proj.bias"), {nh * hd}, layer_heads(i, &Layer::q_bias, false));
-      bind(LayerName(i, "self_attn.k_proj.bias"), {nkv * hd}, layer_heads(i, &Layer::k_bias, true));
-      bind(LayerName(i, "self_attn.v_proj.bias"), {nkv * hd}, layer_heads(i, &Layer::v_bias, true));
-    }
-    if (c.qk_norm) {
-      bind(LayerName(i, "self_attn.q_norm.weight"), {hd}, layer_whole(i, &Layer::q_norm));
-      bind(LayerName(i, "self_attn.k_norm.weight"), {hd}, layer_whole(i, &Layer::k_norm));
-    }
+  bind("input_layernorm.weight", {h}, whole(&Layer::input_norm));
+  bind("self_attn.q_proj.weight", {nh * hd, h}, heads(&Layer::q, false));
+  bind("self_attn.k_proj.weight", {nkv * hd, h}, heads(&Layer::k, true));
+  bind("self_attn.v_proj.weight", {nkv * hd, h}, heads(&Layer::v, true));
+  bind("self_attn.o_proj.weight", {h, nh * hd}, k_slice(&Layer::o, true));
+  bind("post_attention_layernorm.weight", {h}, whole(&Layer::post_norm));
+  // One [2 * inter, hidden] matrix per rank: the MLP's two input projections in one pass over
+  // x -- the rank's gate rows, then its up rows.
+  bind("mlp.gate_proj.weight", {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
+    return Piece{&rk.layers[i].gate_up, 0, rk.index * rk.inter, rk.inter, 0, cols};
+  });
+  bind("mlp.up_proj.weight", {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
+    return Piece{&rk.layers[i].gate_up, rk.inter * cols, rk.index * rk.inter, rk.inter, 0, cols};
+  });
+  bind("mlp.down_proj.weight", {h, inter}, k_slice(&Layer::down, false));
+  if (c.qkv_bias) {
+    bind("self_attn.q_proj.bias", {nh * hd}, heads(&Layer::q_bias, false));
+    bind("self_attn.k_proj.bias", {nkv * hd}, heads(&Layer::k_bias, true));
+    bind("self_attn.v_proj.bias", {nkv * hd}, heads(&Layer::v_bias, true));
   }
+  if (c.qk_norm) {
+    bind("self_attn.q_norm.weight", {hd}, whole(&Layer::q_norm));
+    bind("self_attn.k_norm.weight", {hd}, whole(&Layer::k_norm));
+  }
+}
+
+absl::Status CpuModelRunner::ReadWeights(const Checkpoint& checkpoint) {
+  // In name order, as weight_specs() lists them.
   std::sort(weight_specs_.begin(), weight_specs_.end(),
             [](const WeightSpec& a, const WeightSpec& b) { return a.name < b.name; });
   for (const WeightSpec& spec : weight_specs_) {
@@ -260,11 +282,15 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
     const float* src = t->data();
     CopyPieces(b.pieces, b.row_length, [src](int64_t i) { return src[i]; });
   }
+  return absl::OkStatus();
+}
 
+absl::Status CpuModelRunner::ReserveKvCache() {
+  const int64_t hd = config_.head_dim, nkv = config_.num_key_value_heads;
   // Sized as for the unsharded model, so the block count (and with it every scheduling
   // decision) is the same at every tensor-parallel degree.
-  const int64_t kv_bytes_per_block =
-      2ll * c.num_layers * options_.kv_block_size * nkv * hd * static_cast<int64_t>(sizeof(float));
+  const int64_t kv_bytes_per_block = 2ll * config_.num_layers * options_.kv_block_size * nkv * hd *
+                                     static_cast<int64_t>(sizeof(float));
   num_kv_blocks_ = static_cast<int32_t>(options_.kv_cache_bytes / kv_bytes_per_block);
   if (num_kv_blocks_ < 1) {
     return absl::InvalidArgumentError(
@@ -362,94 +388,136 @@ absl::Status CpuModelRunner::Forward(const ForwardBatch& batch, std::vector<floa
   return absl::OkStatus();
 }
 
+// One rank's activations during one Forward of t tokens, and the buffer its collectives
+// gather into. Shapes use the rank's own heads, KV heads and intermediate features.
+struct CpuModelRunner::Activations {
+  Activations(int64_t t, const ModelConfig& c, const Rank& rk, int tp)
+      : t(t),
+        x(t * c.hidden_size),
+        xn(t * c.hidden_size),
+        q(t * rk.heads * c.head_dim),
+        attn(t * rk.heads * c.head_dim),
+        k(t * rk.kv_heads * c.head_dim),
+        v(t * rk.kv_heads * c.head_dim),
+        gate_up(t * 2 * rk.inter),
+        act(t * rk.inter),
+        proj(t * c.hidden_size),
+        gathered(tp > 1 ? tp * t * c.hidden_size : 0) {}
+
+  const int64_t t;
+  std::vector<float> x, xn;     // [t, hidden], replicated: the residual stream, and normed
+  std::vector<float> q, attn;   // [t, heads, head_dim]
+  std::vector<float> k, v;      // [t, kv_heads, head_dim]
+  std::vector<float> gate_up;   // [t, 2 * inter]
+  std::vector<float> act;       // [t, inter]
+  std::vector<float> proj;      // [t, hidden]: a row-parallel projection (or embedding) result
+  std::vector<float> gathered;  // [tp, t, hidden]; empty at tp = 1
+};
+
 absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
                                          const cpu::TokenSlots& slots, std::vector<float>* logits) {
-  const ModelConfig& c = config_;
+  Activations a(batch.num_tokens(), config_, rk, options_.tensor_parallel);
+  ROLLOUT_RETURN_IF_ERROR(EmbedTokens(rk, batch, &a));
+  for (Layer& l : rk.layers) {
+    ROLLOUT_RETURN_IF_ERROR(AttentionBlock(rk, l, batch, slots, &a));
+    ROLLOUT_RETURN_IF_ERROR(MlpBlock(rk, l, &a));
+  }
+  return ComputeLogits(rk, batch, a.x, logits);
+}
+
+absl::Status CpuModelRunner::EmbedTokens(Rank& rk, const ForwardBatch& batch,
+                                         Activations* a) const {
   const int tp = options_.tensor_parallel;
-  const int64_t t = batch.num_tokens();
-  // The rank's own heads, KV heads and intermediate features.
-  const int64_t h = c.hidden_size, hd = c.head_dim, nh = rk.heads, nkv = rk.kv_heads,
-                inter = rk.inter, vocab = c.vocab_size;
-  cpu::ThreadPool* pool = rk.pool.get();
-  Communicator* comm = rk.comm.get();
-  // The rank's node of the canonical K tree of o_proj and down_proj.
-  const int seg_begin = rk.index * cpu::kNumKSegments / tp;
-  const int seg_end = (rk.index + 1) * cpu::kNumKSegments / tp;
-
-  std::vector<float> x(t * h), xn(t * h);                // [t, hidden], replicated
-  std::vector<float> q(t * nh * hd), attn(t * nh * hd);  // [t, heads, head_dim]
-  std::vector<float> k(t * nkv * hd), v(t * nkv * hd);   // [t, kv_heads, head_dim]
-  std::vector<float> gate_up(t * 2 * inter), act(t * inter), proj(t * h);
-  std::vector<float> gathered(tp > 1 ? tp * t * h : 0);  // [tp, t, hidden]
-
-  // Vocab-parallel embedding: each rank fills the rows of the tokens it owns; the gathered
-  // rows are selected (never summed), so x is the exact embedding row at every degree.
+  const int64_t t = a->t, h = config_.hidden_size;
+  std::vector<float>& x = a->x;
   if (tp == 1) {
     for (int64_t i = 0; i < t; ++i) {
       std::memcpy(&x[i * h], &rk.embed[static_cast<int64_t>(batch.token_ids[i]) * h],
                   h * sizeof(float));
     }
-  } else {
-    std::fill(proj.begin(), proj.end(), 0.0f);
-    for (int64_t i = 0; i < t; ++i) {
-      const int64_t id = batch.token_ids[i];
-      if (id >= rk.vocab_begin && id < rk.vocab_end) {
-        std::memcpy(&proj[i * h], &rk.embed[(id - rk.vocab_begin) * h], h * sizeof(float));
-      }
-    }
-    if (absl::Status s = comm->AllGather(proj.data(), t * h, gathered.data()); !s.ok()) return s;
-    for (int64_t i = 0; i < t; ++i) {
-      const int64_t owner = batch.token_ids[i] / vocab_per_rank_;
-      std::memcpy(&x[i * h], &gathered[(owner * t + i) * h], h * sizeof(float));
-    }
-  }
-
-  // A row-parallel projection of `in` ([t, k_local], the rank's K slice of a reduction of
-  // length k_full) into proj: the rank's tree node, gathered, combined by the tree's top.
-  auto row_parallel = [&](const float* in, int64_t k_full, const float* w) -> absl::Status {
-    if (tp == 1) {
-      cpu::SegmentedMatMul(pool, in, t, k_full, w, h, nullptr, proj.data());
-      return absl::OkStatus();
-    }
-    cpu::SegmentedPartialMatMul(pool, in, t, w, h, k_full, seg_begin, seg_end, proj.data());
-    if (absl::Status s = comm->AllGather(proj.data(), t * h, gathered.data()); !s.ok()) return s;
-    cpu::CombinePartials(gathered.data(), tp, t * h, proj.data());
     return absl::OkStatus();
-  };
-
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  for (Layer& l : rk.layers) {
-    cpu::RmsNorm(x.data(), l.input_norm.data(), t, h, c.rms_norm_eps, xn.data());
-    cpu::MatMul(pool, xn.data(), t, h, l.q.data(), nh * hd,
-                l.q_bias.empty() ? nullptr : l.q_bias.data(), q.data());
-    cpu::MatMul(pool, xn.data(), t, h, l.k.data(), nkv * hd,
-                l.k_bias.empty() ? nullptr : l.k_bias.data(), k.data());
-    cpu::MatMul(pool, xn.data(), t, h, l.v.data(), nkv * hd,
-                l.v_bias.empty() ? nullptr : l.v_bias.data(), v.data());
-    if (c.qk_norm) {
-      cpu::RmsNorm(q.data(), l.q_norm.data(), t * nh, hd, c.rms_norm_eps, q.data());
-      cpu::RmsNorm(k.data(), l.k_norm.data(), t * nkv, hd, c.rms_norm_eps, k.data());
-    }
-    cpu::ApplyRope(q.data(), batch.positions.data(), t, nh, hd, c.rope_theta);
-    cpu::ApplyRope(k.data(), batch.positions.data(), t, nkv, hd, c.rope_theta);
-    cpu::KvCacheLayer cache{l.k_cache.data(), l.v_cache.data(), options_.kv_block_size, nkv, hd};
-    cpu::WriteKv(k.data(), v.data(), slots, cache);
-    cpu::PagedAttention(pool, q.data(), slots, nh, cache, scale, attn.data());
-    if (absl::Status s = row_parallel(attn.data(), c.num_attention_heads * hd, l.o.data());
-        !s.ok()) {
-      return s;
-    }
-    cpu::Add(x.data(), proj.data(), t * h);
-
-    cpu::RmsNorm(x.data(), l.post_norm.data(), t, h, c.rms_norm_eps, xn.data());
-    cpu::MatMul(pool, xn.data(), t, h, l.gate_up.data(), 2 * inter, nullptr, gate_up.data());
-    cpu::SiluMul(gate_up.data(), t, inter, act.data());
-    if (absl::Status s = row_parallel(act.data(), c.intermediate_size, l.down.data()); !s.ok()) {
-      return s;
-    }
-    cpu::Add(x.data(), proj.data(), t * h);
   }
+  // Vocab-parallel embedding: each rank fills the rows of the tokens it owns; the gathered
+  // rows are selected (never summed), so x is the exact embedding row at every degree.
+  std::vector<float>& proj = a->proj;
+  std::fill(proj.begin(), proj.end(), 0.0f);
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t id = batch.token_ids[i];
+    if (id >= rk.vocab_begin && id < rk.vocab_end) {
+      std::memcpy(&proj[i * h], &rk.embed[(id - rk.vocab_begin) * h], h * sizeof(float));
+    }
+  }
+  ROLLOUT_RETURN_IF_ERROR(rk.comm->AllGather(proj.data(), t * h, a->gathered.data()));
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t owner = batch.token_ids[i] / vocab_per_rank_;
+    std::memcpy(&x[i * h], &a->gathered[(owner * t + i) * h], h * sizeof(float));
+  }
+  return absl::OkStatus();
+}
 
+absl::Status CpuModelRunner::RowParallel(Rank& rk, const float* in, int64_t k_full, const float* w,
+                                         Activations* a) const {
+  const int tp = options_.tensor_parallel;
+  const int64_t t = a->t, h = config_.hidden_size;
+  if (tp == 1) {
+    cpu::SegmentedMatMul(rk.pool.get(), in, t, k_full, w, h, nullptr, a->proj.data());
+    return absl::OkStatus();
+  }
+  // The rank's node of the canonical K tree.
+  const int seg_begin = rk.index * cpu::kNumKSegments / tp;
+  const int seg_end = (rk.index + 1) * cpu::kNumKSegments / tp;
+  cpu::SegmentedPartialMatMul(rk.pool.get(), in, t, w, h, k_full, seg_begin, seg_end,
+                              a->proj.data());
+  ROLLOUT_RETURN_IF_ERROR(rk.comm->AllGather(a->proj.data(), t * h, a->gathered.data()));
+  cpu::CombinePartials(a->gathered.data(), tp, t * h, a->proj.data());
+  return absl::OkStatus();
+}
+
+absl::Status CpuModelRunner::AttentionBlock(Rank& rk, Layer& l, const ForwardBatch& batch,
+                                            const cpu::TokenSlots& slots, Activations* a) const {
+  const ModelConfig& c = config_;
+  const int64_t t = a->t, h = c.hidden_size, hd = c.head_dim, nh = rk.heads, nkv = rk.kv_heads;
+  cpu::ThreadPool* pool = rk.pool.get();
+  float *x = a->x.data(), *xn = a->xn.data(), *q = a->q.data(), *k = a->k.data(), *v = a->v.data(),
+        *attn = a->attn.data();
+  cpu::RmsNorm(x, l.input_norm.data(), t, h, c.rms_norm_eps, xn);
+  cpu::MatMul(pool, xn, t, h, l.q.data(), nh * hd, BiasOrNull(l.q_bias), q);
+  cpu::MatMul(pool, xn, t, h, l.k.data(), nkv * hd, BiasOrNull(l.k_bias), k);
+  cpu::MatMul(pool, xn, t, h, l.v.data(), nkv * hd, BiasOrNull(l.v_bias), v);
+  if (c.qk_norm) {
+    cpu::RmsNorm(q, l.q_norm.data(), t * nh, hd, c.rms_norm_eps, q);
+    cpu::RmsNorm(k, l.k_norm.data(), t * nkv, hd, c.rms_norm_eps, k);
+  }
+  cpu::ApplyRope(q, batch.positions.data(), t, nh, hd, c.rope_theta);
+  cpu::ApplyRope(k, batch.positions.data(), t, nkv, hd, c.rope_theta);
+  cpu::KvCacheLayer cache{l.k_cache.data(), l.v_cache.data(), options_.kv_block_size, nkv, hd};
+  cpu::WriteKv(k, v, slots, cache);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  cpu::PagedAttention(pool, q, slots, nh, cache, scale, attn);
+  ROLLOUT_RETURN_IF_ERROR(RowParallel(rk, attn, c.num_attention_heads * hd, l.o.data(), a));
+  cpu::Add(x, a->proj.data(), t * h);
+  return absl::OkStatus();
+}
+
+absl::Status CpuModelRunner::MlpBlock(Rank& rk, const Layer& l, Activations* a) const {
+  const ModelConfig& c = config_;
+  const int64_t t = a->t, h = c.hidden_size, inter = rk.inter;
+  float *x = a->x.data(), *xn = a->xn.data(), *gate_up = a->gate_up.data(), *act = a->act.data();
+  cpu::RmsNorm(x, l.post_norm.data(), t, h, c.rms_norm_eps, xn);
+  cpu::MatMul(rk.pool.get(), xn, t, h, l.gate_up.data(), 2 * inter, nullptr, gate_up);
+  cpu::SiluMul(gate_up, t, inter, act);
+  ROLLOUT_RETURN_IF_ERROR(RowParallel(rk, act, c.intermediate_size, l.down.data(), a));
+  cpu::Add(x, a->proj.data(), t * h);
+  return absl::OkStatus();
+}
+
+absl::Status CpuModelRunner::ComputeLogits(Rank& rk, const ForwardBatch& batch,
+                                           const std::vector<float>& x,
+                                           std::vector<float>* logits) const {
+  const ModelConfig& c = config_;
+  const int tp = options_.tensor_parallel;
+  const int64_t h = c.hidden_size, vocab = c.vocab_size;
+  cpu::ThreadPool* pool = rk.pool.get();
   const int64_t r = static_cast<int64_t>(batch.logit_rows.size());
   std::vector<float> rows(r * h);  // [logit rows, hidden]
   for (int64_t i = 0; i < r; ++i) {
@@ -475,7 +543,7 @@ absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
   for (int64_t i = 0; i < r; ++i) {
     std::memcpy(&padded[i * vpr], &local[i * mine], mine * sizeof(float));
   }
-  if (absl::Status s = comm->AllGather(padded.data(), r * vpr, all.data()); !s.ok()) return s;
+  ROLLOUT_RETURN_IF_ERROR(rk.comm->AllGather(padded.data(), r * vpr, all.data()));
   if (rk.index != 0) return absl::OkStatus();
   logits->resize(r * vocab);
   for (int src = 0; src < tp; ++src) {

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -84,8 +85,6 @@ class CpuModelRunner final : public ModelRunner {
     std::vector<float> k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
   };
 
-  // One tensor-parallel rank: its shard sizes (heads, kv_heads, inter are the rank's own) and
-  // weights.
   // What the rank holds (RankShard: heads, KV heads, intermediate features, vocab rows), and
   // its weights, KV cache and workers.
   struct Rank : RankShard {
@@ -99,13 +98,9 @@ class CpuModelRunner final : public ModelRunner {
   };
 
   class RankThreads;
+  struct Activations;  // one rank's buffers for one Forward (cpu_model_runner.cc)
 
   CpuModelRunner(ModelConfig config, CpuRunnerOptions options);
-  absl::Status Load(const Checkpoint& checkpoint);
-  // Rank `rank`'s part of Forward; all ranks run it at once and meet in its collectives.
-  // Rank 0 writes `logits`.
-  absl::Status RankForward(Rank& rank, const ForwardBatch& batch, const cpu::TokenSlots& slots,
-                           std::vector<float>* logits);
 
   // Where (part of) a named checkpoint tensor lives in a rank: rows [row_begin, row_begin +
   // rows) and columns [col_begin, col_begin + cols) of the tensor seen as [shape[0], rest]
@@ -120,6 +115,41 @@ class CpuModelRunner final : public ModelRunner {
     int64_t row_length = 0;  // elements per row of the full tensor
     std::vector<Piece> pieces;
   };
+  // Rank `rk`'s piece of a tensor seen as [rows, cols].
+  using PieceOf = std::function<Piece(Rank& rk, int64_t rows, int64_t cols)>;
+
+  // Load checks that the checkpoint has every tensor, then in order: shards the ranks, binds
+  // every tensor to the pieces the ranks hold (weight updates write through the same
+  // bindings), reads the checkpoint into them in fp32 and reserves the KV cache.
+  absl::Status Load(const Checkpoint& checkpoint);
+  // Records tensor `name`'s binding and weight spec, and sizes each rank's destination to hold
+  // its piece. REQUIRES: `checkpoint` has `name`.
+  void Bind(const Checkpoint& checkpoint, const std::string& name, std::vector<int64_t> shape,
+            const PieceOf& piece);
+  void BindWeights(const Checkpoint& checkpoint);
+  void BindLayer(const Checkpoint& checkpoint, int layer);
+  absl::Status ReadWeights(const Checkpoint& checkpoint);
+  absl::Status ReserveKvCache();
+
+  // Rank `rank`'s part of Forward; all ranks run it at once and meet in its collectives, so
+  // every rank takes the same steps below. Rank 0 writes `logits`.
+  absl::Status RankForward(Rank& rank, const ForwardBatch& batch, const cpu::TokenSlots& slots,
+                           std::vector<float>* logits);
+  // Writes the batch's embedding rows into a->x.
+  absl::Status EmbedTokens(Rank& rank, const ForwardBatch& batch, Activations* a) const;
+  // a->x += o_proj(attention(a->x)), writing the batch's K and V into the layer's cache.
+  absl::Status AttentionBlock(Rank& rank, Layer& layer, const ForwardBatch& batch,
+                              const cpu::TokenSlots& slots, Activations* a) const;
+  // a->x += down_proj(silu(gate) * up) of the normed a->x.
+  absl::Status MlpBlock(Rank& rank, const Layer& layer, Activations* a) const;
+  // A row-parallel projection of `in` ([t, k_local], the rank's K slice of a reduction of
+  // length k_full) into a->proj: the rank's node of the canonical K tree, gathered, combined by
+  // the tree's top.
+  absl::Status RowParallel(Rank& rank, const float* in, int64_t k_full, const float* w,
+                           Activations* a) const;
+  // The final norm and lm_head over the rows of `x` that batch.logit_rows names.
+  absl::Status ComputeLogits(Rank& rank, const ForwardBatch& batch, const std::vector<float>& x,
+                             std::vector<float>* logits) const;
 
   const ModelConfig config_;
   const CpuRunnerOptions options_;
