@@ -13,7 +13,8 @@
 //    MergeAttentionSplitsOfItems, many-token items folded) must give the old kernel + merge's
 //    outputs bitwise. A mismatch fails the run (exit code 1).
 // 2. Timing (CUDA events, median of repeats): one layer's decode attention for 256 sequences at
-//    context ~1536 (the benchmark's mean decode step) and 32 at ~4K, and one layer's prefill
+//    context ~1536 (the benchmark's mean decode step), 32 at ~4K, 95 at 4K..8K, 47 at 8K..16K and
+//    16 at ~16K (the long-context steps of 4096/4096 and 8192/8192), and one layer's prefill
 //    attention for 8 x 1024 tokens, old vs new, kernel and split merge apart; the decode's K/V
 //    bytes per second against a measured device-to-device copy (bytes read + written).
 //
@@ -903,6 +904,11 @@ int main(int argc, char** argv) {
   const double copy_bw = rollout::CopyBandwidth();
   rollout::TimeDecode(256, 1473, 1600, copy_bw, quick);  // the benchmark's mean decode step
   rollout::TimeDecode(32, 3800, 4096, copy_bw, quick);
+  // Long contexts (issue 16): the decode steps of 4096/4096 (95 running, contexts 4K..8K) and
+  // 8192/8192 (47 running, 8K..16K), and a few sequences at ~16K.
+  rollout::TimeDecode(95, 4096, 8192, copy_bw, quick);
+  rollout::TimeDecode(47, 8192, 16384, copy_bw, quick);
+  rollout::TimeDecode(16, 15360, 16384, copy_bw, quick);
   rollout::TimePrefill(quick);
   return rollout::g_failures == 0 ? 0 : 1;
 }
