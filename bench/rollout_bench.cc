@@ -198,14 +198,13 @@ Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t in,
   const double p = GemmParams(c), lm = static_cast<double>(c.vocab_size) * c.hidden_size;
   f.prefill_s = 2.0 * p * prefill_tokens / flops;
   const double kv_bytes = static_cast<double>(KvBytesPerToken(c));
-  OracleDecodeSeconds(lengths, static_cast<int>(in), kv_capacity_tokens,
-                      [&](int64_t batch, int64_t kv_tokens) {
-                        const double gemm = std::max(2.0 * (p + lm) / bw,
-                                                     2.0 * (p + lm) * batch / flops);
-                        f.decode_gemm_s += gemm;
-                        f.decode_kv_s += kv_tokens * kv_bytes / bw;
-                        return 0.0;
-                      });
+  OracleDecodeSeconds(
+      lengths, static_cast<int>(in), kv_capacity_tokens, [&](int64_t batch, int64_t kv_tokens) {
+        const double gemm = std::max(2.0 * (p + lm) / bw, 2.0 * (p + lm) * batch / flops);
+        f.decode_gemm_s += gemm;
+        f.decode_kv_s += kv_tokens * kv_bytes / bw;
+        return 0.0;
+      });
   return f;
 }
 
@@ -605,8 +604,8 @@ void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
     const double kv_ms = double(batch) * ctx * KvBytesPerToken(config) / setup.bw * 1e3;
     const double weights = 2.0 * (GemmParams(config) + double(vocab) * config.hidden_size);
     const double gemm_ms = std::max(weights / setup.bw, weights * batch / setup.flops) * 1e3;
-    std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms = %.2f ms\n", gemm_ms,
-                kv_ms, gemm_ms + kv_ms);
+    std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms = %.2f ms\n", gemm_ms, kv_ms,
+                gemm_ms + kv_ms);
     // The device work alone, without the logits copy to the host.
     runner.ResetProfile();
     for (int i = 0; i < 5; ++i) Check(runner.Forward(decode, nullptr));
@@ -639,11 +638,11 @@ int CountBrokenSamples(const Workload& w, const E2eProgress& progress) {
       if (whole) continue;
       if (++broken <= 5) {
         std::printf("  sample %zu of request %zu: %s\n", i, j,
-                    !c.has_value() ? "no completion"
-                                   : absl::StrFormat("%d of %d tokens, finish reason %d",
-                                                     c->token_ids.size(), w.lengths[k],
-                                                     static_cast<int>(c->finish_reason))
-                                         .c_str());
+                    !c.has_value()
+                        ? "no completion"
+                        : absl::StrFormat("%d of %d tokens, finish reason %d", c->token_ids.size(),
+                                          w.lengths[k], static_cast<int>(c->finish_reason))
+                              .c_str());
       }
     }
   }
@@ -775,8 +774,7 @@ int RunEndToEnd(const Setup& setup, const Workload& w, const Floor& floor, std::
     std::printf(
         "\nE2E FAILED: %d of %d samples ended short or aborted (%ld of %ld tokens generated): "
         "no result\n",
-        broken, samples, static_cast<long>(progress.generated),
-        static_cast<long>(expected_tokens));
+        broken, samples, static_cast<long>(progress.generated), static_cast<long>(expected_tokens));
     return 1;
   }
   std::printf("\nRESULT %s %s: %.2f s end to end, %.0f output tok/s, %.0f total tok/s\n",

@@ -99,8 +99,8 @@ bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>
   // kReserve counts what the sequence may still need against the room the running ones leave
   // (its matched pages are locked now, so they no longer count as room). Either policy takes
   // the KV of the whole known sequence up front, so an admitted prefill never waits midway.
-  const bool fits = options_.admission != AdmissionPolicy::kReserve ||
-                    FitsBesideRunning(FutureBlocks(*seq));
+  const bool fits =
+      options_.admission != AdmissionPolicy::kReserve || FitsBesideRunning(FutureBlocks(*seq));
   if (end <= seq->num_computed || !fits || !Reserve(seq->num_tokens(), seq)) {
     ReleaseKv(seq);
     seq->num_computed = 0;

@@ -18,6 +18,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuRunner(const Checkpoint& c
   runner_options.kv_block_size = options.kv_block_size;
   runner_options.attention_split_size = options.attention_split_size;
   runner_options.num_threads = options.num_threads;
+  runner_options.max_batch_tokens = options.max_batch_tokens;
   runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
   runner_options.batch_variant_for_testing = options.batch_variant_for_testing;
   absl::StatusOr<std::unique_ptr<CpuModelRunner>> runner =

@@ -239,5 +239,26 @@ TEST(TlsE2eTest, HalfATlsConfigurationIsAStartupError) {
       << server.status();
 }
 
+// Memory is planned at load: limits that cannot fit are refused at start, naming the one to
+// lower, instead of failing a step (or the process) later.
+TEST(StartupE2eTest, LimitsThatCannotFitAreRefusedAtStartNamingTheLimit) {
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.kv_cache_bytes = int64_t{1} << 50;  // a PiB of KV
+  absl::StatusOr<std::unique_ptr<RolloutServer>> server = RolloutServer::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kResourceExhausted) << server.status();
+  EXPECT_NE(server.status().message().find("lower --kv_cache_mb"), std::string::npos)
+      << server.status();
+  // The same with the step budget as the limit that does not fit.
+  options.kv_cache_bytes = 0;
+  options.max_batch_tokens = 1 << 30;
+  server = RolloutServer::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kResourceExhausted) << server.status();
+  EXPECT_NE(server.status().message().find("lower --max_batch_tokens"), std::string::npos)
+      << server.status();
+}
+
 }  // namespace
 }  // namespace rollout::testing

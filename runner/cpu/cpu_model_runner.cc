@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "glog/logging.h"
+#include "model/random_model.h"
 
 namespace rollout {
 namespace {
@@ -125,6 +126,29 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, CpuRunnerOptions options)
 
 CpuModelRunner::~CpuModelRunner() = default;
 
+MemoryPlan PlanHostMemory(const ModelConfig& c, const CpuRunnerOptions& options) {
+  const int64_t tp = options.tensor_parallel, t = std::max(options.max_batch_tokens, 1);
+  const int64_t hd = c.head_dim, h = c.hidden_size;
+  const int64_t kv_block = 2ll * c.num_layers * options.kv_block_size * c.num_key_value_heads * hd *
+                           static_cast<int64_t>(sizeof(float));
+  // One Forward's activations on every rank (CpuModelRunner::Activations) and its logits.
+  const RankShard shard = ShardOf(c, static_cast<int32_t>(tp), 0, (c.vocab_size + tp - 1) / tp);
+  const int64_t per_token = 3 * h + 2 * shard.heads * hd + 2 * shard.kv_heads * hd +
+                            3 * shard.inter + (tp > 1 ? tp * h : 0);
+  const int64_t workspace = (tp * t * per_token + t * c.vocab_size * (tp > 1 ? 2 : 1)) *
+                            static_cast<int64_t>(sizeof(float));
+  MemoryPlan plan;
+  plan.where = "host memory";
+  plan.items = {
+      {"weights (fp32)", ParameterCount(c) * static_cast<int64_t>(sizeof(float)), ""},
+      {"KV cache", options.kv_cache_bytes / std::max<int64_t>(kv_block, 1) * kv_block,
+       "--kv_cache_mb"},
+      {absl::StrFormat("step workspace at %d tokens", t), workspace, "--max_batch_tokens"},
+  };
+  plan.available = AvailableHostMemory();
+  return plan;
+}
+
 absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
     const Checkpoint& checkpoint, const CpuRunnerOptions& options) {
   absl::StatusOr<ModelConfig> config = ParseModelConfig(checkpoint.config_json());
@@ -140,6 +164,9 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
         options.attention_split_size, options.kv_block_size));
   }
   if (absl::Status s = CheckTensorParallel(*config, options.tensor_parallel); !s.ok()) return s;
+  const MemoryPlan plan = PlanHostMemory(*config, options);
+  LOG(INFO) << "memory plan, " << plan.ToString();
+  ROLLOUT_RETURN_IF_ERROR(plan.Check());
   auto runner = std::unique_ptr<CpuModelRunner>(new CpuModelRunner(*std::move(config), options));
   if (absl::Status s = runner->Load(checkpoint); !s.ok()) return s;
   return runner;

@@ -14,6 +14,7 @@
 #include "model/tensor_parallel.h"
 #include "runner/cpu/communicator.h"
 #include "runner/host_logits.h"
+#include "runner/memory_plan.h"
 
 namespace rollout {
 
@@ -22,6 +23,8 @@ struct CpuRunnerOptions {
   int32_t kv_block_size = 16;
   int32_t attention_split_size = 64;
   int32_t num_threads = 0;  // 0 = all cores (shared by the tensor-parallel ranks)
+  // The engine's step budget: the step workspace is planned for this many tokens.
+  int32_t max_batch_tokens = 512;
   // Tensor-parallel degree: 1, 2, 4 or 8 ranks as threads in lockstep, each holding its shard of
   // the weights and of the KV cache (Megatron partitioning; docs/determinism.md, D10). Every
   // degree gives the same bits. Requires heads, intermediate size divisible by it and KV heads
@@ -31,6 +34,10 @@ struct CpuRunnerOptions {
   // chosen by the number of rows in the batch, so batch invariance breaks on purpose.
   bool batch_variant_for_testing = false;
 };
+
+// What a CpuModelRunner of `config` holds in host memory at `options`' limits, and what the host
+// has: CpuModelRunner::Create refuses limits that do not fit, naming the one to lower.
+MemoryPlan PlanHostMemory(const ModelConfig& config, const CpuRunnerOptions& options);
 
 // The CPU reference backend: fp32 weights and KV, kernels/cpu ops. Engine thread only.
 //
