@@ -17,6 +17,7 @@
 #include "glog/logging.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sampling.h"
+#include "runner/cuda/batch_plan.h"
 #include "runner/cuda/cuda_runner_state.h"
 
 namespace rollout {
@@ -38,6 +39,8 @@ using cuda_runner_internal::kQkvRope;
 using cuda_runner_internal::kSiluMul;
 using cuda_runner_internal::LayerWeights;
 using cuda_runner_internal::RankState;
+using cuda_runner_internal::SlicePlan;
+using cuda_runner_internal::SlicePlanOptions;
 
 void CudaModelRunner::EnableProfiling(bool on) { state_->profiling = on; }
 
@@ -147,113 +150,76 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
   return absl::OkStatus();
 }
 
-int64_t CudaModelRunner::GraphBucket(int64_t n) const {
-  const int64_t largest = std::min<int64_t>(
-      {options_.max_graph_batch, options_.max_logit_rows, options_.max_batch_tokens});
-  if (!options_.cuda_graphs || n < 1 || n > largest) return 0;
-  int64_t bucket = 1;
-  while (bucket < n && bucket < 32) bucket *= 2;
-  if (bucket < n) bucket = (n + 31) / 32 * 32;
-  return std::min(bucket, largest);
-}
-
 int64_t CudaModelRunner::graphs_captured() const { return state_->graphs_captured; }
 int64_t CudaModelRunner::graph_launches() const { return state_->graph_launches; }
 
-// Tokens [begin, end) of the batch through every layer, then their logit rows: the metadata
-// built on the host and uploaded, then the slice enqueued -- as a decode graph's replay when the
-// slice is a decode step that fits a bucket, else kernel by kernel.
+SlicePlanOptions CudaModelRunner::PlanOptions() const {
+  const State& s = *state_;
+  SlicePlanOptions o;
+  o.kv_block_size = options_.kv_block_size;
+  o.attention_split_size = options_.attention_split_size;
+  // Query heads per KV head in each rank (fewer than the model's when KV heads are replicated).
+  o.item_tokens =
+      cuda::AttentionItemTokens(static_cast<int>(s.ranks[0].heads / s.ranks[0].kv_heads));
+  o.splits_for_every_token = options_.attention_kernel == CudaAttentionKernel::kTensorCore;
+  o.largest_graph_bucket =
+      options_.cuda_graphs ? std::min<int64_t>({options_.max_graph_batch, options_.max_logit_rows,
+                                                options_.max_batch_tokens})
+                           : 0;
+  o.pad_block = s.pad_block;
+  return o;
+}
+
+// Tokens [begin, end) of the batch through every layer, then their logit rows.
 absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
                                            float* host_logits, bool keep_on_device, bool async) {
-  const ModelConfig& c = config_;
   State& s = *state_;
-  const int64_t n = end - begin;
-  const int64_t hd = c.head_dim, vocab = c.vocab_size;
-  const int32_t bs = options_.kv_block_size;
-  // Query heads per KV head in each rank (fewer than the model's when KV heads are replicated).
-  const int group = static_cast<int>(s.ranks[0].heads / s.ranks[0].kv_heads);
-  const int item_tokens = cuda::AttentionItemTokens(group);
-
-  // Logit rows inside this slice: [row_begin, row_end) of batch.logit_rows (ascending).
-  const auto row_begin = std::lower_bound(batch.logit_rows.begin(), batch.logit_rows.end(),
-                                          static_cast<int32_t>(begin)) -
-                         batch.logit_rows.begin();
-  const auto row_end = std::lower_bound(batch.logit_rows.begin(), batch.logit_rows.end(),
-                                        static_cast<int32_t>(end)) -
-                       batch.logit_rows.begin();
-  const int64_t num_rows = row_end - row_begin;
-
-  // Work items: runs of consecutive tokens of one sequence, cut into pieces of item_tokens.
-  std::vector<int32_t> items_one, items_many;  // (first token, count) pairs, slice-relative
-  for (int64_t i = begin; i < end;) {
-    int64_t j = i + 1;
-    while (j < end && j - i < item_tokens && batch.token_seq[j] == batch.token_seq[i]) ++j;
-    std::vector<int32_t>& items = j - i == 1 ? items_one : items_many;
-    items.push_back(static_cast<int32_t>(i - begin));
-    items.push_back(static_cast<int32_t>(j - i));
-    i = j;
+  // Decode graphs replay only what they captured: logits on the device, no profiling marks; and
+  // not when the ranks span devices (decode then runs eagerly).
+  const bool may_replay_graph =
+      keep_on_device && !s.profiling && !s.graphs_failed && !s.multi_device;
+  const SlicePlanOptions options = PlanOptions();
+  const SlicePlan plan = PlanSlice(batch, begin, end, options, may_replay_graph);
+  ROLLOUT_RETURN_IF_ERROR(GrowAttentionPartials(plan.shape));
+  ROLLOUT_RETURN_IF_ERROR(UploadSliceMetadata(batch, plan, options));
+  if (plan.graph_bucket > 0) {
+    ROLLOUT_RETURN_IF_ERROR(LaunchDecodeGraph(plan.shape));
+    if (host_logits != nullptr) {
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cudaMemcpyAsync(host_logits, s.logits.get(), plan.rows() * config_.vocab_size * 4,
+                          cudaMemcpyDeviceToHost, s.stream),
+          "copying logits"));
+    }
+  } else {
+    ROLLOUT_RETURN_IF_ERROR(EnqueueSlice(plan.shape, host_logits, keep_on_device));
   }
-  // Split partials are needed for every token with the tensor-core kernel, for the one-token
-  // items with the SIMT kernel's split-parallel decode.
+  // The pinned metadata buffer is rewritten by the next slice (async: by the launch after the
+  // next, LaunchStep's staging slots).
+  if (async) return absl::OkStatus();
+  return CudaError(cudaStreamSynchronize(s.stream), "forward pass");
+}
+
+// Every rank's attention split partials for the shape (the tensor-core kernel, or the SIMT
+// kernel's split-parallel decode); growing one drops the decode graphs.
+absl::Status CudaModelRunner::GrowAttentionPartials(const cuda_runner_internal::SliceShape& shape) {
+  State& s = *state_;
   const bool mma = options_.attention_kernel == CudaAttentionKernel::kTensorCore;
-  int32_t max_splits = 1;
-  for (int64_t i = begin; i < end; ++i) {
-    const bool one_token = (i == begin || batch.token_seq[i - 1] != batch.token_seq[i]) &&
-                           (i + 1 == end || batch.token_seq[i + 1] != batch.token_seq[i]);
-    if (mma || one_token) {
-      max_splits = std::max(max_splits, batch.positions[i] / options_.attention_split_size + 1);
-    }
+  if (!mma && !options_.split_parallel_decode) return absl::OkStatus();
+  const int64_t hd = config_.head_dim;
+  for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+    const size_t bytes =
+        static_cast<size_t>(shape.n) * rk.heads * shape.max_splits * (hd + 2) * sizeof(float);
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(s.Grow(&rk.partials, bytes, bytes + bytes / 2), "allocating attention partials"));
   }
+  return s.SetDevice(s.ranks[0]);
+}
 
-  // A decode step -- one token per sequence, every one with logits, the whole batch in this
-  // slice -- runs as a graph padded to its bucket; its split grid is padded to a power of two.
-  // Not when the ranks span devices: decode then runs eagerly.
-  const bool decode = items_many.empty() && num_rows == n && begin == 0 && row_begin == 0 &&
-                      keep_on_device && !s.profiling && !s.graphs_failed && !s.multi_device;
-  const int64_t bucket = decode ? GraphBucket(n) : 0;
-  cuda_runner_internal::SliceShape shape;
-  shape.n = bucket > 0 ? bucket : n;
-  shape.num_rows = bucket > 0 ? bucket : num_rows;
-  shape.num_one = static_cast<int64_t>(items_one.size() / 2) + (shape.n - n);
-  shape.num_many = static_cast<int64_t>(items_many.size() / 2);
-  shape.row_begin = row_begin;
-  shape.max_splits = max_splits;
-  if (bucket > 0) {
-    while (shape.max_splits < max_splits || (shape.max_splits & (shape.max_splits - 1)) != 0) {
-      ++shape.max_splits;
-    }
-  }
-  if (mma || options_.split_parallel_decode) {
-    for (RankState& rk : s.ranks) {
-      ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
-      const size_t bytes =
-          static_cast<size_t>(shape.n) * rk.heads * shape.max_splits * (hd + 2) * sizeof(float);
-      ROLLOUT_RETURN_IF_ERROR(CudaError(s.Grow(&rk.partials, bytes, bytes + bytes / 2),
-                                        "allocating attention partials"));
-    }
-    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
-  }
-
-  // Block tables of the sequences in the slice, concatenated in order of first use; the
-  // padding rows' one-block table (the reserved block) last.
-  std::map<int32_t, int32_t> table_offset_of;
-  int64_t tables_size = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    if (table_offset_of.emplace(batch.token_seq[i], static_cast<int32_t>(tables_size)).second) {
-      tables_size += static_cast<int64_t>(batch.block_tables[batch.token_seq[i]].size());
-    }
-  }
-  const int32_t pad_table = static_cast<int32_t>(tables_size);
-  if (shape.n > n) ++tables_size;
-
-  // Fed tokens (async only): (token, row) pairs after the tables, for FeedSampledTokens.
-  const auto fed_in = [&](const FedToken& f) {
-    return f.token_index >= begin && f.token_index < end;
-  };
-  const int64_t num_fed = std::count_if(batch.fed_tokens.begin(), batch.fed_tokens.end(), fed_in);
-  const int64_t off_fed = shape.off_tables() + tables_size;
-  const int64_t meta_ints = off_fed + 2 * num_fed;
-  const size_t meta_bytes = static_cast<size_t>(meta_ints) * 4;
+absl::Status CudaModelRunner::UploadSliceMetadata(const ForwardBatch& batch, const SlicePlan& plan,
+                                                  const SlicePlanOptions& options) {
+  State& s = *state_;
+  const size_t meta_bytes = plan.meta_bytes();
   cuda::PinnedHostBuffer& meta_host = s.staging().meta;
   if (meta_host.bytes() < meta_bytes) {
     ROLLOUT_RETURN_IF_ERROR(
@@ -263,52 +229,16 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(s.Grow(&s.meta, meta_bytes, 2 * meta_bytes), "allocating batch metadata"));
   int32_t* m = meta_host.get<int32_t>();
-  int32_t* fed = m + off_fed;
-  for (const FedToken& f : batch.fed_tokens) {
-    if (!fed_in(f)) continue;
-    *fed++ = static_cast<int32_t>(f.token_index - begin);  // copied in on the device
-    *fed++ = f.from_row;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t pos = batch.positions[begin + i];
-    const std::vector<int32_t>& table = batch.block_tables[batch.token_seq[begin + i]];
-    const int32_t id = batch.token_ids[begin + i];
-    m[shape.off_tokens() + i] = id;
-    m[shape.off_pos() + i] = pos;
-    m[shape.off_slots() + i] = table[pos / bs] * bs + pos % bs;
-    m[shape.off_tab() + i] = table_offset_of.at(batch.token_seq[begin + i]);
-  }
-  // Padding rows: token 0 at position 0 of the reserved block, attending to itself only.
-  for (int64_t i = n; i < shape.n; ++i) {
-    m[shape.off_tokens() + i] = 0;
-    m[shape.off_pos() + i] = 0;
-    m[shape.off_slots() + i] = s.pad_block * bs;
-    m[shape.off_tab() + i] = pad_table;
-  }
-  for (int64_t r = 0; r < num_rows; ++r) {
-    m[shape.off_rows() + r] = static_cast<int32_t>(batch.logit_rows[row_begin + r] - begin);
-  }
-  for (int64_t r = num_rows; r < shape.num_rows; ++r)
-    m[shape.off_rows() + r] = static_cast<int32_t>(r);
-  std::copy(items_one.begin(), items_one.end(), m + shape.off_one());
-  for (int64_t i = n; i < shape.n; ++i) {
-    m[shape.off_one() + 2 * (shape.num_one - (shape.n - i))] = static_cast<int32_t>(i);
-    m[shape.off_one() + 2 * (shape.num_one - (shape.n - i)) + 1] = 1;
-  }
-  std::copy(items_many.begin(), items_many.end(), m + shape.off_many());
-  for (const auto& [seq, offset] : table_offset_of) {
-    const std::vector<int32_t>& table = batch.block_tables[seq];
-    std::copy(table.begin(), table.end(), m + shape.off_tables() + offset);
-  }
-  if (shape.n > n) m[shape.off_tables() + pad_table] = s.pad_block;
+  PackSliceMetadata(batch, plan, options, m);
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(cudaMemcpyAsync(s.meta.get(), m, meta_bytes, cudaMemcpyHostToDevice, s.stream),
                 "uploading batch metadata"));
-  if (num_fed > 0) {
+  if (plan.num_fed > 0) {
     ROLLOUT_RETURN_IF_ERROR(CudaError(
         cuda::FeedSampledTokens(s.row_results.get<cuda::LogitsRowResult>(),
-                                s.meta.get<int32_t>() + off_fed, static_cast<int32_t>(num_fed),
-                                s.meta.get<int32_t>() + shape.off_tokens(), s.stream),
+                                s.meta.get<int32_t>() + plan.off_fed,
+                                static_cast<int32_t>(plan.num_fed),
+                                s.meta.get<int32_t>() + plan.shape.off_tokens(), s.stream),
         "feeding sampled tokens"));
   }
   // Ranks on other devices get their own copy, on their own streams (the slice's fork orders
@@ -323,23 +253,7 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
                   "uploading batch metadata"));
   }
   ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
-  ROLLOUT_RETURN_IF_ERROR(s.Mark(kMeta));
-
-  if (bucket > 0) {
-    ROLLOUT_RETURN_IF_ERROR(LaunchDecodeGraph(shape));
-    if (host_logits != nullptr) {
-      ROLLOUT_RETURN_IF_ERROR(
-          CudaError(cudaMemcpyAsync(host_logits, s.logits.get(), num_rows * vocab * 4,
-                                    cudaMemcpyDeviceToHost, s.stream),
-                    "copying logits"));
-    }
-  } else {
-    ROLLOUT_RETURN_IF_ERROR(EnqueueSlice(shape, host_logits, keep_on_device));
-  }
-  // The pinned metadata buffer is rewritten by the next slice (async: by the launch after the
-  // next, LaunchStep's staging slots).
-  if (async) return absl::OkStatus();
-  return CudaError(cudaStreamSynchronize(s.stream), "forward pass");
+  return s.Mark(kMeta);
 }
 
 absl::Status CudaModelRunner::LaunchDecodeGraph(const cuda_runner_internal::SliceShape& shape) {

@@ -13,6 +13,8 @@ namespace rollout {
 
 namespace cuda_runner_internal {
 struct SliceShape;
+struct SlicePlan;
+struct SlicePlanOptions;
 struct RankState;
 }  // namespace cuda_runner_internal
 
@@ -201,8 +203,17 @@ class CudaModelRunner final : public ModelRunner {
   // async (LaunchStep): fed tokens (batch.fed_tokens: rows of the device's sampling results)
   // allowed, and nothing waits for the device.
   absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits, bool async = false);
+  // Tokens [begin, end) of the batch: planned (batch_plan.h), the metadata uploaded, the slice
+  // enqueued or its decode graph replayed.
   absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
                             float* host_logits, bool keep_on_device, bool async);
+  cuda_runner_internal::SlicePlanOptions PlanOptions() const;
+  absl::Status GrowAttentionPartials(const cuda_runner_internal::SliceShape& shape);
+  // The plan's metadata packed into the staging slot, uploaded to every device, and the fed
+  // tokens copied in from the device's sampling results.
+  absl::Status UploadSliceMetadata(const ForwardBatch& batch,
+                                   const cuda_runner_internal::SlicePlan& plan,
+                                   const cuda_runner_internal::SlicePlanOptions& options);
   // Enqueues a slice whose metadata is on the device: the layers, then the logits rows (copied
   // to `host_logits` pass by pass when it is set).
   absl::Status EnqueueSlice(const cuda_runner_internal::SliceShape& shape, float* host_logits,
@@ -223,8 +234,6 @@ class CudaModelRunner final : public ModelRunner {
                              bool keep_on_device);
   // Replays (capturing it the first time) the decode graph of `shape`'s bucket.
   absl::Status LaunchDecodeGraph(const cuda_runner_internal::SliceShape& shape);
-  // The bucket a decode batch of n tokens is padded to; 0 when n is above every bucket.
-  int64_t GraphBucket(int64_t n) const;
   absl::Status ProcessDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
                                  int64_t first, int64_t count, std::vector<SampleResult>* results);
   // Enqueues the processing of tasks[first, first + count) (their logits at `rows` on the device):

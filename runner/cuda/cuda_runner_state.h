@@ -23,6 +23,7 @@
 #include "kernels/cuda/sampling.h"
 #include "kernels/cuda/tensor_parallel.h"
 #include "model/tensor_parallel.h"
+#include "runner/cuda/batch_plan.h"
 #include "runner/cuda/cuda_model_runner.h"
 
 namespace rollout {
@@ -159,30 +160,6 @@ inline constexpr const char* kFamilyNames[kNumFamilies] = {"metadata h2d",
                                                            "lm_head (+final norm)",
                                                            "logits d2h"};
 
-// One slice's launch shape, and where its int32 metadata lives in State::meta: token_ids [n],
-// positions [n], kv_slots [n], table_offsets [n], logit rows [num_rows], one-token items
-// [2 * num_one], many-token items [2 * num_many], then the block tables. The item arrays start
-// on even offsets (int2 loads). A decode graph is captured for one shape and replayed with new
-// metadata at the same offsets.
-struct SliceShape {
-  int64_t n = 0;
-  int64_t num_rows = 0;
-  int64_t num_one = 0;   // items of one token
-  int64_t num_many = 0;  // items of several tokens
-  int32_t max_splits = 1;
-  int64_t row_begin = 0;  // the slice's first logits row among the Forward's
-
-  static int64_t Even(int64_t x) { return (x + 1) / 2 * 2; }
-  int64_t off_tokens() const { return 0; }
-  int64_t off_pos() const { return n; }
-  int64_t off_slots() const { return 2 * n; }
-  int64_t off_tab() const { return 3 * n; }
-  int64_t off_rows() const { return 4 * n; }
-  int64_t off_one() const { return Even(off_rows() + num_rows); }
-  int64_t off_many() const { return Even(off_one() + 2 * num_one); }
-  int64_t off_tables() const { return off_many() + 2 * num_many; }
-};
-
 }  // namespace cuda_runner_internal
 
 // Everything a runner holds on the device. Engine thread only, like the runner.
@@ -265,8 +242,9 @@ struct CudaModelRunner::State {
   cuda::DeviceBuffer rope_sin;  // [max_position, head_dim / 2]
 
   cuda::DeviceBuffer logits;  // [max_logit_rows, vocab] fp32, full rows (rank 0's stream)
-  cuda::DeviceBuffer meta;    // int32 batch metadata (see ForwardSlice), read by every rank
-                              // on rank 0's device (RankState::meta on the others)
+  // int32 batch metadata (SliceShape's layout, runner/cuda/batch_plan.h), read by every rank on
+  // rank 0's device (RankState::meta on the others).
+  cuda::DeviceBuffer meta;
 
   // The last Forward's logits: on the device in `logits` rows [0, last_rows) when they fit
   // (last_on_device), else copied pass by pass to `spill` [last_rows, vocab].
