@@ -14,15 +14,21 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/cuda_status.h"
+#include "common/status.h"
 #include "glog/logging.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/rank_group.h"
 #include "kernels/cuda/sampling.h"
+#include "kernels/cuda/tensor_parallel.h"
 #include "runner/cuda/batch_plan.h"
 #include "runner/cuda/cuda_runner_state.h"
 
 namespace rollout {
 
 using cuda::bf16;
+using cuda_runner_internal::CudaGraphExec;
 using cuda_runner_internal::kAttention;
 using cuda_runner_internal::kEmbed;
 using cuda_runner_internal::kFamilyNames;
@@ -42,20 +48,17 @@ using cuda_runner_internal::RankState;
 using cuda_runner_internal::SlicePlan;
 using cuda_runner_internal::SlicePlanOptions;
 
-void CudaModelRunner::EnableProfiling(bool on) { state_->profiling = on; }
+void CudaModelRunner::EnableProfiling(bool on) { state_->profiler.set_on(on); }
 
-void CudaModelRunner::ResetProfile() {
-  std::fill(std::begin(state_->family_ms), std::end(state_->family_ms), 0.0);
-  state_->profiled_forwards = 0;
-}
+void CudaModelRunner::ResetProfile() { state_->profiler.Reset(); }
 
 CudaForwardProfile CudaModelRunner::profile() const {
   CudaForwardProfile p;
   for (int f = 0; f < kNumFamilies; ++f) {
     p.names.push_back(kFamilyNames[f]);
-    p.ms.push_back(state_->family_ms[f]);
+    p.ms.push_back(state_->profiler.family_ms(f));
   }
-  p.forwards = state_->profiled_forwards;
+  p.forwards = state_->profiler.forwards();
   return p;
 }
 
@@ -117,7 +120,7 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
     }
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
-  s.num_events = 0;
+  s.profiler.BeginForward();
   // The logits stay on the device when every row fits the logits buffer at its own row (a
   // vocab of a multiple of 64 floats keeps every row's start 256-byte aligned for the GEMM, or
   // one slice writes them in one pass from row 0); otherwise each pass is copied to the host.
@@ -138,16 +141,7 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
   }
   if (async) return absl::OkStatus();
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "forward pass"));
-  if (s.profiling && s.num_events > 1) {
-    for (size_t i = 1; i < s.num_events; ++i) {
-      float ms = 0.0f;
-      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventElapsedTime(&ms, s.events[i - 1], s.events[i]),
-                                        "cudaEventElapsedTime"));
-      s.family_ms[s.event_family[i]] += ms;
-    }
-    ++s.profiled_forwards;
-  }
-  return absl::OkStatus();
+  return s.profiler.EndForward();
 }
 
 int64_t CudaModelRunner::graphs_captured() const { return state_->graphs_captured; }
@@ -177,7 +171,7 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   // Decode graphs replay only what they captured: logits on the device, no profiling marks; and
   // not when the ranks span devices (decode then runs eagerly).
   const bool may_replay_graph =
-      keep_on_device && !s.profiling && !s.graphs_failed && !s.multi_device;
+      keep_on_device && !s.profiler.on() && !s.graphs_failed && !s.multi_device;
   const SlicePlanOptions options = PlanOptions();
   const SlicePlan plan = PlanSlice(batch, begin, end, options, may_replay_graph);
   ROLLOUT_RETURN_IF_ERROR(GrowAttentionPartials(plan.shape));
@@ -248,9 +242,9 @@ absl::Status CudaModelRunner::UploadSliceMetadata(const ForwardBatch& batch, con
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(s.Grow(&rk.meta, meta_bytes, 2 * meta_bytes), "allocating batch metadata"));
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cudaMemcpyAsync(rk.meta.get(), m, meta_bytes, cudaMemcpyHostToDevice, rk.stream),
-                  "uploading batch metadata"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cudaMemcpyAsync(rk.meta.get(), m, meta_bytes, cudaMemcpyHostToDevice, rk.stream.get()),
+        "uploading batch metadata"));
   }
   ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   return s.Mark(kMeta);
@@ -283,11 +277,11 @@ absl::Status CudaModelRunner::LaunchDecodeGraph(const cuda_runner_internal::Slic
                    << " failed; decode runs without CUDA graphs from now on: " << captured;
       return EnqueueSlice(shape, nullptr, /*keep_on_device=*/true);
     }
-    it = s.graphs.emplace(key, exec).first;
+    it = s.graphs.emplace(key, CudaGraphExec(exec)).first;
     ++s.graphs_captured;
   }
   ++s.graph_launches;
-  return CudaError(cudaGraphLaunch(it->second, s.stream), "launching a decode graph");
+  return CudaError(cudaGraphLaunch(it->second.get(), s.stream), "launching a decode graph");
 }
 
 absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShape& shape,
@@ -300,12 +294,12 @@ absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShap
   // current (an event is recorded on a stream of its own device; a stream may wait on an event
   // of any device).
   if (s.tp > 1) {
-    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventRecord(s.fork, s.stream), "cudaEventRecord"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventRecord(s.fork.get(), s.stream), "cudaEventRecord"));
     for (RankState& rk : s.ranks) {
       if (rk.index == 0) continue;
       ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
       ROLLOUT_RETURN_IF_ERROR(
-          CudaError(cudaStreamWaitEvent(rk.stream, s.fork, 0), "cudaStreamWaitEvent"));
+          CudaError(cudaStreamWaitEvent(rk.stream.get(), s.fork.get(), 0), "cudaStreamWaitEvent"));
     }
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   }
@@ -322,10 +316,11 @@ absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShap
   for (RankState& rk : s.ranks) {
     if (rk.index == 0) continue;
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
-    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventRecord(rk.done, rk.stream), "cudaEventRecord"));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cudaEventRecord(rk.done.get(), rk.stream.get()), "cudaEventRecord"));
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
     ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cudaStreamWaitEvent(s.stream, rk.done, 0), "cudaStreamWaitEvent"));
+        CudaError(cudaStreamWaitEvent(s.stream, rk.done.get(), 0), "cudaStreamWaitEvent"));
   }
   return absl::OkStatus();
 }
@@ -341,7 +336,7 @@ absl::Status CudaModelRunner::EnqueueEmbedding(const cuda_runner_internal::Slice
   if (s.tp == 1) {
     RankState& rk = s.ranks[0];
     ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::EmbeddingGather(tokens, n, rk.embed, h, rk.x.get<float>(), rk.stream),
+        CudaError(cuda::EmbeddingGather(tokens, n, rk.embed, h, rk.x.get<float>(), rk.stream.get()),
                   "embedding gather"));
     return s.Mark(kEmbed);
   }
@@ -352,7 +347,7 @@ absl::Status CudaModelRunner::EnqueueEmbedding(const cuda_runner_internal::Slice
     float* mine = rk.gathered.get<float>() + rk.index * n * h;
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(cuda::EmbeddingGatherShard(tokens_of(rk), n, rk.embed, rk.vocab_begin,
-                                             rk.vocab_end, h, mine, rk.stream),
+                                             rk.vocab_end, h, mine, rk.stream.get()),
                   "embedding gather (vocab shard)"));
     send.push_back(mine);
     recv.push_back(rk.gathered.get<float>());
@@ -363,7 +358,7 @@ absl::Status CudaModelRunner::EnqueueEmbedding(const cuda_runner_internal::Slice
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(cuda::SelectOwnerRows(tokens_of(rk), n, rk.gathered.get<float>(), n * h,
-                                        s.vocab_rows, h, rk.x.get<float>(), rk.stream),
+                                        s.vocab_rows, h, rk.x.get<float>(), rk.stream.get()),
                   "embedding owner select"));
   }
   ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
@@ -381,7 +376,7 @@ absl::Status CudaModelRunner::EnqueueAttention(RankState& rk, int layer,
   const bool mma = options_.attention_kernel == CudaAttentionKernel::kTensorCore;
   ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));  // the caller restores rank 0's
   const int32_t* d = s.MetaOf(rk);
-  cudaStream_t stream = rk.stream;
+  cudaStream_t stream = rk.stream.get();
   // Profiling marks follow rank 0's stream.
   auto mark = [&](int family) { return rk.index == 0 ? s.Mark(family) : absl::OkStatus(); };
   float* x = rk.x.get<float>();
@@ -485,14 +480,14 @@ absl::Status CudaModelRunner::EnqueueMlp(RankState& rk, int layer, int64_t n) {
   bf16* xn = rk.xn.get<bf16>();
   bf16* gate_up = rk.gate_up.get<bf16>();
   ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::RmsNorm(rk.x.get<float>(), nullptr, n, c.hidden_size,
-                                                  l.post_norm, c.rms_norm_eps, xn, rk.stream),
+                                                  l.post_norm, c.rms_norm_eps, xn, rk.stream.get()),
                                     "rmsnorm"));
   ROLLOUT_RETURN_IF_ERROR(mark(kNorm));
-  ROLLOUT_RETURN_IF_ERROR(CublasError(rk.gemm_gate_up->Run(xn, n, l.gate_up, gate_up, rk.stream),
-                                      "gate/up projection"));
+  ROLLOUT_RETURN_IF_ERROR(CublasError(
+      rk.gemm_gate_up->Run(xn, n, l.gate_up, gate_up, rk.stream.get()), "gate/up projection"));
   ROLLOUT_RETURN_IF_ERROR(mark(kGemmGateUp));
-  ROLLOUT_RETURN_IF_ERROR(
-      CudaError(cuda::SiluMul(gate_up, n, rk.inter, rk.act.get<bf16>(), rk.stream), "silu * up"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cuda::SiluMul(gate_up, n, rk.inter, rk.act.get<bf16>(), rk.stream.get()), "silu * up"));
   ROLLOUT_RETURN_IF_ERROR(mark(kSiluMul));
   return EnqueueRowParallel(rk, layer, /*mlp=*/true, n);
 }
@@ -512,7 +507,7 @@ absl::Status CudaModelRunner::EnqueueRowParallel(RankState& rk, int layer, bool 
   cuda::PinnedGemm* gemm = mlp ? rk.gemm_down.get() : rk.gemm_o.get();
   const char* what = mlp ? "down projection" : "o projection";
   float* x = rk.x.get<float>();
-  if (!s.canonical) return CublasError(gemm->Run(in, n, w, x, rk.stream), what);
+  if (!s.canonical) return CublasError(gemm->Run(in, n, w, x, rk.stream.get()), what);
 
   const int64_t k_full = mlp ? c.intermediate_size : int64_t{c.num_attention_heads} * c.head_dim;
   const int64_t k_local = k_full / s.tp, seg = k_full / cuda::kNumKSegments;
@@ -521,14 +516,16 @@ absl::Status CudaModelRunner::EnqueueRowParallel(RankState& rk, int layer, bool 
   float* node = s.tp == 1 ? nullptr : rk.gathered.get<float>() + rk.index * count;
   float* leaves = local == 1 ? node : rk.leaves.get<float>();
   ROLLOUT_RETURN_IF_ERROR(CublasError(
-      gemm->RunBatched(in, k_local, seg, n, w, h * seg, leaves, count, local, rk.stream), what));
+      gemm->RunBatched(in, k_local, seg, n, w, h * seg, leaves, count, local, rk.stream.get()),
+      what));
   if (s.tp == 1) {
-    return CudaError(cuda::SumTree(leaves, local, count, count, x, /*accumulate=*/true, rk.stream),
-                     "K tree + residual");
+    return CudaError(
+        cuda::SumTree(leaves, local, count, count, x, /*accumulate=*/true, rk.stream.get()),
+        "K tree + residual");
   }
   if (local == 1) return absl::OkStatus();
   return CudaError(
-      cuda::SumTree(leaves, local, count, count, node, /*accumulate=*/false, rk.stream),
+      cuda::SumTree(leaves, local, count, count, node, /*accumulate=*/false, rk.stream.get()),
       "K tree node");
 }
 
@@ -550,7 +547,7 @@ absl::Status CudaModelRunner::CombineRowParallel(int64_t n) {
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(cuda::SumTree(rk.gathered.get<float>(), s.tp, count, count, rk.x.get<float>(),
-                                /*accumulate=*/true, rk.stream),
+                                /*accumulate=*/true, rk.stream.get()),
                   "K tree top + residual"));
   }
   return s.SetDevice(s.ranks[0]);
@@ -575,11 +572,11 @@ absl::Status CudaModelRunner::EnqueueLogits(const cuda_runner_internal::SliceSha
       const int32_t* d = s.MetaOf(rk);
       ROLLOUT_RETURN_IF_ERROR(CudaError(
           cuda::RmsNorm(rk.x.get<float>(), d + shape.off_rows() + r0, rn, h, rk.final_norm,
-                        c.rms_norm_eps, rk.final_rows.get<bf16>(), rk.stream),
+                        c.rms_norm_eps, rk.final_rows.get<bf16>(), rk.stream.get()),
           "final rmsnorm"));
       float* out = s.tp == 1 ? device_rows : rk.gathered.get<float>() + rk.index * rn * vr;
       ROLLOUT_RETURN_IF_ERROR(CublasError(
-          rk.gemm_lm_head->Run(rk.final_rows.get<bf16>(), rn, rk.lm_head, out, rk.stream),
+          rk.gemm_lm_head->Run(rk.final_rows.get<bf16>(), rn, rk.lm_head, out, rk.stream.get()),
           "lm_head"));
       send.push_back(out);
       recv.push_back(rk.gathered.get<float>());
@@ -769,7 +766,7 @@ absl::Status CudaModelRunner::ProcessDeviceRows(const float* rows,
 
 bool CudaModelRunner::CanFeed(const std::vector<LogitsRowTask>& tasks) const {
   const State& s = *state_;
-  if (s.multi_device || s.profiling ||
+  if (s.multi_device || s.profiler.on() ||
       static_cast<int64_t>(tasks.size()) > options_.max_logit_rows) {
     return false;
   }
@@ -799,10 +796,10 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
   // A staging slot no uncollected step uses, once the step that used it last is done with it.
-  s.slot =
-      s.launched.empty() || s.launched.back().slot < 0 ? s.slot ^ 1 : s.launched.back().slot ^ 1;
+  s.slot = s.launched.empty() || !s.launched.back().slot.has_value() ? s.slot ^ 1
+                                                                     : *s.launched.back().slot ^ 1;
   ROLLOUT_RETURN_IF_ERROR(
-      CudaError(cudaEventSynchronize(s.staging().done), "waiting for a staging slot"));
+      CudaError(cudaEventSynchronize(s.staging().done.get()), "waiting for a staging slot"));
   const int64_t rows = static_cast<int64_t>(tasks.size());
   State::Launched launched;
   launched.rows = rows;
@@ -815,7 +812,7 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
       status = EnqueueDeviceRows(s.logits.get<float>(), tasks, 0, rows);
     }
     if (status.ok()) {
-      status = CudaError(cudaEventRecord(s.staging().done, s.stream), "cudaEventRecord");
+      status = CudaError(cudaEventRecord(s.staging().done.get(), s.stream), "cudaEventRecord");
     }
     launched.slot = s.slot;
   } else {
@@ -825,7 +822,9 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
       // The previous launched step's tokens, from its results.
       const State::Launched& previous = s.launched.back();
       std::vector<SampleResult> fed_from = previous.results;  // computed at its launch, or:
-      if (previous.slot >= 0) status = SlotResults(previous.slot, previous.rows, &fed_from);
+      if (previous.slot.has_value()) {
+        status = SlotResults(*previous.slot, previous.rows, &fed_from);
+      }
       resolved = batch;
       if (status.ok()) status = ResolveFedTokens(fed_from, &resolved);
       run = &resolved;
@@ -849,18 +848,19 @@ absl::Status CudaModelRunner::CollectStep(std::vector<SampleResult>* results) {
   s.launched.pop_front();
   // Fed tokens refer to an uncollected step, as in ModelRunner's contract.
   if (s.launched.empty()) s.feed_ready = false;
-  if (launched.slot < 0) {
+  if (!launched.slot.has_value()) {
     *results = std::move(launched.results);
     return absl::OkStatus();
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
-  return SlotResults(launched.slot, launched.rows, results);
+  return SlotResults(*launched.slot, launched.rows, results);
 }
 
 absl::Status CudaModelRunner::SlotResults(int slot, int64_t rows,
                                           std::vector<SampleResult>* results) {
   State& s = *state_;
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaEventSynchronize(s.slots[slot].done), "a launched step"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cudaEventSynchronize(s.slots[slot].done.get()), "a launched step"));
   results->assign(rows, SampleResult());
   ConvertDeviceRows(s.slots[slot].results.get(), 0, rows, results);
   return absl::OkStatus();

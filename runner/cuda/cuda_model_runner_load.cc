@@ -7,13 +7,21 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/cuda_device_scope.h"
+#include "common/cuda_status.h"
+#include "common/status.h"
 #include "glog/logging.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/rank_group.h"
+#include "kernels/cuda/sampling.h"
+#include "kernels/cuda/tensor_parallel.h"
 #include "model/random_model.h"
 #include "model/tensor_parallel.h"
 #include "runner/cuda/cuda_model_runner.h"
@@ -132,9 +140,9 @@ absl::Status Upload(const Binding& dst, DType dtype, const uint8_t* data, int64_
                      what);
   }
   for (const Piece& p : dst.pieces) {
-    if (p.device >= 0) {  // ranks on several devices: each piece with its device current
+    if (p.device.has_value()) {  // ranks on several devices: each piece with its device current
       CudaDeviceScope scope;
-      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(p.device), what));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(*p.device), what));
       ROLLOUT_RETURN_IF_ERROR(
           CudaError(CopyPiece(dst, p, src, elem, cudaMemcpyHostToDevice, 0), what));
       ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(0), what));
@@ -164,11 +172,15 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, CudaRunnerOptions options)
       options_(WithCanonicalTree(options)),
       state_(std::make_unique<State>()) {}
 
+// Drains every rank's stream; State's members then release their resources in the order it
+// states, rank 0's with its device current (RankList makes the other ranks' current).
 CudaModelRunner::~CudaModelRunner() {
   if (state_ == nullptr) return;
   for (const RankState& rk : state_->ranks) {
-    if (rk.stream != nullptr) cudaStreamSynchronize(rk.stream);
+    if (rk.stream.get() != nullptr) cudaStreamSynchronize(rk.stream.get());
   }
+  if (state_->multi_device && !state_->ranks.empty()) cudaSetDevice(state_->ranks[0].device);
+  state_.reset();
 }
 
 absl::StatusOr<std::unique_ptr<CudaModelRunner>> CudaModelRunner::Create(
@@ -252,8 +264,8 @@ absl::Status CudaModelRunner::Init() {
   // Vocab shards of ceil(vocab / tp) rows rounded up to 64, so that every rank's lm_head GEMM
   // has one shape and its logits rows stay aligned; the last shards are shorter (or empty).
   s.vocab_rows = tp == 1 ? vocab : ((vocab + tp - 1) / tp + 63) / 64 * 64;
-  s.ranks.resize(tp);
   s.multi_device = o.devices.size() > 1;
+  s.ranks.Create(tp, s.multi_device);
   for (int r = 0; r < tp; ++r) {
     RankState& rk = s.ranks[r];
     rk.index = r;
@@ -267,20 +279,20 @@ absl::Status CudaModelRunner::Init() {
   std::vector<int> devices;
   for (RankState& rk : s.ranks) {
     ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(rk.device), "cudaSetDevice"));
-    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamCreateWithFlags(&rk.stream, cudaStreamNonBlocking),
-                                      "cudaStreamCreate"));
-    streams.push_back(rk.stream);
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cudaStreamCreateWithFlags(rk.stream.Receive(), cudaStreamNonBlocking), "cudaStreamCreate"));
+    streams.push_back(rk.stream.get());
     devices.push_back(rk.device);
     if (rk.index > 0) {
-      ROLLOUT_RETURN_IF_ERROR(
-          CudaError(cudaEventCreateWithFlags(&rk.done, cudaEventDisableTiming), "cudaEventCreate"));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(
+          cudaEventCreateWithFlags(rk.done.Receive(), cudaEventDisableTiming), "cudaEventCreate"));
     }
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
-  s.stream = s.ranks[0].stream;
+  s.stream = s.ranks[0].stream.get();
   if (tp > 1) {
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), "cudaEventCreate"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cudaEventCreateWithFlags(s.fork.Receive(), cudaEventDisableTiming), "cudaEventCreate"));
     if (!s.multi_device) {
       const cuda::GroupStatus group = cuda::CreateSameDeviceGroup(streams, &s.group);
       if (!group.ok()) return absl::InternalError(group.message());
@@ -307,15 +319,16 @@ absl::Status CudaModelRunner::Init() {
       ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
     }
   }
-  ROLLOUT_RETURN_IF_ERROR(CublasError(cublasLtCreate(&s.lt), "cublasLtCreate"));
+  ROLLOUT_RETURN_IF_ERROR(CublasError(cublasLtCreate(s.lt.Receive()), "cublasLtCreate"));
   for (RankState& rk : s.ranks) {
     if (!s.OwnCopies(rk)) {
-      rk.lt = s.lt;
+      rk.lt = s.lt.get();
       continue;
     }
     // cuBLASLt handles are per device.
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
-    ROLLOUT_RETURN_IF_ERROR(CublasError(cublasLtCreate(&rk.lt), "cublasLtCreate"));
+    ROLLOUT_RETURN_IF_ERROR(CublasError(cublasLtCreate(rk.own_lt.Receive()), "cublasLtCreate"));
+    rk.lt = rk.own_lt.get();
   }
   ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
 
@@ -361,7 +374,8 @@ absl::Status CudaModelRunner::Init() {
 
   // Every tensor bound to the pieces of it each rank holds (one whole piece each at tp = 1,
   // at the same places as ever, except o/down's K segments with the canonical tree).
-  int piece_device = -1;  // the device of the rank being bound, when ranks span devices
+  // The device of the rank being bound, when ranks span devices.
+  std::optional<int> piece_device;
   auto add = [&](const std::string& name, bool f32, int64_t rows, int64_t cols, Piece piece) {
     piece.device = piece_device;
     Binding& b = s.bindings[name];
@@ -385,7 +399,7 @@ absl::Status CudaModelRunner::Init() {
     }
   };
   for (RankState& rk : s.ranks) {
-    piece_device = s.multi_device ? rk.device : -1;
+    piece_device = s.multi_device ? std::optional<int>(rk.device) : std::nullopt;
     const int64_t r = rk.index, rh = rk.heads, rkv = rk.kv_heads, kvb = rk.kv_head_begin;
     add("model.embed_tokens.weight", false, vocab, h,
         Piece{rk.embed, rk.vocab_begin, rk.vocab_end - rk.vocab_begin, 0, h});
@@ -508,7 +522,7 @@ absl::Status CudaModelRunner::LoadSynthetic(uint64_t seed) {
       // Pieces on other devices than rank 0's (ranks spanning devices) through the host.
       std::vector<char> host;
       for (const Piece& p : dst.pieces) {
-        if (p.device >= 0 && p.device != s.ranks[0].device) {
+        if (p.device.has_value() && *p.device != s.ranks[0].device) {
           if (host.empty()) {
             host.resize(count * elem);
             ROLLOUT_RETURN_IF_ERROR(
@@ -518,7 +532,7 @@ absl::Status CudaModelRunner::LoadSynthetic(uint64_t seed) {
                           absl::StrCat("staging ", spec.name)));
           }
           CudaDeviceScope scope;
-          ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(p.device), "cudaSetDevice"));
+          ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(*p.device), "cudaSetDevice"));
           ROLLOUT_RETURN_IF_ERROR(
               CudaError(CopyPiece(dst, p, host.data(), elem, cudaMemcpyHostToDevice, 0),
                         absl::StrCat("slicing ", spec.name)));
@@ -616,8 +630,8 @@ absl::Status CudaModelRunner::Finish() {
         CudaError(h.specs.Allocate(r * sizeof(cuda::LogitsRowSpec)), "allocating sampling specs"));
     ROLLOUT_RETURN_IF_ERROR(CudaError(h.results.Allocate(r * sizeof(cuda::LogitsRowResult)),
                                       "allocating sampling results"));
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cudaEventCreateWithFlags(&h.done, cudaEventDisableTiming), "cudaEventCreate"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cudaEventCreateWithFlags(h.done.Receive(), cudaEventDisableTiming), "cudaEventCreate"));
   }
   if (s.canonical) {
     ROLLOUT_RETURN_IF_ERROR(PinCanonicalGemms());
@@ -698,8 +712,8 @@ absl::Status CudaModelRunner::PinGemms() {
            {"lm_head", vocab, h, cuda::GemmOutput::kF32, &rk.gemm_lm_head},
        }) {
     std::string why = "gemm_pin_m <= 0 asks for the heuristic";
-    if (pin_m <= 0 || cuda::PinnedGemm::Create(s.lt, g.n, g.k, g.output, pin_m, g.gemm, &why) !=
-                          CUBLAS_STATUS_SUCCESS) {
+    if (pin_m <= 0 || cuda::PinnedGemm::Create(s.lt.get(), g.n, g.k, g.output, pin_m, g.gemm,
+                                               &why) != CUBLAS_STATUS_SUCCESS) {
       if (pin_m > 0) {
         LOG(WARNING) << absl::StrFormat(
             "no split-K-free cuBLASLt algorithm could be pinned for %s [%d x %d]; using the "
@@ -707,7 +721,7 @@ absl::Status CudaModelRunner::PinGemms() {
             g.name, g.n, g.k, why);
       }
       ROLLOUT_RETURN_IF_ERROR(
-          CublasError(cuda::PinnedGemm::CreateHeuristic(s.lt, g.n, g.k, g.output, g.gemm),
+          CublasError(cuda::PinnedGemm::CreateHeuristic(s.lt.get(), g.n, g.k, g.output, g.gemm),
                       absl::StrCat("creating the GEMM for ", g.name)));
     } else if (options_.gemm_ladder) {
       ROLLOUT_RETURN_IF_ERROR(
@@ -755,7 +769,7 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
     std::unique_ptr<cuda::PinnedGemm> full;
     std::string why;
     // The leaves run batched: the ladder is built (and probed) on the batched full shape.
-    if (cuda::PinnedGemm::Create(s.lt, g.n, g.k, g.output, options_.gemm_pin_m, &full, &why,
+    if (cuda::PinnedGemm::Create(s.lt.get(), g.n, g.k, g.output, options_.gemm_pin_m, &full, &why,
                                  g.max_batch) != CUBLAS_STATUS_SUCCESS) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "no split-K-free cuBLASLt algorithm could be pinned for %s [%d x %d], which the "
