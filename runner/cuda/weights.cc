@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
