@@ -13,6 +13,8 @@ namespace rollout {
 
 namespace cuda_runner_internal {
 struct SliceShape;
+struct SlicePlan;
+struct SlicePlanOptions;
 struct RankState;
 }  // namespace cuda_runner_internal
 
@@ -82,7 +84,7 @@ struct CudaRunnerOptions {
   // o_proj and down_proj, vocab-parallel embedding and lm_head, norms and residual replicated),
   // each rank with its own weights shard, KV-cache shard and stream. Every degree gives the
   // logits of tp = 1 with canonical_k_tree, bitwise. Requires what CheckTensorParallel
-  // (runner/cpu/cpu_model_runner.h) requires, pinned GEMMs (gemm_pin_m > 0), and heads * head_dim
+  // (model/tensor_parallel.h) requires, pinned GEMMs (gemm_pin_m > 0), and heads * head_dim
   // and the intermediate size multiples of 64.
   int32_t tensor_parallel = 1;
   // o_proj and down_proj as the canonical 8-segment K tree (kernels/cuda/tensor_parallel.h):
@@ -192,50 +194,81 @@ class CudaModelRunner final : public ModelRunner {
  private:
   struct State;
   CudaModelRunner(ModelConfig config, CudaRunnerOptions options);
+
+  // Construction (Create, CreateSynthetic): Init, the weights (LoadCheckpoint or LoadSynthetic),
+  // then Finish; Init and Finish each run the named steps below them, in this order.
+  // Init (setup.cc): the options and the model checked against what the kernels support, then
   absl::Status Init();
+  void SetUpRanks();                 // the ranks' shards and devices
+  absl::Status CreateStreams();      // each rank's stream and event (the fork event at tp > 1)
+  absl::Status CreateRankGroup();    // tp > 1: the ranks' exchanges (same device, or NCCL)
+  absl::Status CreateBlasHandles();  // cuBLASLt: one per device
+  absl::Status LayOutWeights();      // each rank's weight allocations (weights.cc)
+  absl::Status BindTensors();        // every checkpoint tensor to the pieces the ranks hold
+  // The weights (weights.cc).
   absl::Status LoadCheckpoint(const Checkpoint& checkpoint);
   absl::Status LoadSynthetic(uint64_t seed);
+  // Finish (workspace.cc, pinned_gemms.cc):
   absl::Status Finish();
+  absl::Status UploadRopeTables();
+  absl::Status AllocateWorkspace();  // activations, logits, sampling buffers, host staging
   absl::Status PinGemms();
   absl::Status PinCanonicalGemms();
-  // async (LaunchStep): fed tokens (batch.fed_tokens: rows of the device's sampling results)
-  // allowed, and nothing waits for the device.
+  absl::Status AllocateKvCache();  // the KV pool from the memory left
+
+  // The forward pass (forward.cc). async (LaunchStep): fed tokens (batch.fed_tokens: rows of the
+  // device's sampling results) allowed, and nothing waits for the device.
   absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits, bool async = false);
+  absl::Status CheckBatch(const ForwardBatch& batch, bool async) const;
+  // Tokens [begin, end) of the batch: planned (batch_plan.h), the metadata uploaded, the slice
+  // enqueued or its decode graph replayed.
   absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
                             float* host_logits, bool keep_on_device, bool async);
+  cuda_runner_internal::SlicePlanOptions PlanOptions() const;
+  absl::Status GrowAttentionPartials(const cuda_runner_internal::SliceShape& shape);
+  // The plan's metadata packed into the staging slot, uploaded to every device, and the fed
+  // tokens copied in from the device's sampling results.
+  absl::Status UploadSliceMetadata(const ForwardBatch& batch,
+                                   const cuda_runner_internal::SlicePlan& plan,
+                                   const cuda_runner_internal::SlicePlanOptions& options);
   // Enqueues a slice whose metadata is on the device: the layers, then the logits rows (copied
-  // to `host_logits` pass by pass when it is set).
+  // to `host_logits` pass by pass when it is set). forward_layers.cc.
   absl::Status EnqueueSlice(const cuda_runner_internal::SliceShape& shape, float* host_logits,
                             bool keep_on_device);
-  // The parts of EnqueueSlice. Per rank: the attention block up to its o_proj part, the MLP up
-  // to its down_proj part, and a row-parallel projection's part (mlp: down_proj, else o_proj;
-  // the fused GEMM + residual, or the rank's leaves of the K tree into its node -- at tp = 1
-  // the whole tree into x). Across ranks: the embedding, the all-gather of the nodes and the
-  // tree's top into x, the logits.
+  // The parts of EnqueueSlice. Per rank: the attention block up to its o_proj part (input norm
+  // and q/k/v, then attention), the MLP up to its down_proj part, and a row-parallel projection's
+  // part (mlp: down_proj, else o_proj; the fused GEMM + residual, or the rank's leaves of the K
+  // tree into its node -- at tp = 1 the whole tree into x). Across ranks: the embedding, the
+  // all-gather of the nodes and the tree's top into x, the logits.
   absl::Status EnqueueEmbedding(const cuda_runner_internal::SliceShape& shape);
   absl::Status EnqueueAttention(cuda_runner_internal::RankState& rk, int layer,
                                 const cuda_runner_internal::SliceShape& shape);
+  absl::Status EnqueueQkv(cuda_runner_internal::RankState& rk, int layer,
+                          const cuda_runner_internal::SliceShape& shape);
+  absl::Status EnqueuePagedAttention(cuda_runner_internal::RankState& rk, int layer,
+                                     const cuda_runner_internal::SliceShape& shape);
   absl::Status EnqueueMlp(cuda_runner_internal::RankState& rk, int layer, int64_t n);
   absl::Status EnqueueRowParallel(cuda_runner_internal::RankState& rk, int layer, bool mlp,
                                   int64_t n);
   absl::Status CombineRowParallel(int64_t n);
   absl::Status EnqueueLogits(const cuda_runner_internal::SliceShape& shape, float* host_logits,
                              bool keep_on_device);
-  // Replays (capturing it the first time) the decode graph of `shape`'s bucket.
+  // Replays (capturing it the first time) the decode graph of `shape`'s bucket. decode_graphs.cc.
   absl::Status LaunchDecodeGraph(const cuda_runner_internal::SliceShape& shape);
-  // The bucket a decode batch of n tokens is padded to; 0 when n is above every bucket.
-  int64_t GraphBucket(int64_t n) const;
+
+  // Logits processing (logits_processing.cc).
   absl::Status ProcessDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
                                  int64_t first, int64_t count, std::vector<SampleResult>* results);
   // Enqueues the processing of tasks[first, first + count) (their logits at `rows` on the device):
   // specs staged and uploaded, the sampling kernel, the results' download into the staging slot.
   absl::Status EnqueueDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,
                                  int64_t first, int64_t count);
-  // The results of the launched step staged in `slot` (`rows` rows), once its event fires.
-  absl::Status SlotResults(int slot, int64_t rows, std::vector<SampleResult>* results);
   // The device results of `count` rows from `out` (host) into results[first ..].
   static void ConvertDeviceRows(const void* out, int64_t first, int64_t count,
                                 std::vector<SampleResult>* results);
+  // The results of the launched step staged in `slot` (`rows` rows), once its event fires.
+  // step_pipeline.cc.
+  absl::Status SlotResults(int slot, int64_t rows, std::vector<SampleResult>* results);
 
   const ModelConfig config_;
   const CudaRunnerOptions options_;

@@ -1,0 +1,200 @@
+#include "runner/cuda/batch_plan.h"
+
+#include <cstdint>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace rollout {
+namespace cuda_runner_internal {
+namespace {
+
+using ::std::vector;
+
+// Never written by PackSliceMetadata: marks the ints it must leave alone.
+constexpr int32_t kUntouched = -7;
+
+vector<int32_t> Pack(const ForwardBatch& batch, const SlicePlan& plan,
+                     const SlicePlanOptions& options) {
+  vector<int32_t> meta(plan.meta_ints(), kUntouched);
+  PackSliceMetadata(batch, plan, options, meta.data());
+  return meta;
+}
+
+vector<int32_t> Slice(const vector<int32_t>& v, int64_t begin, int64_t count) {
+  return vector<int32_t>(v.begin() + begin, v.begin() + begin + count);
+}
+
+SlicePlanOptions Options() {
+  SlicePlanOptions o;
+  o.kv_block_size = 4;
+  o.attention_split_size = 8;
+  o.item_tokens = 4;
+  o.splits_for_every_token = true;
+  o.largest_graph_bucket = 512;
+  o.pad_block = 77;
+  return o;
+}
+
+// Sequence A continues its prefill (positions 30..34, logits of the last), B and C decode one
+// token each (C's fed from row 2 of the step launched before).
+ForwardBatch MixedBatch() {
+  ForwardBatch b;
+  b.token_ids = {11, 12, 13, 14, 15, 21, 0};
+  b.positions = {30, 31, 32, 33, 34, 20, 7};
+  b.token_seq = {0, 0, 0, 0, 0, 1, 2};
+  b.block_tables = {
+      {100, 101, 102, 103, 104, 105, 106, 107, 108}, {200, 201, 202, 203, 204, 205}, {300, 301}};
+  b.logit_rows = {4, 5, 6};
+  b.fed_tokens = {FedToken{6, 2}};
+  return b;
+}
+
+TEST(BatchPlanTest, MixedPrefillAndDecodePacksEveryArrayAtItsOffset) {
+  const ForwardBatch batch = MixedBatch();
+  const SlicePlan plan = PlanSlice(batch, 0, 7, Options(), /*may_replay_graph=*/true);
+  // A prefill chunk in the batch: no graph, no padding.
+  EXPECT_EQ(plan.graph_bucket, 0);
+  const SliceShape& shape = plan.shape;
+  EXPECT_EQ(shape.n, 7);
+  EXPECT_EQ(shape.num_rows, 3);
+  EXPECT_EQ(shape.row_begin, 0);
+  // A's five tokens: one item of item_tokens = 4, then its last token as a one-token item.
+  EXPECT_EQ(plan.items_many, (vector<int32_t>{0, 4}));
+  EXPECT_EQ(plan.items_one, (vector<int32_t>{4, 1, 5, 1, 6, 1}));
+  EXPECT_EQ(shape.num_one, 3);
+  EXPECT_EQ(shape.num_many, 1);
+  // Splits for every token with the tensor-core kernel: position 34 needs 34 / 8 + 1.
+  EXPECT_EQ(shape.max_splits, 5);
+
+  // [tokens 7][positions 7][slots 7][table offsets 7][rows 3] = 31 ints, one skipped, the
+  // one-token items at 32, the many-token items at 38, the tables at 40, the fed pair at 57.
+  EXPECT_EQ(shape.off_one(), 32);
+  EXPECT_EQ(shape.off_many(), 38);
+  EXPECT_EQ(shape.off_tables(), 40);
+  EXPECT_EQ(plan.tables_size, 9 + 6 + 2);
+  EXPECT_EQ(plan.num_fed, 1);
+  EXPECT_EQ(plan.off_fed, 57);
+  EXPECT_EQ(plan.meta_ints(), 59);
+  EXPECT_EQ(plan.meta_bytes(), 59u * 4);
+
+  const vector<int32_t> m = Pack(batch, plan, Options());
+  EXPECT_EQ(Slice(m, shape.off_tokens(), 7), (vector<int32_t>{11, 12, 13, 14, 15, 21, 0}));
+  EXPECT_EQ(Slice(m, shape.off_pos(), 7), (vector<int32_t>{30, 31, 32, 33, 34, 20, 7}));
+  // slot = table[pos / 4] * 4 + pos % 4.
+  EXPECT_EQ(Slice(m, shape.off_slots(), 7),
+            (vector<int32_t>{107 * 4 + 2, 107 * 4 + 3, 108 * 4, 108 * 4 + 1, 108 * 4 + 2, 205 * 4,
+                             301 * 4 + 3}));
+  EXPECT_EQ(Slice(m, shape.off_tab(), 7), (vector<int32_t>{0, 0, 0, 0, 0, 9, 15}));
+  EXPECT_EQ(Slice(m, shape.off_rows(), 3), (vector<int32_t>{4, 5, 6}));
+  EXPECT_EQ(m[31], kUntouched);  // skipped so that the one-token items start on an even offset
+  EXPECT_EQ(Slice(m, shape.off_one(), 6), (vector<int32_t>{4, 1, 5, 1, 6, 1}));
+  EXPECT_EQ(Slice(m, shape.off_many(), 2), (vector<int32_t>{0, 4}));
+  EXPECT_EQ(Slice(m, shape.off_tables(), 17),
+            (vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107, 108, 200, 201, 202, 203, 204,
+                             205, 300, 301}));
+  // Fed token: (slice-relative token index, row of the previous step).
+  EXPECT_EQ(Slice(m, plan.off_fed, 2), (vector<int32_t>{6, 2}));
+}
+
+TEST(BatchPlanTest, SimtKernelNeedsSplitsForOneTokenItemsOnly) {
+  SlicePlanOptions o = Options();
+  o.splits_for_every_token = false;
+  const SlicePlan plan = PlanSlice(MixedBatch(), 0, 7, o, /*may_replay_graph=*/true);
+  // B's token at position 20 (A's last token shares its sequence with the token before it).
+  EXPECT_EQ(plan.shape.max_splits, 3);
+}
+
+TEST(BatchPlanTest, LaterSliceIsSliceRelativeAndKeepsOnlyItsFedTokens) {
+  ForwardBatch batch = MixedBatch();
+  batch.fed_tokens = {FedToken{3, 0}, FedToken{6, 2}};
+  const SlicePlan plan = PlanSlice(batch, 5, 7, Options(), /*may_replay_graph=*/true);
+  // Not the batch's first slice: never a graph.
+  EXPECT_EQ(plan.graph_bucket, 0);
+  EXPECT_EQ(plan.shape.n, 2);
+  EXPECT_EQ(plan.shape.row_begin, 1);
+  EXPECT_EQ(plan.rows(), 2);
+  EXPECT_EQ(plan.num_fed, 1);
+  const vector<int32_t> m = Pack(batch, plan, Options());
+  const SliceShape& shape = plan.shape;
+  EXPECT_EQ(Slice(m, shape.off_tokens(), 2), (vector<int32_t>{21, 0}));
+  EXPECT_EQ(Slice(m, shape.off_tab(), 2), (vector<int32_t>{0, 6}));
+  EXPECT_EQ(Slice(m, shape.off_rows(), 2), (vector<int32_t>{0, 1}));
+  EXPECT_EQ(Slice(m, shape.off_one(), 4), (vector<int32_t>{0, 1, 1, 1}));
+  EXPECT_EQ(Slice(m, shape.off_tables(), 8),
+            (vector<int32_t>{200, 201, 202, 203, 204, 205, 300, 301}));
+  EXPECT_EQ(Slice(m, plan.off_fed, 2), (vector<int32_t>{1, 2}));
+}
+
+// Three sequences decoding one token each, every one with logits.
+ForwardBatch DecodeBatch() {
+  ForwardBatch b;
+  b.token_ids = {5, 6, 7};
+  b.positions = {9, 17, 3};
+  b.token_seq = {0, 1, 2};
+  b.block_tables = {{1, 2, 3}, {4, 5, 6, 7, 8}, {9}};
+  b.logit_rows = {0, 1, 2};
+  return b;
+}
+
+TEST(BatchPlanTest, DecodeStepIsPaddedToItsGraphBucketWithRowsOnThePadBlock) {
+  const ForwardBatch batch = DecodeBatch();
+  const SlicePlan plan = PlanSlice(batch, 0, 3, Options(), /*may_replay_graph=*/true);
+  EXPECT_EQ(plan.graph_bucket, 4);
+  const SliceShape& shape = plan.shape;
+  EXPECT_EQ(shape.n, 4);
+  EXPECT_EQ(shape.num_rows, 4);
+  EXPECT_EQ(shape.num_one, 4);
+  EXPECT_EQ(shape.num_many, 0);
+  EXPECT_EQ(plan.tokens(), 3);
+  EXPECT_EQ(plan.rows(), 3);
+  // Position 17 needs 3 splits; the graph's grid is padded to a power of two.
+  EXPECT_EQ(shape.max_splits, 4);
+  EXPECT_EQ(plan.pad_table, 9);
+  EXPECT_EQ(plan.tables_size, 10);
+  EXPECT_EQ(plan.meta_ints(), 38);
+
+  const vector<int32_t> m = Pack(batch, plan, Options());
+  // The padding row: token 0 at position 0 in the reserved block 77, its own one-block table.
+  EXPECT_EQ(Slice(m, shape.off_tokens(), 4), (vector<int32_t>{5, 6, 7, 0}));
+  EXPECT_EQ(Slice(m, shape.off_pos(), 4), (vector<int32_t>{9, 17, 3, 0}));
+  EXPECT_EQ(Slice(m, shape.off_slots(), 4),
+            (vector<int32_t>{3 * 4 + 1, 8 * 4 + 1, 9 * 4 + 3, 77 * 4}));
+  EXPECT_EQ(Slice(m, shape.off_tab(), 4), (vector<int32_t>{0, 3, 8, 9}));
+  // Padding rows' logits rows are their own token indices.
+  EXPECT_EQ(Slice(m, shape.off_rows(), 4), (vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(Slice(m, shape.off_one(), 8), (vector<int32_t>{0, 1, 1, 1, 2, 1, 3, 1}));
+  EXPECT_EQ(Slice(m, shape.off_tables(), 10), (vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 8, 9, 77}));
+}
+
+TEST(BatchPlanTest, DecodeStepRunsEagerlyWhenTheRunnerAllowsNoGraph) {
+  const SlicePlan plan = PlanSlice(DecodeBatch(), 0, 3, Options(), /*may_replay_graph=*/false);
+  EXPECT_EQ(plan.graph_bucket, 0);
+  EXPECT_EQ(plan.shape.n, 3);
+  EXPECT_EQ(plan.shape.num_one, 3);
+  EXPECT_EQ(plan.shape.max_splits, 3);  // not padded
+  EXPECT_EQ(plan.tables_size, 9);       // no padding table
+}
+
+TEST(BatchPlanTest, DecodeStepWithoutLogitsForEveryTokenRunsEagerly) {
+  ForwardBatch batch = DecodeBatch();
+  batch.logit_rows = {0, 2};
+  EXPECT_EQ(PlanSlice(batch, 0, 3, Options(), /*may_replay_graph=*/true).graph_bucket, 0);
+}
+
+TEST(BatchPlanTest, GraphBucketsArePowersOfTwoThenMultiplesOf32UpToTheLargest) {
+  EXPECT_EQ(DecodeGraphBucket(0, 512), 0);
+  EXPECT_EQ(DecodeGraphBucket(1, 512), 1);
+  EXPECT_EQ(DecodeGraphBucket(3, 512), 4);
+  EXPECT_EQ(DecodeGraphBucket(17, 512), 32);
+  EXPECT_EQ(DecodeGraphBucket(33, 512), 64);
+  EXPECT_EQ(DecodeGraphBucket(65, 512), 96);
+  EXPECT_EQ(DecodeGraphBucket(512, 512), 512);
+  EXPECT_EQ(DecodeGraphBucket(513, 512), 0);
+  EXPECT_EQ(DecodeGraphBucket(99, 100), 100);  // capped at the largest
+  EXPECT_EQ(DecodeGraphBucket(1, 0), 0);       // graphs off
+}
+
+}  // namespace
+}  // namespace cuda_runner_internal
+}  // namespace rollout

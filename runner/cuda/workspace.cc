@@ -1,0 +1,185 @@
+// CudaModelRunner::Finish and its steps, after the weights: the RoPE tables, the workspace
+// (activations, logits, sampling buffers, host staging), the pinned GEMMs (pinned_gemms.cc),
+// then the KV pool from the memory left.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/cuda_status.h"
+#include "common/status.h"
+#include "kernels/cuda/sampling.h"
+#include "kernels/cuda/tensor_parallel.h"
+#include "runner/cuda/cuda_model_runner.h"
+#include "runner/cuda/cuda_runner_state.h"
+
+namespace rollout {
+namespace {
+
+using cuda_runner_internal::RankState;
+
+// cos/sin [max_position, head_dim / 2] exactly as the CPU reference computes them (double, then
+// rounded to float).
+void RopeTables(const ModelConfig& c, std::vector<float>* cos_table,
+                std::vector<float>* sin_table) {
+  const int64_t hd = c.head_dim;
+  const int64_t half = hd / 2, max_pos = c.max_position_embeddings;
+  cos_table->resize(max_pos * half);
+  sin_table->resize(max_pos * half);
+  std::vector<double> inv_freq(half);
+  for (int64_t i = 0; i < half; ++i) {
+    inv_freq[i] = std::pow(static_cast<double>(c.rope_theta), -(2.0 * static_cast<double>(i)) / hd);
+  }
+  for (int64_t p = 0; p < max_pos; ++p) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(p) * inv_freq[i];
+      (*cos_table)[p * half + i] = static_cast<float>(std::cos(angle));
+      (*sin_table)[p * half + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status CudaModelRunner::Finish() {
+  ROLLOUT_RETURN_IF_ERROR(UploadRopeTables());
+  ROLLOUT_RETURN_IF_ERROR(AllocateWorkspace());
+  ROLLOUT_RETURN_IF_ERROR(state_->canonical ? PinCanonicalGemms() : PinGemms());
+  return AllocateKvCache();
+}
+
+// On rank 0's device, and a copy on each other device the ranks span.
+absl::Status CudaModelRunner::UploadRopeTables() {
+  State& s = *state_;
+  std::vector<float> cos_table, sin_table;
+  RopeTables(config_, &cos_table, &sin_table);
+  const size_t bytes = cos_table.size() * sizeof(float);
+  ROLLOUT_RETURN_IF_ERROR(CudaError(s.rope_cos.Allocate(bytes), "allocating RoPE tables"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(s.rope_sin.Allocate(bytes), "allocating RoPE tables"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cudaMemcpy(s.rope_cos.get(), cos_table.data(), bytes, cudaMemcpyHostToDevice), "RoPE"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cudaMemcpy(s.rope_sin.get(), sin_table.data(), bytes, cudaMemcpyHostToDevice), "RoPE"));
+  for (RankState& rk : s.ranks) {  // ranks on other devices: their own copies
+    if (!s.OwnCopies(rk)) continue;
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(rk.rope_cos.Allocate(bytes), "allocating RoPE tables"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(rk.rope_sin.Allocate(bytes), "allocating RoPE tables"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cudaMemcpy(rk.rope_cos.get(), cos_table.data(), bytes, cudaMemcpyHostToDevice), "RoPE"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cudaMemcpy(rk.rope_sin.get(), sin_table.data(), bytes, cudaMemcpyHostToDevice), "RoPE"));
+  }
+  return s.SetDevice(s.ranks[0]);
+}
+
+// Each rank's activations for max_batch_tokens tokens (RankState), then on rank 0's device the
+// logits and sampling buffers for max_logit_rows rows and the two host staging slots.
+absl::Status CudaModelRunner::AllocateWorkspace() {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  const int64_t h = c.hidden_size, hd = c.head_dim, vocab = c.vocab_size;
+  const int tp = s.tp;
+  const int64_t t = options_.max_batch_tokens, r = options_.max_logit_rows;
+  // A rank's leaves of the canonical K tree: a separate buffer when it owns more than one.
+  const int local_segments = cuda::kNumKSegments / tp;
+  for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+    const int64_t qkv_cols = (rk.heads + 2 * rk.kv_heads) * hd;
+    const int64_t leaves = s.canonical && local_segments > 1 ? local_segments * t * h * 4 : 0;
+    const int64_t gathered = tp > 1 ? tp * std::max(t * h, r * s.vocab_rows) * 4 : 0;
+    for (auto [buffer, bytes] : std::vector<std::pair<cuda::DeviceBuffer*, int64_t>>{
+             {&rk.x, t * h * 4},
+             {&rk.xn, t * h * 2},
+             {&rk.qkv, t * qkv_cols * 4},
+             {&rk.q, t * rk.heads * hd * 4},
+             {&rk.attn, t * rk.heads * hd * 2},
+             {&rk.gate_up, t * 2 * rk.inter * 2},
+             {&rk.act, t * rk.inter * 2},
+             {&rk.final_rows, r * h * 2},
+             {&rk.leaves, leaves},
+             {&rk.gathered, gathered},
+         }) {
+      ROLLOUT_RETURN_IF_ERROR(CudaError(buffer->Allocate(bytes), "allocating activations"));
+    }
+  }
+  ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
+  for (auto [buffer, bytes] : std::vector<std::pair<cuda::DeviceBuffer*, int64_t>>{
+           {&s.logits, r * vocab * 4},
+           {&s.row_specs, r * static_cast<int64_t>(sizeof(cuda::LogitsRowSpec))},
+           {&s.row_results, r * static_cast<int64_t>(sizeof(cuda::LogitsRowResult))},
+       }) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(buffer->Allocate(bytes), "allocating activations"));
+  }
+  for (State::HostSlot& slot : s.slots) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(slot.specs.Allocate(r * sizeof(cuda::LogitsRowSpec)),
+                                      "allocating sampling specs"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(slot.results.Allocate(r * sizeof(cuda::LogitsRowResult)),
+                                      "allocating sampling results"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cudaEventCreateWithFlags(slot.done.Receive(), cudaEventDisableTiming), "cudaEventCreate"));
+  }
+  return absl::OkStatus();
+}
+
+// The KV pool. kv_cache_bytes sizes it as for the unsharded model, so the block count (and every
+// scheduling decision) is the same at every degree; a fraction of the free memory is shared by
+// the ranks' shards (which hold more than the model's KV heads when replicated).
+absl::Status CudaModelRunner::AllocateKvCache() {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  const int64_t hd = c.head_dim, nkv = c.num_key_value_heads;
+  size_t free_bytes = 0, total_bytes = 0;
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+  auto block_bytes = [&](int64_t kv_heads) {
+    return 2 * c.num_layers * static_cast<int64_t>(options_.kv_block_size) * kv_heads * hd * 2;
+  };
+  int64_t bytes_per_block = block_bytes(nkv);
+  if (options_.kv_cache_bytes <= 0 && !s.multi_device) {
+    bytes_per_block = 0;
+    for (const RankState& rk : s.ranks) bytes_per_block += block_bytes(rk.kv_heads);
+  } else if (options_.kv_cache_bytes <= 0) {
+    // Ranks on separate devices: each device holds one rank's shard, so the pool is what the
+    // device with the least free memory can hold of the largest shard.
+    bytes_per_block = 0;
+    for (const RankState& rk : s.ranks) {
+      bytes_per_block = std::max(bytes_per_block, block_bytes(rk.kv_heads));
+      size_t rank_free = 0, rank_total = 0;
+      ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+      ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&rank_free, &rank_total), "cudaMemGetInfo"));
+      free_bytes = std::min(free_bytes, rank_free);
+    }
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
+  }
+  const int64_t budget = options_.kv_cache_bytes > 0
+                             ? options_.kv_cache_bytes
+                             : static_cast<int64_t>(free_bytes * options_.kv_cache_fraction);
+  // Slots (block * block_size + offset) are int32 in the kernels.
+  const int64_t max_blocks = (int64_t{1} << 31) / options_.kv_block_size - 1;
+  // One block beyond the engine's pool is reserved for the padding rows of decode graphs.
+  const int64_t blocks = std::min(budget / bytes_per_block, max_blocks);
+  if (blocks < 2) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "KV cache of %d bytes holds fewer than 2 blocks of %d tokens (%d bytes each); %d bytes "
+        "free",
+        budget, options_.kv_block_size, bytes_per_block, free_bytes));
+  }
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaDeviceSynchronize(), "uploading RoPE tables"));
+  num_kv_blocks_ = static_cast<int32_t>(blocks - 1);
+  s.pad_block = static_cast<int32_t>(blocks - 1);
+  for (RankState& rk : s.ranks) {
+    ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
+    rk.kv_layer_elems = blocks * options_.kv_block_size * rk.kv_heads * hd;
+    const int64_t bytes = blocks * block_bytes(rk.kv_heads);
+    ROLLOUT_RETURN_IF_ERROR(CudaError(rk.kv.Allocate(bytes),
+                                      absl::StrCat("allocating a KV cache of ", bytes, " bytes")));
+  }
+  return s.SetDevice(s.ranks[0]);
+}
+
+}  // namespace rollout
