@@ -1,3 +1,4 @@
+#include <chrono>
 #include <utility>
 
 #include "engine/engine_internal.h"
@@ -5,6 +6,12 @@
 
 namespace rollout {
 namespace engine_internal {
+namespace {
+
+// How often a waiting DRAIN update's `cancelled` is asked while the engine has nothing to step.
+constexpr std::chrono::milliseconds kCancelPollInterval{50};
+
+}  // namespace
 
 EngineCore::EngineCore(std::unique_ptr<ModelRunner> runner, const EngineOptions& options,
                        int64_t max_context)
@@ -40,7 +47,7 @@ absl::StatusOr<uint64_t> EngineCore::Submit(std::vector<SampleSpec> samples, Eve
     if (stop_) return absl::UnavailableError("the engine is shutting down");
     job_id = next_job_id_++;
     unfinished_samples_ += static_cast<int64_t>(samples.size());
-    inbox_.push_back(Submission{job_id, std::move(samples), std::move(sink)});
+    inbox_.submissions.push_back(Submission{job_id, std::move(samples), std::move(sink)});
   }
   cv_.notify_all();
   return job_id;
@@ -49,7 +56,7 @@ absl::StatusOr<uint64_t> EngineCore::Submit(std::vector<SampleSpec> samples, Eve
 void EngineCore::Abort(AbortOrder order) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    aborts_.push_back(order);
+    inbox_.aborts.push_back(order);
   }
   cv_.notify_all();
 }
@@ -57,7 +64,7 @@ void EngineCore::Abort(AbortOrder order) {
 void EngineCore::FlushCache(std::function<void(FlushResult)> done) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    flushes_.push_back(std::move(done));
+    inbox_.flushes.push_back(std::move(done));
   }
   cv_.notify_all();
 }
@@ -65,7 +72,7 @@ void EngineCore::FlushCache(std::function<void(FlushResult)> done) {
 void EngineCore::UpdateWeights(PendingUpdate update) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    updates_.push_back(std::move(update));
+    inbox_.updates.push_back(std::move(update));
   }
   cv_.notify_all();
 }
@@ -76,7 +83,7 @@ bool EngineCore::SetPaused(bool paused, bool abort_in_flight) {
     std::lock_guard<std::mutex> lock(mu_);
     was = paused_;
     paused_ = paused;
-    if (abort_in_flight) aborts_.push_back(AbortOrder{});
+    if (abort_in_flight) inbox_.aborts.push_back(AbortOrder{});
   }
   cv_.notify_all();
   return was;
@@ -128,84 +135,45 @@ void EngineCore::PublishCounters() {
 
 void EngineCore::Loop() {
   for (;;) {
-    std::vector<Submission> submissions;
-    std::vector<AbortOrder> aborts;
-    std::vector<std::function<void(FlushResult)>> flushes;
-    std::vector<PendingUpdate> updates;
-    bool stop, paused;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      const bool busy = !scheduler_.idle() || launched_.has_value();
-      // Paused with a launched step: wake to collect it (its results are delivered).
-      auto ready = [&] {
-        return stop_ || (busy && !paused_) || (paused_ && launched_.has_value()) ||
-               !inbox_.empty() || !aborts_.empty() || !flushes_.empty() || !updates_.empty();
-      };
-      if (draining_.has_value()) {
-        // A waiting DRAIN update's caller may cancel while the engine has nothing else to do
-        // (paused, say): its predicate is looked at again at least every 50 ms.
-        cv_.wait_for(lock, std::chrono::milliseconds(50), ready);
-      } else {
-        cv_.wait(lock, ready);
-      }
-      submissions.swap(inbox_);
-      aborts.swap(aborts_);
-      flushes.swap(flushes_);
-      updates.swap(updates_);
-      stop = stop_;
-      paused = paused_;
-    }
+    Control control = WaitForControl();
+    const bool paused = control.paused, stop = control.stop;
     StepEvents events;
-    // Whatever changes the engine's state waits for the launched step (its sequences' results).
-    if (!submissions.empty() || !aborts.empty() || !flushes.empty() || !updates.empty() || stop ||
-        paused) {
-      DrainLaunched(&events);
-    }
-    // Updates first: a submission that raced an update into this iteration runs after it.
-    ProcessUpdates(std::move(updates), &events);
-    for (Submission& s : submissions) {
-      // While a DRAIN update waits, new work waits behind it, so it runs on the new weights.
-      if (draining_.has_value()) {
-        held_.push_back(std::move(s));
-      } else {
-        Admit(std::move(s));
-      }
-    }
-    for (const AbortOrder& order : aborts) {
-      if (order.job_id.has_value()) {
-        AbortJob(*order.job_id, order.rollout_index, &events);
-      } else {
-        for (const auto& [job_id, job] : jobs_) AbortJob(job_id, std::nullopt, &events);
-      }
-    }
-    if (!flushes.empty()) {
-      const FlushResult r = cache_.Flush();
-      // Counters first, so a caller that reads them after the reply sees the flush.
-      PublishCounters();
-      delivery_.WaitIdle();  // replies come after the events of earlier steps
-      for (auto& done : flushes) done(r);
-    }
+    ApplyControl(std::move(control), &events);
     if (stop) {
-      for (Submission& s : held_) Admit(std::move(s));
-      held_.clear();
-      if (draining_.has_value()) {
-        UpdateResult result;
-        result.status = absl::UnavailableError("the server is shutting down");
-        Reply(draining_->done, std::move(result));
-        draining_.reset();
-      }
-      for (const auto& [job_id, job] : jobs_) AbortJob(job_id, std::nullopt, &events);
-      PublishCounters();
-      Deliver(&events);
+      Shutdown(&events);
       return;
     }
-    if (!paused && (!scheduler_.idle() || launched_.has_value())) Step(&events);
+    if (!paused && has_work()) Step(&events);
     // A DRAIN update may have become ready (or been cancelled) in this step.
-    if (draining_.has_value()) ProcessUpdates({}, &events);
+    AdvanceDrain();
     // Counters first: a caller that has seen an event sees the state that produced it.
     PublishCounters();
     Deliver(&events);
   }
+}
+
+Control EngineCore::WaitForControl() {
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool busy = has_work();  // this thread's own state: constant while it waits
+  auto woken = [&] {
+    return stop_ || !inbox_.empty() || (busy && !paused_) ||
+           // Paused with a launched step: wake to collect it (its results are delivered).
+           (paused_ && launched_.has_value());
+  };
+  if (draining_.has_value()) {
+    // The loop's one timed wake. A waiting DRAIN update's `cancelled` is a predicate that no
+    // event announces, so while nothing else wakes the engine (it is paused, say: a DRAIN
+    // update only waits for work in flight, which otherwise keeps the loop stepping) the
+    // predicate is asked again at this deadline.
+    cv_.wait_until(lock, std::chrono::steady_clock::now() + kCancelPollInterval, woken);
+  } else {
+    cv_.wait(lock, woken);
+  }
+  Control control;
+  std::swap(control.inbox, inbox_);
+  control.paused = paused_;
+  control.stop = stop_;
+  return control;
 }
 
 void EngineCore::Deliver(StepEvents* events) {

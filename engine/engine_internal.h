@@ -52,6 +52,25 @@ struct AbortOrder {
   std::optional<int32_t> rollout_index;  // none: every rollout of the job
 };
 
+// What other threads posted for the engine thread since the loop last took it.
+struct Inbox {
+  std::vector<Submission> submissions;
+  std::vector<AbortOrder> aborts;
+  std::vector<std::function<void(FlushResult)>> flushes;
+  std::vector<PendingUpdate> updates;
+  bool empty() const {
+    return submissions.empty() && aborts.empty() && flushes.empty() && updates.empty();
+  }
+};
+
+// One loop iteration's control input: the inbox it took, and the engine's flags at that moment
+// (they stay set; they are not taken).
+struct Control {
+  Inbox inbox;
+  bool paused = false;
+  bool stop = false;
+};
+
 // One loop iteration's events, by job id (so that delivery is in job order), in report order
 // within a job. A sample's streamed tokens (no completion, no top logprobs) are copied to
 // flat arrays here and become SampleEvents on the delivery thread: the allocations of the
@@ -123,8 +142,46 @@ class EngineCore {
   int64_t unfinished_samples() const;
 
  private:
+  // engine_core.cc: the loop, what wakes it, and what it hands to other threads.
+  //
+  // Each iteration: take the inbox, apply it (ApplyControl), run one Step unless paused, then
+  // publish the counters and deliver the iteration's events.
   void Loop();
+  // Waits until something is posted, or there is a step to run (or to collect, when paused),
+  // then takes the inbox.
+  Control WaitForControl();
+  bool has_work() const { return !scheduler_.idle() || launched_.has_value(); }
+  void PublishCounters();
+  // Posts the events to the delivery thread, in job order.
+  void Deliver(StepEvents* events);
+
+  // engine_control.cc: the control plane, applied between two steps.
+  //
+  // Collects the launched step if anything changes (or the engine is paused), then applies the
+  // inbox: updates, admissions (held behind a DRAIN update), aborts, cache flushes.
+  void ApplyControl(Control control, StepEvents* events);
+  // The loop's last iteration: every job is aborted, a waiting DRAIN update fails.
+  void Shutdown(StepEvents* events);
+  // Acts on an update taken off the inbox: applies it now (CONTINUE; ABORT, after aborting
+  // every job), or holds it in draining_ (DRAIN), or answers why not.
+  void StartUpdate(PendingUpdate pending, StepEvents* events);
+  // Applies the DRAIN update in draining_ once no work is in flight (or drops it once its caller
+  // cancelled), then admits the submissions it held.
+  void AdvanceDrain();
+  void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
+  // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
+  bool DropIfCancelled(PendingUpdate* pending);
+  // Calls an update's `done` once the events of earlier steps were delivered.
+  void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
   void Admit(Submission submission);
+  // Ends the job's unfinished samples (of `rollout_index` only, if set); returns how many.
+  int32_t AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, StepEvents* events);
+  int32_t AbortAllJobs(StepEvents* events);
+  // Empties the prefix cache, then answers every flush.
+  void Flush(std::vector<std::function<void(FlushResult)>> dones);
+
+  // engine_step.cc: the step pipeline.
+  //
   // One step: launches the schedule's chunks (unless a step is launched already), launches the
   // next decode step too when it can be known in advance (LookaheadReady), then collects the
   // first and applies its results. So on a backend that runs launched steps on its device, the
@@ -143,20 +200,9 @@ class EngineCore {
   // Collects `step`'s results and applies them: new tokens, scores, reports, finishes.
   void Complete(LaunchedStep step, StepEvents* events);
   // Collects the launched step, if any (before anything changes the engine's state).
-  void DrainLaunched(StepEvents* events);
+  void CollectLaunched(StepEvents* events);
   // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
   void Report(Sequence* seq, std::optional<FinishReason> reason, StepEvents* events);
-  void AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, StepEvents* events);
-  // Posts the events to the delivery thread, in job order.
-  void Deliver(StepEvents* events);
-  // Calls an update's `done` once the events of earlier steps were delivered.
-  void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
-  void PublishCounters();
-  // Takes updates off the inbox, applies those that can be applied now.
-  void ProcessUpdates(std::vector<PendingUpdate> updates, StepEvents* events);
-  void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
-  // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
-  bool DropIfCancelled(PendingUpdate* pending);
 
   // Constant after construction.
   const EngineOptions options_;
@@ -183,17 +229,14 @@ class EngineCore {
   // The step's batch, rebuilt every step in place: its vectors (a block table per sequence)
   // keep their capacity instead of being allocated again each step.
   ForwardBatch batch_;
-  // The launched step whose results the next Step (or DrainLaunched) collects.
+  // The launched step whose results the next Step (or CollectLaunched) collects.
   std::optional<LaunchedStep> launched_;
   uint64_t lookahead_steps_ = 0;
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;  // notified whenever something is posted to inbox_ or a flag
   // Protected by mu_.
-  std::vector<Submission> inbox_;
-  std::vector<AbortOrder> aborts_;
-  std::vector<std::function<void(FlushResult)>> flushes_;
-  std::vector<PendingUpdate> updates_;
+  Inbox inbox_;
   bool paused_ = false;
   std::string published_version_;
   uint64_t next_job_id_ = 1;

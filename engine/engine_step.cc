@@ -143,8 +143,7 @@ bool EngineCore::LookaheadReady(const LaunchedStep& step) {
   }
   if (!runner_->CanFeed(tasks)) return false;
   std::lock_guard<std::mutex> lock(mu_);
-  return inbox_.empty() && aborts_.empty() && flushes_.empty() && updates_.empty() && !paused_ &&
-         !stop_;
+  return inbox_.empty() && !paused_ && !stop_;
 }
 
 std::optional<LaunchedStep> EngineCore::LaunchLookahead(const LaunchedStep& step) {
@@ -229,7 +228,7 @@ void EngineCore::Complete(LaunchedStep step, StepEvents* events) {
   (step.has_prefill ? prefill_steps_ : decode_steps_).Record(seconds);
 }
 
-void EngineCore::DrainLaunched(StepEvents* events) {
+void EngineCore::CollectLaunched(StepEvents* events) {
   if (!launched_.has_value()) return;
   LaunchedStep step = std::move(*launched_);
   launched_.reset();
