@@ -189,7 +189,11 @@ class EngineCore {
   void Step(StepEvents* events);
   // Launches `chunks` (their batch built in batch_). nullopt when the launch fails, with the
   // chunks' samples aborted into `events` unless it is null.
+  // The scheduler's chunks for the next step, with the logits rows each one wants.
+  std::vector<LaunchedStep::Chunk> ScheduleChunks();
   std::optional<LaunchedStep> Launch(std::vector<LaunchedStep::Chunk> chunks, StepEvents* events);
+  // Fills batch_ and step->tasks from step->chunks, and their rows' places in the step.
+  void BuildBatch(LaunchedStep* step);
   // Whether the step after `step` is known before `step`'s results: every running sequence
   // decodes in `step`, none waits to be admitted, nothing waits in the inbox, the runner can
   // feed `step`'s tokens. (A sequence that stops on a sampled token then has one dropped row.)
@@ -199,10 +203,19 @@ class EngineCore {
   std::optional<LaunchedStep> LaunchLookahead(const LaunchedStep& step);
   // Collects `step`'s results and applies them: new tokens, scores, reports, finishes.
   void Complete(LaunchedStep step, StepEvents* events);
+  // A scoring chunk's results: the logprobs of its scored tokens; finishes it at its end.
+  void ApplyScores(Sequence* seq, SampleResult* rows, int64_t num_rows, StepEvents* events);
+  // A generating sequence's new token: appended, reported, finishing it on a stop or length.
+  void ApplyToken(Sequence* seq, SampleResult* result, StepEvents* events);
   // Collects the launched step, if any (before anything changes the engine's state).
   void CollectLaunched(StepEvents* events);
   // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
   void Report(Sequence* seq, std::optional<FinishReason> reason, StepEvents* events);
+  // Streamed tokens only (no completion, no top logprobs), generated tokens [from, end):
+  // copied flat, made into an event on the delivery thread.
+  void ReportStreamed(const Sequence& seq, int64_t from, StepEvents* events);
+  // Marks `seq` finished, releases its KV, and returns its completion.
+  SampleCompletion Finish(Sequence* seq, FinishReason reason);
 
   // Constant after construction.
   const EngineOptions options_;

@@ -19,25 +19,27 @@ bool IsStop(const Sequence& seq, int32_t token, const ModelConfig& config) {
                                     token) != config.eos_token_ids.end();
 }
 
+// One task per logits row of `chunk`, in row order: the next token of a chunk that reaches its
+// sequence's end, or the scored tokens of a scoring sequence.
+void AppendRowTasks(const LaunchedStep::Chunk& chunk, std::vector<LogitsRowTask>* tasks) {
+  const Sequence* seq = chunk.seq;
+  for (int64_t r = 0; r < chunk.num_rows; ++r) {
+    LogitsRowTask task;
+    task.params = &seq->params;
+    task.sample_seed = seq->sample_seed;
+    // The absolute position of the new token (a scoring sequence: its end, as ever).
+    task.position = seq->is_score() ? seq->num_tokens() : chunk.end;
+    if (seq->is_score()) task.score_token = seq->tokens[chunk.first_position + r + 1];
+    tasks->push_back(task);
+  }
+}
+
 }  // namespace
 
 void EngineCore::Step(StepEvents* events) {
   if (!launched_.has_value()) {
-    std::vector<ScheduledChunk> scheduled = scheduler_.Schedule();
-    if (scheduled.empty()) return;
-    std::vector<LaunchedStep::Chunk> chunks;
-    chunks.reserve(scheduled.size());
-    for (const ScheduledChunk& c : scheduled) {
-      Sequence* seq = c.seq;
-      // A scoring sequence wants the rows that predict each scored token; a generating one the
-      // row of its last token, once its prefill is complete.
-      int64_t from = c.end - 1, to = c.wants_logits() ? c.end : from;
-      if (seq->is_score()) {
-        from = std::max(c.begin, seq->score_start - 1);
-        to = std::min(c.end, seq->num_tokens() - 1);
-      }
-      chunks.push_back({seq, c.begin, c.end, 0, std::max<int64_t>(0, to - from), from});
-    }
+    std::vector<LaunchedStep::Chunk> chunks = ScheduleChunks();
+    if (chunks.empty()) return;
     launched_ = Launch(std::move(chunks), events);
     if (!launched_.has_value()) return;
   }
@@ -50,10 +52,46 @@ void EngineCore::Step(StepEvents* events) {
   if (launched_.has_value()) launched_->start = std::chrono::steady_clock::now();
 }
 
+std::vector<LaunchedStep::Chunk> EngineCore::ScheduleChunks() {
+  std::vector<ScheduledChunk> scheduled = scheduler_.Schedule();
+  std::vector<LaunchedStep::Chunk> chunks;
+  chunks.reserve(scheduled.size());
+  for (const ScheduledChunk& c : scheduled) {
+    Sequence* seq = c.seq;
+    // A scoring sequence wants the rows that predict each scored token; a generating one the
+    // row of its last token, once its prefill is complete.
+    int64_t from = c.end - 1, to = c.wants_logits() ? c.end : from;
+    if (seq->is_score()) {
+      from = std::max(c.begin, seq->score_start - 1);
+      to = std::min(c.end, seq->num_tokens() - 1);
+    }
+    chunks.push_back(
+        {seq, c.begin, c.end, 0, std::max<int64_t>(0, to - from), from, /*fed_row=*/std::nullopt});
+  }
+  return chunks;
+}
+
 std::optional<LaunchedStep> EngineCore::Launch(std::vector<LaunchedStep::Chunk> chunks,
                                                StepEvents* events) {
   LaunchedStep step;
   step.chunks = std::move(chunks);
+  BuildBatch(&step);
+  ++steps_;
+  step.start = std::chrono::steady_clock::now();
+  if (absl::Status s = runner_->LaunchStep(batch_, step.tasks); !s.ok()) {
+    // Not reachable with validated input; fail the step's samples rather than the process.
+    LOG(ERROR) << "launching a step failed, aborting its samples: " << s;
+    if (events != nullptr) {
+      for (const LaunchedStep::Chunk& chunk : step.chunks) {
+        if (!chunk.seq->finished) Report(chunk.seq, FinishReason::kAbort, events);
+      }
+    }
+    return std::nullopt;
+  }
+  return step;
+}
+
+void EngineCore::BuildBatch(LaunchedStep* step) {
   ForwardBatch& batch = batch_;
   batch.token_ids.clear();
   batch.positions.clear();
@@ -61,15 +99,15 @@ std::optional<LaunchedStep> EngineCore::Launch(std::vector<LaunchedStep::Chunk> 
   batch.logit_rows.clear();
   batch.fed_tokens.clear();
   // One block table per chunk (each chunk is a distinct sequence), assigned in place.
-  batch.block_tables.resize(step.chunks.size());
+  batch.block_tables.resize(step->chunks.size());
   int64_t num_rows = 0;
-  for (size_t c = 0; c < step.chunks.size(); ++c) {
-    LaunchedStep::Chunk& chunk = step.chunks[c];
+  for (size_t c = 0; c < step->chunks.size(); ++c) {
+    LaunchedStep::Chunk& chunk = step->chunks[c];
     Sequence* seq = chunk.seq;
     const bool decode = chunk.end - chunk.begin == 1 && seq->num_generated() > 0;
     if (!decode) {
       prefilled_tokens_ += chunk.end - chunk.begin;
-      step.has_prefill = true;
+      step->has_prefill = true;
     }
     chunk.first_row = num_rows;
     num_rows += chunk.num_rows;
@@ -88,31 +126,8 @@ std::optional<LaunchedStep> EngineCore::Launch(std::vector<LaunchedStep::Chunk> 
     for (int64_t pos = chunk.first_position; pos < chunk.first_position + chunk.num_rows; ++pos) {
       batch.logit_rows.push_back(static_cast<int32_t>(first_token + pos - chunk.begin));
     }
-    // One task per logits row, in row order: the next token of each finished chunk, or the
-    // scored tokens of a scoring sequence.
-    for (int64_t r = 0; r < chunk.num_rows; ++r) {
-      LogitsRowTask task;
-      task.params = &seq->params;
-      task.sample_seed = seq->sample_seed;
-      // The absolute position of the new token (a scoring sequence: its end, as ever).
-      task.position = seq->is_score() ? seq->num_tokens() : chunk.end;
-      if (seq->is_score()) task.score_token = seq->tokens[chunk.first_position + r + 1];
-      step.tasks.push_back(task);
-    }
+    AppendRowTasks(chunk, &step->tasks);
   }
-  ++steps_;
-  step.start = std::chrono::steady_clock::now();
-  if (absl::Status s = runner_->LaunchStep(batch, step.tasks); !s.ok()) {
-    // Not reachable with validated input; fail the step's samples rather than the process.
-    LOG(ERROR) << "launching a step failed, aborting its samples: " << s;
-    if (events != nullptr) {
-      for (const LaunchedStep::Chunk& chunk : step.chunks) {
-        if (!chunk.seq->finished) Report(chunk.seq, FinishReason::kAbort, events);
-      }
-    }
-    return std::nullopt;
-  }
-  return step;
 }
 
 bool EngineCore::LookaheadReady(const LaunchedStep& step) {
@@ -177,43 +192,18 @@ void EngineCore::Complete(LaunchedStep step, StepEvents* events) {
         Report(chunk.seq, FinishReason::kAbort, events);
       }
     }
-    results.clear();
   } else {
     for (const LaunchedStep::Chunk& chunk : step.chunks) {
       Sequence* seq = chunk.seq;
       if (seq == nullptr || seq->finished) continue;
       seq->num_computed = chunk.end;
       scheduler_.CachePages(seq);
-      SampleResult* first = results.data() + chunk.first_row;
+      SampleResult* rows = results.data() + chunk.first_row;
       if (seq->is_score()) {
-        for (int64_t r = 0; r < chunk.num_rows; ++r) {
-          seq->logprobs.push_back(first[r].logprob);
-          if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(first[r].top));
-          ++scored_tokens_;
-        }
-        if (seq->num_computed == seq->num_tokens()) Report(seq, FinishReason::kLength, events);
-        continue;
+        ApplyScores(seq, rows, chunk.num_rows, events);
+      } else if (chunk.num_rows > 0) {
+        ApplyToken(seq, rows, events);
       }
-      if (chunk.num_rows == 0) continue;
-      SampleResult& result = *first;
-      seq->tokens.push_back(result.token);
-      seq->logprobs.push_back(result.logprob);
-      if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result.top));
-      const int32_t index = static_cast<int32_t>(seq->num_generated() - 1);
-      if (seq->version_spans.empty() || seq->version_spans.back().version != version_) {
-        seq->version_spans.push_back(VersionSpan{version_, index, index});
-      } else {
-        seq->version_spans.back().last_token = index;
-      }
-      ++generated_tokens_;
-      std::optional<FinishReason> reason;
-      if (IsStop(*seq, result.token, config_)) {
-        reason = FinishReason::kStop;
-      } else if (seq->num_generated() >= seq->params.max_new_tokens ||
-                 seq->num_tokens() >= max_context_) {
-        reason = FinishReason::kLength;
-      }
-      Report(seq, reason, events);
     }
   }
   // The launched step after this one computed a row for every sequence of this one: drop the
@@ -228,6 +218,37 @@ void EngineCore::Complete(LaunchedStep step, StepEvents* events) {
   (step.has_prefill ? prefill_steps_ : decode_steps_).Record(seconds);
 }
 
+void EngineCore::ApplyScores(Sequence* seq, SampleResult* rows, int64_t num_rows,
+                             StepEvents* events) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    seq->logprobs.push_back(rows[r].logprob);
+    if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(rows[r].top));
+    ++scored_tokens_;
+  }
+  if (seq->num_computed == seq->num_tokens()) Report(seq, FinishReason::kLength, events);
+}
+
+void EngineCore::ApplyToken(Sequence* seq, SampleResult* result, StepEvents* events) {
+  seq->tokens.push_back(result->token);
+  seq->logprobs.push_back(result->logprob);
+  if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result->top));
+  const int32_t index = static_cast<int32_t>(seq->num_generated() - 1);
+  if (seq->version_spans.empty() || seq->version_spans.back().version != version_) {
+    seq->version_spans.push_back(VersionSpan{version_, index, index});
+  } else {
+    seq->version_spans.back().last_token = index;
+  }
+  ++generated_tokens_;
+  std::optional<FinishReason> reason;
+  if (IsStop(*seq, result->token, config_)) {
+    reason = FinishReason::kStop;
+  } else if (seq->num_generated() >= seq->params.max_new_tokens ||
+             seq->num_tokens() >= max_context_) {
+    reason = FinishReason::kLength;
+  }
+  Report(seq, reason, events);
+}
+
 void EngineCore::CollectLaunched(StepEvents* events) {
   if (!launched_.has_value()) return;
   LaunchedStep step = std::move(*launched_);
@@ -240,25 +261,7 @@ void EngineCore::Report(Sequence* seq, std::optional<FinishReason> reason, StepE
   const int64_t to = seq->num_generated();
   seq->num_reported = to;
   if (!reason.has_value() && seq->params.top_logprobs == 0) {
-    // Streamed tokens only: copied flat, made into an event on the delivery thread.
-    if (to == from) return;
-    if (events->tokens.empty()) {
-      events->tokens.reserve(scheduler_.num_running() + 1);
-      events->logprobs.reserve(scheduler_.num_running() + 1);
-    }
-    StepEvents::Entry entry;
-    entry.rollout_index = seq->rollout_index;
-    entry.sample_index = seq->sample_index;
-    entry.begin = static_cast<uint32_t>(events->tokens.size());
-    entry.count = static_cast<uint32_t>(to - from);
-    events->tokens.insert(events->tokens.end(), seq->tokens.begin() + seq->prompt_len + from,
-                          seq->tokens.end());
-    events->logprobs.insert(events->logprobs.end(), seq->logprobs.begin() + from,
-                            seq->logprobs.end());
-    std::vector<StepEvents::Entry>& entries = events->jobs[seq->job_id].entries;
-    // A step reports each running sequence at most once: room for all of them at the first.
-    if (entries.empty()) entries.reserve(scheduler_.num_running() + 1);
-    entries.push_back(entry);
+    if (to > from) ReportStreamed(*seq, from, events);
     return;
   }
   SampleEvent event;
@@ -269,24 +272,7 @@ void EngineCore::Report(Sequence* seq, std::optional<FinishReason> reason, StepE
   if (seq->params.top_logprobs > 0) {
     event.new_top_logprobs.assign(seq->top_logprobs.begin() + from, seq->top_logprobs.end());
   }
-  if (reason.has_value()) {
-    seq->finished = true;
-    scheduler_.Remove(seq);
-    SampleCompletion c;
-    c.finish_reason = *reason;
-    c.token_ids.assign(seq->tokens.begin() + seq->prompt_len, seq->tokens.end());
-    c.logprobs = std::move(seq->logprobs);
-    c.top_logprobs = std::move(seq->top_logprobs);
-    c.sample_seed = seq->sample_seed;
-    c.cached_prompt_tokens = static_cast<int32_t>(seq->cached_prompt_tokens.value_or(0));
-    c.weight_version = version_;
-    c.version_spans = std::move(seq->version_spans);
-    event.completion = std::move(c);
-    Job& job = jobs_.at(seq->job_id);
-    --job.num_unfinished;
-    std::lock_guard<std::mutex> lock(mu_);
-    --unfinished_samples_;
-  }
+  if (reason.has_value()) event.completion = Finish(seq, *reason);
   if (event.new_token_ids.empty() && !event.completion.has_value()) return;
   StepEvents::JobEvents& job_events = events->jobs[seq->job_id];
   StepEvents::Entry entry;
@@ -295,6 +281,44 @@ void EngineCore::Report(Sequence* seq, std::optional<FinishReason> reason, StepE
   entry.built = static_cast<int32_t>(job_events.built.size());
   job_events.built.push_back(std::move(event));
   job_events.entries.push_back(entry);
+}
+
+void EngineCore::ReportStreamed(const Sequence& seq, int64_t from, StepEvents* events) {
+  if (events->tokens.empty()) {
+    events->tokens.reserve(scheduler_.num_running() + 1);
+    events->logprobs.reserve(scheduler_.num_running() + 1);
+  }
+  StepEvents::Entry entry;
+  entry.rollout_index = seq.rollout_index;
+  entry.sample_index = seq.sample_index;
+  entry.begin = static_cast<uint32_t>(events->tokens.size());
+  entry.count = static_cast<uint32_t>(seq.num_generated() - from);
+  events->tokens.insert(events->tokens.end(), seq.tokens.begin() + seq.prompt_len + from,
+                        seq.tokens.end());
+  events->logprobs.insert(events->logprobs.end(), seq.logprobs.begin() + from, seq.logprobs.end());
+  std::vector<StepEvents::Entry>& entries = events->jobs[seq.job_id].entries;
+  // A step reports each running sequence at most once: room for all of them at the first.
+  if (entries.empty()) entries.reserve(scheduler_.num_running() + 1);
+  entries.push_back(entry);
+}
+
+SampleCompletion EngineCore::Finish(Sequence* seq, FinishReason reason) {
+  seq->finished = true;
+  scheduler_.Remove(seq);
+  SampleCompletion c;
+  c.finish_reason = reason;
+  c.token_ids.assign(seq->tokens.begin() + seq->prompt_len, seq->tokens.end());
+  c.logprobs = std::move(seq->logprobs);
+  c.top_logprobs = std::move(seq->top_logprobs);
+  c.sample_seed = seq->sample_seed;
+  c.cached_prompt_tokens = static_cast<int32_t>(seq->cached_prompt_tokens.value_or(0));
+  c.weight_version = version_;
+  c.version_spans = std::move(seq->version_spans);
+  Job& job = jobs_.at(seq->job_id);
+  --job.num_unfinished;
+  std::lock_guard<std::mutex> lock(mu_);
+  --unfinished_samples_;
+  return c;
 }
 
 }  // namespace engine_internal
