@@ -197,8 +197,8 @@ void EngineCore::Deliver(StepEvents* events) {
       std::vector<SampleEvent> out(job_events.entries.size());
       for (size_t i = 0; i < out.size(); ++i) {
         const StepEvents::Entry& entry = job_events.entries[i];
-        if (entry.built >= 0) {
-          out[i] = std::move(job_events.built[entry.built]);
+        if (entry.built.has_value()) {
+          out[i] = std::move(job_events.built[*entry.built]);
           continue;
         }
         out[i].rollout_index = entry.rollout_index;

@@ -81,7 +81,7 @@ struct StepEvents {
     int32_t rollout_index = 0;
     int32_t sample_index = 0;
     uint32_t begin = 0, count = 0;  // streamed: [begin, begin + count) of tokens / logprobs
-    int32_t built = -1;             // >= 0: the event is the job's built[built] instead
+    std::optional<uint32_t> built;  // set: the event is the job's built[*built] instead
   };
   struct JobEvents {
     std::vector<Entry> entries;

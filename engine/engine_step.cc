@@ -278,7 +278,7 @@ void EngineCore::Report(Sequence* seq, std::optional<FinishReason> reason, StepE
   StepEvents::Entry entry;
   entry.rollout_index = event.rollout_index;
   entry.sample_index = event.sample_index;
-  entry.built = static_cast<int32_t>(job_events.built.size());
+  entry.built = static_cast<uint32_t>(job_events.built.size());
   job_events.built.push_back(std::move(event));
   job_events.entries.push_back(entry);
 }
