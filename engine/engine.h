@@ -25,9 +25,10 @@ struct EngineOptions {
   std::string weight_version = "0";
   bool prefix_cache = true;
   // Launch decode step N + 1 before step N's results are applied, its tokens fed from step N's
-  // rows on the runner (Engine::LookaheadReady says when), on a runner whose launched steps run
-  // on a device (ModelRunner::LaunchesAsync: the CUDA backend): the device then never waits for
-  // this thread between decode steps. false: one step at a time. The same bits either way.
+  // rows on the runner (EngineCore::LookaheadReady in engine/engine_internal.h says when), on a
+  // runner whose launched steps run on a device (ModelRunner::LaunchesAsync: the CUDA backend):
+  // the device then never waits for the engine thread between decode steps. false: one step at
+  // a time. The same bits either way.
   bool decode_lookahead = true;
   // Tests: the lookahead on a runner that computes steps at launch too (the CPU backend, where it
   // only delays each step's results by one step), to exercise its bookkeeping without a GPU.
@@ -70,9 +71,10 @@ struct SampleEvent {
   std::optional<SampleCompletion> completion;
 };
 
-// Receives a job's events, once per engine step in which any of its samples changed, on the
-// engine thread. Must not block. Every sample gets exactly one event with a completion, the
-// job's last call carrying the last one.
+// Receives a job's events, once per iteration of the engine's loop in which any of its samples
+// changed, on the engine's delivery thread, in order. Must not block: every job's events wait
+// behind it, and so does the engine thread before it answers an update or a flush. Every sample
+// gets exactly one event with a completion, the job's last call carrying the last one.
 using EventSink = std::function<void(std::vector<SampleEvent> events)>;
 
 // Durations of engine steps, in fixed buckets (Prometheus-style cumulative on export).
@@ -88,6 +90,8 @@ struct StepHistogram {
   void Record(double seconds);
 };
 
+// What the engine thread last published: after every loop iteration, and before it answers a
+// flush or an ABORT update.
 struct EngineCounters {
   int32_t running = 0;
   int32_t waiting = 0;
@@ -96,7 +100,7 @@ struct EngineCounters {
   uint64_t generated_tokens = 0;
   uint64_t prefilled_tokens = 0;
   uint64_t steps = 0;
-  uint64_t lookahead_steps = 0;  // of those, decode steps launched before the previous finished
+  uint64_t lookahead_steps = 0;  // of those, decode steps launched before the last one's results
   uint64_t preemptions = 0;
   int32_t kv_blocks_cached = 0;
   uint64_t prompt_tokens = 0;
@@ -106,7 +110,7 @@ struct EngineCounters {
   StepHistogram prefill_steps;     // steps that computed prompt (or recomputed) tokens
   StepHistogram decode_steps;      // steps of decode tokens only
   uint64_t weight_updates = 0;
-  double last_update_seconds = 0;  // engine-side time of the last successful swap
+  double last_update_seconds = 0;  // how long the last successful swap took the runner
 };
 
 // What a weight update does to samples in flight.
@@ -129,16 +133,19 @@ struct UpdateResult {
   int32_t aborted_samples = 0;
 };
 
-// The inference engine: one thread owns the scheduler, the KV blocks and the model runner and
-// loops schedule -> forward -> sample -> report. Every public method is thread-safe; callers
-// talk to the engine thread through a queue and never wait for a step. Event sinks run on a
-// delivery thread, in order; replies to updates and flushes wait until the events of earlier
-// steps were delivered.
+// The inference engine. One thread, the engine thread, owns the scheduler, the KV blocks and the
+// model runner, and loops: take what callers posted, apply it between two steps (updates,
+// admissions, aborts, cache flushes, pause), run one step (schedule -> launch -> collect ->
+// report), hand the step's events to the delivery thread. Every public method is thread-safe;
+// callers talk to the engine thread through one queue and never wait for a step. Event sinks
+// run on the delivery thread, in order; the `done` of an update or a flush runs on the engine
+// thread, after the events of earlier steps were delivered.
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<ModelRunner> runner,
                                                         const EngineOptions& options);
-  // Aborts whatever is in flight (each sample still gets its completion) and joins the thread.
+  // Aborts whatever is in flight (each sample still gets its completion; a waiting DRAIN update
+  // fails UNAVAILABLE), joins the engine thread, and returns once the last events were delivered.
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -155,7 +162,9 @@ class Engine {
   // bound, for the caller to prefix with where the sample came from.
   absl::Status Validate(const SampleSpec& spec) const;
 
-  // Validates every sample, then queues them all (in order) as one job. Returns the job id.
+  // Validates every sample, then queues them all (in order) as one job. Returns the job id;
+  // INVALID_ARGUMENT for no samples or an invalid one (Validate's message), UNAVAILABLE once the
+  // engine is shutting down.
   absl::StatusOr<uint64_t> Submit(std::vector<SampleSpec> samples, EventSink sink);
 
   // Ends every unfinished sample of the job (or only those of `rollout_index`) with
@@ -171,15 +180,19 @@ class Engine {
   // Queues a weight update; `done` runs on the engine thread (must not block) once the swap
   // happened or failed. On failure the old weights keep serving, unchanged (every check runs
   // before a byte is copied; only a device failing mid-copy, which leaves the GPU unusable
-  // anyway, could interrupt a swap halfway). `cancelled`
-  // (optional; thread-safe, must not block) is asked on the engine thread before the update
-  // acts (an ABORT update aborts nothing first), while a DRAIN update waits, and right before
-  // the swap: once it answers true, nothing is applied and `done` gets CANCELLED.
+  // anyway, could interrupt a swap halfway). One update at a time: another one that arrives
+  // while a DRAIN update waits fails ABORTED, and DRAIN fails FAILED_PRECONDITION while the
+  // engine is paused with samples in flight. `cancelled` (optional; thread-safe, must not block)
+  // is asked on the engine thread before the update acts (an ABORT update aborts nothing first),
+  // while a DRAIN update waits (after every step, and every 50 ms while there is no step to
+  // run), and right before the swap: once it answers true, nothing is applied and `done` gets
+  // CANCELLED.
   void UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done,
                      std::function<bool()> cancelled = nullptr);
 
-  // Stops running steps (and so admissions); submissions are queued, not failed. With
-  // `abort_in_flight`, every job is aborted too. Returns whether it was paused already.
+  // Stops running steps (and so admissions) once the step in flight, if any, is collected and
+  // its events delivered; submissions are queued, not failed. With `abort_in_flight`, every job
+  // is aborted too. Returns whether it was paused already.
   bool Pause(bool abort_in_flight);
   // Returns whether it was paused.
   bool Resume();

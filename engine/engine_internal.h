@@ -148,7 +148,8 @@ class EngineCore {
   // publish the counters and deliver the iteration's events.
   void Loop();
   // Waits until something is posted, or there is a step to run (or to collect, when paused),
-  // then takes the inbox.
+  // or, while a DRAIN update waits, until its `cancelled` is due to be asked again; then takes
+  // the inbox.
   Control WaitForControl();
   bool has_work() const { return !scheduler_.idle() || launched_.has_value(); }
   void PublishCounters();
@@ -194,12 +195,15 @@ class EngineCore {
   std::optional<LaunchedStep> Launch(std::vector<LaunchedStep::Chunk> chunks, StepEvents* events);
   // Fills batch_ and step->tasks from step->chunks, and their rows' places in the step.
   void BuildBatch(LaunchedStep* step);
-  // Whether the step after `step` is known before `step`'s results: every running sequence
-  // decodes in `step`, none waits to be admitted, nothing waits in the inbox, the runner can
-  // feed `step`'s tokens. (A sequence that stops on a sampled token then has one dropped row.)
+  // Whether the step after `step` is known before `step`'s results: the lookahead is on for this
+  // runner, every running sequence decodes in `step`, none waits that the scheduler would admit,
+  // nothing waits in the inbox or behind a DRAIN update, the engine is neither paused nor
+  // stopping, and the runner can feed `step`'s tokens. (A sequence that stops on a sampled token
+  // then has one dropped row.)
   bool LookaheadReady(const LaunchedStep& step);
-  // The decode step after `step`, its tokens fed from `step`'s rows; nullopt if KV blocks are
-  // short or the launch fails (then nothing was launched).
+  // The decode step after `step`, its tokens fed from `step`'s rows; nullopt if every sequence
+  // ends by length after `step`, KV blocks are short or the launch fails (then nothing was
+  // launched).
   std::optional<LaunchedStep> LaunchLookahead(const LaunchedStep& step);
   // Collects `step`'s results and applies them: new tokens, scores, reports, finishes.
   void Complete(LaunchedStep step, StepEvents* events);
