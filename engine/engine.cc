@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "engine/engine_internal.h"
+#include "glog/logging.h"
 
 namespace rollout {
 
@@ -122,10 +123,16 @@ absl::Status Engine::Validate(const SampleSpec& spec) const {
 }
 
 absl::StatusOr<uint64_t> Engine::Submit(std::vector<SampleSpec> samples, EventSink sink) {
-  if (samples.empty()) return absl::InvalidArgumentError("no samples to generate");
   for (const SampleSpec& spec : samples) {
     if (absl::Status s = Validate(spec); !s.ok()) return s;
   }
+  return SubmitValidated(std::move(samples), std::move(sink));
+}
+
+absl::StatusOr<uint64_t> Engine::SubmitValidated(std::vector<SampleSpec> samples, EventSink sink) {
+  // A job without samples would never complete, and so never leave the engine.
+  if (samples.empty()) return absl::InvalidArgumentError("no samples to generate");
+  for (const SampleSpec& spec : samples) DCHECK(Validate(spec).ok()) << Validate(spec);
   return core_->Submit(std::move(samples), std::move(sink));
 }
 

@@ -166,6 +166,11 @@ class Engine {
   // INVALID_ARGUMENT for no samples or an invalid one (Validate's message), UNAVAILABLE once the
   // engine is shutting down.
   absl::StatusOr<uint64_t> Submit(std::vector<SampleSpec> samples, EventSink sink);
+  // Submit for samples the caller has passed through Validate already, where its own caller
+  // learns of an error (the server does, to name the rollout and field in its message): a
+  // request is validated once. INVALID_ARGUMENT for no samples, UNAVAILABLE as Submit.
+  // REQUIRES: Validate(s).ok() for every sample s (checked in debug builds only).
+  absl::StatusOr<uint64_t> SubmitValidated(std::vector<SampleSpec> samples, EventSink sink);
 
   // Ends every unfinished sample of the job (or only those of `rollout_index`) with
   // FinishReason::kAbort. Unknown or finished jobs are ignored.
