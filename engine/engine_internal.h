@@ -34,25 +34,29 @@ struct Job {
   size_t num_unfinished = 0;
 };
 
-// A Submit on its way to the engine thread; its samples are valid (Engine::Validate).
+// A Submit on its way to the engine thread (the inbox), then held behind a DRAIN update or
+// admitted as a Job. Its samples passed Engine::Validate.
 struct Submission {
   uint64_t job_id;
   std::vector<SampleSpec> samples;
   EventSink sink;
 };
 
+// An UpdateWeights call on its way to the engine thread, or a DRAIN update waiting there.
 struct PendingUpdate {
   WeightUpdate update;
   std::function<void(UpdateResult)> done;
   std::function<bool()> cancelled;  // may be empty
 };
 
+// An Abort, AbortAll or Pause(abort_in_flight) call on its way to the engine thread.
 struct AbortOrder {
   std::optional<uint64_t> job_id;        // none: every job
   std::optional<int32_t> rollout_index;  // none: every rollout of the job
 };
 
-// What other threads posted for the engine thread since the loop last took it.
+// What other threads posted for the engine thread since the loop last took it. Guarded by
+// EngineCore::mu_ until taken, then the engine thread's.
 struct Inbox {
   std::vector<Submission> submissions;
   std::vector<AbortOrder> aborts;
@@ -75,7 +79,8 @@ struct Control {
 // within a job. A sample's streamed tokens (no completion, no top logprobs) are copied to
 // flat arrays here and become SampleEvents on the delivery thread: the allocations of the
 // step's ~one event per running sample happen there, off the engine thread (and are freed by
-// the thread that made them). Other events are built by Report.
+// the thread that made them). Other events are built by Report. Built on the engine thread,
+// then moved to the delivery thread by Deliver.
 struct StepEvents {
   struct Entry {
     int32_t rollout_index = 0;
@@ -93,7 +98,8 @@ struct StepEvents {
   bool empty() const { return jobs.empty(); }
 };
 
-// A step launched on the runner (ModelRunner::LaunchStep) and not collected yet.
+// A step launched on the runner (ModelRunner::LaunchStep) and not collected yet. Engine thread
+// only.
 struct LaunchedStep {
   struct Chunk {
     Sequence* seq;       // nullptr: the sequence finished while the step ran; its row is dropped
@@ -120,8 +126,8 @@ class EngineCore {
   // Starts the engine thread. `max_context`: Engine::max_context().
   EngineCore(std::unique_ptr<ModelRunner> runner, const EngineOptions& options,
              int64_t max_context);
-  // Aborts whatever is in flight (each sample still gets its completion), joins the thread,
-  // then waits until the last events reached their sinks.
+  // Aborts whatever is in flight (each sample still gets its completion; a waiting DRAIN update
+  // fails UNAVAILABLE), joins the thread, then waits until the last events reached their sinks.
   ~EngineCore();
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
@@ -135,7 +141,7 @@ class EngineCore {
   // Returns whether it was paused.
   bool SetPaused(bool paused, bool abort_in_flight);
 
-  // Any thread: what the engine thread published.
+  // Any thread: the pause flag, and what the engine thread published.
   bool paused() const;
   std::string weight_version() const;
   EngineCounters counters() const;
@@ -188,10 +194,10 @@ class EngineCore {
   // first and applies its results. So on a backend that runs launched steps on its device, the
   // device computes step N + 1 while this thread applies step N and prepares step N + 2.
   void Step(StepEvents* events);
-  // Launches `chunks` (their batch built in batch_). nullopt when the launch fails, with the
-  // chunks' samples aborted into `events` unless it is null.
   // The scheduler's chunks for the next step, with the logits rows each one wants.
   std::vector<LaunchedStep::Chunk> ScheduleChunks();
+  // Launches `chunks` (their batch built in batch_). nullopt when the launch fails, with the
+  // chunks' samples aborted into `events` unless it is null.
   std::optional<LaunchedStep> Launch(std::vector<LaunchedStep::Chunk> chunks, StepEvents* events);
   // Fills batch_ and step->tasks from step->chunks, and their rows' places in the step.
   void BuildBatch(LaunchedStep* step);
@@ -251,7 +257,7 @@ class EngineCore {
   uint64_t lookahead_steps_ = 0;
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;  // notified whenever something is posted to inbox_ or a flag
+  std::condition_variable cv_;  // notified whenever inbox_ or a flag below changes
   // Protected by mu_.
   Inbox inbox_;
   bool paused_ = false;
