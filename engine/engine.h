@@ -1,26 +1,24 @@
 #pragma once
 
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/serial_executor.h"
-#include "engine/kv_block_manager.h"
+#include "engine/admission_policy.h"
 #include "engine/model_runner.h"
-#include "engine/scheduler.h"
+#include "engine/prefix_cache.h"
+#include "engine/sampling_params.h"
 #include "engine/sequence.h"
 
 namespace rollout {
+namespace engine_internal {
+class EngineCore;
+}  // namespace engine_internal
 
 struct EngineOptions {
   int32_t max_running_samples = 64;
@@ -31,9 +29,10 @@ struct EngineOptions {
   // KV pool can hold everything it may still need, so nothing is ever preempted.
   AdmissionPolicy admission = AdmissionPolicy::kReserve;
   // Launch decode step N + 1 before step N's results are applied, its tokens fed from step N's
-  // rows on the runner (Engine::LookaheadReady says when), on a runner whose launched steps run
-  // on a device (ModelRunner::LaunchesAsync: the CUDA backend): the device then never waits for
-  // this thread between decode steps. false: one step at a time. The same bits either way.
+  // rows on the runner (EngineCore::LookaheadReady in engine/engine_internal.h says when), on a
+  // runner whose launched steps run on a device (ModelRunner::LaunchesAsync: the CUDA backend):
+  // the device then never waits for the engine thread between decode steps. false: one step at
+  // a time. The same bits either way.
   bool decode_lookahead = true;
   // Tests: the lookahead on a runner that computes steps at launch too (the CPU backend, where it
   // only delays each step's results by one step), to exercise its bookkeeping without a GPU.
@@ -76,9 +75,10 @@ struct SampleEvent {
   std::optional<SampleCompletion> completion;
 };
 
-// Receives a job's events, once per engine step in which any of its samples changed, on the
-// engine thread. Must not block. Every sample gets exactly one event with a completion, the
-// job's last call carrying the last one.
+// Receives a job's events, once per iteration of the engine's loop in which any of its samples
+// changed, on the engine's delivery thread, in order. Must not block: every job's events wait
+// behind it, and so does the engine thread before it answers an update or a flush. Every sample
+// gets exactly one event with a completion, the job's last call carrying the last one.
 using EventSink = std::function<void(std::vector<SampleEvent> events)>;
 
 // Durations of engine steps, in fixed buckets (Prometheus-style cumulative on export).
@@ -94,6 +94,8 @@ struct StepHistogram {
   void Record(double seconds);
 };
 
+// What the engine thread last published: after every loop iteration, and before it answers a
+// flush or an ABORT update.
 struct EngineCounters {
   int32_t running = 0;
   int32_t waiting = 0;
@@ -102,7 +104,7 @@ struct EngineCounters {
   uint64_t generated_tokens = 0;
   uint64_t prefilled_tokens = 0;
   uint64_t steps = 0;
-  uint64_t lookahead_steps = 0;  // of those, decode steps launched before the previous finished
+  uint64_t lookahead_steps = 0;  // of those, decode steps launched before the last one's results
   uint64_t preemptions = 0;
   uint64_t recomputed_tokens = 0;  // prefilled again after a preemption
   int32_t kv_blocks_cached = 0;
@@ -113,7 +115,7 @@ struct EngineCounters {
   StepHistogram prefill_steps;     // steps that computed prompt (or recomputed) tokens
   StepHistogram decode_steps;      // steps of decode tokens only
   uint64_t weight_updates = 0;
-  double last_update_seconds = 0;  // engine-side time of the last successful swap
+  double last_update_seconds = 0;  // how long the last successful swap took the runner
 };
 
 // What a weight update does to samples in flight.
@@ -136,16 +138,19 @@ struct UpdateResult {
   int32_t aborted_samples = 0;
 };
 
-// The inference engine: one thread owns the scheduler, the KV blocks and the model runner and
-// loops schedule -> forward -> sample -> report. Every public method is thread-safe; callers
-// talk to the engine thread through a queue and never wait for a step. Event sinks run on a
-// delivery thread, in order; replies to updates and flushes wait until the events of earlier
-// steps were delivered.
+// The inference engine. One thread, the engine thread, owns the scheduler, the KV blocks and the
+// model runner, and loops: take what callers posted, apply it between two steps (updates,
+// admissions, aborts, cache flushes, pause), run one step (schedule -> launch -> collect ->
+// report), hand the step's events to the delivery thread. Every public method is thread-safe;
+// callers talk to the engine thread through one queue and never wait for a step. Event sinks
+// run on the delivery thread, in order; the `done` of an update or a flush runs on the engine
+// thread, after the events of earlier steps were delivered.
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<ModelRunner> runner,
                                                         const EngineOptions& options);
-  // Aborts whatever is in flight (each sample still gets its completion) and joins the thread.
+  // Aborts whatever is in flight (each sample still gets its completion; a waiting DRAIN update
+  // fails UNAVAILABLE), joins the engine thread, and returns once the last events were delivered.
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -162,8 +167,15 @@ class Engine {
   // bound, for the caller to prefix with where the sample came from.
   absl::Status Validate(const SampleSpec& spec) const;
 
-  // Validates every sample, then queues them all (in order) as one job. Returns the job id.
+  // Validates every sample, then queues them all (in order) as one job. Returns the job id;
+  // INVALID_ARGUMENT for no samples or an invalid one (Validate's message), UNAVAILABLE once the
+  // engine is shutting down.
   absl::StatusOr<uint64_t> Submit(std::vector<SampleSpec> samples, EventSink sink);
+  // Submit for samples the caller has passed through Validate already, where its own caller
+  // learns of an error (the server does, to name the rollout and field in its message): a
+  // request is validated once. INVALID_ARGUMENT for no samples, UNAVAILABLE as Submit.
+  // REQUIRES: Validate(s).ok() for every sample s (checked in debug builds only).
+  absl::StatusOr<uint64_t> SubmitValidated(std::vector<SampleSpec> samples, EventSink sink);
 
   // Ends every unfinished sample of the job (or only those of `rollout_index`) with
   // FinishReason::kAbort. Unknown or finished jobs are ignored.
@@ -178,15 +190,19 @@ class Engine {
   // Queues a weight update; `done` runs on the engine thread (must not block) once the swap
   // happened or failed. On failure the old weights keep serving, unchanged (every check runs
   // before a byte is copied; only a device failing mid-copy, which leaves the GPU unusable
-  // anyway, could interrupt a swap halfway). `cancelled`
-  // (optional; thread-safe, must not block) is asked on the engine thread before the update
-  // acts (an ABORT update aborts nothing first), while a DRAIN update waits, and right before
-  // the swap: once it answers true, nothing is applied and `done` gets CANCELLED.
+  // anyway, could interrupt a swap halfway). One update at a time: another one that arrives
+  // while a DRAIN update waits fails ABORTED, and DRAIN fails FAILED_PRECONDITION while the
+  // engine is paused with samples in flight. `cancelled` (optional; thread-safe, must not block)
+  // is asked on the engine thread before the update acts (an ABORT update aborts nothing first),
+  // while a DRAIN update waits (after every step, and every 50 ms while there is no step to
+  // run), and right before the swap: once it answers true, nothing is applied and `done` gets
+  // CANCELLED.
   void UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done,
                      std::function<bool()> cancelled = nullptr);
 
-  // Stops running steps (and so admissions); submissions are queued, not failed. With
-  // `abort_in_flight`, every job is aborted too. Returns whether it was paused already.
+  // Stops running steps (and so admissions) once the step in flight, if any, is collected and
+  // its events delivered; submissions are queued, not failed. With `abort_in_flight`, every job
+  // is aborted too. Returns whether it was paused already.
   bool Pause(bool abort_in_flight);
   // Returns whether it was paused.
   bool Resume();
@@ -201,101 +217,7 @@ class Engine {
   int64_t unfinished_samples() const;
 
  private:
-  struct Job {
-    EventSink sink;
-    std::vector<std::unique_ptr<Sequence>> sequences;
-    size_t num_unfinished = 0;
-  };
-  struct Submission {
-    uint64_t job_id;
-    std::vector<SampleSpec> samples;
-    EventSink sink;
-  };
-  struct PendingUpdate {
-    WeightUpdate update;
-    std::function<void(UpdateResult)> done;
-    std::function<bool()> cancelled;  // may be empty
-  };
-  struct AbortOrder {
-    std::optional<uint64_t> job_id;        // none: every job
-    std::optional<int32_t> rollout_index;  // none: every rollout of the job
-  };
-
-  // One loop iteration's events, by job id (so that delivery is in job order), in report order
-  // within a job. A sample's streamed tokens (no completion, no top logprobs) are copied to
-  // flat arrays here and become SampleEvents on the delivery thread: the allocations of the
-  // step's ~one event per running sample happen there, off the engine thread (and are freed by
-  // the thread that made them). Other events are built by Report.
-  struct StepEvents {
-    struct Entry {
-      int32_t rollout_index = 0;
-      int32_t sample_index = 0;
-      uint32_t begin = 0, count = 0;  // streamed: [begin, begin + count) of tokens / logprobs
-      int32_t built = -1;             // >= 0: the event is the job's built[built] instead
-    };
-    struct JobEvents {
-      std::vector<Entry> entries;
-      std::vector<SampleEvent> built;
-    };
-    std::map<uint64_t, JobEvents> jobs;
-    std::vector<int32_t> tokens;
-    std::vector<float> logprobs;
-    bool empty() const { return jobs.empty(); }
-  };
-
-  // A step launched on the runner (ModelRunner::LaunchStep) and not collected yet.
-  struct LaunchedStep {
-    struct Chunk {
-      Sequence* seq;       // nullptr: the sequence finished while the step ran; its row is dropped
-      int64_t begin, end;  // tokens [begin, end) of seq
-      // Its logits rows [first_row, first_row + num_rows) of the step, for positions from
-      // first_position.
-      int64_t first_row, num_rows, first_position;
-      // Set: the token at `begin` is not known yet; it is the one sampled for this row of the
-      // step launched before (a fed token, ModelRunner::LaunchStep).
-      std::optional<int64_t> fed_row;
-    };
-    std::vector<Chunk> chunks;
-    std::vector<LogitsRowTask> tasks;  // a dead chunk's (seq nullptr) point at freed params
-    bool has_prefill = false;
-    std::chrono::steady_clock::time_point start;
-  };
-
   Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options);
-  void Loop();
-  void Admit(Submission submission);
-  // One step: launches the schedule's chunks (unless a step is launched already), launches the
-  // next decode step too when it can be known in advance (LookaheadReady), then collects the
-  // first and applies its results. So on a backend that runs launched steps on its device, the
-  // device computes step N + 1 while this thread applies step N and prepares step N + 2.
-  void Step(StepEvents* events);
-  // Launches `chunks` (their batch built in batch_). nullopt when the launch fails, with the
-  // chunks' samples aborted into `events` unless it is null.
-  std::optional<LaunchedStep> Launch(std::vector<LaunchedStep::Chunk> chunks, StepEvents* events);
-  // Whether the step after `step` is known before `step`'s results: every running sequence
-  // decodes in `step`, none waits to be admitted, nothing waits in the inbox, the runner can
-  // feed `step`'s tokens. (A sequence that stops on a sampled token then has one dropped row.)
-  bool LookaheadReady(const LaunchedStep& step);
-  // The decode step after `step`, its tokens fed from `step`'s rows; nullopt if KV blocks are
-  // short or the launch fails (then nothing was launched).
-  std::optional<LaunchedStep> LaunchLookahead(const LaunchedStep& step);
-  // Collects `step`'s results and applies them: new tokens, scores, reports, finishes.
-  void Complete(LaunchedStep step, StepEvents* events);
-  // Collects the launched step, if any (before anything changes the engine's state).
-  void DrainLaunched(StepEvents* events);
-  // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
-  void Report(Sequence* seq, std::optional<FinishReason> reason, StepEvents* events);
-  void AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, StepEvents* events);
-  // Posts the events to the delivery thread, in job order.
-  void Deliver(StepEvents* events);
-  // Calls an update's `done` once the events of earlier steps were delivered.
-  void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
-  void PublishCounters();
-  // Takes updates off the inbox, applies those that can be applied now.
-  void ProcessUpdates(std::vector<PendingUpdate> updates, StepEvents* events);
-  void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
-  // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
-  bool DropIfCancelled(PendingUpdate* pending);
 
   // Constant after construction.
   const EngineOptions options_;
@@ -306,46 +228,9 @@ class Engine {
   const int32_t num_kv_blocks_;
   const std::vector<WeightSpec> weight_specs_;
 
-  // Engine thread only.
-  std::unique_ptr<ModelRunner> runner_;
-  KvBlockManager blocks_;
-  PrefixCache cache_;
-  Scheduler scheduler_;
-  std::map<uint64_t, Job> jobs_;
-  uint64_t next_arrival_ = 0;
-  uint64_t generated_tokens_ = 0;
-  uint64_t prefilled_tokens_ = 0;
-  uint64_t steps_ = 0;
-  uint64_t scored_tokens_ = 0;
-  StepHistogram prefill_steps_, decode_steps_;
-  uint64_t weight_updates_ = 0;
-  double last_update_seconds_ = 0;
-  std::string version_;                    // the weights now in the runner
-  std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
-  std::vector<Submission> held_;           // submissions waiting for draining_
-  // The step's batch, rebuilt every step in place: its vectors (a block table per sequence)
-  // keep their capacity instead of being allocated again each step.
-  ForwardBatch batch_;
-  // The launched step whose results the next Step (or DrainLaunched) collects.
-  std::optional<LaunchedStep> launched_;
-  uint64_t lookahead_steps_ = 0;
-
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  // Protected by mu_.
-  std::vector<Submission> inbox_;
-  std::vector<AbortOrder> aborts_;
-  std::vector<std::function<void(FlushResult)>> flushes_;
-  std::vector<PendingUpdate> updates_;
-  bool paused_ = false;
-  std::string published_version_;
-  uint64_t next_job_id_ = 1;
-  int64_t unfinished_samples_ = 0;
-  bool stop_ = false;
-  EngineCounters counters_;
-
-  SerialExecutor delivery_;  // event sinks, in step order
-  std::thread thread_;       // last: starts after everything above is built
+  // The engine thread, its state and the queue to it (engine/engine_internal.h). Last: it takes
+  // the runner, after the constants above were read from it.
+  std::unique_ptr<engine_internal::EngineCore> core_;
 };
 
 }  // namespace rollout

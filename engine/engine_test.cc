@@ -317,6 +317,22 @@ TEST(EngineTest, SubmitRejectsInvalidSamplesWithAnActionableMessage) {
       << job.status();
 }
 
+// The server validates each request where its client learns of an error, then submits without
+// a second check: the same samples give the same bits either way, and an empty job is refused.
+TEST(EngineTest, SubmitValidatedRunsTheSamplesOfSubmitBitwise) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  const std::vector<SampleSpec> specs = Workload();
+  for (const SampleSpec& spec : specs) ASSERT_TRUE(engine->Validate(spec).ok());
+  const std::vector<std::string> submitted = RunWorkload(engine.get(), specs);
+  Collector collector(specs.size());
+  ASSERT_TRUE(engine->SubmitValidated(specs, collector.Sink()).ok());
+  std::vector<std::string> bits;
+  for (const SampleCompletion& c : collector.Wait()) bits.push_back(Bits(c));
+  EXPECT_EQ(bits, submitted);
+  EXPECT_EQ(engine->SubmitValidated({}, [](std::vector<SampleEvent>) {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(EngineTest, CreateRejectsABudgetSmallerThanTheSplitSize) {
   absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(TinyModelDir());
   ASSERT_TRUE(ck.ok());

@@ -259,7 +259,7 @@ absl::StatusOr<uint64_t> RolloutServiceImpl::StartGenerate(
           id));
     }
   }
-  absl::StatusOr<uint64_t> job = engine_->Submit(std::move(samples), std::move(sink));
+  absl::StatusOr<uint64_t> job = engine_->SubmitValidated(std::move(samples), std::move(sink));
   if (!job.ok()) return job.status();
   for (size_t i = 0; i < request_ids.size(); ++i) {
     if (!request_ids[i].empty()) {

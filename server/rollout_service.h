@@ -77,6 +77,7 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   // Submits a Generate call's samples as one engine job and records its rollouts' request ids
   // (request_ids[i] belongs to rollout i; empty ids are not tracked). ALREADY_EXISTS, with
   // nothing submitted, if an id is in flight already.
+  // REQUIRES: `samples` passed Engine::Validate (ToSampleSpecs does it).
   absl::StatusOr<uint64_t> StartGenerate(const std::vector<std::string>& request_ids,
                                          std::vector<SampleSpec> samples, EventSink sink);
   // Forgets a finished call's job and request ids.

@@ -1,0 +1,200 @@
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "engine/engine_internal.h"
+#include "glog/logging.h"
+
+namespace rollout {
+namespace engine_internal {
+namespace {
+
+// An update that was not applied, and why.
+UpdateResult FailedUpdate(absl::Status status) {
+  UpdateResult result;
+  result.status = std::move(status);
+  return result;
+}
+
+}  // namespace
+
+void EngineCore::ApplyControl(Control control, StepEvents* events) {
+  Inbox& inbox = control.inbox;
+  // Whatever changes the engine's state waits for the launched step (its sequences' results);
+  // so does a pause, which delivers them.
+  if (!inbox.empty() || control.paused || control.stop) CollectLaunched(events);
+  // Updates first: a submission that raced an update into this iteration runs after it.
+  for (PendingUpdate& pending : inbox.updates) StartUpdate(std::move(pending), events);
+  AdvanceDrain();
+  for (Submission& submission : inbox.submissions) {
+    // While a DRAIN update waits, new work waits behind it, so it runs on the new weights.
+    if (draining_.has_value()) {
+      held_.push_back(std::move(submission));
+    } else {
+      Admit(std::move(submission));
+    }
+  }
+  for (const AbortOrder& order : inbox.aborts) {
+    if (order.job_id.has_value()) {
+      AbortJob(*order.job_id, order.rollout_index, events);
+    } else {
+      AbortAllJobs(events);
+    }
+  }
+  if (!inbox.flushes.empty()) Flush(std::move(inbox.flushes));
+}
+
+void EngineCore::Shutdown(StepEvents* events) {
+  for (Submission& s : held_) Admit(std::move(s));
+  held_.clear();
+  if (draining_.has_value()) {
+    Reply(draining_->done, FailedUpdate(absl::UnavailableError("the server is shutting down")));
+    draining_.reset();
+  }
+  AbortAllJobs(events);
+  PublishCounters();
+  Deliver(events);
+}
+
+void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
+  if (DropIfCancelled(&pending)) return;
+  if (draining_.has_value()) {
+    Reply(pending.done, FailedUpdate(absl::AbortedError(absl::StrFormat(
+                            "weight update to '%s' is still draining; one update at a time",
+                            draining_->update.version))));
+    return;
+  }
+  switch (pending.update.policy) {
+    case UpdatePolicy::kAbort: {
+      const int32_t aborted = AbortAllJobs(events);
+      // The aborted samples' completions reach their streams before the update's reply.
+      PublishCounters();
+      Deliver(events);
+      ApplyUpdate(std::move(pending), aborted);
+      return;
+    }
+    case UpdatePolicy::kContinue:
+      ApplyUpdate(std::move(pending), 0);
+      return;
+    case UpdatePolicy::kDrain: {
+      bool paused;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        paused = paused_;
+      }
+      if (paused && !scheduler_.idle()) {
+        Reply(pending.done,
+              FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
+                  "the server is paused with %d samples in flight, which DRAIN cannot finish; "
+                  "resume first, or update with policy ABORT or CONTINUE",
+                  scheduler_.num_running() + scheduler_.num_waiting()))));
+        return;
+      }
+      draining_ = std::move(pending);  // AdvanceDrain applies it once the work in flight ends
+      return;
+    }
+  }
+}
+
+void EngineCore::AdvanceDrain() {
+  if (!draining_.has_value()) return;
+  // A cancelled DRAIN update stops holding new work at once, not when the old work ends.
+  const bool cancelled = DropIfCancelled(&*draining_);
+  if (!cancelled && !scheduler_.idle()) return;
+  PendingUpdate pending = *std::move(draining_);
+  draining_.reset();
+  if (!cancelled) ApplyUpdate(std::move(pending), 0);
+  std::vector<Submission> held;
+  held.swap(held_);
+  for (Submission& s : held) Admit(std::move(s));
+}
+
+bool EngineCore::DropIfCancelled(PendingUpdate* pending) {
+  if (!pending->cancelled || !pending->cancelled()) return false;
+  UpdateResult result;
+  result.status = absl::CancelledError(absl::StrFormat(
+      "the update to '%s' was cancelled by its caller before the swap; nothing was applied",
+      pending->update.version));
+  result.previous_version = version_;
+  Reply(pending->done, std::move(result));
+  return true;
+}
+
+void EngineCore::Reply(const std::function<void(UpdateResult)>& done, UpdateResult result) {
+  delivery_.WaitIdle();  // replies come after the events of earlier steps
+  done(std::move(result));
+}
+
+void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
+  UpdateResult result;
+  result.previous_version = version_;
+  result.aborted_samples = aborted_samples;
+  const auto start = std::chrono::steady_clock::now();
+  result.status = runner_->UpdateWeights(pending.update.tensors);
+  if (result.status.ok()) {
+    ++weight_updates_;
+    last_update_seconds_ =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    version_ = pending.update.version;
+    scheduler_.set_cache_version(version_);
+    // KV of the old weights must never serve the new ones; pages still used by running
+    // samples (CONTINUE) are detached and freed when those end.
+    cache_.Flush();
+    std::lock_guard<std::mutex> lock(mu_);
+    published_version_ = version_;
+    LOG(INFO) << "weights updated: " << result.previous_version << " -> " << version_ << " ("
+              << pending.update.tensors.size() << " tensors)";
+  }
+  Reply(pending.done, std::move(result));
+}
+
+void EngineCore::Admit(Submission submission) {
+  Job& job = jobs_[submission.job_id];
+  job.sink = std::move(submission.sink);
+  for (SampleSpec& spec : submission.samples) {
+    auto seq = std::make_unique<Sequence>();
+    seq->arrival = next_arrival_++;
+    seq->job_id = submission.job_id;
+    seq->rollout_index = spec.rollout_index;
+    seq->sample_index = spec.sample_index;
+    seq->params = std::move(spec.params);
+    seq->sample_seed = spec.sample_seed;
+    seq->prompt_len = static_cast<int64_t>(spec.prompt.size());
+    seq->tokens = std::move(spec.prompt);
+    seq->score_start = spec.score_start;
+    scheduler_.Add(seq.get());
+    job.sequences.push_back(std::move(seq));
+  }
+  job.num_unfinished = job.sequences.size();
+}
+
+int32_t EngineCore::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
+                             StepEvents* events) {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return 0;
+  int32_t aborted = 0;
+  for (auto& seq : it->second.sequences) {
+    if (seq->finished) continue;
+    if (rollout_index.has_value() && seq->rollout_index != *rollout_index) continue;
+    Report(seq.get(), FinishReason::kAbort, events);
+    ++aborted;
+  }
+  return aborted;
+}
+
+int32_t EngineCore::AbortAllJobs(StepEvents* events) {
+  int32_t aborted = 0;
+  for (const auto& [job_id, job] : jobs_) aborted += AbortJob(job_id, std::nullopt, events);
+  return aborted;
+}
+
+void EngineCore::Flush(std::vector<std::function<void(FlushResult)>> dones) {
+  const FlushResult r = cache_.Flush();
+  // Counters first, so a caller that reads them after the reply sees the flush.
+  PublishCounters();
+  delivery_.WaitIdle();  // replies come after the events of earlier steps
+  for (auto& done : dones) done(r);
+}
+
+}  // namespace engine_internal
+}  // namespace rollout

@@ -1,0 +1,275 @@
+#pragma once
+
+// The engine's insides, behind engine/engine.h: EngineCore (the engine thread and everything it
+// owns) and the records it keeps. Only the engine's own sources include this header.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/serial_executor.h"
+#include "engine/engine.h"
+#include "engine/kv_block_manager.h"
+#include "engine/model_runner.h"
+#include "engine/prefix_cache.h"
+#include "engine/scheduler.h"
+#include "engine/sequence.h"
+
+namespace rollout {
+namespace engine_internal {
+
+// The samples of one Submit and where their events go. Engine thread only.
+struct Job {
+  EventSink sink;
+  std::vector<std::unique_ptr<Sequence>> sequences;
+  size_t num_unfinished = 0;
+};
+
+// A Submit on its way to the engine thread (the inbox), then held behind a DRAIN update or
+// admitted as a Job. Its samples passed Engine::Validate.
+struct Submission {
+  uint64_t job_id;
+  std::vector<SampleSpec> samples;
+  EventSink sink;
+};
+
+// An UpdateWeights call on its way to the engine thread, or a DRAIN update waiting there.
+struct PendingUpdate {
+  WeightUpdate update;
+  std::function<void(UpdateResult)> done;
+  std::function<bool()> cancelled;  // may be empty
+};
+
+// An Abort, AbortAll or Pause(abort_in_flight) call on its way to the engine thread.
+struct AbortOrder {
+  std::optional<uint64_t> job_id;        // none: every job
+  std::optional<int32_t> rollout_index;  // none: every rollout of the job
+};
+
+// What other threads posted for the engine thread since the loop last took it. Guarded by
+// EngineCore::mu_ until taken, then the engine thread's.
+struct Inbox {
+  std::vector<Submission> submissions;
+  std::vector<AbortOrder> aborts;
+  std::vector<std::function<void(FlushResult)>> flushes;
+  std::vector<PendingUpdate> updates;
+  bool empty() const {
+    return submissions.empty() && aborts.empty() && flushes.empty() && updates.empty();
+  }
+};
+
+// One loop iteration's control input: the inbox it took, and the engine's flags at that moment
+// (they stay set; they are not taken).
+struct Control {
+  Inbox inbox;
+  bool paused = false;
+  bool stop = false;
+};
+
+// One loop iteration's events, by job id (so that delivery is in job order), in report order
+// within a job. A sample's streamed tokens (no completion, no top logprobs) are copied to
+// flat arrays here and become SampleEvents on the delivery thread: the allocations of the
+// step's ~one event per running sample happen there, off the engine thread (and are freed by
+// the thread that made them). Other events are built by Report. Built on the engine thread,
+// then moved to the delivery thread by Deliver.
+struct StepEvents {
+  struct Entry {
+    int32_t rollout_index = 0;
+    int32_t sample_index = 0;
+    uint32_t begin = 0, count = 0;  // streamed: [begin, begin + count) of tokens / logprobs
+    std::optional<uint32_t> built;  // set: the event is the job's built[*built] instead
+  };
+  struct JobEvents {
+    std::vector<Entry> entries;
+    std::vector<SampleEvent> built;
+  };
+  std::map<uint64_t, JobEvents> jobs;
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+  bool empty() const { return jobs.empty(); }
+};
+
+// A step launched on the runner (ModelRunner::LaunchStep) and not collected yet. Engine thread
+// only.
+struct LaunchedStep {
+  struct Chunk {
+    Sequence* seq;       // nullptr: the sequence finished while the step ran; its row is dropped
+    int64_t begin, end;  // tokens [begin, end) of seq
+    // Its logits rows [first_row, first_row + num_rows) of the step, for positions from
+    // first_position.
+    int64_t first_row, num_rows, first_position;
+    // Set: the token at `begin` is not known yet; it is the one sampled for this row of the
+    // step launched before (a fed token, ModelRunner::LaunchStep).
+    std::optional<int64_t> fed_row;
+  };
+  std::vector<Chunk> chunks;
+  std::vector<LogitsRowTask> tasks;  // a dead chunk's (seq nullptr) point at freed params
+  bool has_prefill = false;
+  std::chrono::steady_clock::time_point start;
+};
+
+// The engine thread and everything it owns: the model runner, the scheduler with its KV blocks
+// and prefix cache, the jobs and their sequences. Engine's methods post to it and read what it
+// publishes (counters, the weight version) from any thread; every other member function runs on
+// the engine thread only.
+class EngineCore {
+ public:
+  // Starts the engine thread. `max_context`: Engine::max_context().
+  EngineCore(std::unique_ptr<ModelRunner> runner, const EngineOptions& options,
+             int64_t max_context);
+  // Aborts whatever is in flight (each sample still gets its completion; a waiting DRAIN update
+  // fails UNAVAILABLE), joins the thread, then waits until the last events reached their sinks.
+  ~EngineCore();
+  EngineCore(const EngineCore&) = delete;
+  EngineCore& operator=(const EngineCore&) = delete;
+
+  // Any thread: these post to the engine thread and wake it.
+  // REQUIRES: every sample passed Engine::Validate, and there is at least one.
+  absl::StatusOr<uint64_t> Submit(std::vector<SampleSpec> samples, EventSink sink);
+  void Abort(AbortOrder order);
+  void FlushCache(std::function<void(FlushResult)> done);
+  void UpdateWeights(PendingUpdate update);
+  // Returns whether it was paused.
+  bool SetPaused(bool paused, bool abort_in_flight);
+
+  // Any thread: the pause flag, and what the engine thread published.
+  bool paused() const;
+  std::string weight_version() const;
+  EngineCounters counters() const;
+  int64_t unfinished_samples() const;
+
+ private:
+  // engine_core.cc: the loop, what wakes it, and what it hands to other threads.
+  //
+  // Each iteration: take the inbox, apply it (ApplyControl), run one Step unless paused, then
+  // publish the counters and deliver the iteration's events.
+  void Loop();
+  // Waits until something is posted, or there is a step to run (or to collect, when paused),
+  // or, while a DRAIN update waits, until its `cancelled` is due to be asked again; then takes
+  // the inbox.
+  Control WaitForControl();
+  bool has_work() const { return !scheduler_.idle() || launched_.has_value(); }
+  void PublishCounters();
+  // Posts the events to the delivery thread, in job order.
+  void Deliver(StepEvents* events);
+
+  // engine_control.cc: the control plane, applied between two steps.
+  //
+  // Collects the launched step if anything changes (or the engine is paused), then applies the
+  // inbox: updates, admissions (held behind a DRAIN update), aborts, cache flushes.
+  void ApplyControl(Control control, StepEvents* events);
+  // The loop's last iteration: every job is aborted, a waiting DRAIN update fails.
+  void Shutdown(StepEvents* events);
+  // Acts on an update taken off the inbox: applies it now (CONTINUE; ABORT, after aborting
+  // every job), or holds it in draining_ (DRAIN), or answers why not.
+  void StartUpdate(PendingUpdate pending, StepEvents* events);
+  // Applies the DRAIN update in draining_ once no work is in flight (or drops it once its caller
+  // cancelled), then admits the submissions it held.
+  void AdvanceDrain();
+  void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
+  // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
+  bool DropIfCancelled(PendingUpdate* pending);
+  // Calls an update's `done` once the events of earlier steps were delivered.
+  void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
+  void Admit(Submission submission);
+  // Ends the job's unfinished samples (of `rollout_index` only, if set); returns how many.
+  int32_t AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, StepEvents* events);
+  int32_t AbortAllJobs(StepEvents* events);
+  // Empties the prefix cache, then answers every flush.
+  void Flush(std::vector<std::function<void(FlushResult)>> dones);
+
+  // engine_step.cc: the step pipeline.
+  //
+  // One step: launches the schedule's chunks (unless a step is launched already), launches the
+  // next decode step too when it can be known in advance (LookaheadReady), then collects the
+  // first and applies its results. So on a backend that runs launched steps on its device, the
+  // device computes step N + 1 while this thread applies step N and prepares step N + 2.
+  void Step(StepEvents* events);
+  // The scheduler's chunks for the next step, with the logits rows each one wants.
+  std::vector<LaunchedStep::Chunk> ScheduleChunks();
+  // Launches `chunks` (their batch built in batch_). nullopt when the launch fails, with the
+  // chunks' samples aborted into `events` unless it is null.
+  std::optional<LaunchedStep> Launch(std::vector<LaunchedStep::Chunk> chunks, StepEvents* events);
+  // Fills batch_ and step->tasks from step->chunks, and their rows' places in the step.
+  void BuildBatch(LaunchedStep* step);
+  // Whether the step after `step` is known before `step`'s results: the lookahead is on for this
+  // runner, every running sequence decodes in `step`, none waits that the scheduler would admit,
+  // nothing waits in the inbox or behind a DRAIN update, the engine is neither paused nor
+  // stopping, and the runner can feed `step`'s tokens. (A sequence that stops on a sampled token
+  // then has one dropped row.)
+  bool LookaheadReady(const LaunchedStep& step);
+  // The decode step after `step`, its tokens fed from `step`'s rows; nullopt if every sequence
+  // ends by length after `step`, KV blocks are short or the launch fails (then nothing was
+  // launched).
+  std::optional<LaunchedStep> LaunchLookahead(const LaunchedStep& step);
+  // Collects `step`'s results and applies them: new tokens, scores, reports, finishes.
+  void Complete(LaunchedStep step, StepEvents* events);
+  // A scoring chunk's results: the logprobs of its scored tokens; finishes it at its end.
+  void ApplyScores(Sequence* seq, SampleResult* rows, int64_t num_rows, StepEvents* events);
+  // A generating sequence's new token: appended, reported, finishing it on a stop or length.
+  void ApplyToken(Sequence* seq, SampleResult* result, StepEvents* events);
+  // Collects the launched step, if any (before anything changes the engine's state).
+  void CollectLaunched(StepEvents* events);
+  // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
+  void Report(Sequence* seq, std::optional<FinishReason> reason, StepEvents* events);
+  // Streamed tokens only (no completion, no top logprobs), generated tokens [from, end):
+  // copied flat, made into an event on the delivery thread.
+  void ReportStreamed(const Sequence& seq, int64_t from, StepEvents* events);
+  // Marks `seq` finished, releases its KV, and returns its completion.
+  SampleCompletion Finish(Sequence* seq, FinishReason reason);
+
+  // Constant after construction.
+  const EngineOptions options_;
+  const ModelConfig config_;
+  const int64_t max_context_;
+
+  // Engine thread only.
+  std::unique_ptr<ModelRunner> runner_;
+  KvBlockManager blocks_;
+  PrefixCache cache_;
+  Scheduler scheduler_;
+  std::map<uint64_t, Job> jobs_;
+  uint64_t next_arrival_ = 0;
+  uint64_t generated_tokens_ = 0;
+  uint64_t prefilled_tokens_ = 0;
+  uint64_t steps_ = 0;
+  uint64_t scored_tokens_ = 0;
+  StepHistogram prefill_steps_, decode_steps_;
+  uint64_t weight_updates_ = 0;
+  double last_update_seconds_ = 0;
+  std::string version_;                    // the weights now in the runner
+  std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
+  std::vector<Submission> held_;           // submissions waiting for draining_
+  // The step's batch, rebuilt every step in place: its vectors (a block table per sequence)
+  // keep their capacity instead of being allocated again each step.
+  ForwardBatch batch_;
+  // The launched step whose results the next Step (or CollectLaunched) collects.
+  std::optional<LaunchedStep> launched_;
+  uint64_t lookahead_steps_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // notified whenever inbox_ or a flag below changes
+  // Protected by mu_.
+  Inbox inbox_;
+  bool paused_ = false;
+  std::string published_version_;
+  uint64_t next_job_id_ = 1;
+  int64_t unfinished_samples_ = 0;
+  bool stop_ = false;
+  EngineCounters counters_;
+
+  SerialExecutor delivery_;  // event sinks, in step order
+  std::thread thread_;       // last: starts after everything above is built
+};
+
+}  // namespace engine_internal
+}  // namespace rollout
