@@ -36,7 +36,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
+#include "bench/rollout_floor.h"
 #include "bench/rollout_workload.h"
+#include "bench/timed_runner.h"
 #include "common/thread_pool.h"
 #include "engine/engine.h"
 #include "kernels/cuda/device_buffer.h"
@@ -171,151 +173,6 @@ double MeasureGemmFlops() {
   cublasLtDestroy(lt);
   return 2.0 * n * n * n / (ms * 1e-3);
 }
-
-// The floor of docs/benchmarks.md ("The workload and its floor"), from the measured rates.
-struct Floor {
-  double prefill_s = 0, decode_gemm_s = 0, decode_kv_s = 0;
-  double total() const { return prefill_s + decode_gemm_s + decode_kv_s; }
-};
-
-int64_t GemmParams(const ModelConfig& c) {  // projections of all layers, without lm_head
-  const int64_t h = c.hidden_size, hd = c.head_dim;
-  const int64_t per_layer = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * hd +
-                            h * c.num_attention_heads * hd + 3 * h * c.intermediate_size;
-  return per_layer * c.num_layers;
-}
-
-int64_t KvBytesPerToken(const ModelConfig& c) {
-  return 2ll * c.num_layers * c.num_key_value_heads * c.head_dim * 2;
-}
-
-// prefill_tokens: the prompt tokens to compute (a prompt shared by samples counts once);
-// lengths: every sample's generated tokens after `in` prompt tokens.
-Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t in,
-                   const std::vector<int>& lengths, int64_t kv_capacity_tokens, double flops,
-                   double bw) {
-  Floor f;
-  const double p = GemmParams(c), lm = static_cast<double>(c.vocab_size) * c.hidden_size;
-  f.prefill_s = 2.0 * p * prefill_tokens / flops;
-  const double kv_bytes = static_cast<double>(KvBytesPerToken(c));
-  OracleDecodeSeconds(
-      lengths, static_cast<int>(in), kv_capacity_tokens, [&](int64_t batch, int64_t kv_tokens) {
-        const double gemm = std::max(2.0 * (p + lm) / bw, 2.0 * (p + lm) * batch / flops);
-        f.decode_gemm_s += gemm;
-        f.decode_kv_s += kv_tokens * kv_bytes / bw;
-        return 0.0;
-      });
-  return f;
-}
-
-// Times the engine's steps, split by whether the step holds prefill tokens: the host time inside
-// LaunchStep (metadata, enqueueing; all of a step that runs at launch) and the wait in
-// CollectStep (for a step enqueued on the GPU: until its results are back).
-class TimedRunner final : public ModelRunner {
- public:
-  explicit TimedRunner(CudaModelRunner* inner) : inner_(inner) {}
-  const ModelConfig& config() const override { return inner_->config(); }
-  const char* backend_name() const override { return inner_->backend_name(); }
-  int32_t num_kv_blocks() const override { return inner_->num_kv_blocks(); }
-  int32_t kv_block_size() const override { return inner_->kv_block_size(); }
-  int32_t attention_split_size() const override { return inner_->attention_split_size(); }
-  const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
-  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override {
-    return inner_->UpdateWeights(tensors);
-  }
-  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
-    return inner_->Forward(batch, logits);
-  }
-  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
-                             const std::vector<float>& logits,
-                             std::vector<SampleResult>* results) override {
-    return inner_->ProcessLogits(tasks, logits, results);
-  }
-  bool CanFeed(const std::vector<LogitsRowTask>& tasks) const override {
-    return inner_->CanFeed(tasks);
-  }
-  bool LaunchesAsync() const override { return inner_->LaunchesAsync(); }
-  absl::Status LaunchStep(const ForwardBatch& batch,
-                          const std::vector<LogitsRowTask>& tasks) override {
-    const auto start = Clock::now();
-    absl::Status s = inner_->LaunchStep(batch, tasks);
-    const bool decode_only = batch.num_tokens() == static_cast<int64_t>(batch.block_tables.size());
-    Kind& kind = decode_only ? decode : prefill;
-    kind.launch_ns += Nanoseconds(start);
-    if (s.ok()) {
-      ++kind.steps;
-      kind.tokens += batch.num_tokens();
-      Launched launched{&kind, {}};
-      if (!stop_after_.empty()) {
-        for (const LogitsRowTask& t : tasks) launched.rows.push_back({t.sample_seed, t.position});
-      }
-      launched_.push_back(std::move(launched));
-    }
-    return s;
-  }
-  absl::Status CollectStep(std::vector<SampleResult>* results) override {
-    const auto start = Clock::now();
-    absl::Status s = inner_->CollectStep(results);
-    if (!launched_.empty()) {
-      launched_.front().kind->collect_ns += Nanoseconds(start);
-      if (s.ok()) EmulateStops(launched_.front().rows, results);
-      launched_.pop_front();
-    }
-    return s;
-  }
-
-  // The RL workload's stand-in for a trained model's EOS: the sample with seed `seed` samples
-  // `stop_token` as its generated token number stop_after[seed] (counted from 1, after prompts of
-  // `prompt_len` tokens), and never before (a random model would hit it by chance). Only the
-  // token the engine sees changes; on the device a launched-ahead step of the sample may have
-  // used the original token, as after any stop (the engine drops that row).
-  void EmulateStops(int32_t stop_token, int64_t prompt_len, std::map<uint64_t, int> stop_after) {
-    stop_token_ = stop_token;
-    prompt_len_ = prompt_len;
-    stop_after_ = std::move(stop_after);
-  }
-
-  struct Kind {
-    std::atomic<int64_t> launch_ns{0}, collect_ns{0}, steps{0}, tokens{0};
-    double launch_s() const { return launch_ns.load() * 1e-9; }
-    double collect_s() const { return collect_ns.load() * 1e-9; }
-    double total_s() const { return launch_s() + collect_s(); }
-    double ms_per_step() const { return total_s() / std::max<int64_t>(1, steps.load()) * 1e3; }
-  };
-  Kind prefill, decode;
-
- private:
-  static int64_t Nanoseconds(Clock::time_point start) {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-  }
-  struct Row {
-    uint64_t seed;
-    int64_t position;  // of the token being sampled
-  };
-  struct Launched {
-    Kind* kind;
-    std::vector<Row> rows;  // with EmulateStops only
-  };
-  void EmulateStops(const std::vector<Row>& rows, std::vector<SampleResult>* results) const {
-    for (size_t r = 0; r < rows.size() && r < results->size(); ++r) {
-      auto it = stop_after_.find(rows[r].seed);
-      if (it == stop_after_.end()) continue;
-      int32_t& token = (*results)[r].token;
-      const int64_t generated = rows[r].position - prompt_len_ + 1;
-      if (generated == it->second) {
-        token = stop_token_;
-      } else if (token == stop_token_) {
-        token = stop_token_ + 1;
-      }
-    }
-  }
-
-  CudaModelRunner* inner_;
-  std::deque<Launched> launched_;  // engine thread only
-  int32_t stop_token_ = 0;
-  int64_t prompt_len_ = 0;
-  std::map<uint64_t, int> stop_after_;  // by sample seed
-};
 
 // A batch of `seqs` sequences, each with blocks [i * per_seq, (i + 1) * per_seq), taking tokens
 // [begin, end) of each (same range for all).

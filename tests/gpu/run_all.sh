@@ -2,7 +2,11 @@
 # Runs the CUDA backend's proofs and benchmarks on a GPU machine, from the repository root, with
 # binaries built elsewhere and bundled in .gpu/ (docs/cuda.md: "Running on a GPU host").
 # Logs go to $OUT (default /tmp/rollout-gpu). Each step is time-boxed; a failing step does not
-# stop the later ones. Steps: STEPS="hf test sweep bench e2e grpc" (default: hf test sweep bench).
+# stop the later ones. Steps: STEPS="hf test attn bits sweep bench e2e grpc" (default: hf test
+# sweep bench).
+#   attn: rollout-attention-bench (bit checks: prefill = decode; decode timings to ~16K).
+#   bits: tests/gpu/same_bits.sh .gpu/base .gpu (a previous build, bundled in .gpu/base, against
+#         this one: every token id and logprob of the same rollouts compared).
 #   e2e:  the end-to-end suites (e2e_test) against servers on the CUDA backend (E2E_FILTER).
 #   grpc: writes a Qwen3-8B-shaped checkpoint (rollout-make-model), serves it with rollout-server
 #         --backend cuda (its default limits; more flags in GRPC_SERVER_ARGS) and runs
@@ -24,6 +28,15 @@ if [[ " $STEPS " == *" test "* ]]; then
   ROLLOUT_HF_REFERENCE=/tmp/hf-ref timeout ${TEST_TIMEOUT:-300} .gpu/bin/rollout_gpu_test \
     ${TEST_FILTER:+--gtest_filter=$TEST_FILTER} > "$OUT/gpu_test.log" 2>&1
   echo "rollout_gpu_test: rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran" "$OUT/gpu_test.log"
+fi
+if [[ " $STEPS " == *" attn "* ]]; then
+  timeout ${ATTN_TIMEOUT:-300} .gpu/bin/rollout-attention-bench > "$OUT/attention_bench.log" 2>&1
+  echo "rollout-attention-bench: rc $?"; grep -E "bitwise equal|== decode|new .*of copy" "$OUT/attention_bench.log" | tail -16
+fi
+if [[ " $STEPS " == *" bits "* ]]; then
+  timeout ${BITS_TIMEOUT:-300} bash tests/gpu/same_bits.sh .gpu/base .gpu "$OUT/same-bits" \
+    > "$OUT/same_bits.log" 2>&1
+  echo "same_bits: rc $?"; tail -2 "$OUT/same_bits.log"
 fi
 if [[ " $STEPS " == *" sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-120} .gpu/bin/rollout-gemm-sweep > "$OUT/gemm_sweep.log" 2>&1
