@@ -572,18 +572,28 @@ int RunEndToEnd(const Setup& setup, const Workload& w, const Floor& floor, std::
       "\nend to end: %s, temperature %.2g, max_running %d, max_batch_tokens %d, admission %s\n",
       w.name.c_str(), absl::GetFlag(FLAGS_temperature), engine_options.max_running_samples,
       engine_options.max_batch_tokens, absl::GetFlag(FLAGS_admission).c_str());
+  // Where each (rollout_index, sample_index) of a job sits in it: events name their sample so.
+  std::vector<std::map<std::pair<int32_t, int32_t>, size_t>> position_of(w.jobs.size());
+  for (size_t j = 0; j < w.jobs.size(); ++j) {
+    for (size_t i = 0; i < w.jobs[j].size(); ++i) {
+      position_of[j][{w.jobs[j][i].rollout_index, w.jobs[j][i].sample_index}] = i;
+    }
+  }
   const auto start = Clock::now();
   for (size_t j = 0; j < w.jobs.size(); ++j) {
-    auto job = (*engine)->Submit(w.jobs[j], [&progress, j](std::vector<SampleEvent> events) {
-      std::lock_guard<std::mutex> lock(progress.mu);
-      for (SampleEvent& e : events) {
-        progress.generated += static_cast<int64_t>(e.new_token_ids.size());
-        if (!e.completion.has_value()) continue;
-        ++progress.finished;
-        progress.completions[j][e.sample_index] = *std::move(e.completion);
-      }
-      progress.cv.notify_all();
-    });
+    const auto* positions = &position_of[j];
+    auto job =
+        (*engine)->Submit(w.jobs[j], [&progress, j, positions](std::vector<SampleEvent> events) {
+          std::lock_guard<std::mutex> lock(progress.mu);
+          for (SampleEvent& e : events) {
+            progress.generated += static_cast<int64_t>(e.new_token_ids.size());
+            if (!e.completion.has_value()) continue;
+            ++progress.finished;
+            const size_t i = positions->at({e.rollout_index, e.sample_index});
+            progress.completions[j][i] = *std::move(e.completion);
+          }
+          progress.cv.notify_all();
+        });
     if (!job.ok()) {
       std::fprintf(stderr, "submit: %s\n", job.status().ToString().c_str());
       return 1;
