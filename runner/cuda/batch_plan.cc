@@ -43,6 +43,32 @@ int32_t MaxSplits(const ForwardBatch& batch, int64_t begin, int64_t end,
   return max_splits;
 }
 
+}  // namespace
+
+int64_t PlannedTokenSplits(int64_t max_context, int64_t max_tokens,
+                           const SlicePlanOptions& options) {
+  int64_t splits = 1;
+  while (splits * options.attention_split_size < max_context) splits *= 2;
+  return std::max(std::max<int64_t>(options.largest_graph_bucket, 1) * splits, max_tokens);
+}
+
+int64_t SliceEnd(const ForwardBatch& batch, int64_t begin, int64_t max_tokens, int64_t token_splits,
+                 const SlicePlanOptions& options) {
+  const int64_t t = batch.num_tokens();
+  int64_t end = begin + 1;
+  int64_t splits = batch.positions[begin] / options.attention_split_size + 1;
+  while (end < t && end - begin < max_tokens) {
+    const int64_t with_next =
+        std::max<int64_t>(splits, batch.positions[end] / options.attention_split_size + 1);
+    if ((end + 1 - begin) * with_next > token_splits) break;
+    splits = with_next;
+    ++end;
+  }
+  return end;
+}
+
+namespace {
+
 // Block tables of the sequences in the slice, concatenated in order of first use; the padding
 // rows' one-block table (the reserved block) last.
 void LayOutTables(const ForwardBatch& batch, SlicePlan* plan) {

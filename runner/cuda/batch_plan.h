@@ -88,6 +88,20 @@ struct SlicePlan {
   size_t meta_bytes() const { return static_cast<size_t>(meta_ints()) * 4; }
 };
 
+// The attention partials a runner holds, in tokens x splits (they are laid out [tokens, heads,
+// splits, head_dim + 2] for the largest split count of the slice): enough for every decode step
+// that may replay a graph -- the largest graph bucket at the split count of max_context, rounded
+// up to a power of two as the graphs' grids are -- and for max_tokens tokens at one split.
+int64_t PlannedTokenSplits(int64_t max_context, int64_t max_tokens,
+                           const SlicePlanOptions& options);
+
+// The end of the slice that starts at `begin`: at most max_tokens tokens, and at most
+// `token_splits` tokens x the largest split count among them, so that no slice needs more
+// attention partials than were planned at load. Cutting a step into slices changes no bit (rows
+// are batch invariant). At least one token; REQUIRES: begin < batch.num_tokens().
+int64_t SliceEnd(const ForwardBatch& batch, int64_t begin, int64_t max_tokens, int64_t token_splits,
+                 const SlicePlanOptions& options);
+
 // The plan of tokens [begin, end) of `batch`. may_replay_graph: what the runner allows beyond the
 // batch's shape (the logits stay on the device, not profiling, no capture failed, one device).
 // REQUIRES: the batch passed CudaModelRunner::ForwardImpl's checks; 0 <= begin < end <=

@@ -195,6 +195,39 @@ TEST(BatchPlanTest, GraphBucketsArePowersOfTwoThenMultiplesOf32UpToTheLargest) {
   EXPECT_EQ(DecodeGraphBucket(1, 0), 0);       // graphs off
 }
 
+// Slices stay within the attention partials planned at load: a long-context prefill is cut into
+// slices whose tokens x splits fit, a decode step that may replay a graph never is.
+TEST(SliceEndTest, SlicesFitThePlannedPartialsAndDecodeStepsStayWhole) {
+  const SlicePlanOptions o = Options();  // split size 8
+  // max_context 64 -> 8 splits; largest bucket 512 -> 4096 token-splits (above 100 tokens at 1).
+  const int64_t planned = PlannedTokenSplits(64, 100, o);
+  EXPECT_EQ(planned, 512 * 8);
+  ForwardBatch prefill;  // 2000 tokens of one sequence at positions 0..1999 (250 splits at the end)
+  for (int p = 0; p < 2000; ++p) {
+    prefill.token_ids.push_back(1);
+    prefill.positions.push_back(p);
+    prefill.token_seq.push_back(0);
+  }
+  int64_t begin = 0;
+  int slices = 0;
+  while (begin < prefill.num_tokens()) {
+    const int64_t end = SliceEnd(prefill, begin, 1000, planned, o);
+    ASSERT_GT(end, begin);
+    EXPECT_LE(end - begin, 1000);
+    EXPECT_LE((end - begin) * (prefill.positions[end - 1] / 8 + 1), planned) << begin;
+    begin = end;
+    ++slices;
+  }
+  EXPECT_GT(slices, 2) << "the long prefill was cut by the partials, not only by max_tokens";
+  ForwardBatch decode;  // 512 sequences decoding at position 63 (8 splits each): one slice
+  for (int q = 0; q < 512; ++q) {
+    decode.token_ids.push_back(1);
+    decode.positions.push_back(63);
+    decode.token_seq.push_back(q);
+  }
+  EXPECT_EQ(SliceEnd(decode, 0, 16384, planned, o), 512);
+}
+
 }  // namespace
 }  // namespace cuda_runner_internal
 }  // namespace rollout

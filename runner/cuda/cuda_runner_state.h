@@ -142,6 +142,9 @@ struct CudaModelRunner::State {
   // the buffers above: reallocating one (Grow) drops them all.
   std::map<std::pair<int64_t, int32_t>, cuda_runner_internal::CudaGraphExec> graphs;
   bool graphs_failed = false;  // a capture failed once: decode runs eagerly from then on
+  // Tokens x splits every rank's attention partials hold (planned at load; SliceEnd keeps every
+  // slice within it).
+  int64_t partial_token_splits = 0;
   int64_t graphs_captured = 0;
   int64_t graph_launches = 0;
   // A KV block outside the engine's pool: padding rows of a decode graph write and read it.

@@ -95,9 +95,16 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
   // The logits stay on the device when every row fits the logits buffer at its own row (a
   // vocab of a multiple of 64 floats keeps every row's start 256-byte aligned for the GEMM, or
   // one slice writes them in one pass from row 0); otherwise each pass is copied to the host.
+  // Slices of at most max_batch_tokens tokens and of the attention partials planned at load.
+  const SlicePlanOptions plan_options = PlanOptions();
+  std::vector<int64_t> ends;
+  for (int64_t begin = 0; begin < t; begin = ends.back()) {
+    ends.push_back(
+        SliceEnd(batch, begin, options_.max_batch_tokens, s.partial_token_splits, plan_options));
+  }
   const int64_t rows = static_cast<int64_t>(batch.logit_rows.size());
   const bool keep_on_device =
-      rows <= options_.max_logit_rows && (c.vocab_size % 64 == 0 || t <= options_.max_batch_tokens);
+      rows <= options_.max_logit_rows && (c.vocab_size % 64 == 0 || ends.size() == 1);
   s.last_rows = rows;
   s.last_on_device = keep_on_device;
   if (!keep_on_device && host_logits == nullptr) {
@@ -105,10 +112,10 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
     host_logits = s.spill.data();
   }
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMeta));
-  for (int64_t begin = 0; begin < t; begin += options_.max_batch_tokens) {
-    ROLLOUT_RETURN_IF_ERROR(ForwardSlice(batch, begin,
-                                         std::min<int64_t>(t, begin + options_.max_batch_tokens),
-                                         host_logits, keep_on_device, async));
+  int64_t begin = 0;
+  for (int64_t end : ends) {
+    ROLLOUT_RETURN_IF_ERROR(ForwardSlice(batch, begin, end, host_logits, keep_on_device, async));
+    begin = end;
   }
   if (async) return absl::OkStatus();
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "forward pass"));

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -13,10 +14,13 @@
 #include "absl/strings/str_format.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
+#include "glog/logging.h"
 #include "kernels/cuda/sampling.h"
 #include "kernels/cuda/tensor_parallel.h"
+#include "runner/cuda/batch_plan.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/cuda/cuda_runner_state.h"
+#include "runner/memory_plan.h"
 
 namespace rollout {
 namespace {
@@ -47,10 +51,29 @@ void RopeTables(const ModelConfig& c, std::vector<float>* cos_table,
 }  // namespace
 
 absl::Status CudaModelRunner::Finish() {
+  // Rank 0's device: the memory plan the start-up log prints (weights, then every workspace a
+  // step can need at the limits, then the KV pool from what is left; nothing grows later).
+  size_t free_before = 0, free_after = 0, total = 0;
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
   ROLLOUT_RETURN_IF_ERROR(UploadRopeTables());
   ROLLOUT_RETURN_IF_ERROR(AllocateWorkspace());
   ROLLOUT_RETURN_IF_ERROR(state_->canonical ? PinCanonicalGemms() : PinGemms());
-  return AllocateKvCache();
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
+  ROLLOUT_RETURN_IF_ERROR(AllocateKvCache());
+  size_t free_left = 0;
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_left, &total), "cudaMemGetInfo"));
+  MemoryPlan plan;
+  plan.where = absl::StrFormat("GPU %d", state_->ranks[0].device);
+  plan.items = {
+      {"weights", weight_bytes(), ""},
+      {absl::StrFormat("workspace at %d tokens per step, attention partials for %d token-splits",
+                       options_.max_batch_tokens, state_->partial_token_splits),
+       static_cast<int64_t>(free_before - free_after), "--max_batch_tokens"},
+      {"KV cache", static_cast<int64_t>(free_after - free_left), "--kv_cache_mb"},
+  };
+  plan.available = static_cast<int64_t>(free_before) + weight_bytes();
+  LOG(INFO) << "memory plan, " << plan.ToString();
+  return absl::OkStatus();
 }
 
 // On rank 0's device, and a copy on each other device the ranks span.
@@ -88,6 +111,13 @@ absl::Status CudaModelRunner::AllocateWorkspace() {
   const int64_t t = options_.max_batch_tokens, r = options_.max_logit_rows;
   // A rank's leaves of the canonical K tree: a separate buffer when it owns more than one.
   const int local_segments = cuda::kNumKSegments / tp;
+  // Attention split partials for every slice the forward cuts (SliceEnd), planned here so that
+  // no step allocates them: [token-splits, heads, head_dim + 2] fp32.
+  const bool partials = options_.attention_kernel == CudaAttentionKernel::kTensorCore ||
+                        options_.split_parallel_decode;
+  s.partial_token_splits = partials ? cuda_runner_internal::PlannedTokenSplits(
+                                          c.max_position_embeddings, t, PlanOptions())
+                                    : std::numeric_limits<int64_t>::max() / 2;
   for (RankState& rk : s.ranks) {
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));
     const int64_t qkv_cols = (rk.heads + 2 * rk.kv_heads) * hd;
@@ -104,6 +134,7 @@ absl::Status CudaModelRunner::AllocateWorkspace() {
              {&rk.final_rows, r * h * 2},
              {&rk.leaves, leaves},
              {&rk.gathered, gathered},
+             {&rk.partials, partials ? s.partial_token_splits * rk.heads * (hd + 2) * 4 : 0},
          }) {
       ROLLOUT_RETURN_IF_ERROR(CudaError(buffer->Allocate(bytes), "allocating activations"));
     }
