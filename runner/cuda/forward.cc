@@ -102,6 +102,10 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
     ends.push_back(
         SliceEnd(batch, begin, options_.max_batch_tokens, s.partial_token_splits, plan_options));
   }
+  if (async && ends.size() > 1) {
+    // A slice's pinned metadata is rewritten by the next slice: only a synchronous forward waits.
+    return absl::InternalError("an enqueued step must be one slice (LaunchStep checks SliceEnd)");
+  }
   const int64_t rows = static_cast<int64_t>(batch.logit_rows.size());
   const bool keep_on_device =
       rows <= options_.max_logit_rows && (c.vocab_size % 64 == 0 || ends.size() == 1);

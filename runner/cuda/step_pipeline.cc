@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
+#include "runner/cuda/batch_plan.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/cuda/cuda_runner_state.h"
 
@@ -40,7 +41,13 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
   // Enqueued only: one slice, its logits on the device, every row processed there, its fed
   // tokens (if any) in the device's results of the step before.
   absl::Status status;
-  if (batch.num_tokens() <= options_.max_batch_tokens && CanFeed(tasks) && (!fed || s.feed_ready)) {
+  // One slice only: the pinned metadata of a slice is rewritten by the next one, which an
+  // enqueued step cannot wait for.
+  const bool one_slice =
+      batch.num_tokens() == 0 ||
+      cuda_runner_internal::SliceEnd(batch, 0, options_.max_batch_tokens, s.partial_token_splits,
+                                     PlanOptions()) == batch.num_tokens();
+  if (one_slice && CanFeed(tasks) && (!fed || s.feed_ready)) {
     status = ForwardImpl(batch, nullptr, /*async=*/true);
     if (status.ok() && rows > 0) {
       status = EnqueueDeviceRows(s.logits.get<float>(), tasks, 0, rows);
