@@ -1,4 +1,5 @@
-// rollout-grpc-bench: the offline workload of docs/benchmarks.md over gRPC, against a running server.
+// rollout-grpc-bench: the offline workload of docs/benchmarks.md over gRPC, against a running
+// server.
 //
 //   rollout-grpc-bench --target=127.0.0.1:50051 --num_requests=256 --input_len=1024
 //       --output_len=1024
@@ -196,7 +197,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "the offline rollout workload of docs/benchmarks.md over gRPC: rollout-grpc-bench --target=HOST:PORT "
+      "the offline rollout workload of docs/benchmarks.md over gRPC: rollout-grpc-bench "
+      "--target=HOST:PORT "
       "[--num_requests=256 --input_len=1024 --output_len=1024]");
   absl::ParseCommandLine(argc, argv);
   return rollout::Main();

@@ -22,8 +22,7 @@ EngineCore::EngineCore(std::unique_ptr<ModelRunner> runner, const EngineOptions&
       blocks_(runner_->num_kv_blocks(), runner_->kv_block_size()),
       cache_(&blocks_, options.prefix_cache),
       scheduler_(SchedulerOptions{options.max_running_samples, options.max_batch_tokens,
-                                  runner_->attention_split_size(), options.admission,
-                                  max_context},
+                                  runner_->attention_split_size(), options.admission, max_context},
                  &blocks_, &cache_, options.weight_version),
       version_(options.weight_version),
       published_version_(options.weight_version) {

@@ -16,10 +16,11 @@
 // accumulation, one cuBLASLt algorithm per weight shape chosen once and used for every m.
 //
 // Why one algorithm: each output row must come out of the same sequence of operations whatever
-// m is (docs/determinism.md, "On the CUDA backend"). cuBLAS promises nothing about m; its heuristics change kernels with
-// m, and a split-K kernel reduces K in an m-dependent way. A pinned algorithm with split-K 1 and
-// no reduction scheme walks K in one fixed order per output element; tests/gpu/gemm_test.cc
-// checks every row bitwise for m = 1..512 and larger powers of two on every weight shape.
+// m is (docs/determinism.md, "How the CUDA backend keeps it"). cuBLAS promises nothing about m; its
+// heuristics change kernels with m, and a split-K kernel reduces K in an m-dependent way. A pinned
+// algorithm with split-K 1 and no reduction scheme walks K in one fixed order per output element;
+// tests/gpu/gemm_test.cc checks every row bitwise for m = 1..512 and larger powers of two on every
+// weight shape.
 //
 // The ladder: the pin's bits, faster. Other split-K-free algorithms may walk K in the same order
 // with other tiles (on the H200 with CUDA 13, every Hopper kernel cuBLASLt offers for these
