@@ -37,12 +37,11 @@ inline Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t 
   const double p = GemmParams(c), lm = static_cast<double>(c.vocab_size) * c.hidden_size;
   f.prefill_s = 2.0 * p * prefill_tokens / flops;
   const double kv_bytes = static_cast<double>(KvBytesPerToken(c));
-  OracleDecodeSeconds(
+  // Each decode step: its GEMMs (weights read once, or compute-bound) and one read of the KV.
+  ForEachOracleDecodeStep(
       lengths, static_cast<int>(in), kv_capacity_tokens, [&](int64_t batch, int64_t kv_tokens) {
-        const double gemm = std::max(2.0 * (p + lm) / bw, 2.0 * (p + lm) * batch / flops);
-        f.decode_gemm_s += gemm;
+        f.decode_gemm_s += std::max(2.0 * (p + lm) / bw, 2.0 * (p + lm) * batch / flops);
         f.decode_kv_s += kv_tokens * kv_bytes / bw;
-        return 0.0;
       });
   return f;
 }

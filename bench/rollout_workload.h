@@ -80,21 +80,20 @@ inline std::vector<int> RlOutputLengths(int n, int median, int max_len) {
   return lengths;
 }
 
-// The decode part of the floor for samples of `lengths` generated tokens after input_len prompt
-// tokens, as an oracle that knows every length would schedule them: continuous batching in
-// arrival order, a sample admitted when its whole KV (prompt + length) fits in
-// kv_capacity_tokens beside the running ones. Each decode step costs `step_cost(batch, kv_tokens)`
-// seconds (its GEMMs and one read of every running sample's KV). Equal lengths give waves.
-template <typename StepCost>
-double OracleDecodeSeconds(const std::vector<int>& lengths, int input_len,
-                           int64_t kv_capacity_tokens, StepCost step_cost) {
+// The decode steps of samples of `lengths` generated tokens after input_len prompt tokens, as an
+// oracle that knows every length would schedule them: continuous batching in arrival order, a
+// sample admitted when its whole KV (prompt + length) fits in kv_capacity_tokens beside the
+// running ones. Calls step(batch, kv_tokens) for each step: the samples running and the KV tokens
+// they read. Equal lengths give waves.
+template <typename Step>
+void ForEachOracleDecodeStep(const std::vector<int>& lengths, int input_len,
+                             int64_t kv_capacity_tokens, Step step) {
   struct Running {
     int64_t generated, length;
   };
   std::vector<Running> running;
   size_t next = 0;
   int64_t held = 0;  // KV tokens reserved by the running samples
-  double seconds = 0;
   while (next < lengths.size() || !running.empty()) {
     while (next < lengths.size() &&
            (running.empty() || held + input_len + lengths[next] <= kv_capacity_tokens)) {
@@ -104,7 +103,7 @@ double OracleDecodeSeconds(const std::vector<int>& lengths, int input_len,
     }
     int64_t kv_tokens = 0;
     for (const Running& r : running) kv_tokens += input_len + r.generated + 1;
-    seconds += step_cost(static_cast<int64_t>(running.size()), kv_tokens);
+    step(static_cast<int64_t>(running.size()), kv_tokens);
     for (Running& r : running) ++r.generated;
     for (size_t i = 0; i < running.size();) {
       if (running[i].generated >= running[i].length) {
@@ -116,7 +115,6 @@ double OracleDecodeSeconds(const std::vector<int>& lengths, int input_len,
       }
     }
   }
-  return seconds;
 }
 
 }  // namespace rollout

@@ -225,6 +225,9 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
                             float* host_logits, bool keep_on_device, bool async);
   cuda_runner_internal::SlicePlanOptions PlanOptions() const;
+  // Where ForwardImpl ends the slices of `batch` (SliceEnd: max_batch_tokens and the planned
+  // attention partials); empty for an empty batch.
+  std::vector<int64_t> SliceEnds(const ForwardBatch& batch) const;
   absl::Status GrowAttentionPartials(const cuda_runner_internal::SliceShape& shape);
   // The plan's metadata packed into the staging slot, uploaded to every device, and the fed
   // tokens copied in from the device's sampling results.

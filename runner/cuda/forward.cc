@@ -96,12 +96,7 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
   // vocab of a multiple of 64 floats keeps every row's start 256-byte aligned for the GEMM, or
   // one slice writes them in one pass from row 0); otherwise each pass is copied to the host.
   // Slices of at most max_batch_tokens tokens and of the attention partials planned at load.
-  const SlicePlanOptions plan_options = PlanOptions();
-  std::vector<int64_t> ends;
-  for (int64_t begin = 0; begin < t; begin = ends.back()) {
-    ends.push_back(
-        SliceEnd(batch, begin, options_.max_batch_tokens, s.partial_token_splits, plan_options));
-  }
+  const std::vector<int64_t> ends = SliceEnds(batch);
   if (async && ends.size() > 1) {
     // A slice's pinned metadata is rewritten by the next slice: only a synchronous forward waits.
     return absl::InternalError("an enqueued step must be one slice (LaunchStep checks SliceEnd)");
@@ -124,6 +119,16 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
   if (async) return absl::OkStatus();
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "forward pass"));
   return s.profiler.EndForward();
+}
+
+std::vector<int64_t> CudaModelRunner::SliceEnds(const ForwardBatch& batch) const {
+  const SlicePlanOptions options = PlanOptions();
+  std::vector<int64_t> ends;
+  for (int64_t begin = 0; begin < batch.num_tokens(); begin = ends.back()) {
+    ends.push_back(
+        SliceEnd(batch, begin, options_.max_batch_tokens, state_->partial_token_splits, options));
+  }
+  return ends;
 }
 
 SlicePlanOptions CudaModelRunner::PlanOptions() const {

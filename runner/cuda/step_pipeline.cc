@@ -9,7 +9,6 @@
 #include "absl/strings/str_format.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
-#include "runner/cuda/batch_plan.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/cuda/cuda_runner_state.h"
 
@@ -43,10 +42,7 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
   absl::Status status;
   // One slice only: the pinned metadata of a slice is rewritten by the next one, which an
   // enqueued step cannot wait for.
-  const bool one_slice =
-      batch.num_tokens() == 0 ||
-      cuda_runner_internal::SliceEnd(batch, 0, options_.max_batch_tokens, s.partial_token_splits,
-                                     PlanOptions()) == batch.num_tokens();
+  const bool one_slice = SliceEnds(batch).size() <= 1;
   if (one_slice && CanFeed(tasks) && (!fed || s.feed_ready)) {
     status = ForwardImpl(batch, nullptr, /*async=*/true);
     if (status.ok() && rows > 0) {
