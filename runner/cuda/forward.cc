@@ -88,7 +88,6 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
                                           bool async) {
   const ModelConfig& c = config_;
   ROLLOUT_RETURN_IF_ERROR(CheckBatch(batch, async));
-  const int64_t t = batch.num_tokens();
   State& s = *state_;
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
   s.profiler.BeginForward();
