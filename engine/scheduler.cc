@@ -89,12 +89,32 @@ void Scheduler::Take(Sequence* seq, int64_t end, std::vector<ScheduledChunk>* ch
   chunks->push_back({seq, begin, end});
 }
 
+bool Scheduler::WaitsForSharedPrefix(const Sequence& seq, int64_t cached_tokens) const {
+  if (!cache_->enabled()) return false;
+  const int64_t page = blocks_->block_size();
+  for (const Sequence* other : running_) {
+    if (other->kv_version != cache_version_) continue;  // its pages will not be cached
+    const int64_t limit =
+        std::min<int64_t>(seq.max_prefix_tokens(), static_cast<int64_t>(other->tokens.size()));
+    const auto differ = std::mismatch(seq.tokens.begin(), seq.tokens.begin() + limit,
+                                      other->tokens.begin());
+    const int64_t shared = (differ.first - seq.tokens.begin()) / page * page;
+    if (shared > cached_tokens && other->num_computed < shared) return true;
+  }
+  return false;
+}
+
 bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>* chunks) {
   const int64_t page = blocks_->block_size();
   seq->cache_path = cache_->Match(cache_version_, seq->tokens, seq->max_prefix_tokens() / page,
                                   &seq->block_table);
   seq->num_computed = static_cast<int64_t>(seq->cache_path.size()) * page;
   seq->kv_version = cache_version_;
+  if (WaitsForSharedPrefix(*seq, seq->num_computed)) {
+    ReleaseKv(seq);
+    seq->num_computed = 0;
+    return false;
+  }
   const int64_t end = ChunkEnd(*seq, budget);
   // kReserve counts what the sequence may still need against the room the running ones leave
   // (its matched pages are locked now, so they no longer count as room). Either policy takes

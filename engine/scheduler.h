@@ -58,7 +58,8 @@ class Scheduler {
 
   // Picks this step's work. Running decoders first (oldest first), then running prefills, then
   // new admissions in arrival order while the head of the queue fits under the admission policy
-  // (strict FCFS); an admission first takes the longest cached prefix. When a block is needed
+  // (strict FCFS); an admission first takes the longest cached prefix, and the head waits
+  // while a running sequence is still computing pages of a longer prefix they share. When a block is needed
   // and none is free, unlocked cached pages are evicted (LRU); if that is not enough for a
   // running sequence (only under kOptimistic), the one that loses least gives way: the running
   // sequence not in this step with the fewest computed tokens (ties: the latest arrival). Its
@@ -92,6 +93,11 @@ class Scheduler {
   // kReserve: whether the pool can hold `extra_blocks` more beside every running sequence's
   // FutureBlocks (free blocks and unlocked cached pages count as room).
   bool FitsBesideRunning(int64_t extra_blocks) const;
+  // Whether `seq` should wait for a running sequence that is still computing whole pages of
+  // a prefix they share (beyond the `cached_tokens` the cache serves `seq` now): admitted
+  // after those pages are cached, it reads them instead of computing them again. This is what
+  // lets the samples of one request (or equal prompts) share one prefill.
+  bool WaitsForSharedPrefix(const Sequence& seq, int64_t cached_tokens) const;
   // Index in running_ of the preemption victim among those not in `chunks`.
   size_t VictimIndex(const std::vector<ScheduledChunk>& chunks) const;
   // Records the chunk and counts what of it is recomputation.

@@ -64,6 +64,37 @@ TEST(SchedulerTest, DecodersRunBeforePrefillsAndAdmissionIsFcfs) {
   EXPECT_EQ(second[0].end - second[0].begin, 1);
 }
 
+TEST(SchedulerTest, ASampleWaitsForThePrefillOfTheSharedPromptAndThenReadsItFromTheCache) {
+  KvBlockManager blocks(100, 16);
+  PrefixCache cache(&blocks);
+  Scheduler scheduler({8, 512, 32}, &blocks, &cache, "v");
+  auto first = MakeSeq(0, 64), second = MakeSeq(1, 64), other = MakeSeq(2, 40);
+  other->tokens.assign(40, 7);  // shares nothing: it is behind `second` in FCFS all the same
+  for (auto* seq : {first.get(), second.get(), other.get()}) scheduler.Add(seq);
+  std::vector<ScheduledChunk> step = scheduler.Schedule();
+  ASSERT_EQ(step.size(), 1u) << "the second sample waits for the first one's prefill";
+  EXPECT_EQ(step[0].seq, first.get());
+  Apply(step);
+  scheduler.CachePages(first.get());
+  step = scheduler.Schedule();
+  ASSERT_EQ(step.size(), 3u);
+  EXPECT_EQ(step[1].seq, second.get());
+  EXPECT_EQ(step[1].begin, 48) << "three whole pages of the 63-token prefix come from the cache";
+  EXPECT_EQ(*second->cached_prompt_tokens, 48);
+  EXPECT_EQ(step[2].seq, other.get());
+  EXPECT_EQ(scheduler.num_cache_hit_tokens(), 48u);
+}
+
+TEST(SchedulerTest, WithoutACacheNothingWaitsForASharedPrompt) {
+  KvBlockManager blocks(100, 16);
+  PrefixCache cache(&blocks, /*enabled=*/false);
+  Scheduler scheduler({8, 512, 32}, &blocks, &cache, "v");
+  auto first = MakeSeq(0, 64), second = MakeSeq(1, 64);
+  scheduler.Add(first.get());
+  scheduler.Add(second.get());
+  EXPECT_EQ(scheduler.Schedule().size(), 2u);
+}
+
 TEST(SchedulerTest, OptimisticAdmissionUnderKvPressurePreemptsAndTheVictimResumesLater) {
   KvBlockManager blocks(4, 4);  // 16 tokens of KV in all
   PrefixCache cache(&blocks, /*enabled=*/false);
