@@ -78,7 +78,7 @@ ABSL_FLAG(bool, replay, true,
           "logits left on the GPU): the device time of the forward passes");
 ABSL_FLAG(int32_t, batch1_tokens, 128, "decode steps timed at batch 1 (0: skip)");
 ABSL_FLAG(std::string, admission, "reserve",
-          "engine admission policy: reserve (the server's default) or optimistic");
+          "engine admission policy: reserve (the server's default), estimate or optimistic");
 ABSL_FLAG(std::string, workload, "fixed",
           "fixed: num_requests x input_len/output_len, ignore_eos; rl: rl_prompts requests of "
           "rl_samples samples each, output lengths long-tailed (median rl_median, at most "
@@ -551,9 +551,14 @@ int RunEndToEnd(const Setup& setup, const Workload& w, const Floor& floor, std::
   engine_options.max_running_samples = absl::GetFlag(FLAGS_max_running);
   engine_options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   engine_options.decode_lookahead = absl::GetFlag(FLAGS_decode_lookahead);
-  engine_options.admission = absl::GetFlag(FLAGS_admission) == "optimistic"
-                                 ? AdmissionPolicy::kOptimistic
-                                 : AdmissionPolicy::kReserve;
+  const std::optional<AdmissionPolicy> admission =
+      ParseAdmissionPolicy(absl::GetFlag(FLAGS_admission));
+  if (!admission.has_value()) {
+    std::fprintf(stderr, "--admission: '%s' is not reserve, estimate or optimistic\n",
+                 absl::GetFlag(FLAGS_admission).c_str());
+    return 1;
+  }
+  engine_options.admission = *admission;
   // The engine owns the decorator; it is destroyed (and its thread joined) before `runner`.
   auto engine = Engine::Create(std::move(timed), engine_options);
   if (!engine.ok()) {

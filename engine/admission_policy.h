@@ -1,5 +1,8 @@
 #pragma once
 
+#include <optional>
+#include <string_view>
+
 namespace rollout {
 
 // When a waiting sequence may start (docs/architecture.md, "Admission").
@@ -10,10 +13,24 @@ enum class AdmissionPolicy {
   // waits for a block, so nothing is preempted and nothing recomputed; memory a sample does not
   // use because it stops early is idle until it ends.
   kReserve,
+  // As kReserve, but each sequence is charged an estimate of the tokens it will still generate:
+  // min(max_new_tokens - generated, 4096) x a ratio that starts at 0.7, falls by 0.001 per step
+  // to 0.1 and, after a preemption, is raised to what the running sequences' progress suggests
+  // (their generated share of max_new_tokens, plus 20 steps each: SGLang's new_token_ratio). Admits more at once when samples stop early (RL
+  // rollouts); when the estimate was short, one sequence gives way as under kOptimistic.
+  kEstimate,
   // As soon as its prompt fits; when a running sequence then needs a block and none is left,
   // one gives way (preemption) and is recomputed later. Admits more at once when samples stop
   // early, and pays for it in recomputation under pressure. Tests use it to force preemption.
   kOptimistic,
 };
+
+// "reserve", "estimate" or "optimistic"; nullopt for anything else.
+inline std::optional<AdmissionPolicy> ParseAdmissionPolicy(std::string_view name) {
+  if (name == "reserve") return AdmissionPolicy::kReserve;
+  if (name == "estimate") return AdmissionPolicy::kEstimate;
+  if (name == "optimistic") return AdmissionPolicy::kOptimistic;
+  return std::nullopt;
+}
 
 }  // namespace rollout

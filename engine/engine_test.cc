@@ -114,7 +114,7 @@ TEST(EngineTest, PreemptionUnderKvPressureGivesTheSameBits) {
 // default admission (kReserve) every sample completes with all its tokens and the bits of a
 // roomy pool, and nothing is recomputed; the optimistic policy, run beside it as the yardstick,
 // preempts and recomputes (and keeps the bits too: D5).
-TEST(EngineAdmissionTest, FourTimesOverSubscribedPoolFinishesEverySampleWithoutRecompute) {
+std::vector<SampleSpec> OverSubscribingWorkload(std::vector<int32_t> stop_token_ids) {
   std::vector<SampleSpec> specs;
   for (int i = 0; i < 32; ++i) {
     SampleSpec s;
@@ -123,14 +123,28 @@ TEST(EngineAdmissionTest, FourTimesOverSubscribedPoolFinishesEverySampleWithoutR
     s.params.temperature = 0.8f;
     s.params.max_new_tokens = 192;
     s.params.ignore_eos = true;
+    s.params.stop_token_ids = stop_token_ids;
     s.sample_seed = DeriveSampleSeed(5, static_cast<uint32_t>(i));
     specs.push_back(s);
   }
-  const std::vector<std::string> reference = RunWorkload(MakeEngine({}).get(), specs);
+  return specs;
+}
+
+CpuRunnerOptions PoolOf2048Tokens() {
   CpuRunnerOptions small;
   small.kv_cache_bytes = 2048ll * (2 * 2 * 16 * 2 * sizeof(float));  // the tiny model's KV/token
-  for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kOptimistic}) {
-    const bool reserve = policy == AdmissionPolicy::kReserve;
+  return small;
+}
+
+TEST(EngineAdmissionTest, FourTimesOverSubscribedPoolFinishesEverySampleWithoutRecompute) {
+  const std::vector<SampleSpec> specs = OverSubscribingWorkload({});
+  const std::vector<std::string> reference = RunWorkload(MakeEngine({}).get(), specs);
+  const CpuRunnerOptions small = PoolOf2048Tokens();
+  for (AdmissionPolicy policy :
+       {AdmissionPolicy::kReserve, AdmissionPolicy::kEstimate, AdmissionPolicy::kOptimistic}) {
+    const char* name = policy == AdmissionPolicy::kReserve    ? "reserve"
+                       : policy == AdmissionPolicy::kEstimate ? "estimate"
+                                                              : "optimistic";
     EngineOptions options;
     options.admission = policy;
     std::unique_ptr<Engine> engine = MakeEngine(small, options);
@@ -139,23 +153,66 @@ TEST(EngineAdmissionTest, FourTimesOverSubscribedPoolFinishesEverySampleWithoutR
     ASSERT_TRUE(engine->Submit(specs, collector.Sink()).ok());
     const std::vector<SampleCompletion> done = collector.Wait();
     for (size_t i = 0; i < done.size(); ++i) {
-      EXPECT_EQ(done[i].token_ids.size(), 192u) << "sample " << i;
-      EXPECT_EQ(done[i].finish_reason, FinishReason::kLength) << "sample " << i;
-      EXPECT_EQ(Bits(done[i]), reference[i]) << "sample " << i;
+      EXPECT_EQ(done[i].token_ids.size(), 192u) << name << ", sample " << i;
+      EXPECT_EQ(done[i].finish_reason, FinishReason::kLength) << name << ", sample " << i;
+      EXPECT_EQ(Bits(done[i]), reference[i]) << name << ", sample " << i;
     }
     const EngineCounters c = engine->counters();
-    std::cout << "[admission] " << (reserve ? "reserve" : "optimistic") << ": " << c.preemptions
-              << " preemptions, " << c.recomputed_tokens << " recomputed tokens, "
-              << c.prefilled_tokens << " prefilled for " << c.prompt_tokens << " prompt tokens, "
-              << c.steps << " steps" << std::endl;
-    if (reserve) {
+    std::cout << "[admission] " << name << ": " << c.preemptions << " preemptions, "
+              << c.recomputed_tokens << " recomputed tokens, " << c.prefilled_tokens
+              << " prefilled for " << c.prompt_tokens << " prompt tokens, " << c.steps << " steps"
+              << std::endl;
+    if (policy == AdmissionPolicy::kReserve) {
       EXPECT_EQ(c.preemptions, 0u);
+      EXPECT_LE(c.recomputed_tokens, c.prompt_tokens / 4);
+    } else if (policy == AdmissionPolicy::kEstimate) {
+      // Samples that never stop early are the estimate's worst case: the ratio rises after
+      // the first preemptions and admission then holds back.
       EXPECT_LE(c.recomputed_tokens, c.prompt_tokens / 4);
     } else {
       EXPECT_GT(c.preemptions, 0u) << "the yardstick was never short of KV";
     }
     EXPECT_EQ(c.kv_blocks_free + c.kv_blocks_cached, c.kv_blocks_total) << "no block leaked";
   }
+}
+
+// The same pool, samples that stop early on sampled tokens (mostly well before max_new_tokens,
+// as RL rollouts do): kEstimate runs more of them at once than kReserve, which holds room for
+// max_new_tokens, and both keep the bits and the lengths of a roomy pool.
+TEST(EngineAdmissionTest, SamplesThatStopEarlyRunMoreAtOnceUnderTheEstimate) {
+  std::vector<int32_t> stops;
+  for (int32_t t = 5; t < 256; t += 8) stops.push_back(t);  // 1/8 of the vocabulary
+  const std::vector<SampleSpec> specs = OverSubscribingWorkload(stops);
+  Collector roomy(specs.size());
+  std::unique_ptr<Engine> reference_engine = MakeEngine({});
+  ASSERT_TRUE(reference_engine->Submit(specs, roomy.Sink()).ok());
+  const std::vector<SampleCompletion> reference = roomy.Wait();
+  size_t stopped_early = 0;
+  for (const SampleCompletion& c : reference) stopped_early += c.token_ids.size() < 96;
+  ASSERT_GE(stopped_early, specs.size() / 3) << "the workload is not RL-shaped";
+  uint64_t steps[2] = {0, 0};
+  for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kEstimate}) {
+    const bool estimate = policy == AdmissionPolicy::kEstimate;
+    EngineOptions options;
+    options.admission = policy;
+    std::unique_ptr<Engine> engine = MakeEngine(PoolOf2048Tokens(), options);
+    Collector collector(specs.size());
+    ASSERT_TRUE(engine->Submit(specs, collector.Sink()).ok());
+    const std::vector<SampleCompletion> done = collector.Wait();
+    for (size_t i = 0; i < done.size(); ++i) {
+      EXPECT_EQ(Bits(done[i]), Bits(reference[i])) << "sample " << i;
+      EXPECT_EQ(done[i].finish_reason, reference[i].finish_reason) << "sample " << i;
+    }
+    const EngineCounters c = engine->counters();
+    std::cout << "[admission, early stops] " << (estimate ? "estimate" : "reserve") << ": "
+              << c.preemptions << " preemptions, " << c.recomputed_tokens
+              << " recomputed tokens, " << c.prefilled_tokens << " prefilled for "
+              << c.prompt_tokens << " prompt tokens, " << c.steps << " steps" << std::endl;
+    steps[estimate] = c.steps;
+    EXPECT_LE(c.recomputed_tokens, c.prompt_tokens / 4);
+    EXPECT_EQ(c.kv_blocks_free + c.kv_blocks_cached, c.kv_blocks_total) << "no block leaked";
+  }
+  EXPECT_LT(steps[1], steps[0]) << "the estimate admitted no more at once than the reservation";
 }
 
 TEST(EngineTest, DecodeLookaheadGivesTheBitsOfOneStepAtATime) {

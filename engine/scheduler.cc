@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <utility>
 
@@ -72,8 +73,24 @@ int64_t Scheduler::MaxTokens(const Sequence& seq) const {
 }
 
 int64_t Scheduler::FutureBlocks(const Sequence& seq) const {
+  int64_t tokens = MaxTokens(seq);
+  if (options_.admission == AdmissionPolicy::kEstimate) {
+    const int64_t to_come = std::min(tokens - seq.num_tokens(), kEstimateClipTokens);
+    tokens = seq.num_tokens() +
+             static_cast<int64_t>(std::ceil(static_cast<double>(to_come) * new_token_ratio_));
+  }
   return std::max<int64_t>(
-      0, blocks_->BlocksFor(MaxTokens(seq)) - static_cast<int64_t>(seq.block_table.size()));
+      0, blocks_->BlocksFor(tokens) - static_cast<int64_t>(seq.block_table.size()));
+}
+
+void Scheduler::RaiseNewTokenRatio() {
+  int64_t progress = 0, most = 0;
+  for (const Sequence* seq : running_) {
+    progress += seq->num_generated() + kRetractHeadroomSteps;
+    most += std::max<int64_t>(1, MaxTokens(*seq) - seq->prompt_len);
+  }
+  const double ratio = most > 0 ? static_cast<double>(progress) / static_cast<double>(most) : 1.0;
+  new_token_ratio_ = std::clamp(std::max(ratio, new_token_ratio_), kMinNewTokenRatio, 1.0);
 }
 
 bool Scheduler::FitsBesideRunning(int64_t extra_blocks) const {
@@ -119,8 +136,8 @@ bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>
   // kReserve counts what the sequence may still need against the room the running ones leave
   // (its matched pages are locked now, so they no longer count as room). Either policy takes
   // the KV of the whole known sequence up front, so an admitted prefill never waits midway.
-  const bool fits =
-      options_.admission != AdmissionPolicy::kReserve || FitsBesideRunning(FutureBlocks(*seq));
+  const bool fits = options_.admission == AdmissionPolicy::kOptimistic ||
+                    FitsBesideRunning(FutureBlocks(*seq));
   if (end <= seq->num_computed || !fits || !Reserve(seq->num_tokens(), seq)) {
     ReleaseKv(seq);
     seq->num_computed = 0;
@@ -143,6 +160,7 @@ void Scheduler::Preempt(Sequence* seq) {
   seq->num_computed = 0;
   InsertByArrival(seq, &waiting_);
   ++num_preemptions_;
+  if (options_.admission == AdmissionPolicy::kEstimate) RaiseNewTokenRatio();
 }
 
 size_t Scheduler::VictimIndex(const std::vector<ScheduledChunk>& chunks) const {
@@ -171,6 +189,9 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
   std::vector<ScheduledChunk> chunks;
   chunks.reserve(running_.size());
   int64_t budget = options_.max_batch_tokens;
+  if (options_.admission == AdmissionPolicy::kEstimate) {
+    new_token_ratio_ = std::max(kMinNewTokenRatio, new_token_ratio_ - kNewTokenRatioDecay);
+  }
   // Two passes over the running set: decoders (one token each) before prefills, so that long
   // prompts cannot stall the streams of sequences already generating.
   for (bool decode_pass : {true, false}) {

@@ -61,7 +61,7 @@ class Scheduler {
   // (strict FCFS); an admission first takes the longest cached prefix, and the head waits
   // while a running sequence is still computing pages of a longer prefix they share. When a block is needed
   // and none is free, unlocked cached pages are evicted (LRU); if that is not enough for a
-  // running sequence (only under kOptimistic), the one that loses least gives way: the running
+  // running sequence (not under kReserve), the one that loses least gives way: the running
   // sequence not in this step with the fewest computed tokens (ties: the latest arrival). Its
   // blocks are freed, its computed whole pages stay cached (most recently used, so evicted
   // last), and it goes back to the queue, to be resumed from what the cache still holds.
@@ -75,6 +75,17 @@ class Scheduler {
   uint64_t num_recomputed_tokens() const { return num_recomputed_tokens_; }
   uint64_t num_prompt_tokens() const { return num_prompt_tokens_; }
   uint64_t num_cache_hit_tokens() const { return num_cache_hit_tokens_; }
+  // kEstimate: the share of the tokens still to come that admission charges now.
+  double new_token_ratio() const { return new_token_ratio_; }
+
+  // kEstimate's constants (SGLang's defaults): the ratio's start, floor and fall per step, the
+  // most tokens still to come charged per sequence, and the steps of headroom a preemption
+  // adds to the running sequences' progress.
+  static constexpr double kInitialNewTokenRatio = 0.7;
+  static constexpr double kMinNewTokenRatio = 0.1;
+  static constexpr double kNewTokenRatioDecay = 0.001;
+  static constexpr int64_t kEstimateClipTokens = 4096;
+  static constexpr int64_t kRetractHeadroomSteps = 20;
 
  private:
   // End of the next chunk of `seq` within `budget` tokens; <= num_computed when none fits.
@@ -88,11 +99,14 @@ class Scheduler {
   // The most tokens `seq` can reach: the whole sequence when scoring, else its prompt plus
   // max_new_tokens, at most max_context.
   int64_t MaxTokens(const Sequence& seq) const;
-  // Blocks `seq` may still take beyond the ones it holds.
+  // Blocks `seq` may still take beyond the ones it holds: all it may reach under kReserve, the
+  // estimate under kEstimate.
   int64_t FutureBlocks(const Sequence& seq) const;
-  // kReserve: whether the pool can hold `extra_blocks` more beside every running sequence's
-  // FutureBlocks (free blocks and unlocked cached pages count as room).
+  // kReserve, kEstimate: whether the pool can hold `extra_blocks` more beside every running
+  // sequence's FutureBlocks (free blocks and unlocked cached pages count as room).
   bool FitsBesideRunning(int64_t extra_blocks) const;
+  // kEstimate: the ratio after a preemption, from the running sequences' progress.
+  void RaiseNewTokenRatio();
   // Whether `seq` should wait for a running sequence that is still computing whole pages of
   // a prefix they share (beyond the `cached_tokens` the cache serves `seq` now): admitted
   // after those pages are cached, it reads them instead of computing them again. This is what
@@ -114,6 +128,7 @@ class Scheduler {
   uint64_t num_recomputed_tokens_ = 0;
   uint64_t num_prompt_tokens_ = 0;     // at first admission
   uint64_t num_cache_hit_tokens_ = 0;  // of those, served from the cache
+  double new_token_ratio_ = kInitialNewTokenRatio;
 };
 
 }  // namespace rollout

@@ -95,6 +95,24 @@ TEST(SchedulerTest, WithoutACacheNothingWaitsForASharedPrompt) {
   EXPECT_EQ(scheduler.Schedule().size(), 2u);
 }
 
+TEST(SchedulerTest, TheEstimateChargesAFallingShareOfTheTokensStillToCome) {
+  KvBlockManager blocks(12, 16);  // 192 tokens
+  PrefixCache cache(&blocks, /*enabled=*/false);
+  Scheduler scheduler({8, 512, 16, AdmissionPolicy::kEstimate}, &blocks, &cache, "v");
+  // Each charges 16 prompt tokens + 0.7 x 100 to come = 86 tokens (6 blocks): two fit, not three.
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (uint64_t i = 0; i < 3; ++i) {
+    seqs.push_back(MakeSeq(i, 16));
+    seqs.back()->params.max_new_tokens = 100;
+    scheduler.Add(seqs.back().get());
+  }
+  EXPECT_EQ(scheduler.Schedule().size(), 2u);
+  EXPECT_DOUBLE_EQ(scheduler.new_token_ratio(), Scheduler::kInitialNewTokenRatio - 0.001);
+  for (int i = 0; i < 1000; ++i) scheduler.Schedule();
+  EXPECT_DOUBLE_EQ(scheduler.new_token_ratio(), Scheduler::kMinNewTokenRatio);
+  EXPECT_EQ(scheduler.num_running(), 3u) << "at a ratio of 0.1 the third fits beside the two";
+}
+
 TEST(SchedulerTest, OptimisticAdmissionUnderKvPressurePreemptsAndTheVictimResumesLater) {
   KvBlockManager blocks(4, 4);  // 16 tokens of KV in all
   PrefixCache cache(&blocks, /*enabled=*/false);

@@ -48,8 +48,10 @@ ABSL_FLAG(std::string, weight_version, "0", "version string reported with every 
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of shared prefixes across requests");
 ABSL_FLAG(std::string, admission, "reserve",
           "when a waiting sample starts: reserve (only when the KV pool can hold its prompt plus "
-          "max_new_tokens beside the running ones: no preemption, no recomputation) or "
-          "optimistic (as soon as its prompt fits; preempts and recomputes under KV pressure)");
+          "max_new_tokens beside the running ones: no preemption, no recomputation), estimate "
+          "(charges an estimate of the tokens still to come that adapts to preemptions: more "
+          "samples at once when they stop early) or optimistic (as soon as its prompt fits; "
+          "preempts and recomputes under KV pressure)");
 ABSL_FLAG(bool, decode_lookahead, true,
           "cuda backend: launch decode step N + 1 before step N's results are applied (its "
           "tokens fed on the device); false: one step at a time. Never changes a bit");
@@ -110,12 +112,11 @@ int main(int argc, char** argv) {
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   options.decode_lookahead = absl::GetFlag(FLAGS_decode_lookahead);
   const std::string admission = absl::GetFlag(FLAGS_admission);
-  if (admission == "reserve") {
-    options.admission = rollout::AdmissionPolicy::kReserve;
-  } else if (admission == "optimistic") {
-    options.admission = rollout::AdmissionPolicy::kOptimistic;
+  if (auto policy = rollout::ParseAdmissionPolicy(admission)) {
+    options.admission = *policy;
   } else {
-    std::fprintf(stderr, "rollout-server: --admission: '%s' is not reserve or optimistic\n",
+    std::fprintf(stderr,
+                 "rollout-server: --admission: '%s' is not reserve, estimate or optimistic\n",
                  admission.c_str());
     return 1;
   }
