@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/cuda_status.h"
@@ -56,7 +57,17 @@ absl::Status CudaModelRunner::Finish() {
   size_t free_before = 0, free_after = 0, total = 0;
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
   ROLLOUT_RETURN_IF_ERROR(UploadRopeTables());
-  ROLLOUT_RETURN_IF_ERROR(AllocateWorkspace());
+  if (absl::Status workspace = AllocateWorkspace(); !workspace.ok()) {
+    // Out of memory here is a limit the device cannot meet: say which one to lower.
+    if (!absl::StrContains(workspace.message(), "cudaErrorMemoryAllocation")) return workspace;
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "the step workspace at --max_batch_tokens=%d (attention partials for %d token-splits, "
+        "from a maximum context of %d) does not fit in the %.2f GiB left after the weights: "
+        "lower --max_batch_tokens (%s)",
+        options_.max_batch_tokens, state_->partial_token_splits,
+        config_.max_position_embeddings, static_cast<double>(free_before) / (1 << 30),
+        workspace.message()));
+  }
   ROLLOUT_RETURN_IF_ERROR(state_->canonical ? PinCanonicalGemms() : PinGemms());
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
   ROLLOUT_RETURN_IF_ERROR(AllocateKvCache());

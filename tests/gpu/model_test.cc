@@ -270,6 +270,36 @@ void CheckInvariance(CudaModelRunner* runner, int len, uint64_t seed) {
   }
 }
 
+// The memory plan refuses limits the device cannot meet, naming the limit: with all but part of
+// a large step's workspace taken by another allocation, creating the runner fails
+// RESOURCE_EXHAUSTED at the workspace and says to lower --max_batch_tokens.
+TEST_F(ModelTest, AWorkspaceThatDoesNotFitIsRefusedNamingTheLimit) {
+  auto used_by = [](const CudaRunnerOptions& o) -> int64_t {
+    size_t before = 0, after = 0, total = 0;
+    EXPECT_EQ(cudaMemGetInfo(&before, &total), cudaSuccess);
+    auto runner = CudaModelRunner::CreateSynthetic(Qwen3_8bTwoLayers(), 3, o);
+    EXPECT_TRUE(runner.ok()) << runner.status();
+    EXPECT_EQ(cudaMemGetInfo(&after, &total), cudaSuccess);
+    return static_cast<int64_t>(before) - static_cast<int64_t>(after);
+  };
+  CudaRunnerOptions small = SmallOptions(), large = SmallOptions();
+  small.max_batch_tokens = 256;
+  large.max_batch_tokens = 65535;
+  const int64_t small_bytes = used_by(small), large_bytes = used_by(large);
+  ASSERT_GT(large_bytes - small_bytes, int64_t{1} << 28) << "the large step's workspace";
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  const int64_t leave = small_bytes + (large_bytes - small_bytes) / 2;
+  void* hog = nullptr;
+  ASSERT_EQ(cudaMalloc(&hog, static_cast<size_t>(free_bytes) - leave), cudaSuccess);
+  auto refused = CudaModelRunner::CreateSynthetic(Qwen3_8bTwoLayers(), 3, large);
+  cudaFree(hog);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("--max_batch_tokens=65535"), std::string::npos)
+      << refused.status();
+}
+
 TEST_F(ModelTest, SmallModelRowsAreBatchAndChunkInvariant) {
   auto runner = CudaModelRunner::CreateSynthetic(*PresetConfig("small"), 1, SmallOptions());
   ASSERT_TRUE(runner.ok()) << runner.status();
