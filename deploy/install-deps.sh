@@ -6,7 +6,7 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgoogle-glog-dev libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libcivetweb-dev openssl clang libclang-rt-14-dev
+  nlohmann-json3-dev libcivetweb-dev openssl libssl-dev clang libclang-rt-14-dev
   python3-grpcio python3-protobuf python3-numpy
 )
 missing=()

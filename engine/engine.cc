@@ -159,6 +159,8 @@ bool Engine::paused() const { return core_->paused(); }
 
 std::string Engine::weight_version() const { return core_->weight_version(); }
 
+std::string Engine::weight_digest() const { return core_->weight_digest(); }
+
 EngineCounters Engine::counters() const { return core_->counters(); }
 
 int64_t Engine::unfinished_samples() const { return core_->unfinished_samples(); }

@@ -14,6 +14,7 @@
 #include "engine/prefix_cache.h"
 #include "engine/sampling_params.h"
 #include "engine/sequence.h"
+#include "model/weight_digest.h"
 
 namespace rollout {
 namespace engine_internal {
@@ -24,6 +25,9 @@ struct EngineOptions {
   int32_t max_running_samples = 64;
   int32_t max_batch_tokens = 512;
   std::string weight_version = "0";
+  // The served tensors' digests (model/weight_digest.h), as the server hashed them at load;
+  // empty: the weights' digest is unknown ("") until an update brings every tensor's.
+  TensorDigests weight_digests;
   bool prefix_cache = true;
   // When a waiting sample may start (engine/scheduler.h): kReserve, the default, only when the
   // KV pool can hold everything it may still need, so nothing is ever preempted.
@@ -61,6 +65,7 @@ struct SampleCompletion {
   uint64_t sample_seed = 0;
   int32_t cached_prompt_tokens = 0;
   std::string weight_version;  // the version when the sample ended
+  std::string weight_digest;   // that version's digest ("" when unknown)
   std::vector<VersionSpan> version_spans;
 };
 
@@ -130,11 +135,15 @@ struct WeightUpdate {
   std::string version;
   UpdatePolicy policy = UpdatePolicy::kDrain;
   std::vector<HostTensor> tensors;  // complete; checked again by the runner
+  // TensorDigest of each of `tensors`, by name, hashed by whoever received the bytes (off the
+  // engine thread). A tensor without one is hashed on the engine thread.
+  TensorDigests digests;
 };
 
 struct UpdateResult {
   absl::Status status;
   std::string previous_version;
+  std::string digest;  // the served weights' digest after a successful update
   int32_t aborted_samples = 0;
 };
 
@@ -211,6 +220,9 @@ class Engine {
   // The tensors an update may replace (constant; any thread).
   const std::vector<WeightSpec>& weight_specs() const { return weight_specs_; }
   std::string weight_version() const;
+  // The served weights' digest (model/weight_digest.h; "" when unknown), changed with the
+  // version at each swap.
+  std::string weight_digest() const;
 
   EngineCounters counters() const;
   // Samples submitted and not yet completed (exact, unlike the per-step counters).

@@ -56,6 +56,25 @@ void EngineCore::Shutdown(StepEvents* events) {
   Deliver(events);
 }
 
+absl::Status EngineCore::CheckDigest(PendingUpdate* pending, TensorDigests* after) {
+  WeightUpdate& update = pending->update;
+  *after = tensor_digests_;
+  for (const HostTensor& t : update.tensors) {
+    auto it = update.digests.find(t.name);
+    (*after)[t.name] =
+        it != update.digests.end() ? it->second : TensorDigest(t.bytes.data(), t.bytes.size());
+  }
+  const std::string digest = WeightsDigest(runner_->weight_specs(), *after);
+  if (update.version == version_ && !digest_.empty() && !digest.empty() && digest != digest_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "version '%s' is served with weights %s; these bytes give %s: the same name for other "
+        "weights would break the determinism contract, so give them a new version name "
+        "(nothing was applied)",
+        version_, digest_, digest));
+  }
+  return absl::OkStatus();
+}
+
 void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
   if (DropIfCancelled(&pending)) return;
   if (draining_.has_value()) {
@@ -64,6 +83,14 @@ void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
                             draining_->update.version))));
     return;
   }
+  TensorDigests after;
+  if (absl::Status digest = CheckDigest(&pending, &after); !digest.ok()) {
+    UpdateResult result = FailedUpdate(std::move(digest));
+    result.previous_version = version_;
+    Reply(pending.done, std::move(result));
+    return;
+  }
+  pending.update.digests = std::move(after);  // from here on: every served tensor's
   switch (pending.update.policy) {
     case UpdatePolicy::kAbort: {
       const int32_t aborted = AbortAllJobs(events);
@@ -136,14 +163,19 @@ void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
     last_update_seconds_ =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     version_ = pending.update.version;
+    tensor_digests_ = std::move(pending.update.digests);
+    digest_ = WeightsDigest(runner_->weight_specs(), tensor_digests_);
     scheduler_.set_cache_version(version_);
     // KV of the old weights must never serve the new ones; pages still used by running
     // samples (CONTINUE) are detached and freed when those end.
     cache_.Flush();
     std::lock_guard<std::mutex> lock(mu_);
     published_version_ = version_;
+    published_digest_ = digest_;
+    result.digest = digest_;
     LOG(INFO) << "weights updated: " << result.previous_version << " -> " << version_ << " ("
-              << pending.update.tensors.size() << " tensors)";
+              << pending.update.tensors.size() << " tensors; "
+              << (digest_.empty() ? "digest unknown" : digest_) << ")";
   }
   Reply(pending.done, std::move(result));
 }

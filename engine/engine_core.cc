@@ -25,7 +25,10 @@ EngineCore::EngineCore(std::unique_ptr<ModelRunner> runner, const EngineOptions&
                                   runner_->attention_split_size(), options.admission, max_context},
                  &blocks_, &cache_, options.weight_version),
       version_(options.weight_version),
-      published_version_(options.weight_version) {
+      tensor_digests_(options.weight_digests),
+      digest_(WeightsDigest(runner_->weight_specs(), tensor_digests_)),
+      published_version_(options.weight_version),
+      published_digest_(digest_) {
   PublishCounters();
   thread_ = std::thread([this] { Loop(); });
 }
@@ -97,6 +100,11 @@ bool EngineCore::paused() const {
 std::string EngineCore::weight_version() const {
   std::lock_guard<std::mutex> lock(mu_);
   return published_version_;
+}
+
+std::string EngineCore::weight_digest() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return published_digest_;
 }
 
 int64_t EngineCore::unfinished_samples() const {

@@ -144,6 +144,7 @@ class EngineCore {
   // Any thread: the pause flag, and what the engine thread published.
   bool paused() const;
   std::string weight_version() const;
+  std::string weight_digest() const;
   EngineCounters counters() const;
   int64_t unfinished_samples() const;
 
@@ -178,6 +179,10 @@ class EngineCore {
   void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
   // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
   bool DropIfCancelled(PendingUpdate* pending);
+  // Hashes the update's tensors that came without a digest; then FAILED_PRECONDITION when it
+  // reuses the served version name for other bytes (both digests known), else OK with the
+  // served digests after it in `after`.
+  absl::Status CheckDigest(PendingUpdate* pending, TensorDigests* after);
   // Calls an update's `done` once the events of earlier steps were delivered.
   void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
   void Admit(Submission submission);
@@ -247,6 +252,8 @@ class EngineCore {
   uint64_t weight_updates_ = 0;
   double last_update_seconds_ = 0;
   std::string version_;                    // the weights now in the runner
+  TensorDigests tensor_digests_;           // theirs, by tensor
+  std::string digest_;                     // WeightsDigest of them ("" when unknown)
   std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
   std::vector<Submission> held_;           // submissions waiting for draining_
   // The step's batch, rebuilt every step in place: its vectors (a block table per sequence)
@@ -262,6 +269,7 @@ class EngineCore {
   Inbox inbox_;
   bool paused_ = false;
   std::string published_version_;
+  std::string published_digest_;
   uint64_t next_job_id_ = 1;
   int64_t unfinished_samples_ = 0;
   bool stop_ = false;

@@ -313,6 +313,7 @@ SampleCompletion EngineCore::Finish(Sequence* seq, FinishReason reason) {
   c.sample_seed = seq->sample_seed;
   c.cached_prompt_tokens = static_cast<int32_t>(seq->cached_prompt_tokens.value_or(0));
   c.weight_version = version_;
+  c.weight_digest = digest_;
   c.version_spans = std::move(seq->version_spans);
   Job& job = jobs_.at(seq->job_id);
   --job.num_unfinished;

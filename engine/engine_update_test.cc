@@ -39,13 +39,15 @@ const std::string& SmallModelDir() {
   return dir;
 }
 
-std::unique_ptr<Engine> MakeEngine(const std::string& dir = ModelDir()) {
+// `digested`: with the checkpoint's tensor digests, as the server passes them.
+std::unique_ptr<Engine> MakeEngine(const std::string& dir = ModelDir(), bool digested = false) {
   auto ck = Checkpoint::Open(dir);
   EXPECT_TRUE(ck.ok());
   auto runner = CpuModelRunner::Create(**ck, {});
   EXPECT_TRUE(runner.ok());
   EngineOptions options;
   options.weight_version = "v0";
+  if (digested) options.weight_digests = DigestCheckpoint(**ck, (*runner)->weight_specs());
   auto engine = Engine::Create(*std::move(runner), options);
   EXPECT_TRUE(engine.ok());
   return *std::move(engine);
@@ -133,6 +135,43 @@ TEST(EngineUpdateTest, NewWeightsChangeOutputsAndTheOriginalBytesRestoreThemBitw
   const SampleCompletion restored = RunJob(engine.get(), {Spec()})[0];
   EXPECT_EQ(Bits(restored), Bits(before));
   EXPECT_EQ(restored.cached_prompt_tokens, 0) << "no KV of v0 or v1 may serve v2";
+}
+
+TEST(EngineUpdateTest, AVersionNameIsBoundToTheBytesItServes) {
+  std::unique_ptr<Engine> engine = MakeEngine(ModelDir(), /*digested=*/true);
+  const std::string boot = engine->weight_digest();
+  ASSERT_EQ(boot.rfind("sha256:", 0), 0u) << "every served tensor hashed at load: " << boot;
+  const SampleCompletion before = RunJob(engine.get(), {Spec()})[0];
+  EXPECT_EQ(before.weight_digest, boot);
+
+  UpdateResult reuse = Update(engine.get(), "v0", UpdatePolicy::kDrain, {ScaledTensor(3.0f)});
+  EXPECT_EQ(reuse.status.code(), absl::StatusCode::kFailedPrecondition) << reuse.status;
+  EXPECT_NE(reuse.status.message().find(boot), std::string::npos) << reuse.status;
+  EXPECT_EQ(engine->weight_version(), "v0");
+  EXPECT_EQ(engine->weight_digest(), boot);
+  EXPECT_EQ(Bits(RunJob(engine.get(), {Spec()})[0]), Bits(before)) << "served bits unchanged";
+
+  UpdateResult scaled = Update(engine.get(), "v1", UpdatePolicy::kDrain, {ScaledTensor(3.0f)});
+  ASSERT_TRUE(scaled.status.ok()) << scaled.status;
+  EXPECT_NE(scaled.digest, boot);
+  EXPECT_EQ(engine->weight_digest(), scaled.digest);
+  EXPECT_EQ(RunJob(engine.get(), {Spec()})[0].weight_digest, scaled.digest);
+  // The boot bytes under a new name: the boot digest again; the same bytes under the served
+  // name: accepted.
+  UpdateResult restored = Update(engine.get(), "v2", UpdatePolicy::kDrain, {OriginalTensor()});
+  ASSERT_TRUE(restored.status.ok()) << restored.status;
+  EXPECT_EQ(restored.digest, boot);
+  UpdateResult again = Update(engine.get(), "v2", UpdatePolicy::kDrain, {OriginalTensor()});
+  EXPECT_TRUE(again.status.ok()) << again.status;
+  EXPECT_EQ(engine->weight_digest(), boot);
+}
+
+TEST(EngineUpdateTest, WithoutLoadDigestsTheDigestIsUnknownAndNameReuseIsNotChecked) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  EXPECT_EQ(engine->weight_digest(), "");
+  UpdateResult r = Update(engine.get(), "v0", UpdatePolicy::kDrain, {ScaledTensor(3.0f)});
+  EXPECT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(r.digest, "") << "one tensor of many is not the weights";
 }
 
 TEST(EngineUpdateTest, AnInvalidUpdateLeavesTheOldWeightsServingBitwise) {

@@ -193,6 +193,7 @@ void AppendResponses(SampleEvent event, std::vector<v1::GenerateResponse>* out) 
     done->mutable_logprobs()->Add(c.logprobs.begin(), c.logprobs.end());
     done->set_finish_reason(ToProto(c.finish_reason));
     done->set_weight_version(c.weight_version);
+    done->set_weight_digest(c.weight_digest);
     done->set_cached_prompt_tokens(static_cast<uint32_t>(c.cached_prompt_tokens));
     done->set_sample_seed(c.sample_seed);
     for (const auto& top : c.top_logprobs) ToProto(top, done->add_top_logprobs());

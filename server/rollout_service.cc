@@ -136,6 +136,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
         *std::move(update),
         [this, reactor, response, swap_start](UpdateResult r) {
           response->set_previous_version(r.previous_version);
+          response->set_weight_digest(r.digest);
           response->set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
           response->set_swap_seconds(
               std::chrono::duration<double>(std::chrono::steady_clock::now() - swap_start).count());
@@ -204,6 +205,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   for (int32_t eos : c.eos_token_ids) m->add_eos_token_ids(static_cast<uint32_t>(eos));
   m->set_source(model_.source);
   response->set_weight_version(engine_->weight_version());
+  response->set_weight_digest(engine_->weight_digest());
   response->set_paused(engine_->paused());
   response->set_auth_required_for_generate(!access_.bearer_token.empty() && access_.all_rpcs);
   {

@@ -57,6 +57,7 @@ void ScoreReactor::OnEvents(std::vector<SampleEvent> events) {
       }
     }
     out->set_weight_version(c.weight_version);
+    out->set_weight_digest(c.weight_digest);
     out->set_cached_tokens(static_cast<uint32_t>(c.cached_prompt_tokens));
     --s.left;
   }

@@ -22,6 +22,7 @@
 #include "grpcpp/server_builder.h"
 #include "model/random_model.h"
 #include "model/safetensors.h"
+#include "model/weight_digest.h"
 #include "runner/backend.h"
 
 namespace rollout {
@@ -162,6 +163,20 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
       (*runner)->backend_name(), options.tensor_parallel, options.attention_split_size,
       options.max_running_samples, options.max_batch_tokens);
   EngineOptions engine_options;
+  {
+    // Binds the version to the bytes (model/weight_digest.h): hashed on every core.
+    const auto start = std::chrono::steady_clock::now();
+    engine_options.weight_digests = DigestCheckpoint(**checkpoint, (*runner)->weight_specs());
+    const std::string digest = WeightsDigest((*runner)->weight_specs(),
+                                             engine_options.weight_digests);
+    LOG(INFO) << "weights " << options.weight_version << ": "
+              << (digest.empty() ? "digest unknown (a served tensor is converted or derived)"
+                                 : digest)
+              << absl::StrFormat(
+                     " (hashed in %.2f s)",
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                         .count());
+  }
   engine_options.max_running_samples = options.max_running_samples;
   engine_options.max_batch_tokens = options.max_batch_tokens;
   engine_options.weight_version = options.weight_version;

@@ -83,6 +83,7 @@ void UpdateWeightsReactor::Submit() {
       *std::move(update),
       [this, swap_start](UpdateResult r) {
         response_.set_previous_version(r.previous_version);
+        response_.set_weight_digest(r.digest);
         response_.set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
         response_.set_swap_seconds(SecondsSince(swap_start));
         if (service_->metrics() != nullptr) {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "model/safetensors.h"
+#include "model/weight_digest.h"
 
 namespace rollout {
 
@@ -93,6 +94,11 @@ absl::Status WeightsStaging::AddData(const v1::TensorData& data) {
   std::memcpy(staged.tensor.bytes.data() + begin, data.data().data(), data.data().size());
   staged.received[begin] = end;
   bytes_received_ += end - begin;
+  staged.received_bytes += end - begin;
+  // Disjoint ranges inside the tensor: all of it arrived. Hashed now, while the stream goes on.
+  if (staged.received_bytes == size) {
+    digests_[data.name()] = TensorDigest(staged.tensor.bytes.data(), size);
+  }
   return absl::OkStatus();
 }
 
@@ -103,6 +109,7 @@ absl::StatusOr<WeightUpdate> WeightsStaging::Finish() {
   WeightUpdate update;
   update.version = version_;
   update.policy = policy_;
+  update.digests = std::move(digests_);
   for (auto& [name, staged] : tensors_) {
     uint64_t covered = 0;  // ranges are disjoint and sorted: a gap shows as a jump
     for (const auto& [begin, end] : staged.received) {
@@ -147,6 +154,7 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
         HostTensor{spec.name, view->dtype, view->shape,
                    std::vector<uint8_t>(view->data, view->data + view->nbytes)});
   }
+  update.digests = DigestTensors(update.tensors);
   return update;
 }
 

@@ -33,6 +33,7 @@ class WeightsStaging {
   struct Staged {
     HostTensor tensor;
     std::map<uint64_t, uint64_t> received;  // disjoint byte ranges [begin, end), by begin
+    uint64_t received_bytes = 0;
   };
 
   const std::vector<WeightSpec>* const specs_;
@@ -40,6 +41,7 @@ class WeightsStaging {
   std::string version_;
   UpdatePolicy policy_ = UpdatePolicy::kDrain;
   std::map<std::string, Staged> tensors_;
+  TensorDigests digests_;  // of the tensors complete so far
   uint64_t bytes_received_ = 0;
 };
 

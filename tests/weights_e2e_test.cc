@@ -264,6 +264,47 @@ TEST_F(WeightsE2eTest, ContinuePolicyReportsTheVersionOfEveryToken) {
   EXPECT_EQ(c.version_spans(1).last_token(), 399u);
 }
 
+// Versions bound to bytes (docs/api.md, "Weight digests"): ServerInfo and every completion carry
+// the served weights' digest; reusing the served name for other bytes is refused with nothing
+// changed; the same bytes give the same digest under any name and along any path.
+TEST_F(WeightsE2eTest, AVersionNameIsBoundToItsBytesByADigest) {
+  using reliability::FetchServerInfo;
+  const std::string boot = FetchServerInfo(stub()).weight_digest();
+  ASSERT_EQ(boot.rfind("sha256:", 0), 0u) << boot;
+  v1::GenerateRequest request;
+  *request.add_rollouts() = MakeRollout(kPrompt, 5, 10, 0.8f);
+  GenerateOutcome first = RunGenerate(stub(), request);
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.completions[0][0].weight_digest(), boot);
+
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.5f)};
+  PushOutcome reuse = Push(stub(), MakeWeightsHeader("0", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                           MakeDataChunks(changed, 1000));
+  EXPECT_EQ(reuse.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << reuse.status.error_message();
+  EXPECT_NE(reuse.status.error_message().find("new version name"), std::string::npos)
+      << reuse.status.error_message();
+  EXPECT_EQ(FetchServerInfo(stub()).weight_digest(), boot);
+  EXPECT_EQ(FetchServerInfo(stub()).weight_version(), "0");
+  EXPECT_EQ(Generate(stub()), Fingerprint(first.completions[0][0])) << "served bits unchanged";
+
+  PushOutcome renamed = Push(stub(), MakeWeightsHeader("step-1", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                             MakeDataChunks(changed, 777));
+  ASSERT_TRUE(renamed.status.ok()) << renamed.status.error_message();
+  const std::string changed_digest = renamed.response.weight_digest();
+  EXPECT_NE(changed_digest, boot);
+  EXPECT_EQ(FetchServerInfo(stub()).weight_digest(), changed_digest);
+  // The boot checkpoint read back from its path under another name: the boot digest.
+  grpc::ClientContext context;
+  v1::UpdateWeightsFromPathRequest from_path;
+  from_path.set_path(server_->server->model_dir());
+  from_path.set_version("boot-again");
+  v1::UpdateWeightsResponse response;
+  ASSERT_TRUE(stub()->UpdateWeightsFromPath(&context, from_path, &response).ok());
+  EXPECT_EQ(response.weight_digest(), boot);
+  EXPECT_EQ(FetchServerInfo(stub()).weight_digest(), boot);
+}
+
 TEST_F(WeightsE2eTest, UpdateFromPathSwapsToAnotherCheckpointAndBack) {
   const std::string before = Generate(stub());
   const std::string other = ::testing::TempDir() + "weights-e2e-other-model";
