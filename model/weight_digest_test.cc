@@ -10,11 +10,32 @@
 namespace rollout {
 namespace {
 
-TEST(WeightDigestTest, TensorDigestIsSha256) {
+TEST(WeightDigestTest, TensorDigestIsTheSha256OfItsLeavesSha256s) {
   const std::string abc = "abc";
-  EXPECT_EQ(absl::BytesToHexString(
-                TensorDigest(reinterpret_cast<const uint8_t*>(abc.data()), abc.size())),
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(abc.data());
+  EXPECT_EQ(absl::BytesToHexString(Sha256(p, 3)),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  const std::string one_leaf = Sha256(p, 3);
+  EXPECT_EQ(TensorDigest(p, 3), Sha256(reinterpret_cast<const uint8_t*>(one_leaf.data()), 32));
+  // Two and a half leaves: three leaf digests, the last over the remainder.
+  std::vector<uint8_t> big(kDigestLeafBytes * 5 / 2);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<uint8_t>(i * 7 + 1);
+  std::string leaves;
+  for (size_t begin = 0; begin < big.size(); begin += kDigestLeafBytes) {
+    leaves += Sha256(big.data() + begin, std::min(kDigestLeafBytes, big.size() - begin));
+  }
+  EXPECT_EQ(TensorDigest(big.data(), big.size()),
+            Sha256(reinterpret_cast<const uint8_t*>(leaves.data()), leaves.size()));
+  // The parallel path gives the same digests, whatever the thread count.
+  const std::vector<HostTensor> tensors = {{"big", DType::kBF16, {1}, big},
+                                           {"empty", DType::kBF16, {0}, {}},
+                                           {"abc", DType::kBF16, {1}, {'a', 'b', 'c'}}};
+  for (int threads : {1, 3, 8}) {
+    const TensorDigests digests = DigestTensors(tensors, threads);
+    EXPECT_EQ(digests.at("big"), TensorDigest(big.data(), big.size())) << threads;
+    EXPECT_EQ(digests.at("empty"), TensorDigest(nullptr, 0)) << threads;
+    EXPECT_EQ(digests.at("abc"), TensorDigest(p, 3)) << threads;
+  }
 }
 
 TEST(WeightDigestTest, WeightsDigestNeedsEveryTensorAndChangesWithAnyOfThem) {
