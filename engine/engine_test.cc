@@ -205,9 +205,9 @@ TEST(EngineAdmissionTest, SamplesThatStopEarlyRunMoreAtOnceUnderTheEstimate) {
     }
     const EngineCounters c = engine->counters();
     std::cout << "[admission, early stops] " << (estimate ? "estimate" : "reserve") << ": "
-              << c.preemptions << " preemptions, " << c.recomputed_tokens
-              << " recomputed tokens, " << c.prefilled_tokens << " prefilled for "
-              << c.prompt_tokens << " prompt tokens, " << c.steps << " steps" << std::endl;
+              << c.preemptions << " preemptions, " << c.recomputed_tokens << " recomputed tokens, "
+              << c.prefilled_tokens << " prefilled for " << c.prompt_tokens << " prompt tokens, "
+              << c.steps << " steps" << std::endl;
     steps[estimate] = c.steps;
     EXPECT_LE(c.recomputed_tokens, c.prompt_tokens / 4);
     EXPECT_EQ(c.kv_blocks_free + c.kv_blocks_cached, c.kv_blocks_total) << "no block leaked";

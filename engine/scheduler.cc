@@ -113,8 +113,8 @@ bool Scheduler::WaitsForSharedPrefix(const Sequence& seq, int64_t cached_tokens)
     if (other->kv_version != cache_version_) continue;  // its pages will not be cached
     const int64_t limit =
         std::min<int64_t>(seq.max_prefix_tokens(), static_cast<int64_t>(other->tokens.size()));
-    const auto differ = std::mismatch(seq.tokens.begin(), seq.tokens.begin() + limit,
-                                      other->tokens.begin());
+    const auto differ =
+        std::mismatch(seq.tokens.begin(), seq.tokens.begin() + limit, other->tokens.begin());
     const int64_t shared = (differ.first - seq.tokens.begin()) / page * page;
     if (shared > cached_tokens && other->num_computed < shared) return true;
   }
@@ -136,8 +136,8 @@ bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>
   // kReserve counts what the sequence may still need against the room the running ones leave
   // (its matched pages are locked now, so they no longer count as room). Either policy takes
   // the KV of the whole known sequence up front, so an admitted prefill never waits midway.
-  const bool fits = options_.admission == AdmissionPolicy::kOptimistic ||
-                    FitsBesideRunning(FutureBlocks(*seq));
+  const bool fits =
+      options_.admission == AdmissionPolicy::kOptimistic || FitsBesideRunning(FutureBlocks(*seq));
   if (end <= seq->num_computed || !fits || !Reserve(seq->num_tokens(), seq)) {
     ReleaseKv(seq);
     seq->num_computed = 0;

@@ -3,7 +3,6 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <thread>
 
 #include "absl/strings/escaping.h"
@@ -51,72 +50,88 @@ std::string WeightsDigest(const std::vector<WeightSpec>& specs, const TensorDige
     listing.append(spec.name).push_back('\0');
     listing.append(it->second);
   }
-  const std::string digest = Sha256(reinterpret_cast<const uint8_t*>(listing.data()), listing.size());
+  const std::string digest =
+      Sha256(reinterpret_cast<const uint8_t*>(listing.data()), listing.size());
   return "sha256:" + absl::BytesToHexString(digest);
 }
 
-namespace {
-
-struct Bytes {
-  const std::string* name;
-  const uint8_t* data;
-  size_t size;
-};
-
-// Hashes every leaf of every one of `work` on up to `num_threads` threads (leaves in one list,
-// so one big tensor is spread over all of them), then each tensor's leaf digests.
-TensorDigests DigestAll(const std::vector<Bytes>& work, int num_threads) {
-  std::vector<size_t> first_leaf(work.size() + 1, 0);
-  for (size_t t = 0; t < work.size(); ++t) first_leaf[t + 1] = first_leaf[t] + NumLeaves(work[t].size);
-  std::vector<uint8_t> leaves(kSha256Bytes * first_leaf.back());
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  const int threads = std::max(1, std::min<int>(num_threads > 0 ? num_threads : cores,
-                                                static_cast<int>(first_leaf.back())));
-  constexpr size_t kLeavesPerClaim = 64;  // 4 MiB
-  std::atomic<size_t> next{0};
-  auto worker = [&] {
-    for (size_t begin = next.fetch_add(kLeavesPerClaim); begin < first_leaf.back();
-         begin = next.fetch_add(kLeavesPerClaim)) {
-      const size_t end = std::min(first_leaf.back(), begin + kLeavesPerClaim);
-      size_t t = std::upper_bound(first_leaf.begin(), first_leaf.end(), begin) - first_leaf.begin() - 1;
-      for (size_t leaf = begin; leaf < end; ++leaf) {
-        while (leaf >= first_leaf[t + 1]) ++t;  // tensors of no leaves are skipped here
-        HashLeaf(work[t].data, work[t].size, leaf - first_leaf[t],
-                 leaves.data() + kSha256Bytes * first_leaf[t]);
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& t : pool) t.join();
-  TensorDigests digests;
-  for (size_t t = 0; t < work.size(); ++t) {
-    digests.emplace(*work[t].name,
-                    Sha256(leaves.data() + kSha256Bytes * first_leaf[t],
-                           kSha256Bytes * (first_leaf[t + 1] - first_leaf[t])));
-  }
-  return digests;
-}
-
-}  // namespace
-
 TensorDigests DigestCheckpoint(const Checkpoint& checkpoint, const std::vector<WeightSpec>& specs,
                                int num_threads) {
-  std::vector<Bytes> work;
+  DigestQueue queue(num_threads);
   for (const WeightSpec& spec : specs) {
     const TensorView* view = checkpoint.Find(spec.name);
     if (view != nullptr && view->dtype == spec.dtype && view->nbytes == spec.nbytes()) {
-      work.push_back({&spec.name, view->data, view->nbytes});
+      queue.Add(spec.name, view->data, view->nbytes);
     }
   }
-  return DigestAll(work, num_threads);
+  return queue.Finish();
 }
 
 TensorDigests DigestTensors(const std::vector<HostTensor>& tensors, int num_threads) {
-  std::vector<Bytes> work;
-  for (const HostTensor& t : tensors) work.push_back({&t.name, t.bytes.data(), t.bytes.size()});
-  return DigestAll(work, num_threads);
+  DigestQueue queue(num_threads);
+  for (const HostTensor& t : tensors) queue.Add(t.name, t.bytes.data(), t.bytes.size());
+  return queue.Finish();
+}
+
+struct DigestQueue::Tensor {
+  std::string name;
+  const uint8_t* data;
+  size_t size;
+  std::vector<uint8_t> leaves;  // 32 bytes per leaf, written by the runs
+};
+
+DigestQueue::DigestQueue(int num_threads) {
+  const int threads =
+      num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency());
+  for (int t = 0; t < std::max(1, threads); ++t) workers_.emplace_back([this] { Work(); });
+}
+
+DigestQueue::~DigestQueue() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return pending_runs_ == 0; });
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (std::thread& t : workers_) t.join();
+}
+
+void DigestQueue::Add(const std::string& name, const uint8_t* data, size_t size) {
+  constexpr size_t kLeavesPerRun = 64;  // 4 MiB
+  auto tensor = std::make_unique<Tensor>(Tensor{name, data, size, {}});
+  tensor->leaves.resize(kSha256Bytes * NumLeaves(size));
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t leaf = 0; leaf < NumLeaves(size); leaf += kLeavesPerRun) {
+    runs_.push_back({tensor.get(), leaf, std::min(NumLeaves(size), leaf + kLeavesPerRun)});
+    ++pending_runs_;
+  }
+  tensors_.push_back(std::move(tensor));
+  work_cv_.notify_all();
+}
+
+void DigestQueue::Work() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    work_cv_.wait(lock, [this] { return stop_ || !runs_.empty(); });
+    if (runs_.empty()) return;  // stop_, and nothing left
+    const Run run = runs_.front();
+    runs_.pop_front();
+    lock.unlock();
+    for (size_t leaf = run.first_leaf; leaf < run.end_leaf; ++leaf) {
+      HashLeaf(run.tensor->data, run.tensor->size, leaf, run.tensor->leaves.data());
+    }
+    lock.lock();
+    if (--pending_runs_ == 0) done_cv_.notify_all();
+  }
+}
+
+TensorDigests DigestQueue::Finish() {
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [this] { return pending_runs_ == 0; });
+  TensorDigests digests;
+  for (const auto& t : tensors_) digests[t->name] = Sha256(t->leaves.data(), t->leaves.size());
+  tensors_.clear();
+  return digests;
 }
 
 }  // namespace rollout

@@ -9,10 +9,15 @@
 // the same digest whatever they were called, however they arrived, and any changed byte
 // changes it.
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -43,5 +48,39 @@ TensorDigests DigestCheckpoint(const Checkpoint& checkpoint, const std::vector<W
 
 // The digests of `tensors`, on `num_threads` threads (0: one per core).
 TensorDigests DigestTensors(const std::vector<HostTensor>& tensors, int num_threads = 0);
+
+// Hashes tensors on worker threads while the caller goes on (receiving the next ones): their
+// leaves are queued in runs of 4 MiB, so all workers share a big tensor. Add and Finish from one
+// thread.
+class DigestQueue {
+ public:
+  // num_threads = 0: one per core.
+  explicit DigestQueue(int num_threads = 0);
+  // Waits for the queued work (the bytes must live until then) and joins the workers.
+  ~DigestQueue();
+  DigestQueue(const DigestQueue&) = delete;
+  DigestQueue& operator=(const DigestQueue&) = delete;
+
+  // Queues the tensor `name` of `size` bytes at `data` (borrowed until Finish or destruction).
+  void Add(const std::string& name, const uint8_t* data, size_t size);
+  // Waits for every queued tensor and returns their digests; the queue is empty after.
+  TensorDigests Finish();
+
+ private:
+  struct Tensor;
+  struct Run {
+    Tensor* tensor;
+    size_t first_leaf, end_leaf;
+  };
+  void Work();
+
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::vector<std::unique_ptr<Tensor>> tensors_;  // protected by mu_, as below
+  std::deque<Run> runs_;
+  size_t pending_runs_ = 0;  // queued or being hashed
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
 
 }  // namespace rollout

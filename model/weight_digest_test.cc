@@ -76,9 +76,8 @@ TEST(WeightDigestTest, ACheckpointsDigestIsItsTensorsBytes) {
   EXPECT_EQ(digests.at("x"), TensorDigest(tensors[0].bytes.data(), 8));
   EXPECT_EQ(digests.at("y"), TensorDigest(tensors[1].bytes.data(), 4));
   // Served in another dtype (converted by the runner), or absent: unknown, not guessed.
-  const std::vector<WeightSpec> converted = {{"x", DType::kBF16, {2, 2}},
-                                             {"y", DType::kBF16, {1}},
-                                             {"z", DType::kBF16, {1}}};
+  const std::vector<WeightSpec> converted = {
+      {"x", DType::kBF16, {2, 2}}, {"y", DType::kBF16, {1}}, {"z", DType::kBF16, {1}}};
   EXPECT_EQ(DigestCheckpoint(**checkpoint, converted).size(), 1u);
   EXPECT_EQ(WeightsDigest(converted, DigestCheckpoint(**checkpoint, converted)), "");
 }

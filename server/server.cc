@@ -167,15 +167,14 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
     // Binds the version to the bytes (model/weight_digest.h): hashed on every core.
     const auto start = std::chrono::steady_clock::now();
     engine_options.weight_digests = DigestCheckpoint(**checkpoint, (*runner)->weight_specs());
-    const std::string digest = WeightsDigest((*runner)->weight_specs(),
-                                             engine_options.weight_digests);
-    LOG(INFO) << "weights " << options.weight_version << ": "
-              << (digest.empty() ? "digest unknown (a served tensor is converted or derived)"
-                                 : digest)
-              << absl::StrFormat(
-                     " (hashed in %.2f s)",
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-                         .count());
+    const std::string digest =
+        WeightsDigest((*runner)->weight_specs(), engine_options.weight_digests);
+    LOG(INFO)
+        << "weights " << options.weight_version << ": "
+        << (digest.empty() ? "digest unknown (a served tensor is converted or derived)" : digest)
+        << absl::StrFormat(
+               " (hashed in %.2f s)",
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   engine_options.max_running_samples = options.max_running_samples;
   engine_options.max_batch_tokens = options.max_batch_tokens;

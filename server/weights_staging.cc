@@ -95,10 +95,9 @@ absl::Status WeightsStaging::AddData(const v1::TensorData& data) {
   staged.received[begin] = end;
   bytes_received_ += end - begin;
   staged.received_bytes += end - begin;
-  // Disjoint ranges inside the tensor: all of it arrived. Hashed now, while the stream goes on.
-  if (staged.received_bytes == size) {
-    digests_[data.name()] = TensorDigest(staged.tensor.bytes.data(), size);
-  }
+  // Disjoint ranges inside the tensor: all of it arrived. Hashed on the digest workers while
+  // the stream goes on.
+  if (staged.received_bytes == size) digests_.Add(data.name(), staged.tensor.bytes.data(), size);
   return absl::OkStatus();
 }
 
@@ -109,7 +108,7 @@ absl::StatusOr<WeightUpdate> WeightsStaging::Finish() {
   WeightUpdate update;
   update.version = version_;
   update.policy = policy_;
-  update.digests = std::move(digests_);
+  update.digests = digests_.Finish();
   for (auto& [name, staged] : tensors_) {
     uint64_t covered = 0;  // ranges are disjoint and sorted: a gap shows as a jump
     for (const auto& [begin, end] : staged.received) {

@@ -1,8 +1,10 @@
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -18,7 +20,10 @@ namespace rollout {
 // in place. Not thread-safe: one reactor owns it.
 class WeightsStaging {
  public:
-  explicit WeightsStaging(const std::vector<WeightSpec>* specs) : specs_(specs) {}
+  // Tensors are hashed on half the cores, so that receiving keeps the others.
+  explicit WeightsStaging(const std::vector<WeightSpec>* specs)
+      : specs_(specs),
+        digests_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2)) {}
 
   absl::Status SetHeader(const v1::WeightsHeader& header);
   absl::Status AddData(const v1::TensorData& data);
@@ -41,7 +46,9 @@ class WeightsStaging {
   std::string version_;
   UpdatePolicy policy_ = UpdatePolicy::kDrain;
   std::map<std::string, Staged> tensors_;
-  TensorDigests digests_;  // of the tensors complete so far
+  // Hashes the tensors complete so far; declared after tensors_, so destroyed (its work
+  // waited for) before their bytes.
+  DigestQueue digests_;
   uint64_t bytes_received_ = 0;
 };
 

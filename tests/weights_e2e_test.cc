@@ -288,8 +288,9 @@ TEST_F(WeightsE2eTest, AVersionNameIsBoundToItsBytesByADigest) {
   EXPECT_EQ(FetchServerInfo(stub()).weight_version(), "0");
   EXPECT_EQ(Generate(stub()), Fingerprint(first.completions[0][0])) << "served bits unchanged";
 
-  PushOutcome renamed = Push(stub(), MakeWeightsHeader("step-1", v1::IN_FLIGHT_POLICY_DRAIN, changed),
-                             MakeDataChunks(changed, 777));
+  PushOutcome renamed =
+      Push(stub(), MakeWeightsHeader("step-1", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+           MakeDataChunks(changed, 777));
   ASSERT_TRUE(renamed.status.ok()) << renamed.status.error_message();
   const std::string changed_digest = renamed.response.weight_digest();
   EXPECT_NE(changed_digest, boot);

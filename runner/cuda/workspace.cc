@@ -64,9 +64,8 @@ absl::Status CudaModelRunner::Finish() {
         "the step workspace at --max_batch_tokens=%d (attention partials for %d token-splits, "
         "from a maximum context of %d) does not fit in the %.2f GiB left after the weights: "
         "lower --max_batch_tokens (%s)",
-        options_.max_batch_tokens, state_->partial_token_splits,
-        config_.max_position_embeddings, static_cast<double>(free_before) / (1 << 30),
-        workspace.message()));
+        options_.max_batch_tokens, state_->partial_token_splits, config_.max_position_embeddings,
+        static_cast<double>(free_before) / (1 << 30), workspace.message()));
   }
   ROLLOUT_RETURN_IF_ERROR(state_->canonical ? PinCanonicalGemms() : PinGemms());
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
