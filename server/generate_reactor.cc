@@ -7,6 +7,15 @@
 #include "server/status_util.h"
 
 namespace rollout {
+namespace {
+
+void RecordSamples(const std::vector<SampleEvent>& events, ServiceMetrics* metrics) {
+  for (const SampleEvent& event : events) {
+    if (event.completion.has_value()) metrics->RecordSample(event.completion->finish_reason);
+  }
+}
+
+}  // namespace
 
 GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request,
                                  const absl::Status& access)
@@ -23,13 +32,17 @@ GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::Generate
   for (const v1::RolloutRequest& r : request->rollouts()) request_ids_.push_back(r.request_id());
   stream_->completions_left = specs->size();
   // The sink holds the stream, not the reactor: the reactor may be gone when an event comes.
+  // Samples are counted there, so those that end after the call did (a cancelled stream's
+  // aborts) are counted too; the metrics outlive the engine (RolloutServer's teardown order).
   std::shared_ptr<Stream> stream = stream_;
+  ServiceMetrics* metrics = service_->metrics();
   absl::StatusOr<uint64_t> job;
   {
     // Held across the submission so that OnCancel sees the job id and events wait for it.
     std::lock_guard<std::mutex> lock(stream_->mu);
     job = service_->StartGenerate(request_ids_, *std::move(specs),
-                                  [stream](std::vector<SampleEvent> events) {
+                                  [stream, metrics](std::vector<SampleEvent> events) {
+                                    if (metrics != nullptr) RecordSamples(events, metrics);
                                     std::lock_guard<std::mutex> lock(stream->mu);
                                     if (stream->reactor == nullptr) return;
                                     stream->reactor->OnEvents(std::move(events));
@@ -47,11 +60,6 @@ GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::Generate
 void GenerateReactor::OnEvents(std::vector<SampleEvent> events) {
   // Called with stream_->mu held, on the engine's delivery thread.
   Stream& s = *stream_;
-  for (const SampleEvent& event : events) {
-    if (event.completion.has_value() && service_->metrics() != nullptr) {
-      service_->metrics()->RecordSample(event.completion->finish_reason);
-    }
-  }
   if (s.finished || s.cancelled) return;
   std::vector<v1::GenerateResponse> responses;
   for (SampleEvent& event : events) {
