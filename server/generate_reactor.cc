@@ -1,5 +1,6 @@
 #include "server/generate_reactor.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "glog/logging.h"
@@ -21,16 +22,22 @@ GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::Generate
                                  const absl::Status& access)
     : service_(service), stream_(std::make_shared<Stream>()) {
   stream_->reactor = this;
+  const absl::Status allowed = access.ok() ? ValidateStreamOptions(request->stream()) : access;
   absl::StatusOr<std::vector<SampleSpec>> specs =
-      access.ok() ? ToSampleSpecs(*request, *service_->engine()) : access;
+      allowed.ok() ? ToSampleSpecs(*request, *service_->engine()) : allowed;
   if (!specs.ok()) {
     // No other thread knows this call yet.
     stream_->finished = true;
     Finish(ToGrpcStatus(specs.status()));
     return;
   }
-  for (const v1::RolloutRequest& r : request->rollouts()) request_ids_.push_back(r.request_id());
+  std::vector<uint32_t> samples_per_rollout;
+  for (const v1::RolloutRequest& r : request->rollouts()) {
+    request_ids_.push_back(r.request_id());
+    samples_per_rollout.push_back(std::max<uint32_t>(1, r.num_samples()));
+  }
   stream_->completions_left = specs->size();
+  stream_->shaper.emplace(request->stream(), samples_per_rollout, StreamShaper::Clock::now());
   // The sink holds the stream, not the reactor: the reactor may be gone when an event comes.
   // Samples are counted there, so those that end after the call did (a cancelled stream's
   // aborts) are counted too; the metrics outlive the engine (RolloutServer's teardown order).
@@ -62,9 +69,10 @@ void GenerateReactor::OnEvents(std::vector<SampleEvent> events) {
   Stream& s = *stream_;
   if (s.finished || s.cancelled) return;
   std::vector<v1::GenerateResponse> responses;
+  const StreamShaper::Clock::time_point now = StreamShaper::Clock::now();
   for (SampleEvent& event : events) {
     if (event.completion.has_value()) --s.completions_left;
-    AppendResponses(std::move(event), &responses);
+    s.shaper->Append(std::move(event), now, &responses);
   }
   for (v1::GenerateResponse& r : responses) s.queue.push_back(std::move(r));
   if (!s.writing && !s.queue.empty()) {

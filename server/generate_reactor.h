@@ -3,16 +3,19 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "rollout/v1/rollout.grpc.pb.h"
 #include "server/rollout_service.h"
+#include "server/stream_shaper.h"
 
 namespace rollout {
 
 // One Generate call. Validates and submits in its constructor; the engine's delivery thread
-// then hands it events, which it queues and writes one at a time (a message lives in the queue
+// then hands it events, which it turns into messages as the request's StreamOptions ask
+// (StreamShaper), queues and writes one at a time (a message lives in the queue
 // until its OnWriteDone). Finishes exactly once: OK after the last completion is written, the
 // validation error, or CANCELLED. A cancelled or broken call aborts its samples, freeing their
 // KV blocks. Deletes itself in OnDone.
@@ -37,6 +40,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     bool finished = false;  // Finish has been called
     bool cancelled = false;
     size_t completions_left = 0;
+    std::optional<StreamShaper> shaper;  // set once the request is valid
   };
 
   void OnEvents(std::vector<SampleEvent> events);
