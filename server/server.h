@@ -59,6 +59,8 @@ struct ServerOptions {
   int32_t metrics_port = 0;
   // Generate answers RESOURCE_EXHAUSTED when unfinished samples would exceed this.
   int64_t max_queued_samples = 65536;
+  // Backpressure: what one Generate stream may buffer for a client that does not read.
+  StreamLimits stream_limits;
   // Negative control for the determinism suite: makes one reduction (the final RMSNorm's sum)
   // depend on the batch size, so batch invariance breaks. Never set it outside tests.
   bool batch_variant_for_testing = false;
