@@ -236,6 +236,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   k->set_prompt_tokens(counters.prompt_tokens);
   k->set_cache_hit_tokens(counters.cache_hit_tokens);
   k->set_scored_tokens(counters.scored_tokens);
+  k->set_weight_updates(counters.weight_updates);
   response->set_server_version(ROLLOUT_VERSION);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
