@@ -40,8 +40,8 @@ ABSL_FLAG(bool, tp_invariant, true,
           "cuda backend at --tp 1: reduce o_proj/down_proj by the canonical K tree, so the bits "
           "equal those of --tp 2, 4, 8 (false: one fused GEMM, faster, other bits)");
 ABSL_FLAG(int32_t, tp, 1,
-          "tensor-parallel degree: 1, 2, 4 or 8 ranks (cpu backend: threads); same bits at every "
-          "degree");
+          "tensor-parallel degree: 1, 2, 4 or 8 ranks (cpu backend: threads; cuda backend: "
+          "streams of one GPU, or one GPU each with --cuda_devices); same bits at every degree");
 ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
           "cuda backend: one GPU per tensor-parallel rank, e.g. 0,1 for --tp 2 (ranks exchange "
           "through NCCL: libnccl.so.2 must load); empty: every rank on GPU 0");
