@@ -1,9 +1,10 @@
 #!/usr/bin/python3
 """Client CPU per token of the Python client, by stream mode (a benchmark, not a test).
 
-    /usr/bin/python3 -m pip install --no-index --no-build-isolation ./client/python
+    /usr/bin/python3 -m venv --system-site-packages VENV
+    VENV/bin/pip install --no-index --no-build-isolation ./client/python
     build/bin/rollout-server --port 50051 &
-    /usr/bin/python3 bench/python_client_bench.py --target 127.0.0.1:50051
+    VENV/bin/python bench/python_client_bench.py --target 127.0.0.1:50051
 
 One request of --samples samples x --tokens tokens (ignore_eos, so every sample runs to the
 end) per mode and repeat; prints the median client CPU (this process, every thread: Python and

@@ -1,9 +1,10 @@
 #!/usr/bin/python3
 """A GRPO-shaped loop against a running rollout server.
 
-    /usr/bin/python3 -m pip install --no-index --no-build-isolation ./client/python
-    build/bin/rollout-server --port 50051 &            # the embedded demo model
-    /usr/bin/python3 client/python/examples/grpo_loop.py --target 127.0.0.1:50051
+    /usr/bin/python3 -m venv --system-site-packages VENV     # sees Debian's grpcio, numpy
+    VENV/bin/pip install --no-index --no-build-isolation ./client/python
+    build/bin/rollout-server --port 50051 &                   # the embedded demo model
+    VENV/bin/python client/python/examples/grpo_loop.py --target 127.0.0.1:50051
 
 Each round samples a group of `--group-size` completions per prompt (one rollout with
 num_samples = G; sample j gets its own derived seed), scores them with a toy reward (the

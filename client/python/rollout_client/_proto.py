@@ -9,10 +9,11 @@ at build time, so nothing named ``rollout`` is put on sys.path.
 
 from __future__ import annotations
 
-_INSTALL_HINT = ("install the package with pip, which generates them: "
-                 "/usr/bin/python3 -m pip install --no-index --no-build-isolation ./client/python "
-                 "(from the repository root; needs protoc and grpc_python_plugin, Debian: "
-                 "protobuf-compiler protobuf-compiler-grpc, or grpcio-tools)")
+_INSTALL_HINT = ("install the package with pip, which generates them, e.g. into a venv: "
+                 "/usr/bin/python3 -m venv --system-site-packages VENV && VENV/bin/pip install "
+                 "--no-build-isolation ./client/python (from the repository root; the build needs "
+                 "protoc and grpc_python_plugin, Debian: protobuf-compiler "
+                 "protobuf-compiler-grpc, or grpcio-tools)")
 
 
 def load():

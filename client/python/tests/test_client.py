@@ -1,7 +1,8 @@
 """Tests of rollout_client against a real rollout-server (and a few fake in-process servers).
 
-Run with Debian's Python:  client/python/run_tests.sh [BIN_DIR]
-or:  ROLLOUT_BIN_DIR=build/bin /usr/bin/python3 -m unittest discover -s client/python/tests
+Run:  client/python/run_tests.sh [BIN_DIR]   (installs the package into a fresh venv first)
+or, with the package installed:  ROLLOUT_BIN_DIR=build/bin VENV/bin/python -m unittest discover
+-s client/python/tests   (from outside the repository)
 
 Servers are started with `--port 0` (the port is read from the "listening on port N" log line)
 and ROLLOUT_CACHE_DIR pointing at a temporary folder. Calls the server answers UNIMPLEMENTED
