@@ -111,6 +111,7 @@ bool Scheduler::WaitsForSharedPrefix(const Sequence& seq, int64_t cached_tokens)
   const int64_t page = blocks_->block_size();
   for (const Sequence* other : running_) {
     if (other->kv_version != cache_version_) continue;  // its pages will not be cached
+    if (other->paused) continue;  // its prefill does not advance until it resumes
     const int64_t limit =
         std::min<int64_t>(seq.max_prefix_tokens(), static_cast<int64_t>(other->tokens.size()));
     const auto differ = std::mismatch(seq.tokens.begin(), seq.tokens.begin() + limit,

@@ -231,5 +231,19 @@ TEST(SchedulerTest, PausedSequencesAreLeftOutKeepingTheirBlocksAndTheOthersKeepT
   EXPECT_FALSE(scheduler.idle());
 }
 
+TEST(SchedulerTest, AnAdmissionDoesNotWaitForThePrefillOfAPausedSequenceItShares) {
+  KvBlockManager blocks(100, 16);
+  PrefixCache cache(&blocks);
+  Scheduler scheduler({8, 64, 32}, &blocks, &cache, "v");
+  auto first = MakeSeq(0, 200), twin = MakeSeq(1, 200);
+  scheduler.Add(first.get());
+  Apply(scheduler.Schedule());  // 64 of its 200 prompt tokens
+  first->paused = true;
+  scheduler.Add(twin.get());
+  const std::vector<ScheduledChunk> chunks = scheduler.Schedule();
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_EQ(chunks[0].seq, twin.get());
+}
+
 }  // namespace
 }  // namespace rollout
