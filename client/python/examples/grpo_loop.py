@@ -15,12 +15,13 @@ safetensors reader) and pushes it with update_weights(version="step-k"). The nex
 report the new version in every completion and, with the same seeds, produce different tokens.
 The server also re-scores last round's samples under the new weights (the PPO/GRPO ratio
 inputs). At the end the tensor that was served when the loop started is pushed back under the
-version it had, and a probe scored before and after proves the weights are those again.
+version it had, and the weights digest (or, where the server reports none, a probe scored before
+and after) proves the weights are those again.
 
 The tensor is read from the checkpoint that holds the served weights: the server's start
 checkpoint (ModelInfo.source) while no update happened since it started, else --model-dir
 (the loop refuses to guess). Exits 1 if a round's completions do not carry the pushed version,
-its tokens did not change, or the restored weights do not give the probe's first logprobs.
+its tokens did not change, or the restored weights are not those that were served.
 """
 
 from __future__ import annotations
@@ -169,13 +170,20 @@ def main(argv=None) -> int:
                       f"'{info.weight_version}-restored'")
                 r = client.update_weights([(args.tensor, original)],
                                           version=f"{info.weight_version}-restored")
-            if client.score([probe], starts=1)[0] == probe_before:
-                print(f"\nrestored the served {args.tensor} as '{r.version}' (the probe's "
-                      "logprobs are those of the start again)")
+            # The weights digest proves it exactly; a server that cannot hash its weights
+            # reports none, and then the probe's bits do.
+            if info.weight_digest:
+                same = client.server_info().weight_digest == info.weight_digest
+                proof = f"the weights digest is the start's again, {info.weight_digest[:19]}..."
             else:
-                failures.append(f"after restoring {args.tensor} from {model_dir} the probe's "
-                                "logprobs differ from the start: that checkpoint does not hold "
-                                "the weights that were served")
+                same = client.score([probe], starts=1)[0] == probe_before
+                proof = "the probe's logprobs are those of the start again"
+            if same:
+                print(f"\nrestored the served {args.tensor} as '{r.version}' ({proof})")
+            else:
+                failures.append(f"after restoring {args.tensor} from {model_dir} the weights "
+                                "differ from the start's: that checkpoint does not hold the "
+                                "weights that were served")
 
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))

@@ -144,6 +144,7 @@ def completion(c, request_ids: List[str]) -> Completion:
         cached_prompt_tokens=c.cached_prompt_tokens,
         top_logprobs=_top(c.top_logprobs),
         request_id=request_ids[c.rollout_index] if c.rollout_index < len(request_ids) else "",
+        weight_digest=c.weight_digest,
     )
 
 
@@ -202,7 +203,7 @@ def score_results(response, details: bool):
     if not details:
         return [list(r.logprobs) for r in response.results]
     return [ScoreResult(list(r.logprobs), _top(r.top_logprobs), r.weight_version,
-                        r.cached_tokens) for r in response.results]
+                        r.cached_tokens, r.weight_digest) for r in response.results]
 
 
 # -- weights ----------------------------------------------------------------------------------

@@ -101,6 +101,7 @@ class Completion:
     cached_prompt_tokens: int
     top_logprobs: List[TopLogprobs] = field(default_factory=list)
     request_id: str = ""
+    weight_digest: str = ""          # "sha256:<hex>" of the weights named weight_version
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +121,7 @@ class ScoreResult:
     top_logprobs: List[TopLogprobs]
     weight_version: str
     cached_tokens: int
+    weight_digest: str = ""
 
     def logprobs_array(self) -> "numpy.ndarray":
         """logprobs as a float32 numpy array, bit for bit what the server sent."""
@@ -147,6 +149,7 @@ class UpdateWeightsResult:
     aborted_samples: int
     receive_seconds: float
     swap_seconds: float
+    weight_digest: str               # the served weights' digest after the update
 
 
 @dataclass
@@ -202,6 +205,7 @@ class ServerInfo:
     paused: bool
     weight_update_in_progress: bool
     auth_required_for_generate: bool
+    weight_digest: str               # "sha256:<hex>" of the served weights; "" if unknown
 
     def to_dict(self) -> dict:
         return asdict(self)
