@@ -63,7 +63,8 @@ using UploadProgress = std::function<void(uint64_t sent_bytes, uint64_t total_by
 struct GenerateResult {
   // completions[rollout_index][sample_index]; every sample of the request has exactly one.
   std::vector<std::vector<rollout::v1::Completion>> completions;
-  // Every chunk in arrival order.
+  // Every chunk in arrival order (none when the request's StreamOptions ask for completions
+  // only; fewer, longer ones when they coalesce).
   std::vector<rollout::v1::TokenChunk> chunks;
 };
 

@@ -142,6 +142,10 @@ void Engine::Abort(uint64_t job_id, std::optional<int32_t> rollout_index) {
 
 void Engine::AbortAll() { core_->Abort(AbortOrder{}); }
 
+void Engine::PauseJob(uint64_t job_id) { core_->SetJobPaused(job_id, true); }
+
+void Engine::ResumeJob(uint64_t job_id) { core_->SetJobPaused(job_id, false); }
+
 void Engine::FlushCache(std::function<void(FlushResult)> done) {
   core_->FlushCache(std::move(done));
 }

@@ -192,6 +192,14 @@ class Engine {
   // Aborts every job.
   void AbortAll();
 
+  // Backpressure: holds the job's unfinished samples out of the schedule, from the next step
+  // on, until ResumeJob (the server does so while a Generate stream's client is not reading
+  // what it was sent). They keep their KV blocks and their place in the arrival order, and the
+  // bits of every sample stay the same (rows are batch invariant, noise is per position); other
+  // jobs run on. A DRAIN update still waits for them. Unknown or finished jobs are ignored.
+  void PauseJob(uint64_t job_id);
+  void ResumeJob(uint64_t job_id);
+
   // Empties the prefix cache between two steps, then calls `done` on the engine thread (it
   // must not block). Running samples keep the KV they hold.
   void FlushCache(std::function<void(FlushResult)> done);

@@ -34,6 +34,7 @@ void EngineCore::ApplyControl(Control control, StepEvents* events) {
       Admit(std::move(submission));
     }
   }
+  for (const JobPause& pause : inbox.job_pauses) ApplyJobPause(pause);
   for (const AbortOrder& order : inbox.aborts) {
     if (order.job_id.has_value()) {
       AbortJob(*order.job_id, order.rollout_index, events);
@@ -212,6 +213,12 @@ int32_t EngineCore::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_ind
     ++aborted;
   }
   return aborted;
+}
+
+void EngineCore::ApplyJobPause(const JobPause& pause) {
+  auto it = jobs_.find(pause.job_id);
+  if (it == jobs_.end()) return;
+  for (auto& seq : it->second.sequences) seq->paused = pause.paused;
 }
 
 int32_t EngineCore::AbortAllJobs(StepEvents* events) {

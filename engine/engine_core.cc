@@ -64,6 +64,14 @@ void EngineCore::Abort(AbortOrder order) {
   cv_.notify_all();
 }
 
+void EngineCore::SetJobPaused(uint64_t job_id, bool paused) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    inbox_.job_pauses.push_back(JobPause{job_id, paused});
+  }
+  cv_.notify_all();
+}
+
 void EngineCore::FlushCache(std::function<void(FlushResult)> done) {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -55,6 +55,12 @@ struct AbortOrder {
   std::optional<int32_t> rollout_index;  // none: every rollout of the job
 };
 
+// A PauseJob or ResumeJob call on its way to the engine thread.
+struct JobPause {
+  uint64_t job_id;
+  bool paused;
+};
+
 // What other threads posted for the engine thread since the loop last took it. Guarded by
 // EngineCore::mu_ until taken, then the engine thread's.
 struct Inbox {
@@ -62,8 +68,10 @@ struct Inbox {
   std::vector<AbortOrder> aborts;
   std::vector<std::function<void(FlushResult)>> flushes;
   std::vector<PendingUpdate> updates;
+  std::vector<JobPause> job_pauses;  // in call order: the last one for a job wins
   bool empty() const {
-    return submissions.empty() && aborts.empty() && flushes.empty() && updates.empty();
+    return submissions.empty() && aborts.empty() && flushes.empty() && updates.empty() &&
+           job_pauses.empty();
   }
 };
 
@@ -136,6 +144,7 @@ class EngineCore {
   // REQUIRES: every sample passed Engine::Validate, and there is at least one.
   absl::StatusOr<uint64_t> Submit(std::vector<SampleSpec> samples, EventSink sink);
   void Abort(AbortOrder order);
+  void SetJobPaused(uint64_t job_id, bool paused);
   void FlushCache(std::function<void(FlushResult)> done);
   void UpdateWeights(PendingUpdate update);
   // Returns whether it was paused.
@@ -158,7 +167,8 @@ class EngineCore {
   // or, while a DRAIN update waits, until its `cancelled` is due to be asked again; then takes
   // the inbox.
   Control WaitForControl();
-  bool has_work() const { return !scheduler_.idle() || launched_.has_value(); }
+  // Samples paused by PauseJob are no work: a loop with only those sleeps.
+  bool has_work() const { return scheduler_.has_unpaused() || launched_.has_value(); }
   void PublishCounters();
   // Posts the events to the delivery thread, in job order.
   void Deliver(StepEvents* events);
@@ -166,7 +176,7 @@ class EngineCore {
   // engine_control.cc: the control plane, applied between two steps.
   //
   // Collects the launched step if anything changes (or the engine is paused), then applies the
-  // inbox: updates, admissions (held behind a DRAIN update), aborts, cache flushes.
+  // inbox: updates, admissions (held behind a DRAIN update), job pauses, aborts, cache flushes.
   void ApplyControl(Control control, StepEvents* events);
   // The loop's last iteration: every job is aborted, a waiting DRAIN update fails.
   void Shutdown(StepEvents* events);
@@ -189,6 +199,8 @@ class EngineCore {
   // Ends the job's unfinished samples (of `rollout_index` only, if set); returns how many.
   int32_t AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, StepEvents* events);
   int32_t AbortAllJobs(StepEvents* events);
+  // Marks the job's sequences paused or not (the scheduler skips paused ones).
+  void ApplyJobPause(const JobPause& pause);
   // Empties the prefix cache, then answers every flush.
   void Flush(std::vector<std::function<void(FlushResult)>> dones);
 

@@ -1,10 +1,13 @@
 #include "engine/engine.h"
 
+#include <sys/resource.h>
+
 #include <condition_variable>
 #include <cstring>
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "engine/engine_test_util.h"
@@ -56,6 +59,14 @@ std::vector<SampleSpec> Workload() {
     specs.push_back(s);
   }
   return specs;
+}
+
+// CPU time of this process so far (every thread).
+double ProcessCpuSeconds() {
+  rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_utime.tv_sec + usage.ru_stime.tv_sec +
+         1e-6 * (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
 }
 
 std::vector<std::string> RunWorkload(Engine* engine, std::vector<SampleSpec> specs) {
@@ -401,6 +412,51 @@ TEST(EngineTest, CreateRejectsABudgetSmallerThanTheSplitSize) {
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*std::move(runner), options);
   ASSERT_FALSE(engine.ok());
   EXPECT_NE(engine.status().message().find("split size"), std::string::npos);
+}
+
+TEST(EngineTest, APausedJobKeepsItsKvAndPlaceWhileOthersRunThenResumesWithTheSameBits) {
+  EngineOptions ahead;
+  ahead.lookahead_on_synchronous_runners = true;  // the lookahead must leave paused samples out
+  for (const EngineOptions& options : {EngineOptions(), ahead}) {
+    SCOPED_TRACE(options.lookahead_on_synchronous_runners ? "lookahead" : "one step at a time");
+    std::unique_ptr<Engine> engine = MakeEngine({}, options);
+    const std::vector<std::string> alone = RunWorkload(engine.get(), Workload());
+    std::vector<SampleSpec> others = Workload();
+    for (SampleSpec& s : others) s.sample_seed += 1000;
+
+    Collector paused(Workload().size());
+    absl::StatusOr<uint64_t> job = engine->Submit(Workload(), paused.Sink());
+    ASSERT_TRUE(job.ok());
+    engine->PauseJob(*job);
+    // Another job runs to its end meanwhile.
+    RunWorkload(engine.get(), others);
+    const size_t streamed = paused.num_streamed();
+    const double cpu_before = ProcessCpuSeconds();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_EQ(paused.num_streamed(), streamed);
+    EXPECT_EQ(paused.num_done(), 0u);
+    // Nothing else to run: the engine thread sleeps instead of looping over nothing.
+    EXPECT_LT(ProcessCpuSeconds() - cpu_before, 0.05);
+    const EngineCounters held = engine->counters();
+    EXPECT_EQ(held.running + held.waiting, static_cast<int32_t>(Workload().size()));
+
+    engine->ResumeJob(*job);
+    std::vector<std::string> resumed;
+    for (const SampleCompletion& c : paused.Wait()) resumed.push_back(Bits(c));
+    EXPECT_EQ(resumed, alone);
+  }
+}
+
+TEST(EngineTest, PauseAndResumeOfUnknownOrFinishedJobsAreIgnored) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  Collector collector(Workload().size());
+  absl::StatusOr<uint64_t> job = engine->Submit(Workload(), collector.Sink());
+  ASSERT_TRUE(job.ok());
+  collector.Wait();
+  engine->PauseJob(*job);
+  engine->PauseJob(*job + 100);
+  engine->ResumeJob(*job + 100);
+  EXPECT_EQ(RunWorkload(engine.get(), Workload()).size(), Workload().size());
 }
 
 }  // namespace

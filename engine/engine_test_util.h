@@ -41,6 +41,17 @@ class Collector {
     std::lock_guard<std::mutex> lock(mu_);
     return streamed_[i];
   }
+  // Tokens streamed so far, over every sample.
+  size_t num_streamed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    for (const auto& [sample, tokens] : streamed_) n += tokens.size();
+    return n;
+  }
+  size_t num_done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
 
  private:
   std::mutex mu_;

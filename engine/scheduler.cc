@@ -111,6 +111,7 @@ bool Scheduler::WaitsForSharedPrefix(const Sequence& seq, int64_t cached_tokens)
   const int64_t page = blocks_->block_size();
   for (const Sequence* other : running_) {
     if (other->kv_version != cache_version_) continue;  // its pages will not be cached
+    if (other->paused) continue;  // its prefill does not advance until it resumes
     const int64_t limit =
         std::min<int64_t>(seq.max_prefix_tokens(), static_cast<int64_t>(other->tokens.size()));
     const auto differ =
@@ -198,7 +199,7 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
     for (size_t i = 0; i < running_.size() && budget > 0;) {
       Sequence* seq = running_[i];
       const bool decoding = seq->num_computed == seq->num_tokens() - 1;
-      if (decoding != decode_pass) {
+      if (decoding != decode_pass || seq->paused) {
         ++i;
         continue;
       }
@@ -219,15 +220,28 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
       ++i;
     }
   }
-  while (!waiting_.empty() && budget > 0 &&
-         static_cast<int32_t>(running_.size()) < options_.max_running) {
-    Sequence* seq = waiting_.front();
+  for (size_t w = 0; w < waiting_.size() && budget > 0 &&
+                     static_cast<int32_t>(running_.size()) < options_.max_running;) {
+    Sequence* seq = waiting_[w];
+    if (seq->paused) {
+      ++w;
+      continue;
+    }
     if (!Admit(seq, budget, &chunks)) break;
-    waiting_.erase(waiting_.begin());
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(w));
     InsertByArrival(seq, &running_);
     budget -= chunks.back().end - chunks.back().begin;
   }
   return chunks;
+}
+
+bool Scheduler::has_unpaused() const {
+  for (const std::vector<Sequence*>* list : {&running_, &waiting_}) {
+    for (const Sequence* seq : *list) {
+      if (!seq->paused) return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace rollout

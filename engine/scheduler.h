@@ -65,11 +65,16 @@ class Scheduler {
   // sequence not in this step with the fewest computed tokens (ties: the latest arrival). Its
   // blocks are freed, its computed whole pages stay cached (most recently used, so evicted
   // last), and it goes back to the queue, to be resumed from what the cache still holds.
+  // Paused sequences (Sequence::paused) are left out: running ones keep their blocks (and,
+  // under kReserve, what they may still take), waiting ones their place, and the queue's order
+  // holds among the others.
   std::vector<ScheduledChunk> Schedule();
 
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
   bool idle() const { return running_.empty() && waiting_.empty(); }
+  // Whether a sequence that is not paused runs or waits (there may be a step to schedule).
+  bool has_unpaused() const;
   uint64_t num_preemptions() const { return num_preemptions_; }
   // Tokens computed again after a preemption (prefix-cache hits excluded).
   uint64_t num_recomputed_tokens() const { return num_recomputed_tokens_; }

@@ -205,5 +205,45 @@ TEST(SchedulerTest, RemoveReleasesBlocksOfRunningAndWaiting) {
   EXPECT_EQ(blocks.num_free(), 10);
 }
 
+TEST(SchedulerTest, PausedSequencesAreLeftOutKeepingTheirBlocksAndTheOthersKeepTheirOrder) {
+  KvBlockManager blocks(100, 16);
+  PrefixCache cache(&blocks);
+  Scheduler scheduler({8, 64, 32}, &blocks, &cache, "v");
+  auto running = MakeSeq(0, 10), head = MakeSeq(1, 5), next = MakeSeq(2, 5);
+  scheduler.Add(running.get());
+  Apply(scheduler.Schedule());  // running decodes from now on
+  const size_t blocks_held = running->block_table.size();
+  running->paused = true;
+  head->paused = true;
+  scheduler.Add(head.get());
+  scheduler.Add(next.get());
+  EXPECT_TRUE(scheduler.has_unpaused());
+  const std::vector<ScheduledChunk> chunks = scheduler.Schedule();
+  ASSERT_EQ(chunks.size(), 1u);  // a paused head does not hold up the queue behind it
+  EXPECT_EQ(chunks[0].seq, next.get());
+  EXPECT_EQ(running->block_table.size(), blocks_held);
+  EXPECT_EQ(scheduler.num_running(), 2u);
+  EXPECT_EQ(scheduler.num_waiting(), 1u);
+  Apply(chunks);
+  next->paused = true;
+  EXPECT_FALSE(scheduler.has_unpaused());
+  EXPECT_TRUE(scheduler.Schedule().empty());
+  EXPECT_FALSE(scheduler.idle());
+}
+
+TEST(SchedulerTest, AnAdmissionDoesNotWaitForThePrefillOfAPausedSequenceItShares) {
+  KvBlockManager blocks(100, 16);
+  PrefixCache cache(&blocks);
+  Scheduler scheduler({8, 64, 32}, &blocks, &cache, "v");
+  auto first = MakeSeq(0, 200), twin = MakeSeq(1, 200);
+  scheduler.Add(first.get());
+  Apply(scheduler.Schedule());  // 64 of its 200 prompt tokens
+  first->paused = true;
+  scheduler.Add(twin.get());
+  const std::vector<ScheduledChunk> chunks = scheduler.Schedule();
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_EQ(chunks[0].seq, twin.get());
+}
+
 }  // namespace
 }  // namespace rollout

@@ -40,6 +40,9 @@ struct Sequence {
   std::vector<int32_t> block_table;
   int64_t num_reported = 0;  // generated tokens already sent to the caller
   bool finished = false;     // its completion has been reported
+  // Its job's caller is not taking events (Engine::PauseJob): the scheduler leaves it out of
+  // every step, keeping its KV blocks and its place in the arrival order.
+  bool paused = false;
   // Leading pages found in or added to the prefix cache, locked while this sequence lives.
   std::vector<PrefixCache::Node*> cache_path;
   std::optional<int64_t> cached_prompt_tokens;  // prefix-cache hit at first admission

@@ -1,35 +1,56 @@
 #include "server/generate_reactor.h"
 
+#include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_format.h"
 #include "glog/logging.h"
 #include "server/proto_convert.h"
 #include "server/status_util.h"
 
 namespace rollout {
+namespace {
+
+void RecordSamples(const std::vector<SampleEvent>& events, ServiceMetrics* metrics) {
+  for (const SampleEvent& event : events) {
+    if (event.completion.has_value()) metrics->RecordSample(event.completion->finish_reason);
+  }
+}
+
+}  // namespace
 
 GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request,
                                  const absl::Status& access)
     : service_(service), stream_(std::make_shared<Stream>()) {
   stream_->reactor = this;
+  const absl::Status allowed = access.ok() ? ValidateStreamOptions(request->stream()) : access;
   absl::StatusOr<std::vector<SampleSpec>> specs =
-      access.ok() ? ToSampleSpecs(*request, *service_->engine()) : access;
+      allowed.ok() ? ToSampleSpecs(*request, *service_->engine()) : allowed;
   if (!specs.ok()) {
     // No other thread knows this call yet.
     stream_->finished = true;
     Finish(ToGrpcStatus(specs.status()));
     return;
   }
-  for (const v1::RolloutRequest& r : request->rollouts()) request_ids_.push_back(r.request_id());
+  std::vector<uint32_t> samples_per_rollout;
+  for (const v1::RolloutRequest& r : request->rollouts()) {
+    request_ids_.push_back(r.request_id());
+    samples_per_rollout.push_back(std::max<uint32_t>(1, r.num_samples()));
+  }
   stream_->completions_left = specs->size();
+  stream_->shaper.emplace(request->stream(), samples_per_rollout, StreamShaper::Clock::now());
   // The sink holds the stream, not the reactor: the reactor may be gone when an event comes.
+  // Samples are counted there, so those that end after the call did (a cancelled stream's
+  // aborts) are counted too; the metrics outlive the engine (RolloutServer's teardown order).
   std::shared_ptr<Stream> stream = stream_;
+  ServiceMetrics* metrics = service_->metrics();
   absl::StatusOr<uint64_t> job;
   {
     // Held across the submission so that OnCancel sees the job id and events wait for it.
     std::lock_guard<std::mutex> lock(stream_->mu);
     job = service_->StartGenerate(request_ids_, *std::move(specs),
-                                  [stream](std::vector<SampleEvent> events) {
+                                  [stream, metrics](std::vector<SampleEvent> events) {
+                                    if (metrics != nullptr) RecordSamples(events, metrics);
                                     std::lock_guard<std::mutex> lock(stream->mu);
                                     if (stream->reactor == nullptr) return;
                                     stream->reactor->OnEvents(std::move(events));
@@ -47,29 +68,83 @@ GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::Generate
 void GenerateReactor::OnEvents(std::vector<SampleEvent> events) {
   // Called with stream_->mu held, on the engine's delivery thread.
   Stream& s = *stream_;
-  for (const SampleEvent& event : events) {
-    if (event.completion.has_value() && service_->metrics() != nullptr) {
-      service_->metrics()->RecordSample(event.completion->finish_reason);
-    }
-  }
-  if (s.finished || s.cancelled) return;
+  if (s.finished || s.cancelled || s.stalled.has_value()) return;
   std::vector<v1::GenerateResponse> responses;
+  const StreamShaper::Clock::time_point now = StreamShaper::Clock::now();
   for (SampleEvent& event : events) {
     if (event.completion.has_value()) --s.completions_left;
-    AppendResponses(std::move(event), &responses);
+    s.shaper->Append(std::move(event), now, &responses);
   }
-  for (v1::GenerateResponse& r : responses) s.queue.push_back(std::move(r));
+  for (v1::GenerateResponse& r : responses) {
+    const int64_t bytes = static_cast<int64_t>(r.SpaceUsedLong());
+    s.queued_bytes += bytes;
+    s.queue.push_back(Queued{std::move(r), bytes});
+  }
   if (!s.writing && !s.queue.empty()) {
     s.writing = true;
-    StartWrite(&s.queue.front());
+    StartWrite(&s.queue.front().message);
   }
+  ApplyBackpressure();
+}
+
+void GenerateReactor::ApplyBackpressure() {
+  Stream& s = *stream_;
+  const StreamLimits& limits = service_->stream_limits();
+  if (!s.paused && s.queued_bytes > limits.max_buffered_bytes && s.completions_left > 0) {
+    s.paused = true;
+    const uint64_t pause = ++s.pauses;
+    service_->engine()->PauseJob(job_id_);
+    std::shared_ptr<Stream> stream = stream_;
+    stall_alarm_ = std::make_unique<grpc::Alarm>();
+    stall_alarm_->Set(std::chrono::system_clock::now() + limits.max_paused,
+                      [stream, pause](bool rang) {
+                        if (rang) OnStallAlarm(stream, pause);  // not when cancelled
+                      });
+  } else if (s.paused && s.queued_bytes <= limits.max_buffered_bytes / 2) {
+    s.paused = false;
+    service_->engine()->ResumeJob(job_id_);
+  }
+}
+
+void GenerateReactor::OnStallAlarm(const std::shared_ptr<Stream>& stream, uint64_t pause) {
+  std::lock_guard<std::mutex> lock(stream->mu);
+  if (stream->reactor == nullptr || !stream->paused || stream->pauses != pause) return;
+  stream->reactor->EndStalledLocked();
+}
+
+void GenerateReactor::EndStalledLocked() {
+  Stream& s = *stream_;
+  if (s.finished || s.cancelled || s.stalled.has_value()) return;
+  const StreamLimits& limits = service_->stream_limits();
+  s.stalled = grpc::Status(
+      grpc::StatusCode::RESOURCE_EXHAUSTED,
+      absl::StrFormat("the client did not read this Generate stream: its samples paused with "
+                      "%.1f MiB of unread messages queued (the bound, --stream_buffer_mb) and "
+                      "stayed paused for %.1f s (--stream_stall_timeout_s), so they were "
+                      "aborted; read the stream as it comes, or ask for fewer messages "
+                      "(GenerateRequest.stream: coalesced chunks or completions only)",
+                      static_cast<double>(limits.max_buffered_bytes) / (1 << 20),
+                      static_cast<double>(limits.max_paused.count()) / 1000));
+  LOG(WARNING) << "Generate job " << job_id_ << ": " << s.stalled->error_message();
+  service_->engine()->Abort(job_id_);
+  // Only the message in flight stays: gRPC holds it until the client reads or goes.
+  while (s.queue.size() > (s.writing ? 1u : 0u)) {
+    s.queued_bytes -= s.queue.back().bytes;
+    s.queue.pop_back();
+  }
+  if (!s.writing) FinishLocked(*s.stalled);
 }
 
 void GenerateReactor::OnWriteDone(bool ok) {
   std::lock_guard<std::mutex> lock(stream_->mu);
   Stream& s = *stream_;
+  s.queued_bytes -= s.queue.front().bytes;
   s.queue.pop_front();
   s.writing = false;
+  if (s.stalled.has_value()) {
+    FinishLocked(*s.stalled);
+    return;
+  }
   if (!ok || s.cancelled) {
     // The client is gone; nothing more can be delivered.
     s.cancelled = true;
@@ -79,10 +154,11 @@ void GenerateReactor::OnWriteDone(bool ok) {
   }
   if (!s.queue.empty()) {
     s.writing = true;
-    StartWrite(&s.queue.front());
+    StartWrite(&s.queue.front().message);
   } else if (s.completions_left == 0) {
     FinishLocked(grpc::Status::OK);
   }
+  ApplyBackpressure();
 }
 
 void GenerateReactor::OnCancel() {

@@ -175,15 +175,20 @@ v1::FinishReason ToProto(FinishReason reason) {
   return v1::FINISH_REASON_UNSPECIFIED;
 }
 
+void AppendNewTokens(const SampleEvent& event, v1::TokenChunk* chunk) {
+  chunk->set_rollout_index(static_cast<uint32_t>(event.rollout_index));
+  chunk->set_sample_index(static_cast<uint32_t>(event.sample_index));
+  chunk->mutable_token_ids()->Add(event.new_token_ids.begin(), event.new_token_ids.end());
+  chunk->mutable_logprobs()->Add(event.new_logprobs.begin(), event.new_logprobs.end());
+  for (const auto& top : event.new_top_logprobs) ToProto(top, chunk->add_top_logprobs());
+}
+
 void AppendResponses(SampleEvent event, std::vector<v1::GenerateResponse>* out) {
-  if (!event.new_token_ids.empty()) {
-    v1::TokenChunk* chunk = out->emplace_back().mutable_chunk();
-    chunk->set_rollout_index(static_cast<uint32_t>(event.rollout_index));
-    chunk->set_sample_index(static_cast<uint32_t>(event.sample_index));
-    chunk->mutable_token_ids()->Add(event.new_token_ids.begin(), event.new_token_ids.end());
-    chunk->mutable_logprobs()->Add(event.new_logprobs.begin(), event.new_logprobs.end());
-    for (const auto& top : event.new_top_logprobs) ToProto(top, chunk->add_top_logprobs());
-  }
+  if (!event.new_token_ids.empty()) AppendNewTokens(event, out->emplace_back().mutable_chunk());
+  AppendCompletion(event, out);
+}
+
+void AppendCompletion(const SampleEvent& event, std::vector<v1::GenerateResponse>* out) {
   if (event.completion.has_value()) {
     const SampleCompletion& c = *event.completion;
     v1::Completion* done = out->emplace_back().mutable_completion();

@@ -28,5 +28,9 @@ v1::FinishReason ToProto(FinishReason reason);
 // Appends the responses for one engine event: a TokenChunk if it carries new tokens, then the
 // Completion if it is the sample's last.
 void AppendResponses(SampleEvent event, std::vector<v1::GenerateResponse>* out);
+// The parts of that: the event's new tokens, logprobs and top logprobs appended to `chunk`
+// (which takes the event's indices), and the Completion if the event has one.
+void AppendNewTokens(const SampleEvent& event, v1::TokenChunk* chunk);
+void AppendCompletion(const SampleEvent& event, std::vector<v1::GenerateResponse>* out);
 
 }  // namespace rollout

@@ -20,12 +20,14 @@ namespace rollout {
 // the update slot admits one update at a time. Reused for every load, so a server that takes a
 // checkpoint path every training step keeps one thread, not one per update. Thread-safe.
 RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access,
-                                       ServiceMetrics* metrics, int64_t max_unfinished_samples)
+                                       ServiceMetrics* metrics, int64_t max_unfinished_samples,
+                                       StreamLimits stream_limits)
     : engine_(engine),
       model_(std::move(model)),
       access_(std::move(access)),
       metrics_(metrics),
       max_unfinished_samples_(max_unfinished_samples),
+      stream_limits_(stream_limits),
       loader_(std::make_unique<SerialExecutor>()) {}
 
 void RolloutServiceImpl::StopAdmission() { admitting_ = false; }
@@ -234,6 +236,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   k->set_prompt_tokens(counters.prompt_tokens);
   k->set_cache_hit_tokens(counters.cache_hit_tokens);
   k->set_scored_tokens(counters.scored_tokens);
+  k->set_weight_updates(counters.weight_updates);
   response->set_server_version(ROLLOUT_VERSION);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

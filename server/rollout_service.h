@@ -1,6 +1,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,6 +28,16 @@ struct AccessPolicy {
   bool all_rpcs = false;
 };
 
+// What one Generate stream may hold for a client that reads slower than the samples come.
+struct StreamLimits {
+  // In-memory bytes of the messages queued for the client (protobuf's SpaceUsedLong) at which
+  // the stream's samples pause (Engine::PauseJob); they resume once it is down to half.
+  int64_t max_buffered_bytes = int64_t{16} << 20;
+  // A stream paused this long ends: its samples are aborted and the call finishes
+  // RESOURCE_EXHAUSTED naming the bound.
+  std::chrono::milliseconds max_paused{60'000};
+};
+
 // The RolloutService over one engine, on gRPC's callback API: every handler returns at once;
 // work happens on the engine thread and results are written by reactors. Thread-safe.
 // UpdateWeights is served on raw bytes (see UpdateWeightsReactor for why); the wire format is
@@ -36,9 +47,10 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
  public:
   // `engine` is borrowed and must outlive the service and every call it started.
   // `metrics` (optional) is borrowed. `max_unfinished_samples` bounds the queue: Generate
-  // answers RESOURCE_EXHAUSTED beyond it.
+  // answers RESOURCE_EXHAUSTED beyond it. `stream_limits` bound each Generate stream's buffer.
   RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access = {},
-                     ServiceMetrics* metrics = nullptr, int64_t max_unfinished_samples = 1 << 20);
+                     ServiceMetrics* metrics = nullptr, int64_t max_unfinished_samples = 1 << 20,
+                     StreamLimits stream_limits = {});
   ~RolloutServiceImpl() override;
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
@@ -90,6 +102,7 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
 
   Engine* engine() const { return engine_; }
   ServiceMetrics* metrics() const { return metrics_; }
+  const StreamLimits& stream_limits() const { return stream_limits_; }
 
  private:
   struct InFlight {
@@ -102,6 +115,7 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   const AccessPolicy access_;
   ServiceMetrics* const metrics_;
   const int64_t max_unfinished_samples_;
+  const StreamLimits stream_limits_;
   std::atomic<bool> admitting_{true};
   // Reads UpdateWeightsFromPath checkpoints off gRPC's threads; the destructor joins it first.
   std::unique_ptr<SerialExecutor> loader_;

@@ -190,7 +190,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   server->service_ = std::make_unique<RolloutServiceImpl>(
       server->engine_.get(), ServedModel{server->model_dir_, options.tensor_parallel},
       AccessPolicy{options.auth_token, options.auth_all_rpcs}, server->metrics_.get(),
-      options.max_queued_samples);
+      options.max_queued_samples, options.stream_limits);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -34,7 +34,8 @@ struct ServerOptions {
   // CUDA backend: decode steps replay CUDA graphs over padded batch buckets (same bits on or off).
   bool cuda_graphs = true;
   // Tensor-parallel degree (--tp): 1, 2, 4 or 8 ranks (CPU backend: threads with an in-process
-  // communicator). Every degree gives the same bits (D10, docs/determinism.md).
+  // communicator; CUDA backend: streams of one GPU, or one GPU each with cuda_devices). Every
+  // degree gives the same bits (D10, docs/determinism.md).
   int32_t tensor_parallel = 1;
   // CUDA backend: o_proj and down_proj reduce K by the canonical 8-segment tree at tp = 1 too,
   // so tp = 1 gives the bits of tp = 2, 4 and 8 (forced on at tp > 1). false at tp = 1 runs
@@ -59,6 +60,8 @@ struct ServerOptions {
   int32_t metrics_port = 0;
   // Generate answers RESOURCE_EXHAUSTED when unfinished samples would exceed this.
   int64_t max_queued_samples = 65536;
+  // Backpressure: what one Generate stream may buffer for a client that does not read.
+  StreamLimits stream_limits;
   // Negative control for the determinism suite: makes one reduction (the final RMSNorm's sum)
   // depend on the batch size, so batch invariance breaks. Never set it outside tests.
   bool batch_variant_for_testing = false;

@@ -1,5 +1,6 @@
 // rollout-server: serves rollout.v1.RolloutService over gRPC.
 //   rollout-server [--model DIR] [--port N] [--address HOST] ...   (--help lists all flags)
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -39,8 +40,8 @@ ABSL_FLAG(bool, tp_invariant, true,
           "cuda backend at --tp 1: reduce o_proj/down_proj by the canonical K tree, so the bits "
           "equal those of --tp 2, 4, 8 (false: one fused GEMM, faster, other bits)");
 ABSL_FLAG(int32_t, tp, 1,
-          "tensor-parallel degree: 1, 2, 4 or 8 ranks (cpu backend: threads); same bits at every "
-          "degree");
+          "tensor-parallel degree: 1, 2, 4 or 8 ranks (cpu backend: threads; cuda backend: "
+          "streams of one GPU, or one GPU each with --cuda_devices); same bits at every degree");
 ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
           "cuda backend: one GPU per tensor-parallel rank, e.g. 0,1 for --tp 2 (ranks exchange "
           "through NCCL: libnccl.so.2 must load); empty: every rank on GPU 0");
@@ -68,6 +69,12 @@ ABSL_FLAG(int32_t, shutdown_grace_s, 30,
           "aborted");
 ABSL_FLAG(int64_t, max_queued_samples, 65536,
           "unfinished samples the server holds before Generate answers RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, stream_buffer_mb, 16,
+          "backpressure: MiB of unread messages one Generate stream may queue before its "
+          "samples pause (they resume at half)");
+ABSL_FLAG(int32_t, stream_stall_timeout_s, 60,
+          "a Generate stream paused this long (its client reads nothing) ends "
+          "RESOURCE_EXHAUSTED, its samples aborted");
 ABSL_FLAG(std::string, tls_cert, "", "TLS certificate chain (PEM); with --tls_key enables TLS");
 ABSL_FLAG(std::string, tls_key, "", "TLS private key (PEM)");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -138,6 +145,15 @@ int main(int argc, char** argv) {
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.max_queued_samples = absl::GetFlag(FLAGS_max_queued_samples);
+  options.stream_limits.max_buffered_bytes = absl::GetFlag(FLAGS_stream_buffer_mb) << 20;
+  options.stream_limits.max_paused =
+      std::chrono::seconds(absl::GetFlag(FLAGS_stream_stall_timeout_s));
+  if (options.stream_limits.max_buffered_bytes <= 0 ||
+      options.stream_limits.max_paused.count() <= 0) {
+    std::fprintf(stderr,
+                 "rollout-server: --stream_buffer_mb and --stream_stall_timeout_s must be > 0\n");
+    return 1;
+  }
   absl::StatusOr<std::unique_ptr<rollout::RolloutServer>> server =
       rollout::RolloutServer::Start(options);
   if (!server.ok()) {

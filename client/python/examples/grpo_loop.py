@@ -1,8 +1,10 @@
 #!/usr/bin/python3
-"""A GRPO-shaped loop against a running rollout server (run with Debian's /usr/bin/python3).
+"""A GRPO-shaped loop against a running rollout server.
 
-    build/bin/rollout-server --port 50051 &            # the embedded demo model
-    /usr/bin/python3 client/python/examples/grpo_loop.py --target 127.0.0.1:50051
+    /usr/bin/python3 -m venv --system-site-packages VENV     # sees Debian's grpcio, numpy
+    VENV/bin/pip install --no-index --no-build-isolation ./client/python
+    build/bin/rollout-server --port 50051 &                   # the embedded demo model
+    VENV/bin/python client/python/examples/grpo_loop.py --target 127.0.0.1:50051
 
 Each round samples a group of `--group-size` completions per prompt (one rollout with
 num_samples = G; sample j gets its own derived seed), scores them with a toy reward (the
@@ -12,9 +14,14 @@ A real trainer would now take a gradient step; here the "step" nudges one weight
 safetensors reader) and pushes it with update_weights(version="step-k"). The next round must
 report the new version in every completion and, with the same seeds, produce different tokens.
 The server also re-scores last round's samples under the new weights (the PPO/GRPO ratio
-inputs). At the end the original tensor is pushed back unchanged.
+inputs). At the end the tensor that was served when the loop started is pushed back under the
+version it had, and the weights digest (or, where the server reports none, a probe scored before
+and after) proves the weights are those again.
 
-Exits 1 if a round's completions do not carry the pushed version or its tokens did not change.
+The tensor is read from the checkpoint that holds the served weights: the server's start
+checkpoint (ModelInfo.source) while no update happened since it started, else --model-dir
+(the loop refuses to guess). Exits 1 if a round's completions do not carry the pushed version,
+its tokens did not change, or the restored weights are not those that were served.
 """
 
 from __future__ import annotations
@@ -24,12 +31,9 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from rollout_client import (RolloutClient, RolloutError, bf16_bits_to_f32,  # noqa: E402
-                            read_safetensors)
+from rollout_client import RolloutClient, RolloutError, bf16_bits_to_f32, read_safetensors
 
 
 def reward(token_ids):
@@ -60,8 +64,9 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--tensor", default="model.norm.weight")
     p.add_argument("--model-dir", default=None,
-                   help="checkpoint folder to read the tensor from (default: the server's "
-                        "model source from GetServerInfo; the server must be local)")
+                   help="checkpoint folder holding the served weights, to read the tensor "
+                        "from (default: the server's start checkpoint from GetServerInfo, if "
+                        "no update happened since it started; the server must be local)")
     p.add_argument("--no-restore", action="store_true",
                    help="leave the last pushed weights on the server")
     args = p.parse_args(argv)
@@ -73,7 +78,15 @@ def main(argv=None) -> int:
         print(f"server {info.server_version} ({info.backend}): {m.architecture}, "
               f"{m.num_layers} layers, vocab {m.vocab_size}, eos {m.eos_token_ids}, "
               f"weights '{info.weight_version}' from {m.source}")
-        model_dir = args.model_dir or m.source
+        model_dir = args.model_dir
+        if model_dir is None:
+            if info.counters.weight_updates > 0:
+                print(f"the server's weights were updated {info.counters.weight_updates} times "
+                      f"since it started (now '{info.weight_version}'), so {m.source} no longer "
+                      "holds what it serves; pass --model-dir with the checkpoint that does")
+                return 2
+            model_dir = m.source
+        # What was served, to put back at the end (read from the checkpoint that holds it).
         original = read_safetensors(model_dir, [args.tensor])[args.tensor]
         if original.dtype != "BF16":
             print(f"this example nudges a BF16 tensor; {args.tensor} is {original.dtype}")
@@ -85,6 +98,10 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, m.vocab_size, size=int(rng.integers(4, 12))).tolist()
                    for _ in range(args.prompts)]
+        # Teacher-forced logprobs of a fixed sequence under the served weights, to check the
+        # restore against (equal weights give equal bits).
+        probe = rng.integers(3, m.vocab_size, size=24).tolist()
+        probe_before = client.score([probe], starts=1)[0]
         seeds = [1000 + i for i in range(args.prompts)]  # the same every round
         version = info.weight_version
         previous = None  # last round's (prompts, completions) for re-scoring
@@ -153,7 +170,20 @@ def main(argv=None) -> int:
                       f"'{info.weight_version}-restored'")
                 r = client.update_weights([(args.tensor, original)],
                                           version=f"{info.weight_version}-restored")
-            print(f"\nrestored the original {args.tensor} as '{r.version}'")
+            # The weights digest proves it exactly; a server that cannot hash its weights
+            # reports none, and then the probe's bits do.
+            if info.weight_digest:
+                same = client.server_info().weight_digest == info.weight_digest
+                proof = f"the weights digest is the start's again, {info.weight_digest[:19]}..."
+            else:
+                same = client.score([probe], starts=1)[0] == probe_before
+                proof = "the probe's logprobs are those of the start again"
+            if same:
+                print(f"\nrestored the served {args.tensor} as '{r.version}' ({proof})")
+            else:
+                failures.append(f"after restoring {args.tensor} from {model_dir} the weights "
+                                "differ from the start's: that checkpoint does not hold the "
+                                "weights that were served")
 
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))

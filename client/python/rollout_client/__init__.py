@@ -1,8 +1,9 @@
 """Python client of the deterministic rollout service (rollout.v1 over gRPC).
 
-Run with Debian's system Python (/usr/bin/python3) and its packages python3-grpcio,
-python3-protobuf (and python3-numpy to convert arrays); the gRPC modules are generated from
-proto/rollout/v1/rollout.proto on first import (see rollout_client._proto).
+Tokens in, tokens out: prompts are token ids, results are token ids and logprobs (no
+tokenizer). RolloutClient blocks; rollout_client.aio.RolloutClient is the same for asyncio.
+Install with pip (the gRPC modules are generated then, see rollout_client._proto); needs grpcio
+and protobuf, and numpy for arrays.
 """
 
 from .client import RolloutClient

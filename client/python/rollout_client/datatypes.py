@@ -1,17 +1,46 @@
-"""Plain dataclasses returned by RolloutClient (no protobuf types leak out)."""
+"""Plain dataclasses returned by RolloutClient (no protobuf types leak out).
+
+Token ids and logprobs are Python lists; `tokens_array()` / `logprobs_array()` give them as
+numpy arrays (int32 ids; float32 logprobs, the server's bits exactly), importing numpy only
+then.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import grpc
+
+if TYPE_CHECKING:  # numpy is optional: imported only when an array is asked for
+    import numpy
 
 # Per generated (or scored) position: the top-N (token_id, logprob) pairs, most likely first
 # (ties: lower token id first).
 TopLogprobs = List[Tuple[int, float]]
 
 FINISH_REASONS = {0: "unspecified", 1: "stop", 2: "length", 3: "abort"}
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:
+        raise ImportError("rollout_client: arrays need numpy (Debian: apt-get install "
+                          "python3-numpy; pip: pip install numpy); token_ids and logprobs "
+                          "are plain lists without it") from None
+    return numpy
+
+
+def tokens_array(token_ids: List[int], dtype: Any = None) -> "numpy.ndarray":
+    np = _numpy()
+    return np.array(token_ids, dtype=np.int32 if dtype is None else dtype)
+
+
+def logprobs_array(logprobs: List[float]) -> "numpy.ndarray":
+    # Python floats read from the wire's float32 convert back to float32 exactly.
+    np = _numpy()
+    return np.array(logprobs, dtype=np.float32)
 
 
 class RolloutError(Exception):
@@ -48,6 +77,14 @@ class TokenChunk:
     logprobs: List[float]
     top_logprobs: List[TopLogprobs] = field(default_factory=list)
 
+    def tokens_array(self, dtype: Any = None) -> "numpy.ndarray":
+        """token_ids as a numpy array (int32 unless `dtype`, e.g. numpy.int64 for torch)."""
+        return tokens_array(self.token_ids, dtype)
+
+    def logprobs_array(self) -> "numpy.ndarray":
+        """logprobs as a float32 numpy array, bit for bit what the server sent."""
+        return logprobs_array(self.logprobs)
+
 
 @dataclass
 class Completion:
@@ -64,9 +101,18 @@ class Completion:
     cached_prompt_tokens: int
     top_logprobs: List[TopLogprobs] = field(default_factory=list)
     request_id: str = ""
+    weight_digest: str = ""          # "sha256:<hex>" of the weights named weight_version
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def tokens_array(self, dtype: Any = None) -> "numpy.ndarray":
+        """token_ids as a numpy array (int32 unless `dtype`, e.g. numpy.int64 for torch)."""
+        return tokens_array(self.token_ids, dtype)
+
+    def logprobs_array(self) -> "numpy.ndarray":
+        """logprobs as a float32 numpy array, bit for bit what the server sent."""
+        return logprobs_array(self.logprobs)
 
 
 @dataclass
@@ -75,6 +121,11 @@ class ScoreResult:
     top_logprobs: List[TopLogprobs]
     weight_version: str
     cached_tokens: int
+    weight_digest: str = ""
+
+    def logprobs_array(self) -> "numpy.ndarray":
+        """logprobs as a float32 numpy array, bit for bit what the server sent."""
+        return logprobs_array(self.logprobs)
 
 
 @dataclass
@@ -98,6 +149,7 @@ class UpdateWeightsResult:
     aborted_samples: int
     receive_seconds: float
     swap_seconds: float
+    weight_digest: str               # the served weights' digest after the update
 
 
 @dataclass
@@ -121,6 +173,7 @@ class EngineLimits:
     max_batch_tokens: int
     kv_block_size: int
     attention_split_size: int
+    tensor_parallel: int
 
 
 @dataclass
@@ -138,6 +191,7 @@ class EngineCounters:
     cache_hit_tokens: int
     scored_tokens: int
     recomputed_tokens: int
+    weight_updates: int
 
 
 @dataclass
@@ -151,6 +205,7 @@ class ServerInfo:
     paused: bool
     weight_update_in_progress: bool
     auth_required_for_generate: bool
+    weight_digest: str               # "sha256:<hex>" of the served weights; "" if unknown
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,7 +1,8 @@
 """Tests of rollout_client against a real rollout-server (and a few fake in-process servers).
 
-Run with Debian's Python:  client/python/run_tests.sh [BIN_DIR]
-or:  ROLLOUT_BIN_DIR=build/bin /usr/bin/python3 -m unittest discover -s client/python/tests
+Run:  client/python/run_tests.sh [BIN_DIR]   (installs the package into a fresh venv first)
+or, with the package installed:  ROLLOUT_BIN_DIR=build/bin VENV/bin/python -m unittest discover
+-s client/python/tests   (from outside the repository)
 
 Servers are started with `--port 0` (the port is read from the "listening on port N" log line)
 and ROLLOUT_CACHE_DIR pointing at a temporary folder. Calls the server answers UNIMPLEMENTED
@@ -14,9 +15,7 @@ import concurrent.futures
 import functools
 import math
 import os
-import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -25,101 +24,24 @@ import threading
 import time
 import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PKG_ROOT = os.path.dirname(HERE)
-REPO = os.path.dirname(os.path.dirname(PKG_ROOT))
-sys.path.insert(0, PKG_ROOT)
+import grpc
+import numpy as np
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-
-import rollout_client  # noqa: E402
-from rollout_client import (RawTensor, RolloutClient, RolloutError, bf16_bits_to_f32,  # noqa: E402
+import rollout_client
+from rollout_client import (RawTensor, RolloutClient, RolloutError, bf16_bits_to_f32,
                             f32_to_bf16_bits, read_safetensors, sample_seed,
                             write_safetensors)
-from rollout_client.client import pb2, pb2_grpc  # noqa: E402
+from rollout_client.client import pb2, pb2_grpc
 
-BIN_DIR = os.environ.get("ROLLOUT_BIN_DIR", os.path.join(REPO, "build", "bin"))
+from _support import PKG_ROOT, REPO, Server, cache_dir, shared_server, stop_shared_server
+
 STRICT = os.environ.get("ROLLOUT_PY_TESTS_ALLOW_UNIMPLEMENTED") != "1"
-THREADS = os.environ.get("ROLLOUT_TEST_THREADS", "2")
 NORM = "model.norm.weight"
 PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [7, 7, 7, 7, 7, 7]]
 
 
-class Server:
-    """A rollout-server subprocess on a free port."""
-
-    def __init__(self, cache_dir: str, *args: str):
-        exe = os.path.join(BIN_DIR, "rollout-server")
-        if not os.path.exists(exe):
-            raise unittest.SkipTest(f"{exe} not built (set ROLLOUT_BIN_DIR)")
-        self.log_path = tempfile.mktemp(prefix="rollout-server-", suffix=".log")
-        env = dict(os.environ, ROLLOUT_CACHE_DIR=cache_dir)
-        self._log = open(self.log_path, "wb")
-        # --metrics_port 0: several test servers run at once; the default port would clash.
-        self.proc = subprocess.Popen([exe, "--port", "0", "--metrics_port", "0",
-                                      "--threads", THREADS, *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        self.port = None
-        while time.monotonic() < deadline:
-            with open(self.log_path, "rb") as f:
-                m = re.search(rb"listening on port (\d+)", f.read())
-            if m:
-                self.port = int(m.group(1))
-                break
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        if self.port is None:
-            log = self.log()
-            self.stop()
-            raise RuntimeError(f"rollout-server did not start:\n{log}")
-        self.target = f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-4000:]
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        try:
-            os.unlink(self.log_path)
-        except OSError:
-            pass
-
-
-_cache_dir = None
-_server = None
-
-
-def cache_dir() -> str:
-    global _cache_dir
-    if _cache_dir is None:
-        _cache_dir = tempfile.mkdtemp(prefix="rollout-py-cache-")
-    return _cache_dir
-
-
-def shared_server() -> Server:
-    """The server of the tests that leave its state unchanged, started on first use."""
-    global _server
-    if _server is None:
-        _server = Server(cache_dir())
-    return _server
-
-
 def tearDownModule():
-    if _server is not None:
-        _server.stop()
-    if _cache_dir is not None:
-        shutil.rmtree(_cache_dir, ignore_errors=True)
+    stop_shared_server()
 
 
 def needs_server_support(test):
@@ -176,6 +98,8 @@ class GenerateTest(unittest.TestCase):
         self.assertEqual(info.weight_version, "0")
         self.assertEqual(info.backend, "cpu")
         self.assertGreater(info.limits.max_running_samples, 0)
+        self.assertEqual(info.limits.tensor_parallel, 1)
+        self.assertEqual(info.counters.weight_updates, 0)
         self.assertTrue(os.path.isdir(info.model.source))
         self.assertEqual(info.to_dict()["model"]["vocab_size"], 4096)
 
@@ -254,6 +178,57 @@ class GenerateTest(unittest.TestCase):
         batch = self.client.generate(PROMPTS, **args)
         self.assertEqual(sorted(key(c) for c in completions),
                          sorted(key(c) for g in batch for c in g))
+
+    def test_stream_options_carry_the_per_token_streams_bits(self):
+        args = dict(num_samples=[2, 1, 3], seed=[4, 5, 6], temperature=0.8, max_new_tokens=30,
+                    top_logprobs=2, stop_token_ids=[9])
+
+        def run(**options):
+            items = list(self.client.generate(PROMPTS, stream=True, **args, **options))
+            streamed = {}
+            for x in items:
+                if isinstance(x, rollout_client.TokenChunk):
+                    s = streamed.setdefault((x.prompt_index, x.sample_index), [[], [], []])
+                    s[0] += x.token_ids
+                    s[1] += x.logprobs
+                    s[2] += x.top_logprobs
+            done = sorted(key(x) for x in items if isinstance(x, rollout_client.Completion))
+            return done, streamed, len(items)
+
+        per_token, streamed, messages = run()
+        for options in (dict(chunk_tokens=4), dict(chunk_interval_ms=50),
+                        dict(chunk_tokens=6, chunk_interval_ms=20)):
+            done, coalesced, fewer = run(**options)
+            self.assertEqual(done, per_token, options)
+            self.assertEqual(coalesced, streamed, options)
+            self.assertLess(fewer, messages, options)
+        done, none, count = run(completions_only=True)
+        self.assertEqual(done, per_token)
+        self.assertEqual((none, count), ({}, 6))
+        # Not streaming, generate() asks for completions only: the same completions.
+        batch = self.client.generate(PROMPTS, **args)
+        self.assertEqual(sorted(key(c) for g in batch for c in g), per_token)
+        with self.assertRaises(ValueError):
+            self.client.generate(PROMPTS, stream=True, completions_only=True, chunk_tokens=2,
+                                 **args)
+
+    def test_numpy_arrays_hold_the_servers_bits(self):
+        c = self.client.generate([PROMPTS[0]], seed=2, max_new_tokens=12, top_logprobs=1)[0][0]
+        tokens, logprobs = c.tokens_array(), c.logprobs_array()
+        self.assertEqual((tokens.dtype, logprobs.dtype), (np.int32, np.float32))
+        self.assertEqual(tokens.tolist(), c.token_ids)
+        self.assertEqual(logprobs.tolist(), c.logprobs)  # float32 -> float exactly, both ways
+        self.assertEqual(c.tokens_array(np.int64).dtype, np.int64)
+        bits = logprobs.view(np.uint32).tolist()
+        self.assertEqual(bits, [struct.unpack("<I", struct.pack("<f", x))[0]
+                                for x in c.logprobs])
+        score = self.client.score([PROMPTS[0] + c.token_ids], len(PROMPTS[0]), details=True)[0]
+        np.testing.assert_array_equal(score.logprobs_array().view(np.uint32),
+                                      logprobs.view(np.uint32))
+        chunk = next(x for x in self.client.generate([PROMPTS[0]], max_new_tokens=3,
+                                                     stream=True)
+                     if isinstance(x, rollout_client.TokenChunk))
+        self.assertEqual(chunk.tokens_array().tolist(), chunk.token_ids)
 
     def test_stream_stopped_early_cancels(self):
         stream = self.client.generate([PROMPTS[0]], max_new_tokens=2000, ignore_eos=True,
@@ -816,9 +791,35 @@ class ExampleTest(unittest.TestCase):
                 self.skipTest("server answers UNIMPLEMENTED to UpdateWeights")
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("weights ['step-2']", r.stdout)
+            self.assertIn("restored the served model.norm.weight as '0'", r.stdout)
             self.assertIn("OK:", r.stdout)
             with RolloutClient(server.target) as c:
-                self.assertEqual(c.server_info().weight_version, "0")  # restored
+                info = c.server_info()
+            self.assertEqual(info.weight_version, "0")  # restored
+            # Now updated since it started: the start checkpoint is not taken for what is
+            # served unless named; named, it is proved by the probe.
+            again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            self.assertEqual(again.returncode, 2, again.stdout + again.stderr)
+            self.assertIn("pass --model-dir", again.stdout)
+            named = subprocess.run(cmd + ["--model-dir", info.model.source], capture_output=True,
+                                   text=True, timeout=300)
+            self.assertEqual(named.returncode, 0, named.stdout + named.stderr)
+            self.assertIn("OK:", named.stdout)
+            # A checkpoint that does not hold the served weights fails the probe.
+            wrong = tempfile.mkdtemp(prefix="rollout-py-wrong-")
+            try:
+                tensors = read_safetensors(info.model.source)
+                bits = np.frombuffer(tensors[NORM].data, dtype=np.uint16).copy()
+                bits ^= 0x0040  # another mantissa in every element
+                tensors[NORM] = RawTensor(bits.tobytes(), "BF16", tensors[NORM].shape)
+                write_safetensors(os.path.join(wrong, "model.safetensors"), tensors)
+                shutil.copy(os.path.join(info.model.source, "config.json"), wrong)
+                bad = subprocess.run(cmd + ["--model-dir", wrong, "--rounds", "2"],
+                                     capture_output=True, text=True, timeout=300)
+                self.assertEqual(bad.returncode, 1, bad.stdout + bad.stderr)
+                self.assertIn("does not hold the weights that were served", bad.stdout)
+            finally:
+                shutil.rmtree(wrong, ignore_errors=True)
         finally:
             server.stop()
 

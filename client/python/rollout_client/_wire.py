@@ -1,0 +1,254 @@
+"""What the blocking and the asyncio client share: Python arguments -> request messages, and
+response messages -> the package's dataclasses. No I/O here."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import _proto
+from .datatypes import (FINISH_REASONS, AbortResult, Completion, FlushCacheResult, ScoreResult,
+                        TokenChunk, TopLogprobs, VersionSpan)
+from .weights import DTypeSpec, prepare
+
+pb2, pb2_grpc = _proto.load()
+
+DEFAULT_MAX_RECEIVE_BYTES = 256 << 20  # the server sends up to 256 MiB per message
+DEFAULT_MAX_SEND_BYTES = 64 << 20      # the server accepts up to 64 MiB per message
+
+_POLICIES = {
+    None: pb2.IN_FLIGHT_POLICY_UNSPECIFIED,
+    "drain": pb2.IN_FLIGHT_POLICY_DRAIN,
+    "abort": pb2.IN_FLIGHT_POLICY_ABORT,
+    "continue": pb2.IN_FLIGHT_POLICY_CONTINUE,
+}
+
+IntOrList = Union[int, Sequence[int]]
+
+
+def channel_options(options: Sequence[Tuple[str, Any]]) -> List[Tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", DEFAULT_MAX_RECEIVE_BYTES),
+        ("grpc.max_send_message_length", DEFAULT_MAX_SEND_BYTES),
+    ] + list(options)
+
+
+def read_pem(tls_root_cert: Union[str, bytes]) -> bytes:
+    if isinstance(tls_root_cert, str):
+        with open(tls_root_cert, "rb") as f:
+            return f.read()
+    return tls_root_cert
+
+
+def policy(value: Optional[str]) -> int:
+    key = value.lower() if isinstance(value, str) else value
+    if key not in _POLICIES:
+        raise ValueError(f"policy must be 'drain', 'abort' or 'continue' (got {value!r})")
+    return _POLICIES[key]
+
+
+def _ids(seq: Any, what: str) -> List[int]:
+    """A 1-D sequence of token ids (list, tuple, numpy array, torch tensor) as a list of int."""
+    if hasattr(seq, "tolist"):
+        seq = seq.tolist()
+    if isinstance(seq, (int, str, bytes)) or not hasattr(seq, "__iter__"):
+        raise TypeError(f"{what} must be a sequence of token ids (got {type(seq).__name__})")
+    out = [int(t) for t in seq]
+    if any(t < 0 for t in out):
+        raise ValueError(f"{what}: token ids must be >= 0")
+    return out
+
+
+def sequences(seqs: Any, what: str) -> List[List[int]]:
+    if hasattr(seqs, "tolist"):
+        seqs = seqs.tolist()
+    seqs = list(seqs)
+    if seqs and isinstance(seqs[0], int):
+        raise TypeError(f"{what} must be a list of token-id lists; wrap a single one as [ids]")
+    return [_ids(s, f"{what}[{i}]") for i, s in enumerate(seqs)]
+
+
+def per_item(value: Any, n: int, name: str) -> List[Any]:
+    if hasattr(value, "tolist"):  # numpy / torch values
+        value = value.tolist()
+    if value is None or isinstance(value, (numbers.Number, str)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name}: {len(value)} values for {n} items")
+    return value
+
+
+def _top(entries) -> List[TopLogprobs]:
+    return [[(e.token_id, e.logprob) for e in tl.entries] for tl in entries]
+
+
+# -- Generate ---------------------------------------------------------------------------------
+
+
+def generate_request(prompts, num_samples, seed, temperature, top_k, top_p, min_p,
+                     max_new_tokens, stop_token_ids, ignore_eos, top_logprobs, request_ids,
+                     completions_only: bool = False, chunk_tokens: int = 0,
+                     chunk_interval_ms: int = 0):
+    """The GenerateRequest, and the request id of each rollout ("" when none)."""
+    if max_new_tokens is None:
+        raise TypeError("generate: max_new_tokens is required")
+    if completions_only and (chunk_tokens or chunk_interval_ms):
+        raise ValueError("generate: completions_only excludes chunk_tokens and chunk_interval_ms")
+    if int(chunk_tokens) < 0 or int(chunk_interval_ms) < 0:
+        raise ValueError("generate: chunk_tokens and chunk_interval_ms must be >= 0")
+    prompts = sequences(prompts, "prompts")
+    n = len(prompts)
+    seeds = per_item(seed, n, "seed")
+    samples = per_item(num_samples, n, "num_samples")
+    ids = per_item(request_ids, n, "request_ids")
+    stop = [int(t) for t in stop_token_ids]
+    request = pb2.GenerateRequest()
+    request.stream.completions_only = bool(completions_only)
+    request.stream.chunk_tokens = int(chunk_tokens)
+    request.stream.chunk_interval_ms = int(chunk_interval_ms)
+    for i, prompt in enumerate(prompts):
+        r = request.rollouts.add()
+        if ids[i] is not None:
+            r.request_id = str(ids[i])
+        r.prompt_token_ids.extend(prompt)
+        r.seed = int(seeds[i])
+        r.num_samples = int(samples[i])
+        s = r.sampling
+        if temperature is not None:
+            s.temperature = float(temperature)
+        if top_k is not None:
+            s.top_k = int(top_k)
+        if top_p is not None:
+            s.top_p = float(top_p)
+        if min_p is not None:
+            s.min_p = float(min_p)
+        s.max_new_tokens = int(max_new_tokens)
+        s.stop_token_ids.extend(stop)
+        s.ignore_eos = bool(ignore_eos)
+        s.top_logprobs = int(top_logprobs)
+    return request, [("" if x is None else str(x)) for x in ids]
+
+
+def completion(c, request_ids: List[str]) -> Completion:
+    return Completion(
+        prompt_index=c.rollout_index,
+        sample_index=c.sample_index,
+        token_ids=list(c.token_ids),
+        logprobs=list(c.logprobs),
+        finish_reason=FINISH_REASONS.get(c.finish_reason, str(c.finish_reason)),
+        weight_version=c.weight_version,
+        version_spans=[VersionSpan(v.version, v.first_token, v.last_token)
+                       for v in c.version_spans],
+        sample_seed=c.sample_seed,
+        cached_prompt_tokens=c.cached_prompt_tokens,
+        top_logprobs=_top(c.top_logprobs),
+        request_id=request_ids[c.rollout_index] if c.rollout_index < len(request_ids) else "",
+        weight_digest=c.weight_digest,
+    )
+
+
+def stream_item(response, request_ids: List[str]) -> Union[None, TokenChunk, Completion]:
+    """The dataclass of one GenerateResponse; None for a kind this client does not know."""
+    kind = response.WhichOneof("item")
+    if kind == "chunk":
+        c = response.chunk
+        return TokenChunk(c.rollout_index, c.sample_index, list(c.token_ids), list(c.logprobs),
+                          _top(c.top_logprobs))
+    if kind == "completion":
+        return completion(response.completion, request_ids)
+    return None
+
+
+class CompletionTable:
+    """Arranges a stream's completions as completions[prompt][sample]."""
+
+    def __init__(self, request):
+        self.rows: List[List[Optional[Completion]]] = [
+            [None] * max(1, r.num_samples) for r in request.rollouts]
+
+    def add(self, item) -> None:
+        if isinstance(item, Completion):
+            self.rows[item.prompt_index][item.sample_index] = item
+
+    def result(self, error) -> List[List[Completion]]:
+        """The table; `error(message)` makes the exception for a sample without completion."""
+        for i, row in enumerate(self.rows):
+            for j, c in enumerate(row):
+                if c is None:
+                    raise error(f"the stream ended without a completion of prompt {i} "
+                                f"sample {j}")
+        return self.rows  # type: ignore[return-value]
+
+
+# -- Score ------------------------------------------------------------------------------------
+
+
+def score_request(sequences_, starts, temperature, top_logprobs):
+    seqs = sequences(sequences_, "sequences")
+    starts_list = per_item(starts, len(seqs), "starts")
+    temps = per_item(temperature, len(seqs), "temperature")
+    request = pb2.ScoreRequest()
+    for ids, start, t in zip(seqs, starts_list, temps):
+        s = request.sequences.add()
+        s.token_ids.extend(ids)
+        s.start = int(start)
+        if t is not None:
+            s.temperature = float(t)
+        s.top_logprobs = int(top_logprobs)
+    return request
+
+
+def score_results(response, details: bool):
+    if not details:
+        return [list(r.logprobs) for r in response.results]
+    return [ScoreResult(list(r.logprobs), _top(r.top_logprobs), r.weight_version,
+                        r.cached_tokens, r.weight_digest) for r in response.results]
+
+
+# -- weights ----------------------------------------------------------------------------------
+
+
+def weights_messages(named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
+                     version: str, policy_name: Optional[str], dtype: DTypeSpec,
+                     chunk_bytes: int) -> Iterator[Any]:
+    """The UpdateWeights stream: a WeightsHeader, then each tensor's bytes in TensorData chunks
+    of at most chunk_bytes. Tensors are converted one at a time, so one converted copy lives."""
+    if not version:
+        raise ValueError("update_weights: version must be non-empty")
+    if chunk_bytes <= 0:
+        raise ValueError("update_weights: chunk_bytes must be > 0")
+    tensors = prepare(named_tensors, dtype)
+    header = pb2.WeightsHeader(version=str(version), policy=policy(policy_name))
+    for t in tensors:
+        header.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape))
+
+    def messages():
+        yield pb2.WeightsChunk(header=header)
+        for t in tensors:
+            data = t.payload()
+            for offset in range(0, data.nbytes, chunk_bytes):
+                yield pb2.WeightsChunk(data=pb2.TensorData(
+                    name=t.name, offset=offset, data=data[offset:offset + chunk_bytes].tobytes()))
+            del data
+
+    return messages()
+
+
+def update_from_path_request(path: str, version: str, policy_name: Optional[str]):
+    return pb2.UpdateWeightsFromPathRequest(path=str(path), version=str(version),
+                                            policy=policy(policy_name))
+
+
+def abort_request(request_ids: Union[None, str, Sequence[str]], all_: bool):
+    if isinstance(request_ids, str):
+        request_ids = [request_ids]
+    return pb2.AbortRequest(request_ids=list(request_ids or ()), all=all_)
+
+
+def abort_result(r) -> AbortResult:
+    return AbortResult(r.aborted_rollouts, list(r.unknown_request_ids))
+
+
+def flush_result(r) -> FlushCacheResult:
+    return FlushCacheResult(r.freed_blocks, r.detached_blocks)

@@ -1,0 +1,224 @@
+"""RolloutClient for asyncio (grpc.aio): the blocking client's methods, as coroutines.
+
+    from rollout_client.aio import RolloutClient
+
+    async with RolloutClient("127.0.0.1:50051") as client:
+        await client.wait_ready(30)
+        groups = await client.generate([[1, 2, 3]], num_samples=8, seed=7, max_new_tokens=64)
+        async for item in client.generate([[1, 2, 3]], max_new_tokens=64, stream=True):
+            ...
+
+Arguments, results and errors are those of rollout_client.RolloutClient (RolloutError with the
+gRPC status code name). One client serves many concurrent calls from one event loop; create it
+inside the loop that uses it (grpc.aio binds a channel to the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import (Any, AsyncIterator, Iterable, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
+
+import grpc
+import grpc.aio
+
+from . import _wire
+from ._wire import IntOrList, pb2, pb2_grpc
+from .datatypes import (AbortResult, Completion, FlushCacheResult, RolloutError, ServerInfo,
+                        TokenChunk, UpdateWeightsResult, message_to_dataclass)
+from .weights import DTypeSpec
+
+__all__ = ["RolloutClient"]
+
+
+class RolloutClient:
+    """asyncio client of a rollout server (see the module docstring)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", token: Optional[str] = None,
+                 timeout: Optional[float] = None,
+                 tls_root_cert: Union[None, str, bytes] = None,
+                 options: Sequence[Tuple[str, Any]] = ()):
+        self.target = target
+        self.timeout = timeout
+        self._metadata: Tuple[Tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ())
+        channel_options = _wire.channel_options(options)
+        if tls_root_cert is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_wire.read_pem(tls_root_cert))
+            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options)
+        self._stub = pb2_grpc.RolloutServiceStub(self._channel)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "RolloutClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @property
+    def stub(self):
+        """The raw generated stub (on the grpc.aio channel)."""
+        return self._stub
+
+    async def wait_ready(self, timeout: float = 30.0) -> ServerInfo:
+        """Waits until the server answers GetServerInfo; returns the info. RolloutError
+        DEADLINE_EXCEEDED (or the server's error, e.g. UNAUTHENTICATED) otherwise."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last = "no answer"
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise RolloutError("DEADLINE_EXCEEDED",
+                                   f"server at {self.target} not ready after {timeout}s ({last})",
+                                   grpc.StatusCode.DEADLINE_EXCEEDED)
+            try:
+                await asyncio.wait_for(self._channel.channel_ready(), min(remaining, 1.0))
+                return await self.server_info(timeout=max(remaining, 0.1))
+            except asyncio.TimeoutError:
+                last = "not connected"
+            except RolloutError as e:
+                if e.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                    raise
+                last = str(e)
+                await asyncio.sleep(0.05)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _timeout(self, timeout: Optional[float]) -> Optional[float]:
+        return self.timeout if timeout is None else timeout
+
+    async def _unary(self, method, request, timeout: Optional[float]):
+        try:
+            return await method(request, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise RolloutError.from_rpc_error(e) from None
+
+    # -- Generate -----------------------------------------------------------------------------
+
+    async def _stream(self, request, request_ids,
+                      timeout) -> AsyncIterator[Union[TokenChunk, Completion]]:
+        call = self._stub.Generate(request, timeout=self._timeout(timeout),
+                                   metadata=self._metadata)
+        done = False
+        try:
+            async for response in call:
+                item = _wire.stream_item(response, request_ids)
+                if item is not None:
+                    yield item
+            done = True
+        except grpc.RpcError as e:
+            done = True
+            raise RolloutError.from_rpc_error(e) from None
+        finally:
+            if not done:  # left early (break, aclose, task cancelled): end the samples
+                call.cancel()
+
+    async def _collect(self, request, request_ids, timeout) -> List[List[Completion]]:
+        table = _wire.CompletionTable(request)
+        async for item in self._stream(request, request_ids, timeout):
+            table.add(item)
+        return table.result(
+            lambda message: RolloutError("INTERNAL", message, grpc.StatusCode.INTERNAL))
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, num_samples: IntOrList = 1,
+                 seed: IntOrList = 0, temperature: Optional[float] = None,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 min_p: Optional[float] = None, max_new_tokens: int,
+                 stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
+                 top_logprobs: int = 0, request_ids: Optional[Sequence[str]] = None,
+                 stream: bool = False, chunk_tokens: int = 0, chunk_interval_ms: int = 0,
+                 completions_only: Optional[bool] = None, timeout: Optional[float] = None):
+        """As rollout_client.RolloutClient.generate. Without stream: a coroutine returning
+        completions[prompt][sample]. With stream=True: an async iterator of TokenChunk and
+        Completion (`async for`); leaving it early (break, aclose(), a cancelled task) cancels
+        the call, which aborts the samples. Arguments are checked at the call, before any
+        await."""
+        if completions_only is None:
+            completions_only = not stream and not chunk_tokens and not chunk_interval_ms
+        request, ids = _wire.generate_request(
+            prompts, num_samples, seed, temperature, top_k, top_p, min_p, max_new_tokens,
+            stop_token_ids, ignore_eos, top_logprobs, request_ids, completions_only,
+            chunk_tokens, chunk_interval_ms)
+        if stream:
+            return self._stream(request, ids, timeout)
+        return self._collect(request, ids, timeout)
+
+    # -- Score --------------------------------------------------------------------------------
+
+    async def score(self, sequences: Sequence[Sequence[int]], starts: IntOrList,
+                    temperature: Union[None, float, Sequence[Optional[float]]] = None,
+                    top_logprobs: int = 0, *, details: bool = False,
+                    timeout: Optional[float] = None):
+        """As rollout_client.RolloutClient.score."""
+        request = _wire.score_request(sequences, starts, temperature, top_logprobs)
+        return _wire.score_results(await self._unary(self._stub.Score, request, timeout),
+                                   details)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    async def update_weights(self,
+                             named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
+                             version: str, policy: Optional[str] = "drain", *,
+                             dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
+                             timeout: Optional[float] = None) -> UpdateWeightsResult:
+        """As rollout_client.RolloutClient.update_weights. Tensors are converted on the event
+        loop's thread, one at a time, between the writes."""
+        messages = _wire.weights_messages(named_tensors, version, policy, dtype, chunk_bytes)
+        failure: List[BaseException] = []
+
+        async def recorded():
+            try:
+                for m in messages:
+                    yield m
+            except BaseException as e:  # surfaced below instead of gRPC's CANCELLED
+                failure.append(e)
+                raise
+
+        try:
+            response = await self._stub.UpdateWeights(recorded(), timeout=self._timeout(timeout),
+                                                      metadata=self._metadata)
+        except grpc.RpcError as e:
+            if failure:
+                raise failure[0] from None
+            raise RolloutError.from_rpc_error(e) from None
+        return message_to_dataclass(UpdateWeightsResult, response)
+
+    async def update_weights_from_path(self, path: str, version: str,
+                                       policy: Optional[str] = "drain", *,
+                                       timeout: Optional[float] = None) -> UpdateWeightsResult:
+        """As rollout_client.RolloutClient.update_weights_from_path."""
+        request = _wire.update_from_path_request(path, version, policy)
+        response = await self._unary(self._stub.UpdateWeightsFromPath, request, timeout)
+        return message_to_dataclass(UpdateWeightsResult, response)
+
+    # -- control ------------------------------------------------------------------------------
+
+    async def pause(self, abort_in_flight: bool = False, *,
+                    timeout: Optional[float] = None) -> bool:
+        r = await self._unary(self._stub.Pause,
+                              pb2.PauseRequest(abort_in_flight=abort_in_flight), timeout)
+        return r.was_paused
+
+    async def resume(self, *, timeout: Optional[float] = None) -> bool:
+        return (await self._unary(self._stub.Resume, pb2.ResumeRequest(), timeout)).was_paused
+
+    async def abort(self, request_ids: Union[None, str, Sequence[str]] = None,
+                    all: bool = False, *, timeout: Optional[float] = None) -> AbortResult:
+        r = await self._unary(self._stub.Abort, _wire.abort_request(request_ids, all), timeout)
+        return _wire.abort_result(r)
+
+    async def flush_cache(self, *, timeout: Optional[float] = None) -> FlushCacheResult:
+        r = await self._unary(self._stub.FlushCache, pb2.FlushCacheRequest(), timeout)
+        return _wire.flush_result(r)
+
+    async def server_info(self, *, timeout: Optional[float] = None) -> ServerInfo:
+        r = await self._unary(self._stub.GetServerInfo, pb2.GetServerInfoRequest(), timeout)
+        return message_to_dataclass(ServerInfo, r)
