@@ -27,11 +27,14 @@ void EngineCore::ApplyControl(Control control, StepEvents* events) {
   for (PendingUpdate& pending : inbox.updates) StartUpdate(std::move(pending), events);
   AdvanceDrain();
   for (Submission& submission : inbox.submissions) {
-    // While a DRAIN update waits, new work waits behind it, so it runs on the new weights.
+    // While a DRAIN update waits, new work waits behind it, so it runs on the new weights. A
+    // held job is a job all the same, so aborts and cancellations find it.
+    const uint64_t job_id = submission.job_id;
+    Accept(std::move(submission));
     if (draining_.has_value()) {
-      held_.push_back(std::move(submission));
+      held_.push_back(job_id);
     } else {
-      Admit(std::move(submission));
+      Schedule(job_id);
     }
   }
   for (const JobPause& pause : inbox.job_pauses) ApplyJobPause(pause);
@@ -46,7 +49,7 @@ void EngineCore::ApplyControl(Control control, StepEvents* events) {
 }
 
 void EngineCore::Shutdown(StepEvents* events) {
-  for (Submission& s : held_) Admit(std::move(s));
+  // Held jobs are aborted below with the rest; none of them ever runs.
   held_.clear();
   if (draining_.has_value()) {
     Reply(draining_->done, FailedUpdate(absl::UnavailableError("the server is shutting down")));
@@ -132,9 +135,9 @@ void EngineCore::AdvanceDrain() {
   PendingUpdate pending = *std::move(draining_);
   draining_.reset();
   if (!cancelled) ApplyUpdate(std::move(pending), 0);
-  std::vector<Submission> held;
+  std::vector<uint64_t> held;
   held.swap(held_);
-  for (Submission& s : held) Admit(std::move(s));
+  for (uint64_t job_id : held) Schedule(job_id);
 }
 
 bool EngineCore::DropIfCancelled(PendingUpdate* pending) {
@@ -181,7 +184,7 @@ void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
   Reply(pending.done, std::move(result));
 }
 
-void EngineCore::Admit(Submission submission) {
+void EngineCore::Accept(Submission submission) {
   Job& job = jobs_[submission.job_id];
   job.sink = std::move(submission.sink);
   for (SampleSpec& spec : submission.samples) {
@@ -195,10 +198,18 @@ void EngineCore::Admit(Submission submission) {
     seq->prompt_len = static_cast<int64_t>(spec.prompt.size());
     seq->tokens = std::move(spec.prompt);
     seq->score_start = spec.score_start;
-    scheduler_.Add(seq.get());
     job.sequences.push_back(std::move(seq));
   }
   job.num_unfinished = job.sequences.size();
+}
+
+void EngineCore::Schedule(uint64_t job_id) {
+  // Gone when every sample of a held job was aborted (and its last events delivered).
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  for (auto& seq : it->second.sequences) {
+    if (!seq->finished) scheduler_.Add(seq.get());
+  }
 }
 
 int32_t EngineCore::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,

@@ -34,8 +34,8 @@ struct Job {
   size_t num_unfinished = 0;
 };
 
-// A Submit on its way to the engine thread (the inbox), then held behind a DRAIN update or
-// admitted as a Job. Its samples passed Engine::Validate.
+// A Submit on its way to the engine thread (the inbox), where it becomes a Job. Its samples
+// passed Engine::Validate.
 struct Submission {
   uint64_t job_id;
   std::vector<SampleSpec> samples;
@@ -184,7 +184,7 @@ class EngineCore {
   // every job), or holds it in draining_ (DRAIN), or answers why not.
   void StartUpdate(PendingUpdate pending, StepEvents* events);
   // Applies the DRAIN update in draining_ once no work is in flight (or drops it once its caller
-  // cancelled), then admits the submissions it held.
+  // cancelled), then schedules the jobs it held.
   void AdvanceDrain();
   void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
   // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
@@ -195,7 +195,10 @@ class EngineCore {
   absl::Status CheckDigest(PendingUpdate* pending, TensorDigests* after);
   // Calls an update's `done` once the events of earlier steps were delivered.
   void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
-  void Admit(Submission submission);
+  // Makes the submission a job in jobs_ (arrival numbers taken in submission order); its samples
+  // wait for Schedule, which hands the unfinished ones to the scheduler.
+  void Accept(Submission submission);
+  void Schedule(uint64_t job_id);
   // Ends the job's unfinished samples (of `rollout_index` only, if set); returns how many.
   int32_t AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, StepEvents* events);
   int32_t AbortAllJobs(StepEvents* events);
@@ -267,7 +270,8 @@ class EngineCore {
   TensorDigests tensor_digests_;           // theirs, by tensor
   std::string digest_;                     // WeightsDigest of them ("" when unknown)
   std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
-  std::vector<Submission> held_;           // submissions waiting for draining_
+  // Jobs submitted while draining_ waits: in jobs_ (so Abort finds them), not yet scheduled.
+  std::vector<uint64_t> held_;
   // The step's batch, rebuilt every step in place: its vectors (a block table per sequence)
   // keep their capacity instead of being allocated again each step.
   ForwardBatch batch_;

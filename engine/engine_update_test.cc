@@ -340,6 +340,65 @@ TEST(EngineUpdateTest, ADrainUpdateCancelledWhileItWaitsAppliesNothingAndRelease
   EXPECT_EQ(engine->weight_version(), "v0");
 }
 
+// Work submitted while a DRAIN update waits is held until the swap; it is a job all the same:
+// an Abort of it (a client that cancelled, or the service's Abort by request id) ends it at
+// once with FINISH_REASON_ABORT and no tokens, and nothing of it ever runs. (Held work was once
+// outside the jobs Abort searched: it was "aborted" and then ran to completion on the new
+// weights.) Only the aborted rollout ends; the job's other rollout runs after the swap.
+TEST(EngineUpdateTest, AnAbortReachesWorkHeldBehindADrainUpdateAndItNeverRuns) {
+  std::unique_ptr<Engine> engine = MakeEngine(SmallModelDir());
+  auto in_flight = StartInFlight(engine.get(), Spec(4000));
+  std::promise<UpdateResult> promise;
+  auto answered = promise.get_future();
+  engine->UpdateWeights(WeightUpdate{"v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}},
+                        [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
+  std::vector<SampleSpec> specs = {Spec(4), Spec(4)};
+  for (int32_t i = 0; i < 2; ++i) specs[i].rollout_index = specs[i].sample_index = i;
+  Collector held(2);
+  absl::StatusOr<uint64_t> job = engine->Submit(specs, held.Sink());
+  ASSERT_TRUE(job.ok());
+  engine->Abort(*job, /*rollout_index=*/1);
+  Collector whole(1);
+  absl::StatusOr<uint64_t> cancelled = engine->Submit({Spec(4)}, whole.Sink());
+  ASSERT_TRUE(cancelled.ok());
+  engine->Abort(*cancelled);
+  const SampleCompletion c = whole.Wait()[0];
+  EXPECT_EQ(c.finish_reason, FinishReason::kAbort);
+  EXPECT_TRUE(c.token_ids.empty()) << "held work ran";
+  EXPECT_EQ(c.weight_version, "v0");
+  EXPECT_EQ(in_flight.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the drain ended first; the test proves nothing about held work";
+  engine->Abort(1);  // the in-flight sample's job: the drain ends, the update applies
+  ASSERT_TRUE(answered.get().status.ok());
+  const std::vector<SampleCompletion> rollouts = held.Wait();
+  EXPECT_EQ(rollouts[0].finish_reason, FinishReason::kLength);
+  EXPECT_EQ(rollouts[0].weight_version, "v1") << "the rollout not aborted runs after the swap";
+  EXPECT_EQ(rollouts[1].finish_reason, FinishReason::kAbort);
+  EXPECT_TRUE(rollouts[1].token_ids.empty());
+  EXPECT_EQ(in_flight.get()[0].finish_reason, FinishReason::kAbort);
+}
+
+// AbortAll (what a shutdown does when its grace period ends) reaches held work too: it ends with
+// FINISH_REASON_ABORT before the swap instead of starting on the new weights.
+TEST(EngineUpdateTest, AbortAllEndsWorkHeldBehindADrainUpdate) {
+  std::unique_ptr<Engine> engine = MakeEngine(SmallModelDir());
+  auto in_flight = StartInFlight(engine.get(), Spec(4000));
+  std::promise<UpdateResult> promise;
+  auto answered = promise.get_future();
+  engine->UpdateWeights(WeightUpdate{"v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}},
+                        [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
+  Collector held(1);
+  ASSERT_TRUE(engine->Submit({Spec(4)}, held.Sink()).ok());
+  engine->AbortAll();
+  const SampleCompletion c = held.Wait()[0];
+  EXPECT_EQ(c.finish_reason, FinishReason::kAbort);
+  EXPECT_TRUE(c.token_ids.empty()) << "held work ran";
+  EXPECT_EQ(c.weight_version, "v0");
+  EXPECT_EQ(in_flight.get()[0].finish_reason, FinishReason::kAbort);
+  EXPECT_TRUE(answered.get().status.ok());
+  EXPECT_EQ(engine->unfinished_samples(), 0);
+}
+
 TEST(EngineUpdateTest, PauseHoldsRequestsAndResumeRunsThemUnchanged) {
   std::unique_ptr<Engine> engine = MakeEngine();
   const std::string expected = Bits(RunJob(engine.get(), {Spec()})[0]);

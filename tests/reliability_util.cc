@@ -333,4 +333,23 @@ int ChildProcess::Wait(std::chrono::milliseconds timeout) {
   }
 }
 
+std::string TestModelCache() { return ::testing::TempDir() + "rollout-test-cache"; }
+
+ServerProcess StartServerProcess(const std::vector<std::string>& args,
+                                 const std::vector<std::string>& extra_env) {
+  ServerProcess server;
+#ifdef ROLLOUT_SERVER_BIN
+  std::vector<std::string> argv = {ROLLOUT_SERVER_BIN};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<std::string> env = {"ROLLOUT_CACHE_DIR=" + TestModelCache()};
+  env.insert(env.end(), extra_env.begin(), extra_env.end());
+  server.child = ChildProcess::Start(argv, env);
+  if (server.child == nullptr) return server;
+  const std::string needle = "rollout server listening on port ";
+  const std::string line = server.child->WaitForOutput(needle, std::chrono::seconds(120));
+  if (!line.empty()) server.port = std::atoi(line.c_str() + needle.size());
+#endif
+  return server;
+}
+
 }  // namespace rollout::testing::reliability

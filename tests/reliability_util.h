@@ -89,4 +89,19 @@ class ChildProcess {
   std::thread reader_;
 };
 
+// The rollout-server binary (ROLLOUT_SERVER_BIN) started with `args` (after the binary's
+// name) and ROLLOUT_CACHE_DIR set to the test binary's model cache, once it logged the port it
+// listens on. On failure (no such line within two minutes) `port` is 0 and the child is
+// returned all the same, for its output.
+struct ServerProcess {
+  std::unique_ptr<ChildProcess> child;
+  int port = 0;
+  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
+};
+ServerProcess StartServerProcess(const std::vector<std::string>& args,
+                                 const std::vector<std::string>& extra_env = {});
+
+// The test binary's model cache (where the embedded default model is written once).
+std::string TestModelCache();
+
 }  // namespace rollout::testing::reliability
