@@ -131,6 +131,10 @@ enum class UpdatePolicy {
   kContinue,  // swap between two steps; they go on with the new weights
 };
 
+// The longest weight version the server accepts (flags and updates): versions are copied into
+// every completion.
+inline constexpr size_t kMaxWeightVersionBytes = 256;
+
 struct WeightUpdate {
   std::string version;
   UpdatePolicy policy = UpdatePolicy::kDrain;

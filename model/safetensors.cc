@@ -29,10 +29,17 @@ using json = nlohmann::json;
 // the work a corrupt length field can cause.
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 
+// JSON files of a checkpoint (config.json, the shard index) are small; a larger one is a wrong
+// path (or /dev/zero behind a link), refused before it is read into memory.
+constexpr uint64_t kMaxJsonFileBytes = 64ull << 20;
+// One pread of a tensor reads at most this much, so a cancelled load stops within one chunk.
+constexpr size_t kReadChunkBytes = 64ull << 20;
+
 std::string ErrnoText() { return std::strerror(errno); }
 
 // A failed open of a checkpoint file, from errno. A path that does not lead to a file
-// (ENOENT, or ENOTDIR: a component of it is a file) is the caller's to fix, never INTERNAL.
+// (ENOENT, or ENOTDIR: a component of it is a file) or cannot (a symlink loop, a name too long)
+// is the caller's to fix, never INTERNAL.
 absl::Status OpenFailure(const std::string& path) {
   const int error = errno;
   std::string message = absl::StrCat(path, ": ", std::strerror(error));
@@ -40,8 +47,52 @@ absl::Status OpenFailure(const std::string& path) {
   if (error == EISDIR) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is a directory, not a file"));
   }
+  if (error == ELOOP || error == ENAMETOOLONG) {
+    return absl::InvalidArgumentError(std::move(message));
+  }
   if (error == EACCES || error == EPERM) return absl::PermissionDeniedError(std::move(message));
   return absl::InternalError(std::move(message));
+}
+
+// A checkpoint file opened for reading: a regular file, never anything that could block or
+// never end (a FIFO, a device, a socket), and never a directory. Returns the descriptor (the
+// caller closes it) and fills `st`.
+absl::StatusOr<int> OpenRegularFile(const std::string& path, struct stat* st) {
+  // O_NONBLOCK: opening a FIFO without a writer would otherwise wait for one, forever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return OpenFailure(path);
+  if (::fstat(fd, st) != 0) {
+    std::string message = absl::StrCat(path, ": fstat: ", ErrnoText());
+    ::close(fd);
+    return absl::InternalError(message);
+  }
+  if (!S_ISREG(st->st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, S_ISDIR(st->st_mode) ? " is a directory, not a file"
+                                   : " is not a regular file (a FIFO, device or "
+                                     "socket); checkpoint files must be regular files"));
+  }
+  return fd;
+}
+
+// Reads `size` bytes at `offset` of `fd` into `out`. A file that ends early was truncated after
+// it was opened (its size was checked then): ABORTED, for that read only.
+absl::Status ReadAt(int fd, const std::string& path, uint64_t offset, size_t size, uint8_t* out) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::pread(fd, out + done, size - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::InternalError(absl::StrCat(path, ": read failed: ", ErrnoText()));
+    if (n == 0) {
+      return absl::AbortedError(absl::StrCat(
+          path, " ends at byte ", offset + done,
+          ", short of bytes it held when it was opened: it was truncated or rewritten while it "
+          "was read; write a new checkpoint to a directory of its own and update from that"));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
 }
 
 uint32_t FloatBits(float x) {
@@ -69,21 +120,24 @@ bool GetU64(const json& value, uint64_t* out) {
   return false;
 }
 
-// Parses one file's header into `out` (views pointing into `data`). Every error names `path`.
-absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size_t size,
-                              std::map<std::string, TensorView>* out) {
-  if (size < 8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": file is ", size, " bytes, shorter than the 8-byte header length"));
-  }
-  uint64_t header_len;
-  std::memcpy(&header_len, data, sizeof(header_len));
-  if (header_len > size - 8 || header_len > kMaxHeaderBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": header length ", header_len, " exceeds the file size ", size));
-  }
-  const uint8_t* buffer = data + 8 + header_len;
-  const uint64_t buffer_size = size - 8 - header_len;
+// A tensor of one file: its view (pointing into the file's mapping) and where its bytes start
+// in the file.
+struct ParsedTensor {
+  std::string name;
+  TensorView view;
+  uint64_t file_offset = 0;
+};
+
+// Parses one file's header, `header_text` (the JSON after the 8-byte length), of a file of
+// `file_size` bytes whose mapping starts at `mapped` (views point into it), appending its
+// tensors to `out`. Every error names `path`.
+absl::Status ParseSafetensors(const std::string& path, const std::string& header_text,
+                              uint64_t file_size, const uint8_t* mapped,
+                              std::vector<ParsedTensor>* out) {
+  const uint64_t buffer_start = 8 + header_text.size();
+  const uint8_t* buffer = mapped == nullptr ? nullptr : mapped + buffer_start;
+  const uint64_t buffer_size = file_size - buffer_start;
+  const size_t first = out->size();
 
   // nlohmann keeps the last of duplicate keys silently; a duplicated tensor name is corruption.
   std::set<std::string> keys;
@@ -95,8 +149,7 @@ absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size
     }
     return true;
   };
-  const char* text = reinterpret_cast<const char*>(data + 8);
-  json header = json::parse(text, text + header_len, on_event, /*allow_exceptions=*/false);
+  json header = json::parse(header_text, on_event, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": header is not a valid JSON object"));
   }
@@ -155,11 +208,12 @@ absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size
           where, ": holds ", end - begin, " bytes but shape ", ShapeToString(view.shape), " x ",
           DTypeName(*dtype), " needs ", expected_bytes));
     }
-    view.data = buffer + begin;
+    view.data = buffer == nullptr ? nullptr : buffer + begin;
     view.nbytes = end - begin;
-    auto [it, inserted] = out->emplace(name, std::move(view));
-    ranges.push_back({begin, end, &it->first});
+    out->push_back(ParsedTensor{name, std::move(view), buffer_start + begin});
+    ranges.push_back({begin, end, nullptr});
   }
+  for (size_t i = 0; i < ranges.size(); ++i) ranges[i].name = &(*out)[first + i].name;
 
   std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
@@ -178,16 +232,21 @@ absl::Status ParseSafetensors(const std::string& path, const uint8_t* data, size
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) return OpenFailure(path);
-  std::string text;
-  char chunk[1 << 16];
-  size_t n;
-  while ((n = std::fread(chunk, 1, sizeof(chunk), f)) > 0) text.append(chunk, n);
-  const bool failed = std::ferror(f) != 0;
-  std::fclose(f);
-  if (failed) return absl::InternalError(absl::StrCat(path, ": read failed"));
+absl::StatusOr<std::string> ReadJsonFile(const std::string& path) {
+  struct stat st;
+  absl::StatusOr<int> fd = OpenRegularFile(path, &st);
+  if (!fd.ok()) return fd.status();
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > kMaxJsonFileBytes) {
+    ::close(*fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, " is ", size, " bytes, beyond the ",
+                                                   kMaxJsonFileBytes >> 20,
+                                                   " MiB a checkpoint's JSON file may have"));
+  }
+  std::string text(size, '\0');
+  absl::Status read = ReadAt(*fd, path, 0, size, reinterpret_cast<uint8_t*>(text.data()));
+  ::close(*fd);
+  if (!read.ok()) return read;
   return text;
 }
 
@@ -198,48 +257,72 @@ bool FileExists(const std::string& path) {
 
 }  // namespace
 
-struct Checkpoint::MappedFile {
+// One opened file of the checkpoint. The descriptor stays open for Read; the mapping serves
+// TensorView::data. The size and modification time at open tell whether it changed since.
+struct Checkpoint::File {
   std::string path;
+  int fd = -1;
   const uint8_t* data = nullptr;
-  size_t size = 0;
+  uint64_t size = 0;
+  struct timespec mtime = {};
 
-  MappedFile() = default;
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  ~MappedFile() {
+  File() = default;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File() {
     if (data != nullptr) ::munmap(const_cast<uint8_t*>(data), size);
+    if (fd >= 0) ::close(fd);
   }
 
-  static absl::StatusOr<std::unique_ptr<MappedFile>> Map(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return OpenFailure(path);
-    auto file = std::make_unique<MappedFile>();
-    file->path = path;
+  static absl::StatusOr<std::unique_ptr<File>> Open(const std::string& path) {
     struct stat st;
-    if (::fstat(fd, &st) != 0) {
-      std::string message = absl::StrCat(path, ": fstat: ", ErrnoText());
-      ::close(fd);
-      return absl::InternalError(message);
-    }
-    file->size = static_cast<size_t>(st.st_size);
+    absl::StatusOr<int> fd = OpenRegularFile(path, &st);
+    if (!fd.ok()) return fd.status();
+    auto file = std::make_unique<File>();
+    file->path = path;
+    file->fd = *fd;
+    file->size = static_cast<uint64_t>(st.st_size);
+    file->mtime = st.st_mtim;
     // mmap rejects length 0; such a file is reported as too short by the parser.
     if (file->size > 0) {
-      void* p = ::mmap(nullptr, file->size, PROT_READ, MAP_PRIVATE, fd, 0);
-      if (p == MAP_FAILED) {
-        std::string message = absl::StrCat(path, ": mmap: ", ErrnoText());
-        ::close(fd);
-        return absl::InternalError(message);
-      }
+      void* p = ::mmap(nullptr, file->size, PROT_READ, MAP_PRIVATE, file->fd, 0);
+      if (p == MAP_FAILED) return absl::InternalError(absl::StrCat(path, ": mmap: ", ErrnoText()));
       file->data = static_cast<const uint8_t*>(p);
     }
-    ::close(fd);  // the mapping stays valid without the descriptor
     return file;
+  }
+
+  // The header's JSON text, read (not mapped) after checking its length against the file.
+  absl::StatusOr<std::string> ReadHeader() const {
+    if (size < 8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": file is ", size, " bytes, shorter than the 8-byte header length"));
+    }
+    uint64_t header_len;
+    if (absl::Status s = ReadAt(fd, path, 0, 8, reinterpret_cast<uint8_t*>(&header_len)); !s.ok()) {
+      return s;
+    }
+    if (header_len > size - 8 || header_len > kMaxHeaderBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": header length ", header_len, " exceeds the file size ", size));
+    }
+    std::string header(header_len, '\0');
+    if (absl::Status s = ReadAt(fd, path, 8, header_len, reinterpret_cast<uint8_t*>(header.data()));
+        !s.ok()) {
+      return s;
+    }
+    return header;
   }
 };
 
 Checkpoint::~Checkpoint() = default;
 
 absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
+  if (dir.empty()) {
+    return absl::InvalidArgumentError(
+        "the checkpoint path is empty; give a checkpoint directory containing config.json and "
+        "model.safetensors (or model.safetensors.index.json and its shards)");
+  }
   struct stat st;
   if (::stat(dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -250,7 +333,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   std::unique_ptr<Checkpoint> checkpoint(new Checkpoint());
   checkpoint->dir_ = dir;
   const std::string config_path = dir + "/config.json";
-  absl::StatusOr<std::string> config = ReadTextFile(config_path);
+  absl::StatusOr<std::string> config = ReadJsonFile(config_path);
   if (!config.ok()) return config.status();
   checkpoint->config_json_ = std::move(*config);
 
@@ -262,7 +345,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   if (FileExists(single_path)) {
     shards.emplace("model.safetensors", "");
   } else if (FileExists(index_path)) {
-    absl::StatusOr<std::string> index_text = ReadTextFile(index_path);
+    absl::StatusOr<std::string> index_text = ReadJsonFile(index_path);
     if (!index_text.ok()) return index_text.status();
     json index = json::parse(*index_text, nullptr, /*allow_exceptions=*/false);
     if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
@@ -288,7 +371,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
 
   for (const auto& [file_name, example_tensor] : shards) {
     const std::string path = dir + "/" + file_name;
-    absl::StatusOr<std::unique_ptr<MappedFile>> file = MappedFile::Map(path);
+    absl::StatusOr<std::unique_ptr<File>> file = File::Open(path);
     if (!file.ok()) {
       if (absl::IsNotFound(file.status()) && !example_tensor.empty()) {
         return absl::NotFoundError(absl::StrCat("shard ", path, " (holding tensor '",
@@ -297,15 +380,18 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
       }
       return file.status();
     }
-    std::map<std::string, TensorView> tensors;
-    absl::Status parsed = ParseSafetensors(path, (*file)->data, (*file)->size, &tensors);
+    absl::StatusOr<std::string> header = (*file)->ReadHeader();
+    if (!header.ok()) return header.status();
+    std::vector<ParsedTensor> tensors;
+    absl::Status parsed = ParseSafetensors(path, *header, (*file)->size, (*file)->data, &tensors);
     if (!parsed.ok()) return parsed;
-    for (auto& [name, view] : tensors) {
-      if (checkpoint->tensors_.count(name) != 0) {
+    for (ParsedTensor& t : tensors) {
+      if (checkpoint->tensors_.count(t.name) != 0) {
         return absl::InvalidArgumentError(
-            absl::StrCat(path, ": tensor '", name, "' also appears in another shard of ", dir));
+            absl::StrCat(path, ": tensor '", t.name, "' also appears in another shard of ", dir));
       }
-      checkpoint->tensors_.emplace(name, std::move(view));
+      checkpoint->tensors_.emplace(
+          t.name, Entry{std::move(t.view), checkpoint->files_.size(), t.file_offset});
     }
     checkpoint->files_.push_back(std::move(*file));
   }
@@ -322,7 +408,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
 
 const TensorView* Checkpoint::Find(const std::string& name) const {
   auto it = tensors_.find(name);
-  return it == tensors_.end() ? nullptr : &it->second;
+  return it == tensors_.end() ? nullptr : &it->second.view;
 }
 
 std::vector<std::string> Checkpoint::TensorNames() const {
@@ -330,6 +416,45 @@ std::vector<std::string> Checkpoint::TensorNames() const {
   names.reserve(tensors_.size());
   for (const auto& entry : tensors_) names.push_back(entry.first);
   return names;
+}
+
+absl::Status Checkpoint::Read(const std::string& name, uint8_t* out,
+                              const std::function<bool()>& cancelled) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor ", name, ": not in the checkpoint at ", dir_));
+  }
+  const Entry& entry = it->second;
+  const File& file = *files_[entry.file];
+  for (size_t done = 0; done < entry.view.nbytes; done += kReadChunkBytes) {
+    if (cancelled && cancelled()) {
+      return absl::CancelledError(absl::StrCat("cancelled while ", file.path, " was read"));
+    }
+    const size_t n = std::min(kReadChunkBytes, entry.view.nbytes - done);
+    if (absl::Status s = ReadAt(file.fd, file.path, entry.file_offset + done, n, out + done);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoint::CheckUnchanged() const {
+  for (const std::unique_ptr<File>& file : files_) {
+    struct stat st;
+    if (::fstat(file->fd, &st) != 0) {
+      return absl::InternalError(absl::StrCat(file->path, ": fstat: ", ErrnoText()));
+    }
+    if (static_cast<uint64_t>(st.st_size) != file->size ||
+        st.st_mtim.tv_sec != file->mtime.tv_sec || st.st_mtim.tv_nsec != file->mtime.tv_nsec) {
+      return absl::AbortedError(
+          absl::StrCat(file->path, " changed while it was read (", file->size,
+                       " bytes when opened, ", st.st_size,
+                       " now); write a new checkpoint to a directory of its own and update from "
+                       "that"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<float>> Checkpoint::ReadF32(const std::string& name,
@@ -345,25 +470,14 @@ absl::StatusOr<std::vector<float>> Checkpoint::ReadF32(const std::string& name,
   }
   const size_t count = view->nbytes / DTypeSize(view->dtype);
   std::vector<float> out(count);
-  // Tensors need not be aligned inside the file, hence memcpy per element.
-  switch (view->dtype) {
-    case DType::kF32:
-      std::memcpy(out.data(), view->data, count * sizeof(float));
-      break;
-    case DType::kBF16:
-      for (size_t i = 0; i < count; ++i) {
-        uint16_t bits;
-        std::memcpy(&bits, view->data + 2 * i, 2);
-        out[i] = BF16ToF32(bits);
-      }
-      break;
-    case DType::kF16:
-      for (size_t i = 0; i < count; ++i) {
-        uint16_t bits;
-        std::memcpy(&bits, view->data + 2 * i, 2);
-        out[i] = F16ToF32(bits);
-      }
-      break;
+  if (view->dtype == DType::kF32) {
+    if (absl::Status s = Read(name, reinterpret_cast<uint8_t*>(out.data())); !s.ok()) return s;
+    return out;
+  }
+  std::vector<uint16_t> half(count);
+  if (absl::Status s = Read(name, reinterpret_cast<uint8_t*>(half.data())); !s.ok()) return s;
+  for (size_t i = 0; i < count; ++i) {
+    out[i] = view->dtype == DType::kBF16 ? BF16ToF32(half[i]) : F16ToF32(half[i]);
   }
   return out;
 }

@@ -28,16 +28,22 @@ std::string ShapeToString(const std::vector<int64_t>& shape);
 struct TensorView {
   DType dtype;
   std::vector<int64_t> shape;
-  const uint8_t* data = nullptr;  // little-endian, row-major
+  // Little-endian, row-major, in the file's mapping: touching it after the file was truncated
+  // raises SIGBUS. Code that must survive files changing under it (weight updates) uses
+  // Checkpoint::Read instead.
+  const uint8_t* data = nullptr;
   size_t nbytes = 0;
 };
 
 // A Hugging Face checkpoint directory: config.json plus either model.safetensors or
-// model.safetensors.index.json with its shards. Files are memory-mapped read-only.
-// Immutable after Open; safe to read from any thread.
+// model.safetensors.index.json with its shards. Every file must be a regular file (a FIFO or a
+// device is refused, never waited on) and the JSON files at most 64 MiB. Files stay open and
+// memory-mapped read-only; headers are read, not mapped. Immutable after Open; safe to read
+// from any thread.
 class Checkpoint {
  public:
-  // Opens `dir`. Corrupt headers, offsets outside the file, overlapping tensors, unknown
+  // Opens `dir`. An empty path, a symlink loop, a directory or other non-regular file where a
+  // file belongs, corrupt headers, offsets outside the file, overlapping tensors, unknown
   // dtypes, byte counts that disagree with shape x dtype, a missing shard, or a tensor named in
   // the index but absent from its shard are errors naming the file and tensor.
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
@@ -52,19 +58,34 @@ class Checkpoint {
   const TensorView* Find(const std::string& name) const;
   std::vector<std::string> TensorNames() const;  // sorted
 
-  // Converts the named tensor to fp32, checking that it exists and has `shape`.
-  // NOT_FOUND / INVALID_ARGUMENT name the tensor and the expected vs actual shape.
+  // Copies the named tensor's nbytes into `out` with bounded reads of its file, never through
+  // the mapping: a file truncated meanwhile is ABORTED for this read, not a SIGBUS. `cancelled`
+  // (optional) is asked before each read of at most 64 MiB: CANCELLED once it answers true.
+  // NOT_FOUND for an unknown name.
+  absl::Status Read(const std::string& name, uint8_t* out,
+                    const std::function<bool()>& cancelled = nullptr) const;
+  // ABORTED if a file's size or modification time changed since Open (so bytes read may mix
+  // two versions of it).
+  absl::Status CheckUnchanged() const;
+
+  // Converts the named tensor to fp32 (read as Read does), checking that it exists and has
+  // `shape`. NOT_FOUND / INVALID_ARGUMENT name the tensor and the expected vs actual shape.
   absl::StatusOr<std::vector<float>> ReadF32(const std::string& name,
                                              const std::vector<int64_t>& shape) const;
 
  private:
-  struct MappedFile;
+  struct File;
+  struct Entry {
+    TensorView view;
+    size_t file;           // index into files_
+    uint64_t file_offset;  // of its first byte
+  };
   Checkpoint() = default;
 
   std::string dir_;
   std::string config_json_;
-  std::vector<std::unique_ptr<MappedFile>> files_;
-  std::map<std::string, TensorView> tensors_;
+  std::vector<std::unique_ptr<File>> files_;
+  std::map<std::string, Entry> tensors_;
 };
 
 // A tensor to write, held in host memory.

@@ -1,11 +1,16 @@
 #include "model/safetensors.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -220,6 +225,123 @@ TEST(SafetensorsTest, TruncatedFilesAreInvalidArgumentNamingFileAndTensor) {
   EXPECT_EQ(data.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(data.message(), HasSubstr(path));
   EXPECT_THAT(data.message(), HasSubstr("'c.f16'"));
+}
+
+// A file truncated after Open (a trainer rewriting the checkpoint being loaded) is an error
+// for that read, not a SIGBUS: tensor bytes are read from the file, never through the mapping.
+TEST(SafetensorsTest, AFileTruncatedAfterOpenIsAbortedForThatReadNotACrash) {
+  const std::string dir = TestDir();
+  const std::string path = SingleFileCheckpoint(dir);
+  std::unique_ptr<Checkpoint> checkpoint = *Checkpoint::Open(dir);
+  fs::resize_file(path, 0);  // every page of the mapping now lies past the end of the file
+  absl::StatusOr<std::vector<float>> values = checkpoint->ReadF32("a.f32", {2, 3});
+  EXPECT_EQ(values.status().code(), absl::StatusCode::kAborted) << values.status();
+  EXPECT_THAT(values.status().message(), HasSubstr(path));
+  EXPECT_THAT(values.status().message(), HasSubstr("truncated or rewritten while it was read"));
+  std::vector<uint8_t> bytes(checkpoint->Find("b.bf16")->nbytes);
+  EXPECT_EQ(checkpoint->Read("b.bf16", bytes.data()).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(checkpoint->CheckUnchanged().code(), absl::StatusCode::kAborted);
+}
+
+// Rewritten in place at the same size: reads succeed but may mix two versions, which
+// CheckUnchanged reports (the file's modification time moved).
+TEST(SafetensorsTest, AFileRewrittenAfterOpenIsReportedByCheckUnchanged) {
+  const std::string dir = TestDir();
+  const std::string path = SingleFileCheckpoint(dir);
+  std::unique_ptr<Checkpoint> checkpoint = *Checkpoint::Open(dir);
+  EXPECT_TRUE(checkpoint->CheckUnchanged().ok());
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-1, std::ios::end);
+    f.put('\x7f');
+  }
+  fs::last_write_time(path, fs::last_write_time(path) + std::chrono::seconds(1));
+  absl::Status s = checkpoint->CheckUnchanged();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_THAT(s.message(), HasSubstr(path + " changed while it was read"));
+}
+
+TEST(SafetensorsTest, AReadStopsOnceItsCallerCancelled) {
+  const std::string dir = TestDir();
+  SingleFileCheckpoint(dir);
+  std::unique_ptr<Checkpoint> checkpoint = *Checkpoint::Open(dir);
+  std::vector<uint8_t> bytes(checkpoint->Find("a.f32")->nbytes);
+  EXPECT_EQ(checkpoint->Read("a.f32", bytes.data(), [] { return true; }).code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_TRUE(checkpoint->Read("a.f32", bytes.data(), [] { return false; }).ok());
+  EXPECT_EQ(checkpoint->Read("nope", bytes.data()).code(), absl::StatusCode::kNotFound);
+}
+
+// What a caller got wrong in a path is INVALID_ARGUMENT naming it, never INTERNAL: an empty
+// path (it once read /config.json), a directory or a symlink loop where a file belongs.
+TEST(SafetensorsTest, EmptyPathsDirectoriesAndSymlinkLoopsAreInvalidArgument) {
+  EXPECT_EQ(OpenError("").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(OpenError("").message(), HasSubstr("the checkpoint path is empty"));
+  struct Case {
+    std::string name;
+    std::function<void(const std::string& dir)> make;
+    std::string file, expect;
+  };
+  const std::vector<Case> cases = {
+      {"config.json a directory",
+       [](const std::string& d) { fs::create_directory(d + "/config.json"); }, "config.json",
+       "is a directory, not a file"},
+      {"model.safetensors a directory",
+       [](const std::string& d) {
+         WriteText(d + "/config.json", "{}");
+         fs::create_directory(d + "/model.safetensors");
+       },
+       "model.safetensors", "is a directory, not a file"},
+      {"config.json a symlink loop",
+       [](const std::string& d) {
+         fs::create_symlink(d + "/loop-b", d + "/loop-a");
+         fs::create_symlink(d + "/loop-a", d + "/loop-b");
+         fs::create_symlink(d + "/loop-a", d + "/config.json");
+       },
+       "config.json", "symbolic links"},
+  };
+  for (const Case& c : cases) {
+    const std::string dir = TestDir() + "/" + std::to_string(&c - cases.data());
+    fs::create_directories(dir);
+    c.make(dir);
+    absl::Status s = OpenError(dir);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.name << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr(dir + "/" + c.file)) << c.name;
+    EXPECT_THAT(s.message(), HasSubstr(c.expect)) << c.name;
+  }
+}
+
+// Opening a FIFO for reading waits for a writer; reading /dev/zero never ends. Both are refused
+// at once, as are JSON files beyond 64 MiB, before a byte is read into memory.
+TEST(SafetensorsTest, NonRegularFilesAndHugeJsonFilesAreRefusedAtOnce) {
+  const std::string fifo_dir = TestDir() + "/fifo";
+  fs::create_directories(fifo_dir);
+  ASSERT_EQ(::mkfifo((fifo_dir + "/config.json").c_str(), 0600), 0);
+  auto opened = std::async(std::launch::async, [&] { return OpenError(fifo_dir); });
+  if (opened.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "opening a checkpoint whose config.json is a FIFO waits for a writer";
+    const int fd = ::open((fifo_dir + "/config.json").c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) ::close(fd);  // lets the blocked open go on (and see EOF)
+  }
+  absl::Status fifo = opened.get();
+  EXPECT_EQ(fifo.code(), absl::StatusCode::kInvalidArgument) << fifo;
+  EXPECT_THAT(fifo.message(), HasSubstr("is not a regular file"));
+
+  const std::string shard_dir = TestDir() + "/shard";
+  fs::create_directories(shard_dir);
+  WriteText(shard_dir + "/config.json", "{}");
+  fs::create_symlink("/dev/zero", shard_dir + "/model.safetensors");
+  absl::Status shard = OpenError(shard_dir);
+  EXPECT_EQ(shard.code(), absl::StatusCode::kInvalidArgument) << shard;
+  EXPECT_THAT(shard.message(), HasSubstr(shard_dir + "/model.safetensors is not a regular file"));
+
+  const std::string huge_dir = TestDir() + "/huge";
+  fs::create_directories(huge_dir);
+  WriteText(huge_dir + "/config.json", "{}");
+  fs::resize_file(huge_dir + "/config.json", (64u << 20) + 1);  // sparse: no disk used
+  absl::Status huge = OpenError(huge_dir);
+  EXPECT_EQ(huge.code(), absl::StatusCode::kInvalidArgument) << huge;
+  EXPECT_THAT(huge.message(), HasSubstr("beyond the 64 MiB"));
 }
 
 TEST(SafetensorsTest, CorruptHeaderJsonIsInvalidArgument) {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "glog/logging.h"
 #include "server/generate_reactor.h"
 #include "server/score_reactor.h"
 #include "server/status_util.h"
@@ -118,9 +119,13 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
       return;
     }
     const auto start = std::chrono::steady_clock::now();
+    // The caller's deadline and cancel (and a shutdown, which cancels every call) stop the read
+    // between two bounded reads, so the slot is never held for a caller that gave up.
     absl::StatusOr<WeightUpdate> update =
-        LoadUpdateFromCheckpoint(engine_->weight_specs(), path, version, FromProto(policy));
+        LoadUpdateFromCheckpoint(engine_->weight_specs(), path, version, FromProto(policy),
+                                 [context] { return context->IsCancelled(); });
     if (!update.ok()) {
+      LOG(WARNING) << "weight update from path '" << path << "' failed: " << update.status();
       if (metrics_ != nullptr) metrics_->RecordUpdate(0, false);
       ReleaseUpdateSlot();
       reactor->Finish(ToGrpcStatus(update.status()));
@@ -145,6 +150,9 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
           if (metrics_ != nullptr) {
             metrics_->RecordUpdate(response->receive_seconds() + response->swap_seconds(),
                                    r.status.ok());
+          }
+          if (!r.status.ok()) {
+            LOG(WARNING) << "weight update to '" << response->version() << "' failed: " << r.status;
           }
           ReleaseUpdateSlot();
           reactor->Finish(ToGrpcStatus(r.status));

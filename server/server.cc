@@ -24,6 +24,7 @@
 #include "model/safetensors.h"
 #include "model/weight_digest.h"
 #include "runner/backend.h"
+#include "server/weights_staging.h"
 
 namespace rollout {
 namespace {
@@ -123,6 +124,9 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   const ServerOptions options = WithBackendDefaults(given);
   auto server = std::unique_ptr<RolloutServer>(new RolloutServer());
   // Configuration errors first, before minutes of model loading.
+  if (absl::Status s = CheckWeightVersion(options.weight_version); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--weight_version: ", s.message()));
+  }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(options);
   if (!credentials.ok()) return credentials.status();
@@ -148,6 +152,13 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   if (absl::Status s = CheckBackend(backend); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(server->model_dir_);
   if (!checkpoint.ok()) return checkpoint.status();
+  uint64_t checkpoint_bytes = 0;
+  for (const std::string& name : (*checkpoint)->TensorNames()) {
+    checkpoint_bytes += (*checkpoint)->Find(name)->nbytes;
+  }
+  LOG(INFO) << absl::StrFormat("loading the model from %s: %d tensors, %.1f MiB, on the %s backend",
+                               server->model_dir_, (*checkpoint)->TensorNames().size(),
+                               checkpoint_bytes / 1048576.0, options.backend);
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner = CreateModelRunner(**checkpoint, backend);
   if (!runner.ok()) return runner.status();
   const ModelConfig& c = (*runner)->config();

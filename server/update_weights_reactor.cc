@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 #include "server/status_util.h"
 
 namespace rollout {
@@ -102,6 +103,11 @@ void UpdateWeightsReactor::FinishOnce(const grpc::Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_) return;
   finished_ = true;
+  if (!status.ok()) {
+    LOG(WARNING) << "weight update stream failed: "
+                 << absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))
+                 << ": " << status.error_message();
+  }
   ReleaseSlotLocked();
   Finish(status);
 }

@@ -5,7 +5,9 @@
 #include <memory>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "glog/logging.h"
 #include "model/safetensors.h"
 #include "model/weight_digest.h"
 
@@ -26,8 +28,8 @@ absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
   if (has_header_) {
     return absl::InvalidArgumentError("a second WeightsHeader; send exactly one, first");
   }
-  if (header.version().empty()) {
-    return absl::InvalidArgumentError("header.version is empty; name the new weight version");
+  if (absl::Status s = CheckWeightVersion(header.version()); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.", s.message()));
   }
   if (header.tensors().empty()) {
     return absl::InvalidArgumentError("header.tensors is empty; declare the tensors to replace");
@@ -130,9 +132,12 @@ absl::StatusOr<WeightUpdate> WeightsStaging::Finish() {
 absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSpec>& specs,
                                                       const std::string& path,
                                                       const std::string& version,
-                                                      UpdatePolicy policy) {
-  if (version.empty()) {
-    return absl::InvalidArgumentError("version is empty; name the new weight version");
+                                                      UpdatePolicy policy,
+                                                      const std::function<bool()>& cancelled) {
+  if (absl::Status s = CheckWeightVersion(version); !s.ok()) return s;
+  if (path.empty()) {
+    return absl::InvalidArgumentError(
+        "path is empty; give the checkpoint directory on the server's disk");
   }
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(path);
   if (!checkpoint.ok()) return checkpoint.status();
@@ -149,12 +154,38 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
         !s.ok()) {
       return absl::InvalidArgumentError(absl::StrFormat("%s: %s", path, s.message()));
     }
-    update.tensors.push_back(
-        HostTensor{spec.name, view->dtype, view->shape,
-                   std::vector<uint8_t>(view->data, view->data + view->nbytes)});
+  }
+  uint64_t bytes = 0;
+  for (const WeightSpec& spec : specs) bytes += (*checkpoint)->Find(spec.name)->nbytes;
+  LOG(INFO) << absl::StrFormat("reading weight version '%s' from %s: %d tensors, %.1f MiB", version,
+                               path, specs.size(), bytes / 1048576.0);
+  for (const WeightSpec& spec : specs) {
+    const TensorView* view = (*checkpoint)->Find(spec.name);
+    HostTensor& t = update.tensors.emplace_back(
+        HostTensor{spec.name, view->dtype, view->shape, std::vector<uint8_t>(view->nbytes)});
+    // Read, not copied from the mapping: a file truncated meanwhile fails this update only.
+    if (absl::Status s = (*checkpoint)->Read(spec.name, t.bytes.data(), cancelled); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(s.message(), "; nothing was applied"));
+    }
+  }
+  if (absl::Status s = (*checkpoint)->CheckUnchanged(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(s.message(), "; nothing was applied"));
   }
   update.digests = DigestTensors(update.tensors);
   return update;
+}
+
+absl::Status CheckWeightVersion(const std::string& version) {
+  if (version.empty()) {
+    return absl::InvalidArgumentError("version is empty; name the new weight version");
+  }
+  if (version.size() > kMaxWeightVersionBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("version is %d bytes, beyond the limit of %d (it is copied into every "
+                        "completion)",
+                        version.size(), kMaxWeightVersionBytes));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace rollout

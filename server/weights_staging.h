@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -55,10 +56,15 @@ class WeightsStaging {
 UpdatePolicy FromProto(v1::InFlightPolicy policy);
 
 // Reads every weight the model serves from the checkpoint at `path` into an update,
-// validated as a streamed one would be.
-absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSpec>& specs,
-                                                      const std::string& path,
-                                                      const std::string& version,
-                                                      UpdatePolicy policy);
+// validated as a streamed one would be. Reads are bounded (Checkpoint::Read): a file truncated
+// or rewritten meanwhile is ABORTED, never a crash. `cancelled` (optional) is asked between
+// reads: CANCELLED once the caller gave up (deadline, cancel, shutdown).
+absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(
+    const std::vector<WeightSpec>& specs, const std::string& path, const std::string& version,
+    UpdatePolicy policy, const std::function<bool()>& cancelled = nullptr);
+
+// A weight version names what serves and is copied into every completion: non-empty and at most
+// kMaxWeightVersionBytes. INVALID_ARGUMENT saying which.
+absl::Status CheckWeightVersion(const std::string& version);
 
 }  // namespace rollout
