@@ -203,9 +203,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   mg_error_data error = {&code, text, sizeof(text)};
   server->context_ = mg_start2(&init, &error);
   if (server->context_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", address, ": ",
-                                               text[0] ? text : "unknown error", " (error ", code,
-                                               ")"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", text[0] ? text : "unknown error",
+                     code != 0 ? absl::StrCat(" (error ", code, ")") : ""));
   }
   mg_set_request_handler(server->context_, "/metrics", &MetricsHttpServer::HandleRequest,
                          server.get());

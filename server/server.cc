@@ -1,11 +1,15 @@
 #include "server/server.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -13,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "glog/logging.h"
@@ -53,6 +58,20 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) 
   return out.str();
 }
 
+// The PEM block a TLS file must hold, named for the message when it holds the other one.
+absl::Status CheckPem(const std::string& text, const std::string& file, const char* flag,
+                      bool certificate) {
+  const bool has_cert = text.find("-----BEGIN CERTIFICATE-----") != std::string::npos;
+  const bool has_key = text.find("PRIVATE KEY-----") != std::string::npos;
+  if (certificate ? has_cert : has_key) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(flag, " ", file, " holds no PEM ", certificate ? "certificate" : "private key",
+                   (certificate ? has_key : has_cert)
+                       ? absl::StrCat(" but a ", certificate ? "private key" : "certificate",
+                                      ": are --tls_cert and --tls_key swapped?")
+                       : ""));
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const ServerOptions& options) {
   if (options.tls_cert_file.empty() && options.tls_key_file.empty()) {
@@ -68,6 +87,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (!cert.ok()) return cert.status();
   absl::StatusOr<std::string> key = ReadFile(options.tls_key_file, "TLS key");
   if (!key.ok()) return key.status();
+  if (absl::Status s = CheckPem(*cert, options.tls_cert_file, "--tls_cert", true); !s.ok())
+    return s;
+  if (absl::Status s = CheckPem(*key, options.tls_key_file, "--tls_key", false); !s.ok()) return s;
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({*key, *cert});
   if (!options.tls_client_ca_file.empty()) {
@@ -77,6 +99,69 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(ssl);
+}
+
+// Why host:port cannot be bound, found by binding it (with SO_REUSEADDR, as gRPC does, so a
+// port in TIME_WAIT is not "in use"); OK when it can be bound now. For error messages only.
+absl::Status ProbeBind(const std::string& host, int port) {
+  std::string name = host;
+  if (name.size() >= 2 && name.front() == '[' && name.back() == ']') {
+    name = name.substr(1, name.size() - 2);
+  }
+  addrinfo hints = {};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int e =
+          ::getaddrinfo(name.empty() ? nullptr : name.c_str(), service.c_str(), &hints, &found);
+      e != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("host '%s' does not resolve (%s)", host, ::gai_strerror(e)));
+  }
+  absl::Status status = absl::OkStatus();
+  const int fd = ::socket(found->ai_family, found->ai_socktype, found->ai_protocol);
+  if (fd >= 0) {
+    const int on = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+    if (::bind(fd, found->ai_addr, found->ai_addrlen) != 0) {
+      const int e = errno;
+      if (e == EADDRINUSE) {
+        status = absl::UnavailableError(
+            absl::StrFormat("port %d is in use (another server listens on it)", port));
+      } else {
+        status = absl::InvalidArgumentError(
+            absl::StrFormat("cannot bind %s:%d: %s", host, port, std::strerror(e)));
+      }
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return status;
+}
+
+// Why gRPC did not listen on `address`, as precisely as can be found out: a port in use, an
+// address that cannot be bound, else the TLS credentials (with TLS) or the address's syntax.
+absl::Status ListenFailure(const std::string& address, bool tls) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon != std::string::npos && absl::SimpleAtoi(address.substr(colon + 1), &port) &&
+      port > 0) {
+    absl::Status why = ProbeBind(address.substr(0, colon), port);
+    if (!why.ok()) {
+      return absl::Status(why.code(), absl::StrFormat("cannot listen on %s: %s; stop it or pick "
+                                                      "another --port",
+                                                      address, why.message()));
+    }
+  }
+  if (tls) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cannot listen on %s: gRPC refused the TLS certificate and key (gRPC's log above says "
+        "why); check that --tls_key is the private key of --tls_cert",
+        address));
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "cannot listen on %s: not a valid host:port (gRPC's log above says why)", address));
 }
 
 }  // namespace
@@ -203,24 +288,11 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
       AccessPolicy{options.auth_token, options.auth_all_rpcs}, server->metrics_.get(),
       options.max_queued_samples, options.stream_limits);
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(server->metrics_.get()));
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  builder.AddListeningPort(options.address, *credentials, &server->port_);
-  builder.RegisterService(server->service_.get());
-  builder.SetMaxReceiveMessageSize(64 << 20);
-  builder.SetMaxSendMessageSize(256 << 20);
-  server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrFormat(
-        "cannot listen on %s (address in use or not a valid host:port)", options.address));
-  }
-  server->server_->GetHealthCheckService()->SetServingStatus(true);
+  const std::string host = options.address.substr(0, options.address.rfind(':'));
   if (options.metrics_port > 0) {
-    const std::string host = options.address.substr(0, options.address.rfind(':'));
+    // Before the gRPC port, so that no client reaches a server about to refuse to start. A
+    // metrics port that cannot be bound stops the start: monitoring that silently sees nothing
+    // is worse than a server that says why it will not run.
     const std::string address = absl::StrCat(host, ":", options.metrics_port);
     Engine* engine = server->engine_.get();
     ServiceMetrics* metrics = server->metrics_.get();
@@ -228,14 +300,35 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
         MetricsHttpServer::Start(address, [engine, metrics] {
           return metrics->Render(engine->counters(), engine->weight_version(), engine->paused());
         });
-    if (http.ok()) {
-      server->metrics_http_ = *std::move(http);
-      LOG(INFO) << "metrics at http://" << address << "/metrics";
-    } else {
-      // Metrics are an aid, not the service: rollouts go on without them.
-      LOG(WARNING) << "serving without metrics: " << http.status();
+    if (!http.ok()) {
+      const absl::Status why = ProbeBind(host, options.metrics_port);
+      return absl::UnavailableError(absl::StrFormat(
+          "cannot serve metrics on %s (--metrics_port %d): %s; pick another --metrics_port, or "
+          "--metrics_port=0 to serve without metrics",
+          address, options.metrics_port, why.ok() ? http.status().message() : why.message()));
     }
+    server->metrics_http_ = *std::move(http);
+    LOG(INFO) << "metrics at http://" << address << "/metrics";
   }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(server->metrics_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  // gRPC turns SO_REUSEPORT on by default, which lets a second server (another model, another
+  // version) listen on a taken port and take half the clients; one server per port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(options.address, *credentials, &server->port_);
+  builder.RegisterService(server->service_.get());
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxSendMessageSize(256 << 20);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return ListenFailure(options.address, !options.tls_cert_file.empty());
+  }
+  server->server_->GetHealthCheckService()->SetServingStatus(true);
   LOG(INFO) << "rollout server listening on port " << server->port_ << " (" << options.address
             << ")";
   return server;

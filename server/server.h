@@ -79,8 +79,8 @@ absl::StatusOr<std::string> EnsureDefaultModel();
 // A running server: engine, service and gRPC server (with grpc.health.v1). Thread-safe.
 class RolloutServer {
  public:
-  // Loads the model, starts the engine and listens. Errors name what failed (model path,
-  // address in use, ...).
+  // Loads the model, starts the engine and listens. Errors name what failed (model path, a port
+  // in use -- the gRPC port is never shared -- a metrics port that cannot be bound, TLS files).
   static absl::StatusOr<std::unique_ptr<RolloutServer>> Start(const ServerOptions& options);
   // Shuts down: stops accepting, aborts in-flight samples, waits for calls to finish.
   ~RolloutServer();
