@@ -92,9 +92,12 @@ absl::Status Engine::Validate(const SampleSpec& spec) const {
         "of %d tokens",
         spec.prompt.size(), p.max_new_tokens, total, max_context()));
   }
-  if (!std::isfinite(p.temperature) || p.temperature < 0) {
+  if (!std::isfinite(p.temperature) || p.temperature < 0 ||
+      (p.temperature > 0 && p.temperature < kMinTemperature)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "sampling.temperature = %g; it must be finite and >= 0 (0 = greedy)", p.temperature));
+        "sampling.temperature = %g; it must be 0 (greedy) or finite and at least %g (below, "
+        "logits / temperature leave fp32's range)",
+        p.temperature, kMinTemperature));
   }
   if (p.top_k < 0) {
     return absl::InvalidArgumentError(

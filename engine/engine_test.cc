@@ -385,6 +385,25 @@ TEST(EngineTest, SubmitRejectsInvalidSamplesWithAnActionableMessage) {
       << job.status();
 }
 
+// Below kMinTemperature, logits / T leave fp32's range (at 1e-45 every positive logit became
+// the largest float and logprobs -inf): such temperatures are refused; 0 (greedy) and the
+// minimum itself run.
+TEST(EngineTest, TemperaturesBetweenZeroAndTheMinimumAreRefused) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  for (float t : {1e-45f, 1e-38f, 1e-6f, 0.00099f}) {
+    SampleSpec spec = Workload()[0];
+    spec.params.temperature = t;
+    const absl::Status s = engine->Validate(spec);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << t;
+    EXPECT_NE(s.message().find("at least 0.001"), std::string::npos) << s;
+  }
+  for (float t : {0.0f, kMinTemperature, 1.0f}) {
+    SampleSpec spec = Workload()[0];
+    spec.params.temperature = t;
+    EXPECT_TRUE(engine->Validate(spec).ok()) << t;
+  }
+}
+
 // The server validates each request where its client learns of an error, then submits without
 // a second check: the same samples give the same bits either way, and an empty job is refused.
 TEST(EngineTest, SubmitValidatedRunsTheSamplesOfSubmitBitwise) {

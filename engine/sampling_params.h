@@ -5,10 +5,17 @@
 
 namespace rollout {
 
+// The smallest temperature above 0 (greedy). Samplers divide fp32 logits by T; below this the
+// quotients of ordinary logits approach fp32's range (at T = 1e-45, 1 / T is inf: every
+// positive logit became the same largest float, and logprobs -inf) while the sampling it asks
+// for is already greedy in effect (the Gumbel noise, at most ~17, is dwarfed by logit gaps
+// times 1000). Smaller positive temperatures are refused; 0 asks for greedy.
+inline constexpr float kMinTemperature = 1e-3f;
+
 // How one sample picks its next token. Validated by the server before it reaches the engine;
 // see docs/api.md for the exact definitions.
 struct SamplingParams {
-  float temperature = 1.0f;  // 0 = greedy
+  float temperature = 1.0f;  // 0 = greedy, else at least kMinTemperature
   int32_t top_k = 0;         // 0 = off
   float top_p = 1.0f;        // in (0, 1]
   float min_p = 0.0f;        // in [0, 1]

@@ -140,10 +140,13 @@ absl::StatusOr<std::vector<SampleSpec>> ToScoreSpecs(const v1::ScoreRequest& req
           "sequences[%d].start = %d; it must be in [1, %d) (token_ids has %d tokens)", i,
           seq.start(), seq.token_ids_size(), seq.token_ids_size()));
     }
-    if (seq.has_temperature() && !(seq.temperature() >= 0.0f && std::isfinite(seq.temperature()))) {
+    if (seq.has_temperature() &&
+        !(std::isfinite(seq.temperature()) &&
+          (seq.temperature() == 0.0f || seq.temperature() >= kMinTemperature))) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "sequences[%d].temperature = %g; it must be finite and >= 0 (0 scores as 1)", i,
-          seq.temperature()));
+          "sequences[%d].temperature = %g; it must be 0 (scores as 1) or finite and at least %g "
+          "(below, logits / temperature leave fp32's range)",
+          i, seq.temperature(), kMinTemperature));
     }
     if (seq.top_logprobs() > 1024) {
       return absl::InvalidArgumentError(absl::StrFormat(
