@@ -20,10 +20,11 @@ void RecordSamples(const std::vector<SampleEvent>& events, ServiceMetrics* metri
 }  // namespace
 
 GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request,
-                                 const absl::Status& access)
+                                 const absl::StatusOr<CallerScope>& caller)
     : service_(service), stream_(std::make_shared<Stream>()) {
   stream_->reactor = this;
-  const absl::Status allowed = access.ok() ? ValidateStreamOptions(request->stream()) : access;
+  const absl::Status allowed =
+      caller.ok() ? ValidateStreamOptions(request->stream()) : caller.status();
   absl::StatusOr<std::vector<SampleSpec>> specs =
       allowed.ok() ? ToSampleSpecs(*request, *service_->engine()) : allowed;
   if (!specs.ok()) {
@@ -32,6 +33,7 @@ GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::Generate
     Finish(ToGrpcStatus(specs.status()));
     return;
   }
+  caller_ = *caller;
   std::vector<uint32_t> samples_per_rollout;
   for (const v1::RolloutRequest& r : request->rollouts()) {
     request_ids_.push_back(r.request_id());
@@ -48,7 +50,7 @@ GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::Generate
   {
     // Held across the submission so that OnCancel sees the job id and events wait for it.
     std::lock_guard<std::mutex> lock(stream_->mu);
-    job = service_->StartGenerate(request_ids_, *std::move(specs),
+    job = service_->StartGenerate(caller_, request_ids_, *std::move(specs),
                                   [stream, metrics](std::vector<SampleEvent> events) {
                                     if (metrics != nullptr) RecordSamples(events, metrics);
                                     std::lock_guard<std::mutex> lock(stream->mu);
@@ -182,7 +184,7 @@ void GenerateReactor::OnDone() {
     // A call that ended early (write failure) must not leave samples running.
     if (submitted_ && stream_->completions_left > 0) service_->engine()->Abort(job_id_);
   }
-  if (submitted_) service_->EndGenerate(job_id_, request_ids_);
+  if (submitted_) service_->EndGenerate(caller_, job_id_, request_ids_);
   delete this;
 }
 

@@ -29,9 +29,10 @@ namespace rollout {
 // aborted and its queue dropped.
 class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
-  // `access`: the caller's access check; a failure finishes the call at once.
+  // `caller`: the caller's access check (a failure finishes the call at once) and whose
+  // request ids it uses.
   GenerateReactor(RolloutServiceImpl* service, const v1::GenerateRequest* request,
-                  const absl::Status& access);
+                  const absl::StatusOr<CallerScope>& caller);
 
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
@@ -74,7 +75,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
 
   RolloutServiceImpl* const service_;
   std::shared_ptr<Stream> stream_;
-  std::vector<std::string> request_ids_;  // per rollout; released in OnDone
+  CallerScope caller_ = CallerScope::kTrusted;
+  std::vector<std::string> request_ids_;  // per rollout, in caller_'s scope; released in OnDone
   uint64_t job_id_ = 0;
   bool submitted_ = false;
   // The alarm of the current pause (a new one per pause; destroying one cancels it). Guarded

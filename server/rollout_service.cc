@@ -44,25 +44,34 @@ RolloutServiceImpl::~RolloutServiceImpl() {
   loader_.reset();
 }
 
-absl::Status RolloutServiceImpl::CheckAccess(const grpc::CallbackServerContext* context,
-                                             bool control) const {
-  if (access_.bearer_token.empty() || (!control && !access_.all_rpcs)) return absl::OkStatus();
+absl::StatusOr<CallerScope> RolloutServiceImpl::Authenticate(
+    const grpc::CallbackServerContext* context, bool control) const {
+  if (access_.bearer_token.empty()) return CallerScope::kTrusted;
   const auto& metadata = context->client_metadata();
   auto it = metadata.find("authorization");
+  absl::Status denied;
   if (it == metadata.end()) {
-    return absl::UnauthenticatedError(
+    denied = absl::UnauthenticatedError(
         "this call needs 'authorization: Bearer <token>' metadata (the server was started with "
         "a token)");
+  } else {
+    const std::string given(it->second.data(), it->second.size());
+    const std::string expected = "Bearer " + access_.bearer_token;
+    // Constant time in the token's content, so timing does not reveal a matching prefix.
+    unsigned char diff = given.size() == expected.size() ? 0 : 1;
+    for (size_t i = 0; i < expected.size(); ++i) {
+      diff |= static_cast<unsigned char>(expected[i] ^ (i < given.size() ? given[i] : 0));
+    }
+    if (diff == 0) return CallerScope::kTrusted;
+    denied = absl::UnauthenticatedError("the bearer token is not valid");
   }
-  const std::string given(it->second.data(), it->second.size());
-  const std::string expected = "Bearer " + access_.bearer_token;
-  // Constant time in the token's content, so timing does not reveal a matching prefix.
-  unsigned char diff = given.size() == expected.size() ? 0 : 1;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    diff |= static_cast<unsigned char>(expected[i] ^ (i < given.size() ? given[i] : 0));
-  }
-  if (diff != 0) return absl::UnauthenticatedError("the bearer token is not valid");
-  return absl::OkStatus();
+  if (control || access_.all_rpcs) return denied;
+  return CallerScope::kAnonymous;
+}
+
+absl::Status RolloutServiceImpl::CheckAccess(const grpc::CallbackServerContext* context,
+                                             bool control) const {
+  return Authenticate(context, control).status();
 }
 
 absl::Status RolloutServiceImpl::ClaimUpdateSlot() {
@@ -185,7 +194,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Resume(grpc::CallbackServerContext
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* RolloutServiceImpl::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  return new GenerateReactor(this, request, CheckAccess(context, /*control=*/false));
+  return new GenerateReactor(this, request, Authenticate(context, /*control=*/false));
 }
 
 grpc::ServerUnaryReactor* RolloutServiceImpl::Score(grpc::CallbackServerContext* context,
@@ -252,20 +261,14 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
 }
 
 absl::StatusOr<uint64_t> RolloutServiceImpl::StartGenerate(
-    const std::vector<std::string>& request_ids, std::vector<SampleSpec> samples, EventSink sink) {
+    CallerScope caller, const std::vector<std::string>& request_ids,
+    std::vector<SampleSpec> samples, EventSink sink) {
   // One lock over check, submit and record, so two calls cannot both claim an id and an Abort
   // never sees an id without its job.
   std::lock_guard<std::mutex> lock(mu_);
-  if (absl::Status s = CheckAdmission(); !s.ok()) return s;
-  const int64_t unfinished = engine_->unfinished_samples();
-  if (unfinished + static_cast<int64_t>(samples.size()) > max_unfinished_samples_) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "the server holds %d unfinished samples and this request adds %d, beyond its limit of "
-        "%d; retry later or on another replica",
-        unfinished, samples.size(), max_unfinished_samples_));
-  }
+  if (absl::Status s = CheckQueueLocked(samples.size()); !s.ok()) return s;
   for (const std::string& id : request_ids) {
-    if (!id.empty() && in_flight_ids_.count(id) != 0) {
+    if (!id.empty() && in_flight_ids_.count({caller, id}) != 0) {
       return absl::AlreadyExistsError(absl::StrFormat(
           "request_id '%s' is already in flight; request ids must be unique among running "
           "requests",
@@ -276,17 +279,37 @@ absl::StatusOr<uint64_t> RolloutServiceImpl::StartGenerate(
   if (!job.ok()) return job.status();
   for (size_t i = 0; i < request_ids.size(); ++i) {
     if (!request_ids[i].empty()) {
-      in_flight_ids_[request_ids[i]] = InFlight{*job, static_cast<int32_t>(i)};
+      in_flight_ids_[{caller, request_ids[i]}] = InFlight{*job, static_cast<int32_t>(i)};
     }
   }
   in_flight_jobs_[*job] = static_cast<int32_t>(request_ids.size());
   return job;
 }
 
-void RolloutServiceImpl::EndGenerate(uint64_t job_id, const std::vector<std::string>& request_ids) {
+absl::StatusOr<uint64_t> RolloutServiceImpl::StartScore(std::vector<SampleSpec> samples,
+                                                        EventSink sink) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status s = CheckQueueLocked(samples.size()); !s.ok()) return s;
+  return engine_->SubmitValidated(std::move(samples), std::move(sink));
+}
+
+absl::Status RolloutServiceImpl::CheckQueueLocked(size_t num_samples) const {
+  if (absl::Status s = CheckAdmission(); !s.ok()) return s;
+  const int64_t unfinished = engine_->unfinished_samples();
+  if (unfinished + static_cast<int64_t>(num_samples) > max_unfinished_samples_) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "the server holds %d unfinished samples and this request adds %d, beyond its limit of "
+        "%d; retry later or on another replica",
+        unfinished, num_samples, max_unfinished_samples_));
+  }
+  return absl::OkStatus();
+}
+
+void RolloutServiceImpl::EndGenerate(CallerScope caller, uint64_t job_id,
+                                     const std::vector<std::string>& request_ids) {
   std::lock_guard<std::mutex> lock(mu_);
   for (const std::string& id : request_ids) {
-    auto it = in_flight_ids_.find(id);
+    auto it = in_flight_ids_.find({caller, id});
     if (it != in_flight_ids_.end() && it->second.job_id == job_id) in_flight_ids_.erase(it);
   }
   in_flight_jobs_.erase(job_id);
@@ -310,8 +333,10 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Abort(grpc::CallbackServerContext*
     response->set_aborted_rollouts(static_cast<uint32_t>(rollouts));
     engine_->AbortAll();
   } else {
+    // Abort is a control RPC: its caller carries the token, and reaches the ids of callers
+    // that did (those of calls without it are theirs alone).
     for (const std::string& id : request->request_ids()) {
-      auto it = in_flight_ids_.find(id);
+      auto it = in_flight_ids_.find({CallerScope::kTrusted, id});
       if (it == in_flight_ids_.end()) {
         response->add_unknown_request_ids(id);
         continue;

@@ -38,6 +38,12 @@ struct StreamLimits {
   std::chrono::milliseconds max_paused{60'000};
 };
 
+// Whose request ids a call claims and Abort reaches. With a token and `all_rpcs` off, Generate
+// calls that do not carry the token are kAnonymous: their ids are a namespace apart from those
+// of callers that do (kTrusted), so they can neither probe (ALREADY_EXISTS), take nor have a
+// trainer's Abort end ids of the other kind. Without a token every caller is kTrusted.
+enum class CallerScope { kTrusted, kAnonymous };
+
 // The RolloutService over one engine, on gRPC's callback API: every handler returns at once;
 // work happens on the engine thread and results are written by reactors. Thread-safe.
 // UpdateWeights is served on raw bytes (see UpdateWeightsReactor for why); the wire format is
@@ -46,8 +52,8 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
                                      v1::RolloutService::CallbackService> {
  public:
   // `engine` is borrowed and must outlive the service and every call it started.
-  // `metrics` (optional) is borrowed. `max_unfinished_samples` bounds the queue: Generate
-  // answers RESOURCE_EXHAUSTED beyond it. `stream_limits` bound each Generate stream's buffer.
+  // `metrics` (optional) is borrowed. `max_unfinished_samples` bounds the queue: Generate and
+  // Score answer RESOURCE_EXHAUSTED beyond it. `stream_limits` bound each Generate stream's buffer.
   RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access = {},
                      ServiceMetrics* metrics = nullptr, int64_t max_unfinished_samples = 1 << 20,
                      StreamLimits stream_limits = {});
@@ -80,20 +86,29 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
                                    const v1::ResumeRequest* request,
                                    v1::ResumeResponse* response) override;
 
-  // UNAUTHENTICATED unless the call carries the bearer token the policy asks for.
+  // UNAUTHENTICATED unless the call carries the bearer token the policy asks for (for control
+  // RPCs, and for every RPC with all_rpcs); else whose ids the call may use.
+  absl::StatusOr<CallerScope> Authenticate(const grpc::CallbackServerContext* context,
+                                           bool control) const;
   absl::Status CheckAccess(const grpc::CallbackServerContext* context, bool control) const;
   // Takes the single weight-update slot; ABORTED if another update holds it.
   absl::Status ClaimUpdateSlot();
   void ReleaseUpdateSlot();
 
   // Submits a Generate call's samples as one engine job and records its rollouts' request ids
-  // (request_ids[i] belongs to rollout i; empty ids are not tracked). ALREADY_EXISTS, with
-  // nothing submitted, if an id is in flight already.
+  // in the caller's scope (request_ids[i] belongs to rollout i; empty ids are not tracked).
+  // ALREADY_EXISTS, with nothing submitted, if an id is in flight already in that scope;
+  // UNAVAILABLE once admission stopped; RESOURCE_EXHAUSTED beyond max_unfinished_samples.
   // REQUIRES: `samples` passed Engine::Validate (ToSampleSpecs does it).
-  absl::StatusOr<uint64_t> StartGenerate(const std::vector<std::string>& request_ids,
+  absl::StatusOr<uint64_t> StartGenerate(CallerScope caller,
+                                         const std::vector<std::string>& request_ids,
                                          std::vector<SampleSpec> samples, EventSink sink);
   // Forgets a finished call's job and request ids.
-  void EndGenerate(uint64_t job_id, const std::vector<std::string>& request_ids);
+  void EndGenerate(CallerScope caller, uint64_t job_id,
+                   const std::vector<std::string>& request_ids);
+  // Submits a Score call's sequences as one engine job, within the same limits as Generate.
+  // REQUIRES: `samples` passed Engine::Validate (ToScoreSpecs does it).
+  absl::StatusOr<uint64_t> StartScore(std::vector<SampleSpec> samples, EventSink sink);
 
   // From now on Generate and Score answer UNAVAILABLE (shutdown); running calls go on.
   void StopAdmission();
@@ -110,6 +125,10 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
     int32_t rollout_index;
   };
 
+  // UNAVAILABLE once admission stopped, RESOURCE_EXHAUSTED when `num_samples` more would pass
+  // max_unfinished_samples_. REQUIRES: mu_ held (so that checks and submissions are ordered).
+  absl::Status CheckQueueLocked(size_t num_samples) const;
+
   Engine* const engine_;
   const ServedModel model_;
   const AccessPolicy access_;
@@ -122,7 +141,7 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   std::mutex mu_;
   bool update_in_progress_ = false;  // guarded by mu_
   // Guarded by mu_.
-  std::map<std::string, InFlight> in_flight_ids_;
+  std::map<std::pair<CallerScope, std::string>, InFlight> in_flight_ids_;
   std::map<uint64_t, int32_t> in_flight_jobs_;  // job id -> number of rollouts
 };
 

@@ -22,8 +22,8 @@ ScoreReactor::ScoreReactor(RolloutServiceImpl* service, const v1::ScoreRequest* 
   state_->left = specs->size();
   std::shared_ptr<State> state = state_;
   std::lock_guard<std::mutex> lock(state_->mu);
-  absl::StatusOr<uint64_t> job = service_->engine()->SubmitValidated(
-      *std::move(specs), [state](std::vector<SampleEvent> events) {
+  absl::StatusOr<uint64_t> job =
+      service_->StartScore(*std::move(specs), [state](std::vector<SampleEvent> events) {
         std::lock_guard<std::mutex> lock(state->mu);
         if (state->reactor != nullptr) state->reactor->OnEvents(std::move(events));
       });

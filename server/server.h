@@ -58,7 +58,8 @@ struct ServerOptions {
   std::string tls_client_ca_file;
   // Prometheus metrics over HTTP at http://<address host>:<metrics_port>/metrics; 0 = off.
   int32_t metrics_port = 0;
-  // Generate answers RESOURCE_EXHAUSTED when unfinished samples would exceed this.
+  // Generate and Score answer RESOURCE_EXHAUSTED when unfinished samples (a Score sequence is
+  // one) would exceed this.
   int64_t max_queued_samples = 65536;
   // Backpressure: what one Generate stream may buffer for a client that does not read.
   StreamLimits stream_limits;

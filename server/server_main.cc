@@ -68,7 +68,8 @@ ABSL_FLAG(int32_t, shutdown_grace_s, 30,
           "on SIGTERM/SIGINT: seconds in-flight rollouts may take to finish before they are "
           "aborted");
 ABSL_FLAG(int64_t, max_queued_samples, 65536,
-          "unfinished samples the server holds before Generate answers RESOURCE_EXHAUSTED");
+          "unfinished samples (Generate samples, Score sequences) the server holds before Generate "
+          "and Score answer RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, stream_buffer_mb, 16,
           "backpressure: MiB of unread messages one Generate stream may queue before its "
           "samples pause (they resume at half)");
