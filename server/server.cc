@@ -1,6 +1,8 @@
 #include "server/server.h"
 
+#include <fcntl.h>
 #include <netdb.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -181,12 +183,35 @@ ServerOptions WithBackendDefaults(ServerOptions options) {
 
 absl::StatusOr<std::string> EnsureDefaultModel() {
   namespace fs = std::filesystem;
-  const std::string dir = absl::StrCat(CacheRoot(), "/", kDefaultPreset, "-seed", kDefaultSeed);
+  const std::string name = absl::StrCat(kDefaultPreset, "-seed", kDefaultSeed);
+  const std::string dir = absl::StrCat(CacheRoot(), "/", name);
   std::error_code ec;
-  if (fs::exists(fs::path(dir) / "config.json", ec)) return dir;
   fs::create_directories(CacheRoot(), ec);
-  if (ec)
+  if (ec) {
     return absl::InternalError(absl::StrCat("cannot create ", CacheRoot(), ": ", ec.message()));
+  }
+  // Writers hold this lock while they write, so whoever holds it knows that any temp directory
+  // left is a dead writer's (killed mid-write: SIGKILL, OOM, a power cut) and removes it. Where
+  // the file system has no locks, starts go on without (and without the cleanup).
+  const std::string lock_path = absl::StrCat(CacheRoot(), "/.", name, ".lock");
+  const int lock = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  const bool locked = lock >= 0 && ::flock(lock, LOCK_EX) == 0;
+  struct CloseOnReturn {
+    int fd;
+    ~CloseOnReturn() {
+      if (fd >= 0) ::close(fd);  // also releases the lock
+    }
+  } close_lock{lock};
+  if (locked) {
+    const std::string stale_prefix = name + ".tmp.";
+    for (const fs::directory_entry& entry : fs::directory_iterator(CacheRoot(), ec)) {
+      if (entry.path().filename().string().rfind(stale_prefix, 0) != 0) continue;
+      LOG(INFO) << "removing " << entry.path().string() << ", left by a start killed while it "
+                << "wrote the default model";
+      fs::remove_all(entry.path(), ec);
+    }
+  }
+  if (fs::exists(fs::path(dir) / "config.json", ec)) return dir;
   // Written beside and renamed into place, so concurrent starts never see half a model.
   const std::string tmp = absl::StrCat(dir, ".tmp.", getpid());
   RandomModelOptions options;
@@ -194,7 +219,10 @@ absl::StatusOr<std::string> EnsureDefaultModel() {
   options.seed = kDefaultSeed;
   LOG(INFO) << "writing the embedded default model (preset " << kDefaultPreset << ", seed "
             << kDefaultSeed << ") to " << dir;
-  if (absl::Status s = WriteRandomModel(options, tmp); !s.ok()) return s;
+  if (absl::Status s = WriteRandomModel(options, tmp); !s.ok()) {
+    fs::remove_all(tmp, ec);
+    return s;
+  }
   fs::rename(tmp, dir, ec);
   if (ec) {
     fs::remove_all(tmp, ec);  // another process won the race; its copy is identical

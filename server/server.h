@@ -74,7 +74,9 @@ ServerOptions WithBackendDefaults(ServerOptions options);
 
 // The embedded default model: the "small" preset with seed 0, written once (atomically) under
 // $ROLLOUT_CACHE_DIR, else $XDG_CACHE_HOME/rollout, else ~/.cache/rollout, and loaded through
-// the same checkpoint loader as any Hugging Face model. Returns its directory.
+// the same checkpoint loader as any Hugging Face model. Writers hold a lock file there, and the
+// holder removes temp directories that a start killed mid-write left behind. Returns its
+// directory.
 absl::StatusOr<std::string> EnsureDefaultModel();
 
 // A running server: engine, service and gRPC server (with grpc.health.v1). Thread-safe.

@@ -97,6 +97,25 @@ TEST(ReliabilityStartupTest, AMetricsPortThatCannotBeBoundStopsTheStartNamingThe
   EXPECT_TRUE(Contains(server.child->output(), expect)) << server.child->output();
   EXPECT_FALSE(Contains(server.child->output(), "(error 0)")) << server.child->output();
 }
+// A start killed while it wrote the default model (SIGKILL, OOM) leaves its temp directory; the
+// next start removes it (it once stayed forever, a model's worth of disk each time).
+TEST(ReliabilityStartupTest, ADefaultModelWriteKilledHalfwayLeavesNothingAfterTheNextStart) {
+  namespace fs = std::filesystem;
+  const std::string cache = ::testing::TempDir() + "reliability-startup-stale-cache";
+  fs::remove_all(cache);
+  fs::create_directories(cache + "/small-seed0.tmp.4242");
+  std::ofstream(cache + "/small-seed0.tmp.4242/model.safetensors.tmp.4242") << "half a model";
+  rel::ServerProcess server =
+      rel::StartServerProcess({"--port=0", "--metrics_port=0"}, {"ROLLOUT_CACHE_DIR=" + cache});
+  ASSERT_GT(server.port, 0) << "the server did not start:\n" << server.child->output();
+  std::vector<std::string> left;
+  for (const fs::directory_entry& entry : fs::directory_iterator(cache)) {
+    if (Contains(entry.path().filename().string(), ".tmp.")) left.push_back(entry.path());
+  }
+  EXPECT_TRUE(left.empty()) << left.size() << " temp entries left, e.g. " << left[0];
+  EXPECT_TRUE(fs::exists(cache + "/small-seed0/config.json"));
+  fs::remove_all(cache);
+}
 #endif  // ROLLOUT_SERVER_BIN
 
 void WriteFile(const std::string& path, const std::string& text) {

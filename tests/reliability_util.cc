@@ -341,8 +341,11 @@ ServerProcess StartServerProcess(const std::vector<std::string>& args,
 #ifdef ROLLOUT_SERVER_BIN
   std::vector<std::string> argv = {ROLLOUT_SERVER_BIN};
   argv.insert(argv.end(), args.begin(), args.end());
-  std::vector<std::string> env = {"ROLLOUT_CACHE_DIR=" + TestModelCache()};
-  env.insert(env.end(), extra_env.begin(), extra_env.end());
+  std::vector<std::string> env = extra_env;
+  const bool own_cache = std::any_of(env.begin(), env.end(), [](const std::string& e) {
+    return e.rfind("ROLLOUT_CACHE_DIR=", 0) == 0;
+  });
+  if (!own_cache) env.push_back("ROLLOUT_CACHE_DIR=" + TestModelCache());
   server.child = ChildProcess::Start(argv, env);
   if (server.child == nullptr) return server;
   const std::string needle = "rollout server listening on port ";

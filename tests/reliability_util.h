@@ -90,7 +90,8 @@ class ChildProcess {
 };
 
 // The rollout-server binary (ROLLOUT_SERVER_BIN) started with `args` (after the binary's
-// name) and ROLLOUT_CACHE_DIR set to the test binary's model cache, once it logged the port it
+// name), `extra_env`, and ROLLOUT_CACHE_DIR set to the test binary's model cache unless
+// `extra_env` sets it, once it logged the port it
 // listens on. On failure (no such line within two minutes) `port` is 0 and the child is
 // returned all the same, for its output.
 struct ServerProcess {
