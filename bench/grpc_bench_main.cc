@@ -22,10 +22,9 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "client/rollout_client.h"
+#include "common/command_line.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
 ABSL_FLAG(int32_t, num_requests, 256, "Generate calls, one rollout of one sample each");
@@ -36,7 +35,9 @@ ABSL_FLAG(int32_t, concurrency, 0,
           "--max_queued_samples, or calls get RESOURCE_EXHAUSTED)");
 ABSL_FLAG(float, temperature, 1.0f, "sampling temperature (0 = greedy)");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the prompts and of the requests");
-ABSL_FLAG(std::string, auth_token, "", "bearer token, if the server requires one for Generate");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file whose first line is the bearer token, if the server requires one for Generate");
+ABSL_FLAG(std::string, auth_token, "", "the bearer token itself (prefer --auth_token_file)");
 ABSL_FLAG(int32_t, progress_s, 10, "print progress every this many seconds (0: never)");
 
 namespace rollout {
@@ -76,8 +77,14 @@ int Main() {
   if (concurrency <= 0 || concurrency > requests) concurrency = requests;
 
   ClientOptions options;
-  if (!absl::GetFlag(FLAGS_auth_token).empty()) {
-    options.bearer_token = absl::GetFlag(FLAGS_auth_token);
+  options.bearer_token = absl::GetFlag(FLAGS_auth_token);
+  if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
+    absl::StatusOr<std::string> token = ReadTokenFile(file);
+    if (!token.ok()) {
+      std::fprintf(stderr, "%s\n", token.status().ToString().c_str());
+      return 1;
+    }
+    options.bearer_token = *std::move(token);
   }
   absl::StatusOr<std::unique_ptr<RolloutClient>> client =
       RolloutClient::Connect(absl::GetFlag(FLAGS_target), options);
@@ -196,10 +203,10 @@ int Main() {
 }  // namespace rollout
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "the offline rollout workload of docs/benchmarks.md over gRPC: rollout-grpc-bench "
-      "--target=HOST:PORT "
-      "[--num_requests=256 --input_len=1024 --output_len=1024]");
-  absl::ParseCommandLine(argc, argv);
+  rollout::ParseCommandLine(argc, argv,
+                            "the offline rollout workload of docs/benchmarks.md over gRPC: "
+                            "rollout-grpc-bench --target=HOST:PORT "
+                            "[--num_requests=256 --input_len=1024 --output_len=1024]",
+                            "grpc_bench_main.cc");
   return rollout::Main();
 }

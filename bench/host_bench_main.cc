@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "bench/rollout_workload.h"
+#include "common/command_line.h"
 #include "engine/engine.h"
 #include "engine/model_runner.h"
 #include "model/random_model.h"
@@ -117,6 +117,10 @@ int Run() {
 }  // namespace rollout
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  rollout::ParseCommandLine(argc, argv,
+                            "the engine's own host work per step (docs/cuda.md).\nUsage: "
+                            "rollout-engine-host-bench [--requests=N] [--input_len=N] "
+                            "[--output_len=N] [--repeats=N]",
+                            "host_bench_main.cc");
   return rollout::Run();
 }

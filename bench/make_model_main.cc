@@ -6,11 +6,10 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/command_line.h"
 #include "model/random_model.h"
 
 ABSL_FLAG(std::string, preset, "small", "model shape: tiny, small or qwen3-8b");
@@ -98,9 +97,10 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(absl::StrCat(
-      "writes a seeded random checkpoint in the Hugging Face layout.\nUsage: ", argv[0],
-      " --out DIR [--preset small] [--seed 0] [--dtype bf16] [--shards 1]"));
-  absl::ParseCommandLine(argc, argv);
+  rollout::ParseCommandLine(
+      argc, argv,
+      "writes a seeded random checkpoint in the Hugging Face layout.\nUsage: rollout-make-model "
+      "--out DIR [--preset small] [--seed 0] [--dtype bf16] [--shards 1]",
+      "make_model_main.cc");
   return Run();
 }

@@ -34,11 +34,11 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "bench/rollout_floor.h"
 #include "bench/rollout_workload.h"
 #include "bench/timed_runner.h"
+#include "common/command_line.h"
 #include "common/thread_pool.h"
 #include "engine/engine.h"
 #include "kernels/cuda/device_buffer.h"
@@ -747,6 +747,10 @@ int Main() {
 }  // namespace rollout
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  rollout::ParseCommandLine(argc, argv,
+                            "the offline throughput benchmark of docs/benchmarks.md on the CUDA "
+                            "backend.\nUsage: rollout-bench [--num_requests=256 --input_len=1024 "
+                            "--output_len=1024] | --workload=rl [--rl_prompts=64 --rl_samples=8]",
+                            "rollout_bench.cc");
   return rollout::Main();
 }

@@ -24,11 +24,17 @@
 #include <utility>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/command_line.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/reference_test_util.h"
 #include "model/random_model.h"
 #include "runner/cpu/communicator.h"
 #include "runner/cpu/cpu_model_runner.h"
+
+ABSL_FLAG(bool, quick, false, "fewer sizes and repeats");
+ABSL_FLAG(std::string, filter, "",
+          "only the shapes whose name contains this (parts 1 and 2; part 3 is skipped)");
 
 namespace rollout {
 namespace {
@@ -266,13 +272,13 @@ void Part3(bool quick) {
 }  // namespace rollout
 
 int main(int argc, char** argv) {
-  bool quick = false;
-  std::string filter;  // only the shapes whose name contains it; parts 1 and 2 only
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--quick") quick = true;
-    if (arg.rfind("--filter=", 0) == 0) filter = arg.substr(9);
-  }
+  rollout::ParseCommandLine(
+      argc, argv,
+      "the cost of tensor-parallel-degree invariance (D10) on the CPU "
+      "backend.\nUsage: rollout-tp-bench [--quick] [--filter=SHAPE_NAME_PART]",
+      "tp_bench_main.cc");
+  const bool quick = absl::GetFlag(FLAGS_quick);
+  const std::string filter = absl::GetFlag(FLAGS_filter);
   std::printf("# rollout-tp-bench: %u hardware threads\n", std::thread::hardware_concurrency());
   rollout::Part1And2(quick, filter);
   if (filter.empty()) rollout::Part3(quick);

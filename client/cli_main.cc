@@ -22,16 +22,15 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/checkpoint_upload.h"
 #include "client/cli_format.h"
 #include "client/rollout_client.h"
+#include "common/command_line.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "Address of the rollout server.");
 ABSL_FLAG(std::string, prompt, "", "Prompt token ids, \"1,2,3\" or \"1 2 3\" (generate).");
@@ -60,7 +59,12 @@ ABSL_FLAG(bool, all, false, "abort: abort every in-flight rollout instead of --r
 ABSL_FLAG(bool, json, false,
           "Print the response (every streamed one for generate) as one JSON line instead of a "
           "table.");
-ABSL_FLAG(std::string, token, "", "Bearer token sent as authorization metadata.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File whose first line is the bearer token, sent as authorization metadata (as the "
+          "server's --auth_token_file).");
+ABSL_FLAG(std::string, auth_token, "",
+          "The bearer token itself (visible in the process list; prefer --auth_token_file).");
+ABSL_FLAG(std::string, token, "", "Deprecated spelling of --auth_token.");
 ABSL_FLAG(std::optional<double>, timeout_s, std::nullopt, "Deadline of the call in seconds.");
 ABSL_FLAG(double, connect_timeout_s, 10.0, "How long to wait for the server to be reachable.");
 ABSL_FLAG(std::string, tls_root_cert, "",
@@ -110,6 +114,24 @@ std::chrono::milliseconds SecondsFlag(double seconds, const char* name) {
       std::chrono::duration<double>(seconds));
 }
 
+// --auth_token_file, else --auth_token, else the deprecated --token; surrounding whitespace
+// (a "\r" left by a CRLF --flagfile, say) is not part of a token.
+std::string BearerTokenFromFlags() {
+  if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
+    absl::StatusOr<std::string> token = ReadTokenFile(file);
+    CheckOk(token.status());
+    return *std::move(token);
+  }
+  std::string token = absl::GetFlag(FLAGS_auth_token);
+  if (token.empty() && !absl::GetFlag(FLAGS_token).empty()) {
+    std::fprintf(stderr,
+                 "rollout-cli: --token is deprecated; use --auth_token_file (or "
+                 "--auth_token)\n");
+    token = absl::GetFlag(FLAGS_token);
+  }
+  return std::string(absl::StripAsciiWhitespace(token));
+}
+
 std::unique_ptr<RolloutClient> ConnectFromFlags() {
   ClientOptions options;
   options.connect_timeout =
@@ -117,9 +139,7 @@ std::unique_ptr<RolloutClient> ConnectFromFlags() {
   if (std::optional<double> timeout = absl::GetFlag(FLAGS_timeout_s)) {
     options.call_timeout = SecondsFlag(*timeout, "timeout_s");
   }
-  if (std::string token = absl::GetFlag(FLAGS_token); !token.empty()) {
-    options.bearer_token = std::move(token);
-  }
+  options.bearer_token = BearerTokenFromFlags();
   if (std::string cert = absl::GetFlag(FLAGS_tls_root_cert); !cert.empty()) {
     options.tls_root_cert_path = std::move(cert);
   }
@@ -383,7 +403,7 @@ void RunResume() {
 }  // namespace rollout
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  constexpr char kUsage[] =
       "Talks to a rollout server.\n"
       "Usage: rollout-cli [flags] COMMAND [flags]\n"
       "  generate  stream one rollout of --prompt (table at the end, or JSON lines with --json)\n"
@@ -399,14 +419,7 @@ int main(int argc, char** argv) {
       "  pause [--abort_in_flight]  stop scheduling; new requests are held, not failed\n"
       "  resume    start scheduling again\n"
       "Mutual TLS: --tls_client_cert and --tls_client_key (with --tls_root_cert for the "
-      "server's CA).");
-  // --help lists only flags of files named after the binary; ours live in cli_main.cc.
-  absl::FlagsUsageConfig usage_config;
-  usage_config.contains_help_flags = [](absl::string_view path) {
-    return absl::EndsWith(path, "cli_main.cc");
-  };
-  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage_config);
+      "server's CA). The bearer token: --auth_token_file (or --auth_token).";
   std::vector<std::string> raw_args(argv, argv + argc);
   absl::StatusOr<std::vector<std::string>> rewritten =
       rollout::RewriteVersionFlag(raw_args, "weight_version");
@@ -414,8 +427,8 @@ int main(int argc, char** argv) {
   std::vector<char*> rewritten_argv;
   for (std::string& arg : *rewritten) rewritten_argv.push_back(arg.data());
   rewritten_argv.push_back(nullptr);
-  std::vector<char*> args =
-      absl::ParseCommandLine(static_cast<int>(rewritten->size()), rewritten_argv.data());
+  std::vector<char*> args = rollout::ParseCommandLine(static_cast<int>(rewritten->size()),
+                                                      rewritten_argv.data(), kUsage, "cli_main.cc");
   constexpr char kCommands[] =
       "generate, score, abort, flush, info, update-weights, update-weights-from-path, pause or "
       "resume";

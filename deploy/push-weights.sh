@@ -4,9 +4,9 @@
 # service name (a Kubernetes headless Service lists every ready pod), or an explicit list.
 #
 #   deploy/push-weights.sh --service rollout.rollout.svc.cluster.local:50051 \
-#       --version step-100 --path /models/step-100 --token-file /var/run/secrets/rollout/token
+#       --version step-100 --path /models/step-100 --auth_token_file /var/run/secrets/rollout/token
 #   deploy/push-weights.sh --endpoints 10.0.0.5:50051,10.0.0.6:50051 \
-#       --version step-100 --from ./ckpt/step-100 --policy abort --token-file ./token
+#       --version step-100 --from ./ckpt/step-100 --policy abort --auth_token_file ./token
 #
 #   --path DIR        UpdateWeightsFromPath: each server loads DIR from ITS OWN disk (a shared
 #                     volume mounted at the same path everywhere). Cheap for the pusher.
@@ -14,8 +14,9 @@
 #                     sends the whole checkpoint once per replica).
 #   --policy P        drain (default) | abort | continue: what happens to rollouts in flight on
 #                     each replica (docs/operations.md, "Pushing weights").
-#   --token-file F    bearer token for the control RPCs (passed to rollout-cli in a private
-#                     flag file, not on its command line).
+#   --auth_token_file F  bearer token for the control RPCs (its first line; rollout-cli reads
+#                     the file itself, so the token is never on a command line). --token-file is
+#                     the deprecated spelling.
 #   --parallel N      replicas updated at once (default: all).
 #   --verify-only     push nothing; only check every replica's weight_version.
 #   --cli PATH        rollout-cli to use (default: rollout-cli on PATH, else build/bin/).
@@ -38,7 +39,10 @@ while [ $# -gt 0 ]; do
     --path) path=$2; shift 2 ;;
     --from) from=$2; shift 2 ;;
     --policy) policy=$2; shift 2 ;;
-    --token-file) token_file=$2; shift 2 ;;
+    --auth_token_file) token_file=$2; shift 2 ;;
+    --token-file)
+      echo "push-weights: --token-file is deprecated; use --auth_token_file" >&2
+      token_file=$2; shift 2 ;;
     --parallel) parallel=$2; shift 2 ;;
     --verify-only) verify_only=1; shift ;;
     --cli) cli=$2; shift 2 ;;
@@ -83,23 +87,21 @@ echo "push-weights: ${#targets[@]} replica(s): ${targets[*]}"
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-flagfile="$work/cli.flags"
-: >"$flagfile"
-chmod 0600 "$flagfile"
+auth=()
 if [ -n "$token_file" ]; then
   [ -r "$token_file" ] || die "cannot read $token_file"
-  printf -- '--token=%s\n' "$(head -n 1 "$token_file")" >>"$flagfile"
+  auth=(--auth_token_file="$token_file")
 fi
 
 push_one() {  # target index
   local target=$1 i=$2 attempt out
   for attempt in 1 2 3 4 5; do
     if [ -n "$path" ]; then
-      out=$("$cli" --server="$target" --flagfile="$flagfile" "${extra[@]}" \
+      out=$("$cli" --server="$target" "${auth[@]}" "${extra[@]}" \
         update-weights-from-path --path="$path" --weight_version="$version" \
         --policy="$policy" 2>&1) && { echo "$out" >"$work/push.$i"; return 0; }
     else
-      out=$("$cli" --server="$target" --flagfile="$flagfile" "${extra[@]}" \
+      out=$("$cli" --server="$target" "${auth[@]}" "${extra[@]}" \
         update-weights --from="$from" --weight_version="$version" --policy="$policy" 2>&1) \
         && { echo "$out" >"$work/push.$i"; return 0; }
     fi
@@ -131,7 +133,7 @@ fi
 
 failed=()
 for target in "${targets[@]}"; do
-  info=$("$cli" --server="$target" --flagfile="$flagfile" "${extra[@]}" --json info 2>&1) || true
+  info=$("$cli" --server="$target" "${auth[@]}" "${extra[@]}" --json info 2>&1) || true
   got=$(printf '%s' "$info" | sed -n 's/.*"weight_version":"\([^"]*\)".*/\1/p' | head -n 1)
   if [ "$got" = "$version" ]; then
     echo "ok      $target  weight_version=$got"

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/build_info.h"
 #include "glog/logging.h"
 #include "server/generate_reactor.h"
 #include "server/score_reactor.h"
@@ -254,7 +255,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   k->set_cache_hit_tokens(counters.cache_hit_tokens);
   k->set_scored_tokens(counters.scored_tokens);
   k->set_weight_updates(counters.weight_updates);
-  response->set_server_version(ROLLOUT_VERSION);
+  response->set_server_version(GetBuildInfo().version);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

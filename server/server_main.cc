@@ -3,16 +3,15 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/build_info.h"
+#include "common/command_line.h"
 #include "glog/logging.h"
 #include "server/server.h"
 
@@ -82,10 +81,13 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "CA (PEM) that client certificates must chain to: mutual TLS");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Serves deterministic rollouts over gRPC (rollout.v1).");
-  absl::ParseCommandLine(argc, argv);
+  rollout::ParseCommandLine(argc, argv,
+                            "Serves deterministic rollouts over gRPC (rollout.v1).\n"
+                            "Usage: rollout-server [--model DIR] [--port N] [flags]",
+                            "server_main.cc");
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
+  LOG(INFO) << rollout::BuildInfoLine();
 
   // SIGINT/SIGTERM are taken by a waiting thread, so shutdown runs outside signal context.
   sigset_t signals;
@@ -130,11 +132,13 @@ int main(int argc, char** argv) {
   }
   options.auth_token = absl::GetFlag(FLAGS_auth_token);
   if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
-    std::ifstream in(file);
-    if (!in || !std::getline(in, options.auth_token) || options.auth_token.empty()) {
-      std::fprintf(stderr, "rollout-server: cannot read a token from %s\n", file.c_str());
+    absl::StatusOr<std::string> token = rollout::ReadTokenFile(file);
+    if (!token.ok()) {
+      std::fprintf(stderr, "rollout-server: cannot read a token from %s: %s\n", file.c_str(),
+                   token.status().ToString().c_str());
       return 1;
     }
+    options.auth_token = *std::move(token);
   }
   options.auth_all_rpcs = absl::GetFlag(FLAGS_auth_all_rpcs);
   if (options.auth_all_rpcs && options.auth_token.empty()) {

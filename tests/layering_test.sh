@@ -6,7 +6,7 @@
 #   engine  -> engine, model, common                     (no backend, no gRPC, no proto)
 #   runner  -> runner, engine, model, kernels, common
 #   server  -> server, runner, engine, model, common, proto/gRPC
-#   client  -> client, model, proto/gRPC                 (clients know the proto, the CLI model/)
+#   client  -> client, model, common, proto/gRPC         (clients know the proto, the CLI model/)
 #   proto   -> proto
 # bench/ and tests/ may use everything. Unit tests (*_test.cc, *_test_util.h) may use the layers
 # above their own to drive them (the engine's tests run it on the CPU runner).
@@ -45,7 +45,7 @@ declare -A allowed=(
   [engine]="engine model common"
   [runner]="runner engine model kernels common"
   [server]="server runner engine model common proto rpc"
-  [client]="client model proto rpc"
+  [client]="client model common proto rpc"
   [proto]="proto rpc"
 )
 # What an include names: one of our folders, or "proto"/"rpc" for generated and gRPC headers.

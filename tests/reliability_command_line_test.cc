@@ -1,0 +1,120 @@
+// The binaries' command lines, as a new user meets them: --help lists the binary's own flags
+// (it once printed "No flags matched"), --version names the project version, commit and build
+// type (it once printed "Debug build (NDEBUG not #defined)" on a Release build), --v=1 is
+// accepted (it was refused), and the bearer token has one spelling, --auth_token_file, whose
+// file may end its line in CRLF (the '\r' was once kept, so a correct token was refused).
+#include <sys/wait.h>
+
+#include <chrono>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/reliability_util.h"
+#include "tests/test_server.h"
+
+namespace rollout::testing {
+namespace {
+
+namespace rel = ::rollout::testing::reliability;
+
+using std::chrono::seconds;
+
+bool Contains(const std::string& text, const std::string& needle) {
+  return text.find(needle) != std::string::npos;
+}
+
+struct BinaryRun {
+  int exit_code = -1;  // -1: did not exit normally within the timeout
+  std::string output;
+};
+
+BinaryRun RunBinary(const std::vector<std::string>& argv) {
+  BinaryRun run;
+  std::unique_ptr<rel::ChildProcess> child =
+      rel::ChildProcess::Start(argv, {"ROLLOUT_CACHE_DIR=" + rel::TestModelCache()});
+  if (child == nullptr) return run;
+  const int status = child->Wait(seconds(60));
+  // The reader thread may still be draining the pipe; the output is complete at its EOF.
+  child->WaitForOutput("\x01", std::chrono::milliseconds(200));
+  run.output = child->output();
+  if (status != -1 && WIFEXITED(status)) run.exit_code = WEXITSTATUS(status);
+  return run;
+}
+
+std::string WriteText(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + "reliability-command-line-" + name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+#if defined(ROLLOUT_SERVER_BIN) && defined(ROLLOUT_CLI_BIN) && defined(ROLLOUT_MAKE_MODEL_BIN)
+TEST(ReliabilityCommandLineTest, HelpListsEachBinarysOwnFlags) {
+  struct Case {
+    std::string binary;
+    std::vector<std::string> flags;
+  };
+  const std::vector<Case> cases = {
+      {ROLLOUT_SERVER_BIN, {"--model", "--port", "--auth_token_file", "--metrics_port", "--v "}},
+      {ROLLOUT_CLI_BIN, {"--server", "--auth_token_file", "--prompt"}},
+      {ROLLOUT_MAKE_MODEL_BIN, {"--out", "--preset"}},
+  };
+  for (const Case& c : cases) {
+    const BinaryRun run = RunBinary({c.binary, "--help"});
+    EXPECT_FALSE(Contains(run.output, "No flags matched")) << c.binary << ":\n" << run.output;
+    for (const std::string& flag : c.flags) {
+      EXPECT_TRUE(Contains(run.output, "    " + flag)) << c.binary << " lacks " << flag << ":\n"
+                                                       << run.output;
+    }
+  }
+}
+
+TEST(ReliabilityCommandLineTest, VersionNamesTheProjectVersionCommitAndBuildType) {
+  for (const std::string& binary : {ROLLOUT_SERVER_BIN, ROLLOUT_MAKE_MODEL_BIN}) {
+    const BinaryRun run = RunBinary({binary, "--version"});
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_TRUE(Contains(run.output, "rollout 0.1.0 (commit ")) << run.output;
+    EXPECT_TRUE(Contains(run.output, " build)")) << run.output;
+    EXPECT_FALSE(Contains(run.output, "NDEBUG")) << run.output;
+  }
+}
+
+// --v=1 starts the server (glog's verbosity), and the token file's CRLF is not part of the token:
+// a client that sends the token itself, and rollout-cli reading the same CRLF file, are both let
+// in; the CLI's old --token still works, with a deprecation warning.
+TEST(ReliabilityCommandLineTest, VerbosityAndACrlfTokenFileWorkAcrossServerAndCli) {
+  const std::string token_file = WriteText("token", "s3cret\r\n");
+  rel::ServerProcess server = rel::StartServerProcess(
+      {"--port=0", "--metrics_port=0", "--v=1", "--auth_token_file=" + token_file});
+  ASSERT_GT(server.port, 0) << "the server did not start:\n" << server.child->output();
+
+  auto stub = v1::RolloutService::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer s3cret");
+  v1::ResumeResponse resumed;
+  const grpc::Status status = stub->Resume(&context, {}, &resumed);
+  EXPECT_TRUE(status.ok()) << status.error_code() << ": " << status.error_message();
+
+  const std::string address = "--server=" + server.address();
+  const BinaryRun with_file =
+      RunBinary({ROLLOUT_CLI_BIN, address, "--auth_token_file=" + token_file, "resume"});
+  EXPECT_EQ(with_file.exit_code, 0) << with_file.output;
+
+  const std::string flagfile = WriteText("flags", "--token=s3cret\r\n");
+  const BinaryRun deprecated =
+      RunBinary({ROLLOUT_CLI_BIN, address, "--flagfile=" + flagfile, "resume"});
+  EXPECT_EQ(deprecated.exit_code, 0) << deprecated.output;
+  EXPECT_TRUE(Contains(deprecated.output, "--token is deprecated")) << deprecated.output;
+
+  const BinaryRun wrong = RunBinary({ROLLOUT_CLI_BIN, address, "--auth_token=nope", "resume"});
+  EXPECT_NE(wrong.exit_code, 0) << wrong.output;
+  EXPECT_TRUE(Contains(wrong.output, "UNAUTHENTICATED")) << wrong.output;
+}
+#endif
+
+}  // namespace
+}  // namespace rollout::testing
