@@ -172,12 +172,4 @@ EngineCounters Engine::counters() const { return core_->counters(); }
 
 int64_t Engine::unfinished_samples() const { return core_->unfinished_samples(); }
 
-void StepHistogram::Record(double seconds) {
-  int b = 0;
-  while (b < kNumBuckets - 1 && seconds > kBounds[b]) ++b;
-  ++counts[b];
-  sum_seconds += seconds;
-  ++count;
-}
-
 }  // namespace rollout

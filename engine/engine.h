@@ -1,7 +1,9 @@
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -86,18 +88,38 @@ struct SampleEvent {
 // gets exactly one event with a completion, the job's last call carrying the last one.
 using EventSink = std::function<void(std::vector<SampleEvent> events)>;
 
-// Durations of engine steps, in fixed buckets (Prometheus-style cumulative on export).
-struct StepHistogram {
-  static constexpr int kNumBuckets = 13;
-  // Upper bounds in seconds; the last bucket is +Inf.
-  static constexpr double kBounds[kNumBuckets - 1] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
-                                                      0.1,   0.2,   0.5,   1.0,  2.0,  5.0};
+// Durations in fixed buckets (Prometheus-style cumulative on export). `Bounds::kSeconds` are
+// the buckets' upper bounds in seconds, ascending; the last bucket is +Inf.
+template <typename Bounds>
+struct DurationHistogram {
+  static constexpr const double* kBounds = Bounds::kSeconds;
+  static constexpr int kNumBuckets = static_cast<int>(std::size(Bounds::kSeconds)) + 1;
   uint64_t counts[kNumBuckets] = {};  // per bucket, not cumulative
   double sum_seconds = 0;
   uint64_t count = 0;
 
-  void Record(double seconds);
+  void Record(double seconds) {
+    int b = 0;
+    while (b < kNumBuckets - 1 && seconds > kBounds[b]) ++b;
+    ++counts[b];
+    sum_seconds += seconds;
+    ++count;
+  }
 };
+
+// Engine steps: 1 ms to 5 s.
+struct StepBounds {
+  static constexpr double kSeconds[] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
+                                        0.1,   0.2,   0.5,   1.0,  2.0,  5.0};
+};
+using StepHistogram = DurationHistogram<StepBounds>;
+
+// A sample's waits, from its submission: 10 ms to 30 min (long rollouts behind a full pool).
+struct SampleBounds {
+  static constexpr double kSeconds[] = {0.01, 0.025, 0.05, 0.1,  0.25, 0.5,  1.0,   2.5,  5.0,
+                                        10.0, 25.0,  50.0, 100., 250., 500., 1000., 1800.};
+};
+using SampleHistogram = DurationHistogram<SampleBounds>;
 
 // What the engine thread last published: after every loop iteration, and before it answers a
 // flush or an ABORT update.
@@ -119,6 +141,12 @@ struct EngineCounters {
   int64_t unfinished_samples = 0;  // submitted and not yet completed, any state
   StepHistogram prefill_steps;     // steps that computed prompt (or recomputed) tokens
   StepHistogram decode_steps;      // steps of decode tokens only
+  // Generated samples (not Score sequences), from their submission: to their first step
+  // (queue time, behind a full pool, a pause or a DRAIN update included), to their first
+  // token, and to their end by stop or length (aborted samples are not counted).
+  SampleHistogram queue_time;
+  SampleHistogram time_to_first_token;
+  SampleHistogram sample_time;
   uint64_t weight_updates = 0;
   double last_update_seconds = 0;  // how long the last successful swap took the runner
 };

@@ -190,6 +190,7 @@ void EngineCore::Accept(Submission submission) {
   for (SampleSpec& spec : submission.samples) {
     auto seq = std::make_unique<Sequence>();
     seq->arrival = next_arrival_++;
+    seq->submitted = submission.submitted;
     seq->job_id = submission.job_id;
     seq->rollout_index = spec.rollout_index;
     seq->sample_index = spec.sample_index;

@@ -50,7 +50,8 @@ absl::StatusOr<uint64_t> EngineCore::Submit(std::vector<SampleSpec> samples, Eve
     if (stop_) return absl::UnavailableError("the engine is shutting down");
     job_id = next_job_id_++;
     unfinished_samples_ += static_cast<int64_t>(samples.size());
-    inbox_.submissions.push_back(Submission{job_id, std::move(samples), std::move(sink)});
+    inbox_.submissions.push_back(
+        Submission{job_id, std::move(samples), std::move(sink), std::chrono::steady_clock::now()});
   }
   cv_.notify_all();
   return job_id;
@@ -143,6 +144,9 @@ void EngineCore::PublishCounters() {
   c.scored_tokens = scored_tokens_;
   c.prefill_steps = prefill_steps_;
   c.decode_steps = decode_steps_;
+  c.queue_time = queue_time_;
+  c.time_to_first_token = time_to_first_token_;
+  c.sample_time = sample_time_;
   c.weight_updates = weight_updates_;
   c.last_update_seconds = last_update_seconds_;
   std::lock_guard<std::mutex> lock(mu_);

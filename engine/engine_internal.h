@@ -40,6 +40,7 @@ struct Submission {
   uint64_t job_id;
   std::vector<SampleSpec> samples;
   EventSink sink;
+  std::chrono::steady_clock::time_point submitted;
 };
 
 // An UpdateWeights call on its way to the engine thread, or a DRAIN update waiting there.
@@ -264,6 +265,7 @@ class EngineCore {
   uint64_t steps_ = 0;
   uint64_t scored_tokens_ = 0;
   StepHistogram prefill_steps_, decode_steps_;
+  SampleHistogram queue_time_, time_to_first_token_, sample_time_;  // EngineCounters says what
   uint64_t weight_updates_ = 0;
   double last_update_seconds_ = 0;
   std::string version_;                    // the weights now in the runner

@@ -34,6 +34,11 @@ void AppendRowTasks(const LaunchedStep::Chunk& chunk, std::vector<LogitsRowTask>
   }
 }
 
+double SecondsBetween(std::chrono::steady_clock::time_point from,
+                      std::chrono::steady_clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
 }  // namespace
 
 void EngineCore::Step(StepEvents* events) {
@@ -56,8 +61,14 @@ std::vector<LaunchedStep::Chunk> EngineCore::ScheduleChunks() {
   std::vector<ScheduledChunk> scheduled = scheduler_.Schedule();
   std::vector<LaunchedStep::Chunk> chunks;
   chunks.reserve(scheduled.size());
+  std::optional<std::chrono::steady_clock::time_point> now;  // read once, if a sequence starts
   for (const ScheduledChunk& c : scheduled) {
     Sequence* seq = c.seq;
+    if (!seq->scheduled) {
+      seq->scheduled = true;
+      if (!now.has_value()) now = std::chrono::steady_clock::now();
+      if (!seq->is_score()) queue_time_.Record(SecondsBetween(seq->submitted, *now));
+    }
     // A scoring sequence wants the rows that predict each scored token; a generating one the
     // row of its last token, once its prefill is complete.
     int64_t from = c.end - 1, to = c.wants_logits() ? c.end : from;
@@ -239,6 +250,9 @@ void EngineCore::ApplyToken(Sequence* seq, SampleResult* result, StepEvents* eve
     seq->version_spans.back().last_token = index;
   }
   ++generated_tokens_;
+  if (index == 0) {
+    time_to_first_token_.Record(SecondsBetween(seq->submitted, std::chrono::steady_clock::now()));
+  }
   std::optional<FinishReason> reason;
   if (IsStop(*seq, result->token, config_)) {
     reason = FinishReason::kStop;
@@ -304,6 +318,9 @@ void EngineCore::ReportStreamed(const Sequence& seq, int64_t from, StepEvents* e
 
 SampleCompletion EngineCore::Finish(Sequence* seq, FinishReason reason) {
   seq->finished = true;
+  if (!seq->is_score() && reason != FinishReason::kAbort) {
+    sample_time_.Record(SecondsBetween(seq->submitted, std::chrono::steady_clock::now()));
+  }
   scheduler_.Remove(seq);
   SampleCompletion c;
   c.finish_reason = reason;

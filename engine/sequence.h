@@ -1,6 +1,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -23,7 +24,9 @@ struct VersionSpan {
 
 // One sample being generated: the unit of scheduling. Owned by the engine; engine thread only.
 struct Sequence {
-  uint64_t arrival = 0;  // FCFS order: the order the engine received it
+  uint64_t arrival = 0;                             // FCFS order: the order the engine received it
+  std::chrono::steady_clock::time_point submitted;  // when Engine::Submit took it
+  bool scheduled = false;                           // in a step at least once
   uint64_t job_id = 0;
   int32_t rollout_index = 0;
   int32_t sample_index = 0;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "civetweb.h"
+#include "common/build_info.h"
 
 namespace rollout {
 namespace {
@@ -40,14 +41,16 @@ void Scalar(std::string* out, const char* name, const char* type, const char* he
   absl::StrAppend(out, name, " ", absl::StrFormat("%.17g", value), "\n");
 }
 
-void Histogram(std::string* out, const char* name, const char* help, const StepHistogram& h) {
+template <typename Bounds>
+void Histogram(std::string* out, const char* name, const char* help,
+               const DurationHistogram<Bounds>& h) {
+  using H = DurationHistogram<Bounds>;
   Header(out, name, "histogram", help);
   uint64_t cumulative = 0;
-  for (int b = 0; b < StepHistogram::kNumBuckets; ++b) {
+  for (int b = 0; b < H::kNumBuckets; ++b) {
     cumulative += h.counts[b];
-    const std::string le = b < StepHistogram::kNumBuckets - 1
-                               ? absl::StrFormat("%g", StepHistogram::kBounds[b])
-                               : std::string("+Inf");
+    const std::string le =
+        b < H::kNumBuckets - 1 ? absl::StrFormat("%g", H::kBounds[b]) : std::string("+Inf");
     absl::StrAppend(out, name, "_bucket{le=\"", le, "\"} ", cumulative, "\n");
   }
   absl::StrAppend(out, name, "_sum ", absl::StrFormat("%.9g", h.sum_seconds), "\n", name, "_count ",
@@ -96,12 +99,17 @@ void ServiceMetrics::RecordSample(FinishReason reason) { ++samples_[static_cast<
 void ServiceMetrics::RecordUpdate(double seconds, bool ok) {
   (ok ? updates_ok_ : updates_failed_)++;
   std::lock_guard<std::mutex> lock(mu_);
-  update_seconds_sum_ += seconds;
+  update_seconds_.Record(seconds);
 }
 
 std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& weight_version,
                                    bool paused) const {
   std::string out;
+  const BuildInfo build = GetBuildInfo();
+  Header(&out, "rollout_build_info", "gauge", "The build serving (value 1).");
+  absl::StrAppend(&out, "rollout_build_info{version=\"", EscapeLabel(build.version), "\",commit=\"",
+                  EscapeLabel(build.commit), "\",build_type=\"", EscapeLabel(build.build_type),
+                  "\"} 1\n");
   Header(&out, "rollout_rpcs_total", "counter", "Finished RPCs by method and status code.");
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -132,7 +140,8 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
   Scalar(&out, "rollout_prefix_cache_hit_tokens_total", "counter",
          "Prompt tokens whose KV came from the prefix cache.",
          static_cast<double>(e.cache_hit_tokens));
-  Scalar(&out, "rollout_kv_blocks_total", "gauge", "KV cache blocks.", e.kv_blocks_total);
+  Scalar(&out, "rollout_kv_blocks_capacity", "gauge", "KV cache blocks in the pool.",
+         e.kv_blocks_total);
   Scalar(&out, "rollout_kv_blocks_free", "gauge", "KV cache blocks free.", e.kv_blocks_free);
   Scalar(&out, "rollout_kv_blocks_cached", "gauge", "KV cache blocks held by the prefix cache.",
          e.kv_blocks_cached);
@@ -151,14 +160,21 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
   Histogram(&out, "rollout_prefill_step_seconds", "Duration of steps that prefill.",
             e.prefill_steps);
   Histogram(&out, "rollout_decode_step_seconds", "Duration of decode-only steps.", e.decode_steps);
+  Histogram(&out, "rollout_sample_queue_seconds",
+            "Generated samples: submission to their first engine step.", e.queue_time);
+  Histogram(&out, "rollout_time_to_first_token_seconds",
+            "Generated samples: submission to their first token.", e.time_to_first_token);
+  Histogram(&out, "rollout_sample_seconds",
+            "Generated samples that ended by stop or length: submission to their end.",
+            e.sample_time);
   Header(&out, "rollout_weight_updates_total", "counter", "Weight updates by outcome.");
   absl::StrAppend(&out, "rollout_weight_updates_total{outcome=\"ok\"} ", updates_ok_.load(),
                   "\nrollout_weight_updates_total{outcome=\"failed\"} ", updates_failed_.load(),
                   "\n");
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Scalar(&out, "rollout_weight_update_seconds_sum", "counter",
-           "Total time of weight updates, receive to swap.", update_seconds_sum_);
+    Histogram(&out, "rollout_weight_update_seconds",
+              "Weight updates (ok or failed): receive to swap.", update_seconds_);
   }
   Scalar(&out, "rollout_weight_swap_seconds_last", "gauge",
          "Engine-side time of the last weight swap.", e.last_update_seconds);

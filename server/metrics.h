@@ -17,8 +17,14 @@ struct mg_context;
 
 namespace rollout {
 
-// What the gRPC layer counts: finished calls by method and status code, and samples by how
-// they ended. Thread-safe.
+// Weight updates, receive to swap: 50 ms to 10 min.
+struct UpdateBounds {
+  static constexpr double kSeconds[] = {0.05, 0.1,  0.25, 0.5,  1.0,  2.5, 5.0,
+                                        10.0, 25.0, 50.0, 100., 250., 600.};
+};
+
+// What the gRPC layer counts: finished calls by method and status code, samples by how they
+// ended, and weight updates. Thread-safe.
 class ServiceMetrics {
  public:
   void RecordCall(const std::string& method, grpc::StatusCode code);
@@ -34,7 +40,7 @@ class ServiceMetrics {
   std::map<std::pair<std::string, int>, uint64_t> calls_;  // guarded by mu_
   std::array<std::atomic<uint64_t>, 3> samples_{};         // by FinishReason
   std::atomic<uint64_t> updates_ok_{0}, updates_failed_{0};
-  double update_seconds_sum_ = 0;  // guarded by mu_
+  DurationHistogram<UpdateBounds> update_seconds_;  // guarded by mu_
 };
 
 // Counts every RPC's final status into ServiceMetrics: one mechanism for all methods.

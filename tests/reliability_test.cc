@@ -1663,8 +1663,7 @@ TEST(ReliabilitySoakTest, MixedTrafficWithCancellationsAndWeightUpdatesLosesNoth
 // Runs in CUDA-enabled builds too (issue #7): no server or test binary links a CUDA library any
 // more -- --backend cuda dlopen()s the backend's module (runner/cuda/cuda_backend.h), whose TLS is
 // dynamic -- so libcublasLt's ~94 KB of TLS no longer comes out of the stacks of civetweb's
-// small worker threads. (A server whose endpoint cannot start only warns; the empty page below
-// is what fails then.)
+// small worker threads. (A server whose endpoint cannot start fails to start.)
 TEST(ReliabilityMetricsTest, MetricsEndpointServesCountersHistogramsAndTheWeightVersion) {
   ServerOptions options;
   options.metrics_port = rel::PickFreePort();
@@ -1701,7 +1700,7 @@ TEST(ReliabilityMetricsTest, MetricsEndpointServesCountersHistogramsAndTheWeight
            std::string("rollout_prefill_step_seconds_bucket{le=\"+Inf\"}"),
            std::string("rollout_decode_step_seconds_bucket{le=\"0.001\"}"),
            std::string("rollout_decode_step_seconds_count"),
-           std::string("rollout_kv_blocks_total"),
+           std::string("rollout_kv_blocks_capacity"),
            std::string("rollout_weight_updates_total{outcome=\"ok\"} 1"),
            std::string("rollout_weight_version_info{version=\"metrics-v1\"} 1"),
        }) {
