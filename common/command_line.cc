@@ -1,7 +1,5 @@
 #include "common/command_line.h"
 
-#include <fstream>
-
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
@@ -9,9 +7,16 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/build_info.h"
+#include "common/regular_file.h"
 #include "glog/logging.h"
 
 namespace rollout {
+namespace {
+
+// A token is a line; a file this large is a wrong path.
+constexpr uint64_t kMaxTokenFileBytes = 64 << 10;
+
+}  // namespace
 
 std::vector<char*> ParseCommandLine(int argc, char** argv, absl::string_view usage,
                                     absl::string_view main_file) {
@@ -30,10 +35,9 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, absl::string_view usa
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read the token file ", path));
-  std::string line;
-  std::getline(in, line);
+  absl::StatusOr<std::string> text = ReadSmallFile(path, kMaxTokenFileBytes, "token file");
+  if (!text.ok()) return text.status();
+  const std::string line = text->substr(0, text->find('\n'));
   // A file written on Windows (or by some secret stores) ends its line in "\r\n".
   const std::string token(absl::StripAsciiWhitespace(line));
   if (token.empty()) {

@@ -20,8 +20,8 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, absl::string_view usa
                                     absl::string_view main_file);
 
 // The bearer token in `path`: its first line without the line end ("\n" or "\r\n") and without
-// surrounding whitespace. INVALID_ARGUMENT when there is none; NOT_FOUND when the file cannot be
-// read.
+// surrounding whitespace. Read as ReadSmallFile reads (a regular file, at most 64 KiB).
+// INVALID_ARGUMENT when there is no token; NOT_FOUND when the file does not exist.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // --v (common/log_flags.cc).

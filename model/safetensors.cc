@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/regular_file.h"
 #include "nlohmann/json.hpp"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -36,64 +37,6 @@ constexpr uint64_t kMaxJsonFileBytes = 64ull << 20;
 constexpr size_t kReadChunkBytes = 64ull << 20;
 
 std::string ErrnoText() { return std::strerror(errno); }
-
-// A failed open of a checkpoint file, from errno. A path that does not lead to a file
-// (ENOENT, or ENOTDIR: a component of it is a file) or cannot (a symlink loop, a name too long)
-// is the caller's to fix, never INTERNAL.
-absl::Status OpenFailure(const std::string& path) {
-  const int error = errno;
-  std::string message = absl::StrCat(path, ": ", std::strerror(error));
-  if (error == ENOENT || error == ENOTDIR) return absl::NotFoundError(std::move(message));
-  if (error == EISDIR) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " is a directory, not a file"));
-  }
-  if (error == ELOOP || error == ENAMETOOLONG) {
-    return absl::InvalidArgumentError(std::move(message));
-  }
-  if (error == EACCES || error == EPERM) return absl::PermissionDeniedError(std::move(message));
-  return absl::InternalError(std::move(message));
-}
-
-// A checkpoint file opened for reading: a regular file, never anything that could block or
-// never end (a FIFO, a device, a socket), and never a directory. Returns the descriptor (the
-// caller closes it) and fills `st`.
-absl::StatusOr<int> OpenRegularFile(const std::string& path, struct stat* st) {
-  // O_NONBLOCK: opening a FIFO without a writer would otherwise wait for one, forever.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return OpenFailure(path);
-  if (::fstat(fd, st) != 0) {
-    std::string message = absl::StrCat(path, ": fstat: ", ErrnoText());
-    ::close(fd);
-    return absl::InternalError(message);
-  }
-  if (!S_ISREG(st->st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, S_ISDIR(st->st_mode) ? " is a directory, not a file"
-                                   : " is not a regular file (a FIFO, device or "
-                                     "socket); checkpoint files must be regular files"));
-  }
-  return fd;
-}
-
-// Reads `size` bytes at `offset` of `fd` into `out`. A file that ends early was truncated after
-// it was opened (its size was checked then): ABORTED, for that read only.
-absl::Status ReadAt(int fd, const std::string& path, uint64_t offset, size_t size, uint8_t* out) {
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::pread(fd, out + done, size - done, static_cast<off_t>(offset + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return absl::InternalError(absl::StrCat(path, ": read failed: ", ErrnoText()));
-    if (n == 0) {
-      return absl::AbortedError(absl::StrCat(
-          path, " ends at byte ", offset + done,
-          ", short of bytes it held when it was opened: it was truncated or rewritten while it "
-          "was read; write a new checkpoint to a directory of its own and update from that"));
-    }
-    done += static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
-}
 
 uint32_t FloatBits(float x) {
   uint32_t bits;
@@ -233,21 +176,16 @@ absl::Status ParseSafetensors(const std::string& path, const std::string& header
 }
 
 absl::StatusOr<std::string> ReadJsonFile(const std::string& path) {
-  struct stat st;
-  absl::StatusOr<int> fd = OpenRegularFile(path, &st);
-  if (!fd.ok()) return fd.status();
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size > kMaxJsonFileBytes) {
-    ::close(*fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, " is ", size, " bytes, beyond the ",
-                                                   kMaxJsonFileBytes >> 20,
-                                                   " MiB a checkpoint's JSON file may have"));
-  }
-  std::string text(size, '\0');
-  absl::Status read = ReadAt(*fd, path, 0, size, reinterpret_cast<uint8_t*>(text.data()));
-  ::close(*fd);
-  if (!read.ok()) return read;
-  return text;
+  return ReadSmallFile(path, kMaxJsonFileBytes, "checkpoint's JSON file");
+}
+
+// Reads of tensor data: a short read means the file changed under the reader, which the caller
+// should hear how to avoid.
+absl::Status ReadAt(int fd, const std::string& path, uint64_t offset, size_t size, uint8_t* out) {
+  absl::Status s = ReadFileAt(fd, path, offset, size, out);
+  if (!absl::IsAborted(s)) return s;
+  return absl::AbortedError(absl::StrCat(
+      s.message(), "; write a new checkpoint to a directory of its own and update from that"));
 }
 
 bool FileExists(const std::string& path) {

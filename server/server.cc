@@ -13,8 +13,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -22,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/regular_file.h"
 #include "glog/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -52,12 +51,16 @@ std::string CacheRoot() {
   return "/tmp/rollout-cache";
 }
 
+// PEM files are a few KiB; a larger "certificate" is a wrong path.
+constexpr uint64_t kMaxPemFileBytes = 1 << 20;
+
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read the ", what, " file ", path));
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
+  absl::StatusOr<std::string> text = ReadSmallFile(path, kMaxPemFileBytes, what);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(),
+                        absl::StrCat("cannot read the ", what, " file: ", text.status().message()));
+  }
+  return text;
 }
 
 // The PEM block a TLS file must hold, named for the message when it holds the other one.

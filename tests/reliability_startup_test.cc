@@ -4,6 +4,7 @@
 // swapped or mismatched TLS files (once reported as "address in use").
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -123,7 +124,7 @@ void WriteFile(const std::string& path, const std::string& text) {
 }
 
 // Swapped certificate and key files say so; a key that is not the certificate's is reported as
-// a TLS problem, not as an address in use.
+// a TLS problem, not as an address in use; a FIFO is refused, not waited on.
 TEST(ReliabilityStartupTest, SwappedOrMismatchedTlsFilesAreReportedAsATlsProblem) {
   const std::string dir = ::testing::TempDir() + "reliability-startup-tls/";
   std::filesystem::create_directories(dir);
@@ -145,7 +146,14 @@ TEST(ReliabilityStartupTest, SwappedOrMismatchedTlsFilesAreReportedAsATlsProblem
        dir + "client.key",
        {"gRPC refused the TLS certificate and key",
         "check that --tls_key is the private key of --tls_cert"}},
+      // Not waited on (the start once blocked on it until a writer came).
+      {"a FIFO as the certificate",
+       dir + "fifo.pem",
+       dir + "server.key",
+       {"cannot read the TLS certificate file: " + dir + "fifo.pem is not a regular file"}},
   };
+  std::filesystem::remove(dir + "fifo.pem");
+  ASSERT_EQ(::mkfifo((dir + "fifo.pem").c_str(), 0600), 0);
   setenv("ROLLOUT_CACHE_DIR", rel::TestModelCache().c_str(), 1);
   for (const Case& c : cases) {
     ServerOptions options;
