@@ -214,6 +214,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   const ModelConfig& c = engine_->model_config();
   v1::ModelInfo* m = response->mutable_model();
   m->set_architecture(c.architecture);
+  m->set_tie_word_embeddings(c.tie_word_embeddings);
   m->set_num_layers(c.num_layers);
   m->set_hidden_size(c.hidden_size);
   m->set_vocab_size(c.vocab_size);

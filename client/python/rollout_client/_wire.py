@@ -209,6 +209,17 @@ def score_results(response, details: bool):
 # -- weights ----------------------------------------------------------------------------------
 
 
+TIED_LM_HEAD = "lm_head.weight"
+
+
+def without_tied_lm_head(named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]]
+                         ) -> Iterator[Tuple[str, Any]]:
+    """The (name, tensor) pairs but lm_head.weight: what a model that ties lm_head to the
+    embedding serves (its state_dict still lists the shared tensor under both names)."""
+    pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    return ((name, t) for name, t in pairs if name != TIED_LM_HEAD)
+
+
 def weights_messages(named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
                      version: str, policy_name: Optional[str], dtype: DTypeSpec,
                      chunk_bytes: int) -> Iterator[Any]:

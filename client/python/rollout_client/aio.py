@@ -168,9 +168,12 @@ class RolloutClient:
                              named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
                              version: str, policy: Optional[str] = "drain", *,
                              dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
+                             skip_tied: bool = True,
                              timeout: Optional[float] = None) -> UpdateWeightsResult:
         """As rollout_client.RolloutClient.update_weights. Tensors are converted on the event
         loop's thread, one at a time, between the writes."""
+        if skip_tied and (await self.server_info(timeout=timeout)).model.tie_word_embeddings:
+            named_tensors = _wire.without_tied_lm_head(named_tensors)
         messages = _wire.weights_messages(named_tensors, version, policy, dtype, chunk_bytes)
         failure: List[BaseException] = []
 

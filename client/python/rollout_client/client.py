@@ -182,6 +182,7 @@ class RolloutClient:
     def update_weights(self, named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
                        version: str, policy: Optional[str] = "drain", *,
                        dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
+                       skip_tied: bool = True,
                        timeout: Optional[float] = None) -> UpdateWeightsResult:
         """Streams new weights to the server: a WeightsHeader declaring every tensor, then each
         tensor's bytes in TensorData chunks of at most chunk_bytes. Nothing changes on the
@@ -194,8 +195,12 @@ class RolloutClient:
         tensor in its own dtype). A wrong dtype or shape is answered INVALID_ARGUMENT naming
         what the server expects. policy: what happens to samples in flight: "drain" (finish on
         the old weights first), "abort" or "continue" (go on with the new weights; see
-        Completion.version_spans).
+        Completion.version_spans). skip_tied: when the served model ties lm_head to the
+        embedding, a state_dict's lm_head.weight (the same tensor) is left out instead of
+        refused (one GetServerInfo call first).
         """
+        if skip_tied and self.server_info(timeout=timeout).model.tie_word_embeddings:
+            named_tensors = _wire.without_tied_lm_head(named_tensors)
         messages = _wire.weights_messages(named_tensors, version, policy, dtype, chunk_bytes)
         failure: List[BaseException] = []
 

@@ -165,6 +165,7 @@ class ModelInfo:
     intermediate_size: int
     eos_token_ids: List[int]
     source: str
+    tie_word_embeddings: bool = False  # lm_head is the embedding: no lm_head.weight is served
 
 
 @dataclass

@@ -420,7 +420,8 @@ class FakeServerTest(unittest.TestCase):
             self.assertEqual(c.server_info().weight_version, "fake")
             self.assertTrue(c.pause(abort_in_flight=True))
             c.update_weights([("w", np.ones(3, np.float32))], version="v")
-        self.assertEqual(len(self.recorder.metadata), 3)
+        # update_weights asks GetServerInfo first (whether lm_head is tied): four calls.
+        self.assertEqual(len(self.recorder.metadata), 4)
         for md in self.recorder.metadata:
             self.assertEqual(md["authorization"], "Bearer s3cret")
         with RolloutClient(self.target) as c:
@@ -822,6 +823,39 @@ class ExampleTest(unittest.TestCase):
                 shutil.rmtree(wrong, ignore_errors=True)
         finally:
             server.stop()
+
+
+class TiedWeightsTest(unittest.TestCase):
+    """A model whose lm_head is its embedding (the tiny preset): a full state_dict lists the
+    shared tensor as lm_head.weight too, which update_weights leaves out."""
+
+    def test_a_tied_lm_head_in_a_state_dict_is_skipped_not_refused(self):
+        from _support import BIN_DIR
+        model = tempfile.mkdtemp(prefix="rollout-py-tied-")
+        try:
+            subprocess.run([os.path.join(BIN_DIR, "rollout-make-model"), "--preset", "tiny",
+                            "--out", model, "--seed", "3"], check=True, capture_output=True,
+                           timeout=120)
+            server = Server(cache_dir(), "--model", model)
+            try:
+                client = RolloutClient(server.target, timeout=120)
+                info = client.wait_ready(60)
+                self.assertTrue(info.model.tie_word_embeddings)
+                state = read_safetensors(model)
+                self.assertNotIn("lm_head.weight", state)
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]
+                with self.assertRaises(RolloutError) as refused:
+                    client.update_weights(state, version="tied-raw", skip_tied=False)
+                self.assertEqual(refused.exception.code, "INVALID_ARGUMENT")
+                self.assertIn("lm_head.weight", str(refused.exception))
+                r = client.update_weights(state, version="tied-1")
+                self.assertEqual(r.tensors_updated, len(state) - 1)
+                self.assertEqual(r.weight_digest, info.weight_digest, "the same bytes")
+                client.close()
+            finally:
+                server.stop()
+        finally:
+            shutil.rmtree(model, ignore_errors=True)
 
 
 if __name__ == "__main__":
