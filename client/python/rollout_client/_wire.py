@@ -1,10 +1,13 @@
-"""What the blocking and the asyncio client share: Python arguments -> request messages, and
-response messages -> the package's dataclasses. No I/O here."""
+"""What the blocking and the asyncio client share: the channel and call metadata they open,
+Python arguments -> request messages, and response messages -> the package's dataclasses.
+No calls are made here."""
 
 from __future__ import annotations
 
 import numbers
 from typing import Any, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import grpc
 
 from . import _proto
 from .datatypes import (FINISH_REASONS, AbortResult, Completion, FlushCacheResult, ScoreResult,
@@ -31,6 +34,22 @@ def channel_options(options: Sequence[Tuple[str, Any]]) -> List[Tuple[str, Any]]
         ("grpc.max_receive_message_length", DEFAULT_MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", DEFAULT_MAX_SEND_BYTES),
     ] + list(options)
+
+
+def open_channel(grpc_module: Any, target: str, tls_root_cert: Union[None, str, bytes],
+                 options: Sequence[Tuple[str, Any]]) -> Any:
+    """A channel to `target` from `grpc_module` (grpc, or grpc.aio for the asyncio client):
+    TLS with `tls_root_cert` (a PEM path or PEM bytes), else plaintext."""
+    channel_opts = channel_options(options)
+    if tls_root_cert is None:
+        return grpc_module.insecure_channel(target, options=channel_opts)
+    credentials = grpc.ssl_channel_credentials(root_certificates=read_pem(tls_root_cert))
+    return grpc_module.secure_channel(target, credentials, options=channel_opts)
+
+
+def bearer_metadata(token: Optional[str]) -> Tuple[Tuple[str, str], ...]:
+    """The metadata every call carries: `authorization: Bearer <token>`, or none."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def read_pem(tls_root_cert: Union[str, bytes]) -> bytes:

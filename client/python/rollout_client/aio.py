@@ -40,15 +40,8 @@ class RolloutClient:
                  options: Sequence[Tuple[str, Any]] = ()):
         self.target = target
         self.timeout = timeout
-        self._metadata: Tuple[Tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token}"),) if token else ())
-        channel_options = _wire.channel_options(options)
-        if tls_root_cert is not None:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=_wire.read_pem(tls_root_cert))
-            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=channel_options)
+        self._metadata = _wire.bearer_metadata(token)
+        self._channel = _wire.open_channel(grpc.aio, target, tls_root_cert, options)
         self._stub = pb2_grpc.RolloutServiceStub(self._channel)
 
     # -- lifecycle ----------------------------------------------------------------------------
