@@ -69,11 +69,21 @@ double ProcessCpuSeconds() {
          1e-6 * (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
 }
 
-std::vector<std::string> RunWorkload(Engine* engine, std::vector<SampleSpec> specs) {
+// Every completion of `specs`, in sample order; none (and a test failure) if the engine refused
+// them.
+std::vector<SampleCompletion> RunToCompletion(Engine* engine,
+                                              const std::vector<SampleSpec>& specs) {
   Collector collector(specs.size());
-  EXPECT_TRUE(engine->Submit(specs, collector.Sink()).ok());
+  if (auto job = engine->Submit(specs, collector.Sink()); !job.ok()) {
+    ADD_FAILURE() << "Submit: " << job.status();
+    return {};
+  }
+  return collector.Wait();
+}
+
+std::vector<std::string> RunWorkload(Engine* engine, std::vector<SampleSpec> specs) {
   std::vector<std::string> bits;
-  for (const SampleCompletion& c : collector.Wait()) bits.push_back(Bits(c));
+  for (const SampleCompletion& c : RunToCompletion(engine, specs)) bits.push_back(Bits(c));
   return bits;
 }
 
@@ -160,9 +170,8 @@ TEST(EngineAdmissionTest, FourTimesOverSubscribedPoolFinishesEverySampleWithoutR
     options.admission = policy;
     std::unique_ptr<Engine> engine = MakeEngine(small, options);
     ASSERT_EQ(engine->counters().kv_blocks_total * 16, 2048);
-    Collector collector(specs.size());
-    ASSERT_TRUE(engine->Submit(specs, collector.Sink()).ok());
-    const std::vector<SampleCompletion> done = collector.Wait();
+    const std::vector<SampleCompletion> done = RunToCompletion(engine.get(), specs);
+    ASSERT_EQ(done.size(), specs.size());
     for (size_t i = 0; i < done.size(); ++i) {
       EXPECT_EQ(done[i].token_ids.size(), 192u) << name << ", sample " << i;
       EXPECT_EQ(done[i].finish_reason, FinishReason::kLength) << name << ", sample " << i;
@@ -194,10 +203,8 @@ TEST(EngineAdmissionTest, SamplesThatStopEarlyRunMoreAtOnceUnderTheEstimate) {
   std::vector<int32_t> stops;
   for (int32_t t = 5; t < 256; t += 8) stops.push_back(t);  // 1/8 of the vocabulary
   const std::vector<SampleSpec> specs = OverSubscribingWorkload(stops);
-  Collector roomy(specs.size());
-  std::unique_ptr<Engine> reference_engine = MakeEngine({});
-  ASSERT_TRUE(reference_engine->Submit(specs, roomy.Sink()).ok());
-  const std::vector<SampleCompletion> reference = roomy.Wait();
+  const std::vector<SampleCompletion> reference = RunToCompletion(MakeEngine({}).get(), specs);
+  ASSERT_EQ(reference.size(), specs.size());
   size_t stopped_early = 0;
   for (const SampleCompletion& c : reference) stopped_early += c.token_ids.size() < 96;
   ASSERT_GE(stopped_early, specs.size() / 3) << "the workload is not RL-shaped";
@@ -207,9 +214,8 @@ TEST(EngineAdmissionTest, SamplesThatStopEarlyRunMoreAtOnceUnderTheEstimate) {
     EngineOptions options;
     options.admission = policy;
     std::unique_ptr<Engine> engine = MakeEngine(PoolOf2048Tokens(), options);
-    Collector collector(specs.size());
-    ASSERT_TRUE(engine->Submit(specs, collector.Sink()).ok());
-    const std::vector<SampleCompletion> done = collector.Wait();
+    const std::vector<SampleCompletion> done = RunToCompletion(engine.get(), specs);
+    ASSERT_EQ(done.size(), specs.size());
     for (size_t i = 0; i < done.size(); ++i) {
       EXPECT_EQ(Bits(done[i]), Bits(reference[i])) << "sample " << i;
       EXPECT_EQ(done[i].finish_reason, reference[i].finish_reason) << "sample " << i;
