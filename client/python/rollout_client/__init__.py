@@ -7,6 +7,7 @@ and protobuf, and numpy for arrays.
 """
 
 from .client import RolloutClient
+from .fleet import Fleet, FleetError
 from .datatypes import (AbortResult, Completion, EngineCounters, EngineLimits, FlushCacheResult,
                         ModelInfo, RolloutError, ScoreResult, ServerInfo, TokenChunk,
                         UpdateWeightsResult, VersionSpan)
@@ -30,7 +31,7 @@ def _splitmix64(x: int) -> int:
 
 
 __all__ = [
-    "RolloutClient", "RolloutError", "Completion", "TokenChunk", "VersionSpan", "ScoreResult",
+    "RolloutClient", "Fleet", "FleetError", "RolloutError", "Completion", "TokenChunk", "VersionSpan", "ScoreResult",
     "AbortResult", "FlushCacheResult", "UpdateWeightsResult", "ServerInfo", "ModelInfo",
     "EngineLimits", "EngineCounters", "RawTensor", "read_safetensors", "write_safetensors",
     "f32_to_bf16_bits", "bf16_bits_to_f32", "sample_seed",

@@ -11,7 +11,9 @@ import grpc
 
 from . import _proto
 from .datatypes import (FINISH_REASONS, AbortResult, Completion, FlushCacheResult, ScoreResult,
-                        TokenChunk, TopLogprobs, VersionSpan)
+                        TokenChunk, TopLogprobs, UpdateWeightsResult, VersionSpan,
+                        message_to_dataclass)
+from ._stream import SharedStream
 from .weights import DTypeSpec, prepare
 
 pb2, pb2_grpc = _proto.load()
@@ -239,30 +241,54 @@ def without_tied_lm_head(named_tensors: Union[Iterable[Tuple[str, Any]], Mapping
     return ((name, t) for name, t in pairs if name != TIED_LM_HEAD)
 
 
-def weights_messages(named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
-                     version: str, policy_name: Optional[str], dtype: DTypeSpec,
-                     chunk_bytes: int) -> Iterator[Any]:
-    """The UpdateWeights stream: a WeightsHeader, then each tensor's bytes in TensorData chunks
-    of at most chunk_bytes. Tensors are converted one at a time, so one converted copy lives."""
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+def weights_stream(named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
+                   version: str, policy_name: Optional[str], dtype: DTypeSpec,
+                   chunk_bytes: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                   consumers: int = 1) -> SharedStream:
+    """The UpdateWeights stream, encoded: a WeightsHeader, then each tensor's bytes in
+    TensorData chunks of at most chunk_bytes, converted in buckets of about bucket_bytes on a
+    background thread (rollout_client._stream). Every argument is checked here, before a call."""
     if not version:
         raise ValueError("update_weights: version must be non-empty")
     if chunk_bytes <= 0:
         raise ValueError("update_weights: chunk_bytes must be > 0")
+    if chunk_bytes > DEFAULT_MAX_SEND_BYTES - (1 << 20):
+        raise ValueError(f"update_weights: chunk_bytes must be at most "
+                         f"{DEFAULT_MAX_SEND_BYTES - (1 << 20)} (the server takes messages of up "
+                         f"to {DEFAULT_MAX_SEND_BYTES >> 20} MiB)")
+    if bucket_bytes <= 0:
+        raise ValueError("update_weights: bucket_bytes must be > 0")
     tensors = prepare(named_tensors, dtype)
     header = pb2.WeightsHeader(version=str(version), policy=policy(policy_name))
     for t in tensors:
         header.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape))
+    return SharedStream(pb2.WeightsChunk(header=header).SerializeToString(), tensors,
+                        consumers=consumers, bucket_bytes=bucket_bytes, chunk_bytes=chunk_bytes)
 
-    def messages():
-        yield pb2.WeightsChunk(header=header)
-        for t in tensors:
-            data = t.payload()
-            for offset in range(0, data.nbytes, chunk_bytes):
-                yield pb2.WeightsChunk(data=pb2.TensorData(
-                    name=t.name, offset=offset, data=data[offset:offset + chunk_bytes].tobytes()))
-            del data
 
-    return messages()
+def weights_messages(named_tensors, version, policy_name, dtype, chunk_bytes,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Any]:
+    """The same stream as parsed WeightsChunk messages (for callers of the raw stub)."""
+    stream = weights_stream(named_tensors, version, policy_name, dtype, chunk_bytes, bucket_bytes)
+    return (pb2.WeightsChunk.FromString(m) for m in stream.messages(0))
+
+
+def update_weights_call(channel: Any):
+    """UpdateWeights taking requests already encoded (bytes, sent as they are)."""
+    return channel.stream_unary("/rollout.v1.RolloutService/UpdateWeights",
+                                request_serializer=None,
+                                response_deserializer=pb2.UpdateWeightsResponse.FromString)
+
+
+def update_result(response, seconds: float):
+    """UpdateWeightsResult of a response, with the client's wall time of the call."""
+    r = message_to_dataclass(UpdateWeightsResult, response)
+    r.seconds = seconds
+    r.bytes_per_second = r.bytes_received / seconds if seconds > 0 else 0.0
+    return r
 
 
 def update_from_path_request(path: str, version: str, policy_name: Optional[str]):

@@ -161,31 +161,47 @@ class RolloutClient:
                              named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
                              version: str, policy: Optional[str] = "drain", *,
                              dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
+                             bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
                              skip_tied: bool = True,
                              timeout: Optional[float] = None) -> UpdateWeightsResult:
-        """As rollout_client.RolloutClient.update_weights. Tensors are converted on the event
-        loop's thread, one at a time, between the writes."""
+        """As rollout_client.RolloutClient.update_weights. Tensors are converted on a
+        background thread; the event loop only hands the encoded chunks to gRPC."""
         if skip_tied and (await self.server_info(timeout=timeout)).model.tie_word_embeddings:
             named_tensors = _wire.without_tied_lm_head(named_tensors)
-        messages = _wire.weights_messages(named_tensors, version, policy, dtype, chunk_bytes)
+        stream = _wire.weights_stream(named_tensors, version, policy, dtype, chunk_bytes,
+                                      bucket_bytes)
         failure: List[BaseException] = []
+        loop = asyncio.get_running_loop()
 
         async def recorded():
+            it = stream.messages(0)
             try:
-                for m in messages:
+                while True:
+                    # Waiting for a bucket's conversion blocks: off the event loop.
+                    m = await loop.run_in_executor(None, next, it, None)
+                    if m is None:
+                        return
                     yield m
             except BaseException as e:  # surfaced below instead of gRPC's CANCELLED
                 failure.append(e)
                 raise
+            finally:
+                try:
+                    it.close()
+                except ValueError:  # cancelled while next() ran on the executor
+                    pass
 
+        start = loop.time()
         try:
-            response = await self._stub.UpdateWeights(recorded(), timeout=self._timeout(timeout),
-                                                      metadata=self._metadata)
+            response = await _wire.update_weights_call(self._channel)(
+                recorded(), timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             if failure:
                 raise failure[0] from None
             raise RolloutError.from_rpc_error(e) from None
-        return message_to_dataclass(UpdateWeightsResult, response)
+        finally:
+            stream.stop(0)
+        return _wire.update_result(response, loop.time() - start)
 
     async def update_weights_from_path(self, path: str, version: str,
                                        policy: Optional[str] = "drain", *,

@@ -175,6 +175,7 @@ class RolloutClient:
     def update_weights(self, named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
                        version: str, policy: Optional[str] = "drain", *,
                        dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
+                       bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
                        skip_tied: bool = True,
                        timeout: Optional[float] = None) -> UpdateWeightsResult:
         """Streams new weights to the server: a WeightsHeader declaring every tensor, then each
@@ -182,36 +183,44 @@ class RolloutClient:
         server until every byte arrived and was validated; then it swaps atomically.
 
         named_tensors: (name, tensor) pairs or a mapping, e.g. model.state_dict().items() with
-        Hugging Face names; tensors as torch tensors, numpy arrays or RawTensor (see
-        rollout_client.weights). dtype: the served dtype the values are converted to ("BF16",
-        "F16", "F32"; a mapping name -> dtype or a callable for mixed models; None sends each
-        tensor in its own dtype). A wrong dtype or shape is answered INVALID_ARGUMENT naming
-        what the server expects. policy: what happens to samples in flight: "drain" (finish on
-        the old weights first), "abort" or "continue" (go on with the new weights; see
-        Completion.version_spans). skip_tied: when the served model ties lm_head to the
+        Hugging Face names; tensors as torch tensors (on any device: GPU tensors are converted
+        there and reach the host through one pinned buffer, a bucket at a time), numpy arrays
+        or RawTensor (see rollout_client.weights). dtype: the served dtype the values are
+        converted to ("BF16", "F16", "F32"; a mapping name -> dtype or a callable for mixed
+        models; None sends each tensor in its own dtype). A wrong dtype or shape is answered
+        INVALID_ARGUMENT naming what the server expects. policy: what happens to samples in
+        flight: "drain" (finish on the old weights first), "abort" or "continue" (go on with
+        the new weights; see Completion.version_spans). bucket_bytes: tensors are converted in
+        buckets of about this many bytes on a background thread while the previous bucket is
+        sent (at most two buckets ahead). skip_tied: when the served model ties lm_head to the
         embedding, a state_dict's lm_head.weight (the same tensor) is left out instead of
-        refused (one GetServerInfo call first).
+        refused (one GetServerInfo call first). The result's seconds and bytes_per_second are
+        the call's wall time and rate as this client saw them.
         """
         if skip_tied and self.server_info(timeout=timeout).model.tie_word_embeddings:
             named_tensors = _wire.without_tied_lm_head(named_tensors)
-        messages = _wire.weights_messages(named_tensors, version, policy, dtype, chunk_bytes)
+        stream = _wire.weights_stream(named_tensors, version, policy, dtype, chunk_bytes,
+                                      bucket_bytes)
         failure: List[BaseException] = []
 
         def recorded():
             try:
-                yield from messages
+                yield from stream.messages(0)
             except BaseException as e:  # surfaced below instead of gRPC's CANCELLED
                 failure.append(e)
                 raise
 
+        start = time.monotonic()
         try:
-            response = self._stub.UpdateWeights(recorded(), timeout=self._timeout(timeout),
-                                                metadata=self._metadata)
+            response = _wire.update_weights_call(self._channel)(
+                recorded(), timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             if failure:
                 raise failure[0] from None
             raise RolloutError.from_rpc_error(e) from None
-        return message_to_dataclass(UpdateWeightsResult, response)
+        finally:
+            stream.stop(0)
+        return _wire.update_result(response, time.monotonic() - start)
 
     def update_weights_from_path(self, path: str, version: str,
                                  policy: Optional[str] = "drain", *,

@@ -150,6 +150,9 @@ class UpdateWeightsResult:
     receive_seconds: float
     swap_seconds: float
     weight_digest: str               # the served weights' digest after the update
+    # Measured by the client: the call's wall time and bytes_received over it.
+    seconds: float = 0.0
+    bytes_per_second: float = 0.0
 
 
 @dataclass

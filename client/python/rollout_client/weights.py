@@ -173,9 +173,12 @@ def _torch_bytes(name: str, t, target: Optional[str]):
     if sys.byteorder != "little":  # pragma: no cover
         raise RuntimeError("rollout_client: big-endian hosts are not supported for torch tensors")
     nbytes = t.numel() * t.element_size()
-    # A copy of the tensor's storage, no numpy needed.
-    data = ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
-    return dst, shape, data
+    if nbytes == 0:
+        return dst, shape, b""
+    try:  # the tensor's own bytes, no copy (numpy shares torch's CPU memory)
+        return dst, shape, t.reshape(-1).view(torch.uint8).numpy()
+    except (ImportError, RuntimeError, TypeError):  # no numpy: a copy of the storage
+        return dst, shape, ctypes.string_at(t.data_ptr(), nbytes)
 
 
 # ---------------------------------------------------------------------------------------------
