@@ -573,9 +573,9 @@ class TorchConversionTest(unittest.TestCase):
 
     def test_torch_prompts(self):
         import torch
-        from rollout_client.client import _sequences
-        self.assertEqual(_sequences(torch.tensor([[1, 2], [3, 4]]), "p"), [[1, 2], [3, 4]])
-        self.assertEqual(_sequences([torch.tensor([5, 6, 7])], "p"), [[5, 6, 7]])
+        from rollout_client._wire import sequences
+        self.assertEqual(sequences(torch.tensor([[1, 2], [3, 4]]), "p"), [[1, 2], [3, 4]])
+        self.assertEqual(sequences([torch.tensor([5, 6, 7])], "p"), [[5, 6, 7]])
 
 
 # ---------------------------------------------------------------------------------------------

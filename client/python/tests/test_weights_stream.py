@@ -134,6 +134,38 @@ class SharedStreamTest(unittest.TestCase):
                 list(stream.messages(i))
 
 
+try:
+    import torch
+    HAVE_CUDA = torch.cuda.is_available()
+except ImportError:
+    torch = None
+    HAVE_CUDA = False
+
+
+@unittest.skipUnless(HAVE_CUDA, "needs torch with a GPU (run by tests/gpu/python_weights.sh)")
+class TorchGpuBucketsTest(unittest.TestCase):
+    """GPU tensors go to the host through the pinned bucket; the bytes must be those of the
+    same tensors converted on the CPU, whatever the bucket size and the tensors' dtypes."""
+
+    def test_gpu_tensors_give_the_cpu_bytes(self):
+        g = torch.Generator().manual_seed(0)
+        cpu = [("a", torch.randn(37, 129, generator=g)),                     # f32 -> BF16
+               ("b", torch.randn(1000, generator=g).to(torch.bfloat16)),     # as it is
+               ("c", torch.randn(3, 5, generator=g).to(torch.float16)),      # f16 -> BF16
+               ("d", torch.randn(64, 64, generator=g).t()),                  # a strided view
+               ("e", torch.randn(5000, generator=g, dtype=torch.float64))]   # f64 -> BF16
+        gpu = [(n, t.cuda()) for n, t in cpu]
+        want = {n: bytes(prepare([(n, t)], "BF16")[0].payload()) for n, t in cpu}
+        for bucket_bytes in (1, 100, 3000, 1 << 20):
+            for named in (gpu, cpu[:2] + gpu[2:]):  # GPU only, and mixed with CPU tensors
+                tensors = prepare(named, "BF16")
+                header = pb2.WeightsChunk(header=pb2.WeightsHeader(version="v")).SerializeToString()
+                stream = SharedStream(header, tensors, consumers=1, bucket_bytes=bucket_bytes,
+                                      chunk_bytes=777)
+                _, got = _collect(stream.messages(0))
+                self.assertEqual({n: bytes(b) for n, b in got.items()}, want, bucket_bytes)
+
+
 class _Rejecting(pb2_grpc.RolloutServiceServicer):
     """A replica that refuses every update (and reads its whole stream first)."""
 
