@@ -2,9 +2,11 @@
 # Runs the CUDA backend's proofs and benchmarks on a GPU machine, from the repository root, with
 # binaries built elsewhere and bundled in .gpu/ (docs/cuda.md: "Running on a GPU host").
 # Logs go to $OUT (default /tmp/rollout-gpu). Each step is time-boxed; a failing step does not
-# stop the later ones. Steps: STEPS="hf test attn bits sweep bench e2e grpc" (default: hf test
-# sweep bench).
+# stop the later ones. Steps: STEPS="hf test attn digest bits sweep bench e2e grpc" (default:
+# hf test sweep bench).
 #   attn: rollout-attention-bench (bit checks: prefill = decode; decode timings to ~16K).
+#   digest: rollout-digest-bench (the device weight digest of Qwen3-8B's 16.4 GB, validated
+#         against the host digest, beside the copy rate and the host digest rate).
 #   bits: tests/gpu/same_bits.sh .gpu/base .gpu (a previous build, bundled in .gpu/base, against
 #         this one: every token id and logprob of the same rollouts compared).
 #   e2e:  the end-to-end suites (e2e_test) against servers on the CUDA backend (E2E_FILTER).
@@ -32,6 +34,11 @@ fi
 if [[ " $STEPS " == *" attn "* ]]; then
   timeout ${ATTN_TIMEOUT:-300} .gpu/bin/rollout-attention-bench > "$OUT/attention_bench.log" 2>&1
   echo "rollout-attention-bench: rc $?"; grep -E "bitwise equal|== decode|new .*of copy" "$OUT/attention_bench.log" | tail -16
+fi
+if [[ " $STEPS " == *" digest "* ]]; then
+  timeout ${DIGEST_TIMEOUT:-300} .gpu/bin/rollout-digest-bench ${DIGEST_ARGS:-} \
+    > "$OUT/digest_bench.log" 2>&1
+  echo "rollout-digest-bench: rc $?"; grep -E "^RESULT|validation|MISMATCH" "$OUT/digest_bench.log"
 fi
 if [[ " $STEPS " == *" bits "* ]]; then
   timeout ${BITS_TIMEOUT:-300} bash tests/gpu/same_bits.sh .gpu/base .gpu "$OUT/same-bits" \
