@@ -13,6 +13,7 @@ namespace rollout {
 
 using engine_internal::AbortOrder;
 using engine_internal::EngineCore;
+using engine_internal::MemoryOrder;
 using engine_internal::PendingUpdate;
 
 namespace {
@@ -163,6 +164,16 @@ bool Engine::Pause(bool abort_in_flight) { return core_->SetPaused(true, abort_i
 bool Engine::Resume() { return core_->SetPaused(false, false); }
 
 bool Engine::paused() const { return core_->paused(); }
+
+void Engine::ReleaseMemory(MemoryReleaseOptions options, std::function<void(MemoryResult)> done) {
+  core_->PostMemoryOrder(MemoryOrder{options, std::move(done)});
+}
+
+void Engine::ResumeMemory(std::function<void(MemoryResult)> done) {
+  core_->PostMemoryOrder(MemoryOrder{std::nullopt, std::move(done)});
+}
+
+std::optional<ReleasedMemory> Engine::memory_released() const { return core_->memory_released(); }
 
 std::string Engine::weight_version() const { return core_->weight_version(); }
 

@@ -179,6 +179,24 @@ struct UpdateResult {
   int32_t aborted_samples = 0;
 };
 
+// What Engine::ReleaseMemory does with samples in flight, and what it releases.
+struct MemoryReleaseOptions {
+  // End them with FinishReason::kAbort. Otherwise they are requeued: their KV is dropped and
+  // recomputed once the memory is back, with the same bits (D5), so nothing is lost.
+  bool abort_in_flight = false;
+  // The weights' memory too (ModelRunner::ReleaseMemory).
+  bool weights = false;
+};
+
+// The answer to a ReleaseMemory or ResumeMemory.
+struct MemoryResult {
+  absl::Status status;
+  bool was_released = false;  // something was released before this call
+  ReleasedMemory changed;     // released (ReleaseMemory) or taken back (ResumeMemory) by it
+  int32_t requeued_samples = 0;
+  int32_t aborted_samples = 0;
+};
+
 // The inference engine. One thread, the engine thread, owns the scheduler, the KV blocks and the
 // model runner, and loops: take what callers posted, apply it between two steps (updates,
 // admissions, aborts, cache flushes, pause), run one step (schedule -> launch -> collect ->
@@ -256,6 +274,25 @@ class Engine {
   // Returns whether it was paused.
   bool Resume();
   bool paused() const;
+
+  // Colocated memory: for a trainer that shares the device between rollout phases. Between two
+  // steps, ends (abort_in_flight) or requeues every sample in flight, empties the prefix cache
+  // and has the runner give back the KV cache's memory (and, with `weights`, the weights',
+  // kept in host memory); then `done` runs on the engine thread (after the events of earlier
+  // steps were delivered; it must not block). Until ResumeMemory no step runs: submissions are
+  // queued, not failed, as under Pause (which is independent of it: both must be lifted).
+  // Weight updates: refused while the weights are released; DRAIN refused while samples wait.
+  // Idempotent: releasing again releases nothing more (was_released), except the weights when
+  // they are asked for the first time. FAILED_PRECONDITION while a DRAIN update waits for the
+  // samples in flight (abort_in_flight ends them, so the update applies first). On failure the
+  // memory is as it was.
+  void ReleaseMemory(MemoryReleaseOptions options, std::function<void(MemoryResult)> done);
+  // Takes everything released back (ModelRunner::ResumeMemory: the KV zeroed, the weights
+  // restored bitwise), then steps run again. RESOURCE_EXHAUSTED when the memory is not there:
+  // everything stays released, to retry. OK with nothing changed when nothing was released.
+  void ResumeMemory(std::function<void(MemoryResult)> done);
+  // What is released now; nullopt when nothing is.
+  std::optional<ReleasedMemory> memory_released() const;
 
   // The tensors an update may replace (constant; any thread).
   const std::vector<WeightSpec>& weight_specs() const { return weight_specs_; }

@@ -46,6 +46,7 @@ void EngineCore::ApplyControl(Control control, StepEvents* events) {
     }
   }
   if (!inbox.flushes.empty()) Flush(std::move(inbox.flushes));
+  for (MemoryOrder& order : inbox.memory_orders) ApplyMemoryOrder(std::move(order), events);
 }
 
 void EngineCore::Shutdown(StepEvents* events) {
@@ -87,6 +88,15 @@ void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
                             draining_->update.version))));
     return;
   }
+  if (released_.has_value() && released_->weights) {
+    UpdateResult result = FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
+        "the weights' memory is released (ReleaseMemory with weights); call ResumeMemory "
+        "before updating them (nothing was applied; '%s' still serves)",
+        version_)));
+    result.previous_version = version_;
+    Reply(pending.done, std::move(result));
+    return;
+  }
   TensorDigests after;
   if (absl::Status digest = CheckDigest(&pending, &after); !digest.ok()) {
     UpdateResult result = FailedUpdate(std::move(digest));
@@ -113,12 +123,14 @@ void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
         std::lock_guard<std::mutex> lock(mu_);
         paused = paused_;
       }
-      if (paused && !scheduler_.idle()) {
+      if ((paused || released_.has_value()) && !scheduler_.idle()) {
         Reply(pending.done,
               FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
-                  "the server is paused with %d samples in flight, which DRAIN cannot finish; "
-                  "resume first, or update with policy ABORT or CONTINUE",
-                  scheduler_.num_running() + scheduler_.num_waiting()))));
+                  "the server is %s with %d samples in flight, which DRAIN cannot finish; "
+                  "%s first, or update with policy ABORT or CONTINUE",
+                  paused ? "paused" : "holding its memory released",
+                  scheduler_.num_running() + scheduler_.num_waiting(),
+                  paused ? "resume" : "ResumeMemory"))));
         return;
       }
       draining_ = std::move(pending);  // AdvanceDrain applies it once the work in flight ends

@@ -101,6 +101,19 @@ bool EngineCore::SetPaused(bool paused, bool abort_in_flight) {
   return was;
 }
 
+void EngineCore::PostMemoryOrder(MemoryOrder order) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    inbox_.memory_orders.push_back(std::move(order));
+  }
+  cv_.notify_all();
+}
+
+std::optional<ReleasedMemory> EngineCore::memory_released() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return published_released_;
+}
+
 bool EngineCore::paused() const {
   std::lock_guard<std::mutex> lock(mu_);
   return paused_;

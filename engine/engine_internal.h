@@ -62,6 +62,12 @@ struct JobPause {
   bool paused;
 };
 
+// A ReleaseMemory (`release` set) or ResumeMemory call on its way to the engine thread.
+struct MemoryOrder {
+  std::optional<MemoryReleaseOptions> release;
+  std::function<void(MemoryResult)> done;
+};
+
 // What other threads posted for the engine thread since the loop last took it. Guarded by
 // EngineCore::mu_ until taken, then the engine thread's.
 struct Inbox {
@@ -70,9 +76,10 @@ struct Inbox {
   std::vector<std::function<void(FlushResult)>> flushes;
   std::vector<PendingUpdate> updates;
   std::vector<JobPause> job_pauses;  // in call order: the last one for a job wins
+  std::vector<MemoryOrder> memory_orders;  // in call order
   bool empty() const {
     return submissions.empty() && aborts.empty() && flushes.empty() && updates.empty() &&
-           job_pauses.empty();
+           job_pauses.empty() && memory_orders.empty();
   }
 };
 
@@ -150,9 +157,11 @@ class EngineCore {
   void UpdateWeights(PendingUpdate update);
   // Returns whether it was paused.
   bool SetPaused(bool paused, bool abort_in_flight);
+  void PostMemoryOrder(MemoryOrder order);
 
   // Any thread: the pause flag, and what the engine thread published.
   bool paused() const;
+  std::optional<ReleasedMemory> memory_released() const;
   std::string weight_version() const;
   std::string weight_digest() const;
   EngineCounters counters() const;
@@ -168,8 +177,11 @@ class EngineCore {
   // or, while a DRAIN update waits, until its `cancelled` is due to be asked again; then takes
   // the inbox.
   Control WaitForControl();
-  // Samples paused by PauseJob are no work: a loop with only those sleeps.
-  bool has_work() const { return scheduler_.has_unpaused() || launched_.has_value(); }
+  // Samples paused by PauseJob are no work: a loop with only those sleeps; so are all samples
+  // while the memory is released (nothing can run).
+  bool has_work() const {
+    return (!released_.has_value() && scheduler_.has_unpaused()) || launched_.has_value();
+  }
   void PublishCounters();
   // Posts the events to the delivery thread, in job order.
   void Deliver(StepEvents* events);
@@ -207,6 +219,15 @@ class EngineCore {
   void ApplyJobPause(const JobPause& pause);
   // Empties the prefix cache, then answers every flush.
   void Flush(std::vector<std::function<void(FlushResult)>> dones);
+
+  // engine_memory.cc: colocated memory (Engine::ReleaseMemory, ResumeMemory).
+  //
+  // Applies the order (the launched step was collected) and answers it.
+  void ApplyMemoryOrder(MemoryOrder order, StepEvents* events);
+  MemoryResult ReleaseMemory(const MemoryReleaseOptions& options, StepEvents* events);
+  MemoryResult ResumeMemory();
+  // Publishes released_ for memory_released().
+  void PublishReleased();
 
   // engine_step.cc: the step pipeline.
   //
@@ -274,6 +295,8 @@ class EngineCore {
   std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
   // Jobs submitted while draining_ waits: in jobs_ (so Abort finds them), not yet scheduled.
   std::vector<uint64_t> held_;
+  // What the runner holds released (ReleaseMemory); while set, no step runs.
+  std::optional<ReleasedMemory> released_;
   // The step's batch, rebuilt every step in place: its vectors (a block table per sequence)
   // keep their capacity instead of being allocated again each step.
   ForwardBatch batch_;
@@ -286,6 +309,7 @@ class EngineCore {
   // Protected by mu_.
   Inbox inbox_;
   bool paused_ = false;
+  std::optional<ReleasedMemory> published_released_;
   std::string published_version_;
   std::string published_digest_;
   uint64_t next_job_id_ = 1;

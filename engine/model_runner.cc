@@ -53,4 +53,14 @@ absl::Status ModelRunner::CollectStep(std::vector<SampleResult>* results) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<ReleasedMemory> ModelRunner::ReleaseMemory(bool weights) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "the %s backend cannot release its memory (ReleaseMemory)", backend_name()));
+}
+
+absl::StatusOr<ReleasedMemory> ModelRunner::ResumeMemory() {
+  // Nothing can have been released.
+  return ReleasedMemory{};
+}
+
 }  // namespace rollout

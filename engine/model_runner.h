@@ -34,6 +34,13 @@ struct ForwardBatch {
   int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
 };
 
+// Memory a runner gave back by ModelRunner::ReleaseMemory (or took again by ResumeMemory).
+struct ReleasedMemory {
+  int64_t kv_cache_bytes = 0;
+  int64_t weight_bytes = 0;
+  bool weights = false;  // the weights are (were) among it
+};
+
 // What the engine wants from one logits row of the last Forward: sample the next token, or
 // (score_token set) the teacher-forced logprob of a given token.
 struct LogitsRowTask {
@@ -97,6 +104,24 @@ class ModelRunner {
   // shape as in weight_specs(), exact byte count) before changing anything. Host staging
   // buffers are the only extra copy.
   virtual absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) = 0;
+
+  // Colocated memory (Engine::ReleaseMemory). ReleaseMemory gives the KV cache's memory back
+  // to the system (the GPU, or the host for the CPU backend) and keeps its addresses reserved,
+  // so that what holds them (captured decode graphs) stays valid; with `weights`, the weights'
+  // memory too, their bytes kept in host memory (a backend whose weights are in host memory
+  // already keeps them: nothing more is released). The KV contents are lost. What is released
+  // already stays so and is not counted again. Returns what this call released.
+  // REQUIRES: no launched step is uncollected, and no KV block holds anything that will be
+  // read (the engine requeues or ends every sample and flushes the prefix cache first).
+  // The default: UNIMPLEMENTED, naming the backend.
+  virtual absl::StatusOr<ReleasedMemory> ReleaseMemory(bool weights);
+  // Takes back everything released: the KV cache at its old addresses, zeroed as at load; the
+  // weights at theirs, restored bitwise. All or nothing: when the memory is not there,
+  // RESOURCE_EXHAUSTED (what is missing, and how much is free) leaves everything released as it
+  // was, for a later retry. Returns what this call took back (nothing when nothing was
+  // released). Between the two, only ResumeMemory, ReleaseMemory and the constant accessors may
+  // be called: no Forward, LaunchStep or UpdateWeights.
+  virtual absl::StatusOr<ReleasedMemory> ResumeMemory();
 
  protected:
   // Writes the tokens of `fed_from` (the previous launch's results) into the fed tokens' places

@@ -32,6 +32,23 @@ void Scheduler::Remove(Sequence* seq) {
   ReleaseKv(seq);
 }
 
+int32_t Scheduler::RequeueRunning() {
+  const int32_t n = static_cast<int32_t>(running_.size());
+  for (Sequence* seq : running_) {
+    ReleaseKv(seq);
+    seq->num_computed = 0;
+    // A scoring sequence is scored again from its start: what it has scored so far (never
+    // reported before its end) would be counted twice.
+    if (seq->is_score()) {
+      seq->logprobs.clear();
+      seq->top_logprobs.clear();
+    }
+    InsertByArrival(seq, &waiting_);
+  }
+  running_.clear();
+  return n;
+}
+
 void Scheduler::ReleaseKv(Sequence* seq) {
   std::vector<int32_t> own;
   for (size_t i = 0; i < seq->block_table.size(); ++i) {

@@ -43,6 +43,11 @@ class Scheduler {
   void Add(Sequence* seq);
   // Forgets a sequence wherever it is and releases its KV blocks.
   void Remove(Sequence* seq);
+  // Every running sequence gives its KV blocks back and returns to the queue, as a preemption
+  // does (its computed whole pages stay cached until a flush; it is recomputed from what the
+  // cache then holds, with the same bits), but not counted as one: the engine's ReleaseMemory,
+  // which needs every block free. Returns how many there were.
+  int32_t RequeueRunning();
 
   // Adds the sequence's newly computed whole pages to the prefix cache (after a step), unless
   // its KV was computed by other weights than the current ones.

@@ -327,12 +327,73 @@ absl::Status CpuModelRunner::ReserveKvCache() {
   for (Rank& rk : ranks_) {
     const int64_t cache_floats =
         static_cast<int64_t>(num_kv_blocks_) * options_.kv_block_size * rk.kv_heads * hd;
+    absl::StatusOr<ReleasableHostMemory> kv = ReleasableHostMemory::Allocate(
+        2 * rk.layers.size() * cache_floats * sizeof(float));
+    if (!kv.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("allocating the KV cache (lower --kv_cache_mb): ", kv.status().message()));
+    }
+    rk.kv = *std::move(kv);
+    float* next = rk.kv.get<float>();
     for (Layer& l : rk.layers) {
-      l.k_cache.assign(cache_floats, 0.0f);
-      l.v_cache.assign(cache_floats, 0.0f);
+      l.k_cache = next;
+      l.v_cache = next + cache_floats;
+      next += 2 * cache_floats;
     }
   }
   return absl::OkStatus();
+}
+
+int64_t CpuModelRunner::kv_cache_bytes() const {
+  int64_t bytes = 0;
+  for (const Rank& rk : ranks_) bytes += static_cast<int64_t>(rk.kv.bytes());
+  return bytes;
+}
+
+absl::StatusOr<int64_t> CpuModelRunner::ResidentKvCacheBytes() const {
+  int64_t bytes = 0;
+  for (const Rank& rk : ranks_) {
+    absl::StatusOr<int64_t> resident = rk.kv.ResidentBytes();
+    if (!resident.ok()) return resident.status();
+    bytes += *resident;
+  }
+  return bytes;
+}
+
+absl::StatusOr<ReleasedMemory> CpuModelRunner::ReleaseMemory(bool /*weights*/) {
+  ReleasedMemory freed;
+  for (Rank& rk : ranks_) {
+    if (rk.kv.released()) continue;
+    ROLLOUT_RETURN_IF_ERROR(rk.kv.Release());
+    freed.kv_cache_bytes += static_cast<int64_t>(rk.kv.bytes());
+  }
+  return freed;
+}
+
+absl::StatusOr<ReleasedMemory> CpuModelRunner::ResumeMemory() {
+  ReleasedMemory taken;
+  for (const Rank& rk : ranks_) {
+    if (rk.kv.released()) taken.kv_cache_bytes += static_cast<int64_t>(rk.kv.bytes());
+  }
+  if (taken.kv_cache_bytes == 0) return taken;
+  const int64_t available = options_.available_host_memory ? options_.available_host_memory()
+                                                           : AvailableHostMemory();
+  if (available > 0 && available < taken.kv_cache_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "ResumeMemory needs %.2f GiB of host memory for the KV cache and the host has %.2f GiB "
+        "available; free memory (the trainer's) and call ResumeMemory again (the memory stays "
+        "released)",
+        taken.kv_cache_bytes / 1073741824.0, available / 1073741824.0));
+  }
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (absl::Status s = ranks_[r].kv.Reacquire(); !s.ok()) {
+      for (size_t q = 0; q < r; ++q) (void)ranks_[q].kv.Release();  // all or nothing
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "ResumeMemory: ", s.message(), "; free memory and call ResumeMemory again (the "
+          "memory stays released)"));
+    }
+  }
+  return taken;
 }
 
 absl::Status CpuModelRunner::UpdateWeights(const std::vector<HostTensor>& tensors) {
@@ -387,6 +448,9 @@ absl::Status CpuModelRunner::Forward(const ForwardBatch& batch, std::vector<floa
   // early would leave its peers waiting in a collective.
   if (!batch.fed_tokens.empty()) {
     return absl::InvalidArgumentError("fed tokens outside a launched step (LaunchStep)");
+  }
+  if (ranks_[0].kv.released()) {
+    return absl::FailedPreconditionError("the KV cache is released (ResumeMemory first)");
   }
   for (int64_t i = 0; i < t; ++i) {
     const int32_t id = batch.token_ids[i];
@@ -517,7 +581,7 @@ absl::Status CpuModelRunner::AttentionBlock(Rank& rk, Layer& l, const ForwardBat
   }
   cpu::ApplyRope(q, batch.positions.data(), t, nh, hd, c.rope_theta);
   cpu::ApplyRope(k, batch.positions.data(), t, nkv, hd, c.rope_theta);
-  cpu::KvCacheLayer cache{l.k_cache.data(), l.v_cache.data(), options_.kv_block_size, nkv, hd};
+  cpu::KvCacheLayer cache{l.k_cache, l.v_cache, options_.kv_block_size, nkv, hd};
   cpu::WriteKv(k, v, slots, cache);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   cpu::PagedAttention(pool, q, slots, nh, cache, scale, attn);

@@ -13,6 +13,7 @@
 #include "model/safetensors.h"
 #include "model/tensor_parallel.h"
 #include "runner/cpu/communicator.h"
+#include "runner/cpu/releasable_host_memory.h"
 #include "runner/host_logits.h"
 #include "runner/memory_plan.h"
 
@@ -33,6 +34,10 @@ struct CpuRunnerOptions {
   // Negative control for the determinism suites only: the final RMSNorm sums a row in an order
   // chosen by the number of rows in the batch, so batch invariance breaks on purpose.
   bool batch_variant_for_testing = false;
+  // The host memory ResumeMemory may take (bytes), asked before it takes the KV cache's pages
+  // back: less than the cache needs is refused with RESOURCE_EXHAUSTED instead of being left
+  // to the OOM killer. Empty: AvailableHostMemory(). Tests inject a shortage here.
+  std::function<int64_t()> available_host_memory;
 };
 
 // What a CpuModelRunner of `config` holds in host memory at `options`' limits, and what the host
@@ -78,6 +83,16 @@ class CpuModelRunner final : public ModelRunner {
   const std::vector<WeightSpec>& weight_specs() const override { return weight_specs_; }
   absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
 
+  // The KV cache's pages go back to the OS (ReleasableHostMemory) and come back zeroed at the
+  // same addresses. The weights are in host memory already, where a backup would go: `weights`
+  // releases nothing more (ReleasedMemory::weights stays false).
+  absl::StatusOr<ReleasedMemory> ReleaseMemory(bool weights) override;
+  absl::StatusOr<ReleasedMemory> ResumeMemory() override;
+  // Bytes of the KV cache (every rank's shard).
+  int64_t kv_cache_bytes() const;
+  // Of those, resident in physical memory now (tests).
+  absl::StatusOr<int64_t> ResidentKvCacheBytes() const;
+
  private:
   // One layer's weights and KV cache as one rank holds them (the whole layer at tp = 1).
   struct Layer {
@@ -89,7 +104,9 @@ class CpuModelRunner final : public ModelRunner {
     std::vector<float> post_norm;               // [hidden]
     std::vector<float> gate_up;           // [2 * inter, hidden]: its gate rows then its up rows
     std::vector<float> down;              // [hidden, inter]: its K slice
-    std::vector<float> k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+    // [num_blocks, block_size, kv_heads, head_dim], in Rank::kv.
+    float* k_cache = nullptr;
+    float* v_cache = nullptr;
   };
 
   // What the rank holds (RankShard: heads, KV heads, intermediate features, vocab rows), and
@@ -102,6 +119,7 @@ class CpuModelRunner final : public ModelRunner {
     std::vector<float> lm_head;  // same rows of lm_head; empty when tied to embed
     std::vector<float> final_norm;
     std::vector<Layer> layers;
+    ReleasableHostMemory kv;  // every layer's K and V cache
   };
 
   class RankThreads;
