@@ -21,6 +21,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuRunner(const Checkpoint& c
   runner_options.max_batch_tokens = options.max_batch_tokens;
   runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
   runner_options.batch_variant_for_testing = options.batch_variant_for_testing;
+  runner_options.available_host_memory = options.available_host_memory_for_testing;
   absl::StatusOr<std::unique_ptr<CpuModelRunner>> runner =
       CpuModelRunner::Create(checkpoint, runner_options);
   if (!runner.ok()) return runner.status();

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +27,8 @@ struct BackendOptions {
   bool tp_invariant = true;                // cuda: the canonical K tree at tp = 1 too
   std::vector<int> cuda_devices;           // cuda: one per rank, or empty (every rank on GPU 0)
   bool batch_variant_for_testing = false;  // cpu: the determinism suites' negative control
+  // cpu: CpuRunnerOptions::available_host_memory (tests inject a shortage for ResumeMemory).
+  std::function<int64_t()> available_host_memory_for_testing;
 };
 
 // OK when `options.backend` names a backend this build can run, checked before any model is

@@ -103,7 +103,7 @@ void ServiceMetrics::RecordUpdate(double seconds, bool ok) {
 }
 
 std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& weight_version,
-                                   bool paused) const {
+                                   bool paused, int64_t released_bytes) const {
   std::string out;
   const BuildInfo build = GetBuildInfo();
   Header(&out, "rollout_build_info", "gauge", "The build serving (value 1).");
@@ -182,6 +182,8 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
   absl::StrAppend(&out, "rollout_weight_version_info{version=\"", EscapeLabel(weight_version),
                   "\"} 1\n");
   Scalar(&out, "rollout_paused", "gauge", "1 while scheduling is paused.", paused ? 1 : 0);
+  Scalar(&out, "rollout_memory_released_bytes", "gauge",
+         "Memory given back by ReleaseMemory (KV cache and weights); 0 when none.", released_bytes);
   return out;
 }
 

@@ -32,8 +32,9 @@ class ServiceMetrics {
   void RecordUpdate(double seconds, bool ok);
 
   // Prometheus text exposition of these and of `engine` (counters, gauges, histograms).
+  // `released_bytes`: device (or host) memory ReleaseMemory holds released now; 0 when none.
   std::string Render(const EngineCounters& engine, const std::string& weight_version,
-                     bool paused) const;
+                     bool paused, int64_t released_bytes = 0) const;
 
  private:
   mutable std::mutex mu_;

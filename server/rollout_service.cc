@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -193,6 +194,45 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Resume(grpc::CallbackServerContext
   return reactor;
 }
 
+grpc::ServerUnaryReactor* RolloutServiceImpl::ReleaseMemory(
+    grpc::CallbackServerContext* context, const v1::ReleaseMemoryRequest* request,
+    v1::ReleaseMemoryResponse* response) {
+  if (auto* denied = DenyUnless(CheckAccess(context, true), context)) return denied;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const auto start = std::chrono::steady_clock::now();
+  // Runs between two engine steps; the response lives until Finish.
+  engine_->ReleaseMemory(
+      MemoryReleaseOptions{request->abort_in_flight(), request->weights()},
+      [reactor, response, start](MemoryResult r) {
+        response->set_was_released(r.was_released);
+        response->set_kv_cache_bytes(static_cast<uint64_t>(r.changed.kv_cache_bytes));
+        response->set_weight_bytes(static_cast<uint64_t>(r.changed.weight_bytes));
+        response->set_preempted_samples(static_cast<uint32_t>(r.requeued_samples));
+        response->set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
+        response->set_seconds(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        reactor->Finish(ToGrpcStatus(r.status));
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RolloutServiceImpl::ResumeMemory(grpc::CallbackServerContext* context,
+                                                           const v1::ResumeMemoryRequest* request,
+                                                           v1::ResumeMemoryResponse* response) {
+  if (auto* denied = DenyUnless(CheckAccess(context, true), context)) return denied;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const auto start = std::chrono::steady_clock::now();
+  engine_->ResumeMemory([reactor, response, start](MemoryResult r) {
+    response->set_was_released(r.was_released);
+    response->set_kv_cache_bytes(static_cast<uint64_t>(r.changed.kv_cache_bytes));
+    response->set_weight_bytes(static_cast<uint64_t>(r.changed.weight_bytes));
+    response->set_seconds(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    reactor->Finish(ToGrpcStatus(r.status));
+  });
+  return reactor;
+}
+
 grpc::ServerWriteReactor<v1::GenerateResponse>* RolloutServiceImpl::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
   return new GenerateReactor(this, request, Authenticate(context, /*control=*/false));
@@ -228,6 +268,12 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   response->set_weight_version(engine_->weight_version());
   response->set_weight_digest(engine_->weight_digest());
   response->set_paused(engine_->paused());
+  if (const std::optional<ReleasedMemory> released = engine_->memory_released()) {
+    v1::ReleasedMemory* m = response->mutable_memory_released();
+    m->set_kv_cache_bytes(static_cast<uint64_t>(released->kv_cache_bytes));
+    m->set_weight_bytes(static_cast<uint64_t>(released->weight_bytes));
+    m->set_weights(released->weights);
+  }
   response->set_auth_required_for_generate(!access_.bearer_token.empty() && access_.all_rpcs);
   {
     std::lock_guard<std::mutex> lock(mu_);

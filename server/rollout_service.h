@@ -22,7 +22,7 @@ struct ServedModel {
 };
 
 // Who may call what. With a token, control RPCs (UpdateWeights*, Pause, Resume, Abort,
-// FlushCache) need "authorization: Bearer <token>" metadata; with `all_rpcs`, every RPC does.
+// FlushCache, ReleaseMemory, ResumeMemory) need "authorization: Bearer <token>" metadata; with `all_rpcs`, every RPC does.
 struct AccessPolicy {
   std::string bearer_token;  // empty: no authentication
   bool all_rpcs = false;
@@ -85,6 +85,13 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   grpc::ServerUnaryReactor* Resume(grpc::CallbackServerContext* context,
                                    const v1::ResumeRequest* request,
                                    v1::ResumeResponse* response) override;
+  // Colocated memory (Engine::ReleaseMemory / ResumeMemory); answered between two engine steps.
+  grpc::ServerUnaryReactor* ReleaseMemory(grpc::CallbackServerContext* context,
+                                          const v1::ReleaseMemoryRequest* request,
+                                          v1::ReleaseMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* ResumeMemory(grpc::CallbackServerContext* context,
+                                         const v1::ResumeMemoryRequest* request,
+                                         v1::ResumeMemoryResponse* response) override;
 
   // UNAUTHENTICATED unless the call carries the bearer token the policy asks for (for control
   // RPCs, and for every RPC with all_rpcs); else whose ids the call may use.

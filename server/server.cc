@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -265,6 +266,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   backend.tp_invariant = options.tp_invariant;
   backend.cuda_devices = options.cuda_devices;
   backend.batch_variant_for_testing = options.batch_variant_for_testing;
+  backend.available_host_memory_for_testing = options.available_host_memory_for_testing;
   if (absl::Status s = CheckBackend(backend); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(server->model_dir_);
   if (!checkpoint.ok()) return checkpoint.status();
@@ -329,7 +331,10 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
     ServiceMetrics* metrics = server->metrics_.get();
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
         MetricsHttpServer::Start(address, [engine, metrics] {
-          return metrics->Render(engine->counters(), engine->weight_version(), engine->paused());
+          const std::optional<ReleasedMemory> released = engine->memory_released();
+          return metrics->Render(
+              engine->counters(), engine->weight_version(), engine->paused(),
+              released.has_value() ? released->kv_cache_bytes + released->weight_bytes : 0);
         });
     if (!http.ok()) {
       const absl::Status why = ProbeBind(host, options.metrics_port);

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,6 +67,9 @@ struct ServerOptions {
   // Negative control for the determinism suite: makes one reduction (the final RMSNorm's sum)
   // depend on the batch size, so batch invariance breaks. Never set it outside tests.
   bool batch_variant_for_testing = false;
+  // CPU backend, tests only: the host memory ResumeMemory is told is available (empty: the
+  // host's), to exercise its RESOURCE_EXHAUSTED.
+  std::function<int64_t()> available_host_memory_for_testing;
 };
 
 // `options` with every engine limit left at 0 set to its backend's default (see ServerOptions).
