@@ -52,7 +52,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
 // module (ROLLOUT_CUDA_BACKEND pointing elsewhere, a partial install) both sides compare this
 // fingerprint of the crossing types before anything else.
 struct CudaBackendAbi {
-  uint32_t version = 2;  // 2: ForwardBatch::fed_tokens
+  uint32_t version = 3;  // 2: ForwardBatch::fed_tokens; 3: ModelRunner::ReleaseMemory
   uint32_t options_size = sizeof(CudaRunnerOptions);
   uint32_t checkpoint_size = sizeof(Checkpoint);
   uint32_t config_size = sizeof(ModelConfig);

@@ -175,6 +175,17 @@ class CudaModelRunner final : public ModelRunner {
   const std::vector<WeightSpec>& weight_specs() const override;
   absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
 
+  // Colocated memory (ModelRunner::ReleaseMemory): the KV pool and, with `weights`, the weights
+  // are ReleasableDeviceBuffers (CUDA virtual memory: the addresses stay reserved, the decode
+  // graphs stay valid); released weights are copied to host memory first and copied back by
+  // ResumeMemory, which zeroes the KV pool as at load. FAILED_PRECONDITION on a device or driver
+  // without virtual memory management (the start-up log says which), RESOURCE_EXHAUSTED for a
+  // weights backup the host cannot hold or device memory a resume cannot get back (everything
+  // then stays as it was). Bytes are the physical memory given back (whole granules).
+  absl::StatusOr<ReleasedMemory> ReleaseMemory(bool weights) override;
+  absl::StatusOr<ReleasedMemory> ResumeMemory() override;
+  bool kv_cache_released() const;
+
   // Per-kernel-family timing of later Forward calls (adds one event per kernel; off by default).
   void EnableProfiling(bool on);
   CudaForwardProfile profile() const;
@@ -258,6 +269,12 @@ class CudaModelRunner final : public ModelRunner {
                              bool keep_on_device);
   // Replays (capturing it the first time) the decode graph of `shape`'s bucket. decode_graphs.cc.
   absl::Status LaunchDecodeGraph(const cuda_runner_internal::SliceShape& shape);
+
+  // Colocated memory (memory_release.cc). Every rank's device drained.
+  absl::Status SynchronizeRanks();
+  // Takes back every released buffer (all or nothing), zeroes the KV pool, restores the weights
+  // from weights_backup; what it took back in *taken.
+  absl::Status Reacquire(ReleasedMemory* taken);
 
   // Logits processing (logits_processing.cc).
   absl::Status ProcessDeviceRows(const float* rows, const std::vector<LogitsRowTask>& tasks,

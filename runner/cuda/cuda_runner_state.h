@@ -96,6 +96,10 @@ struct CudaModelRunner::State {
   std::unique_ptr<cuda::RankGroup> group;
 
   int64_t weight_bytes = 0;
+  // ReleaseMemory with weights: each rank's weights_bf16 then weights_f32 bytes, kept in host
+  // memory until ResumeMemory copies them back ([rank]; empty while the weights are on the
+  // device).
+  std::vector<std::unique_ptr<uint8_t[]>> weights_backup;
   std::map<std::string, Binding> bindings;
   std::vector<WeightSpec> weight_specs;  // sorted by name
   std::vector<std::string> gemm_descriptions;

@@ -41,6 +41,9 @@ absl::Status CudaModelRunner::CheckBatch(const ForwardBatch& batch, bool async) 
   const ModelConfig& c = config_;
   const State& s = *state_;
   const int64_t t = batch.num_tokens();
+  if (s.ranks[0].kv.released() || s.ranks[0].weights_bf16.released()) {
+    return absl::FailedPreconditionError("the memory is released (ResumeMemory first)");
+  }
   if (static_cast<int64_t>(batch.positions.size()) != t ||
       static_cast<int64_t>(batch.token_seq.size()) != t) {
     return absl::InvalidArgumentError("token_ids, positions and token_seq differ in length");

@@ -18,6 +18,7 @@
 #include "kernels/cuda/ops.h"
 #include "model/tensor_parallel.h"
 #include "runner/cuda/cuda_handles.h"
+#include "runner/cuda/releasable_device_buffer.h"
 
 namespace rollout {
 namespace cuda_runner_internal {
@@ -63,8 +64,10 @@ struct RankState : RankShard {
   // (State::meta, rope_cos, rope_sin otherwise).
   cuda::DeviceBuffer meta, rope_cos, rope_sin;
 
-  cuda::DeviceBuffer weights_bf16;
-  cuda::DeviceBuffer weights_f32;
+  // The weights and the KV pool are what ReleaseMemory can give back (ReleasableDeviceBuffer:
+  // their addresses, and the decode graphs that hold them, survive a release).
+  ReleasableDeviceBuffer weights_bf16;
+  ReleasableDeviceBuffer weights_f32;
   cuda::bf16* embed = nullptr;    // [vocab_rows, hidden]
   cuda::bf16* lm_head = nullptr;  // [vocab_rows, hidden]; == embed when tied
   float* final_norm = nullptr;    // [hidden]
@@ -73,7 +76,7 @@ struct RankState : RankShard {
   // [layers, 2 (k, v), blocks, kv_heads, block_size, head_dim] bf16: per layer its K then its V,
   // each the paged layout of cuda::KvCacheView (kernels/cuda/ops.h, KvPageOffset). blocks =
   // num_kv_blocks + 1 (the last is the decode graphs' padding block); kv_heads are the rank's.
-  cuda::DeviceBuffer kv;
+  ReleasableDeviceBuffer kv;
   int64_t kv_layer_elems = 0;  // elements of one layer's K (or V)
 
   // Activations for max_batch_tokens tokens.

@@ -219,6 +219,12 @@ absl::Status CudaModelRunner::AllocateKvCache() {
     const int64_t bytes = blocks * block_bytes(rk.kv_heads);
     ROLLOUT_RETURN_IF_ERROR(CudaError(rk.kv.Allocate(bytes),
                                       absl::StrCat("allocating a KV cache of ", bytes, " bytes")));
+    // Zero, as ResumeMemory leaves it: the pool's state after a release is its state at load.
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemset(rk.kv.get(), 0, bytes), "clearing the KV cache"));
+    if (!rk.kv.releasable()) {
+      LOG(WARNING) << "GPU " << rk.device << ": the KV cache is not in CUDA virtual memory; "
+                   << "ReleaseMemory will be refused";
+    }
   }
   return s.SetDevice(s.ranks[0]);
 }
