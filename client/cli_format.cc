@@ -491,4 +491,34 @@ std::string FormatResumeResult(const rollout::v1::ResumeResponse& response) {
       {{"was_paused", response.was_paused() ? "true" : "false"}, {"now", "running"}});
 }
 
+namespace {
+
+std::string GiBString(uint64_t bytes) {
+  return absl::StrFormat("%.2f GiB", static_cast<double>(bytes) / (1 << 30));
+}
+
+}  // namespace
+
+std::string FormatReleaseMemoryResult(const rollout::v1::ReleaseMemoryResponse& response) {
+  return FormatKeyValueRows({
+      {"was_released", response.was_released() ? "true" : "false"},
+      {"released_kv_cache", GiBString(response.kv_cache_bytes())},
+      {"released_weights", GiBString(response.weight_bytes())},
+      {"preempted_samples", absl::StrCat(response.preempted_samples())},
+      {"aborted_samples", absl::StrCat(response.aborted_samples())},
+      {"seconds", absl::StrFormat("%.3f", response.seconds())},
+      {"now", "released (requests are held until resume-memory)"},
+  });
+}
+
+std::string FormatResumeMemoryResult(const rollout::v1::ResumeMemoryResponse& response) {
+  return FormatKeyValueRows({
+      {"was_released", response.was_released() ? "true" : "false"},
+      {"resumed_kv_cache", GiBString(response.kv_cache_bytes())},
+      {"resumed_weights", GiBString(response.weight_bytes())},
+      {"seconds", absl::StrFormat("%.3f", response.seconds())},
+      {"now", "resumed"},
+  });
+}
+
 }  // namespace rollout

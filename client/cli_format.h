@@ -79,4 +79,9 @@ std::string FormatUploadProgress(uint64_t sent_bytes, uint64_t total_bytes, doub
 std::string FormatPauseResult(const rollout::v1::PauseResponse& response);
 std::string FormatResumeResult(const rollout::v1::ResumeResponse& response);
 
+// What a ReleaseMemory or ResumeMemory call changed (GiB of KV cache and weights, samples
+// requeued or aborted, seconds) and what the memory is now.
+std::string FormatReleaseMemoryResult(const rollout::v1::ReleaseMemoryResponse& response);
+std::string FormatResumeMemoryResult(const rollout::v1::ResumeMemoryResponse& response);
+
 }  // namespace rollout

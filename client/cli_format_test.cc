@@ -608,6 +608,29 @@ TEST(FormatPauseResumeTest, SayWhatTheStateWasAndIs) {
   EXPECT_EQ(FormatResumeResult(resume), "was_paused  false\nnow         running\n");
 }
 
+TEST(FormatMemoryTest, ReleaseAndResumeSayWhatChangedInGiB) {
+  rollout::v1::ReleaseMemoryResponse released;
+  released.set_kv_cache_bytes(uint64_t{3} << 29);
+  released.set_weight_bytes(uint64_t{1} << 30);
+  released.set_preempted_samples(4);
+  released.set_seconds(0.0125);
+  EXPECT_EQ(FormatReleaseMemoryResult(released),
+            "was_released       false\n"
+            "released_kv_cache  1.50 GiB\n"
+            "released_weights   1.00 GiB\n"
+            "preempted_samples  4\n"
+            "aborted_samples    0\n"
+            "seconds            0.013\n"
+            "now                released (requests are held until resume-memory)\n");
+  rollout::v1::ResumeMemoryResponse resumed;
+  EXPECT_EQ(FormatResumeMemoryResult(resumed),
+            "was_released      false\n"
+            "resumed_kv_cache  0.00 GiB\n"
+            "resumed_weights   0.00 GiB\n"
+            "seconds           0.000\n"
+            "now               resumed\n");
+}
+
 // ---- RewriteVersionFlag ---------------------------------------------------------------------
 
 std::vector<std::string> Rewritten(std::vector<std::string> args) {

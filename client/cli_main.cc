@@ -8,6 +8,7 @@
 //   rollout-cli update-weights --from /ckpt/step-100 --version step-100 --policy continue
 //   rollout-cli update-weights-from-path --path /srv/ckpt/step-100 --version step-100
 //   rollout-cli pause --abort_in_flight       (then: rollout-cli resume)
+//   rollout-cli release-memory --weights      (then: rollout-cli resume-memory)
 
 #include <unistd.h>
 
@@ -91,7 +92,11 @@ ABSL_FLAG(uint32_t, chunk_mb, 4,
           "update-weights: MiB of tensor data per message (the server accepts messages up to "
           "64 MiB).");
 ABSL_FLAG(bool, abort_in_flight, false,
-          "pause: also end the running samples (FINISH_REASON_ABORT) instead of holding them.");
+          "pause, release-memory: also end the running samples (FINISH_REASON_ABORT) instead of "
+          "holding them.");
+ABSL_FLAG(bool, weights, false,
+          "release-memory: release the weights' GPU memory too (kept in the server's host "
+          "memory; updates wait for resume-memory).");
 
 namespace rollout {
 namespace {
@@ -399,6 +404,19 @@ void RunResume() {
   PrintResponse<rollout::v1::ResumeResponse>(client->Resume(), FormatResumeResult);
 }
 
+void RunReleaseMemory() {
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  PrintResponse<rollout::v1::ReleaseMemoryResponse>(
+      client->ReleaseMemory(absl::GetFlag(FLAGS_abort_in_flight), absl::GetFlag(FLAGS_weights)),
+      FormatReleaseMemoryResult);
+}
+
+void RunResumeMemory() {
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  PrintResponse<rollout::v1::ResumeMemoryResponse>(client->ResumeMemory(),
+                                                   FormatResumeMemoryResult);
+}
+
 }  // namespace
 }  // namespace rollout
 
@@ -418,6 +436,11 @@ int main(int argc, char** argv) {
       "            have the server load the checkpoint in DIR on its own disk\n"
       "  pause [--abort_in_flight]  stop scheduling; new requests are held, not failed\n"
       "  resume    start scheduling again\n"
+      "  release-memory [--weights] [--abort_in_flight]\n"
+      "            give the KV cache's GPU memory (and the weights') back for a colocated "
+      "trainer;\n"
+      "            requests are held, running samples requeued (the same bits later)\n"
+      "  resume-memory  take the memory back and serve again\n"
       "Mutual TLS: --tls_client_cert and --tls_client_key (with --tls_root_cert for the "
       "server's CA). The bearer token: --auth_token_file (or --auth_token).";
   std::vector<std::string> raw_args(argv, argv + argc);
@@ -430,8 +453,8 @@ int main(int argc, char** argv) {
   std::vector<char*> args = rollout::ParseCommandLine(static_cast<int>(rewritten->size()),
                                                       rewritten_argv.data(), kUsage, "cli_main.cc");
   constexpr char kCommands[] =
-      "generate, score, abort, flush, info, update-weights, update-weights-from-path, pause or "
-      "resume";
+      "generate, score, abort, flush, info, update-weights, update-weights-from-path, pause, "
+      "resume, release-memory or resume-memory";
   if (args.size() != 2) {
     rollout::Fail(absl::InvalidArgumentError(
         absl::StrCat("expected exactly one command: ", kCommands, " (see --help)")));
@@ -455,6 +478,10 @@ int main(int argc, char** argv) {
     rollout::RunPause();
   } else if (command == "resume") {
     rollout::RunResume();
+  } else if (command == "release-memory") {
+    rollout::RunReleaseMemory();
+  } else if (command == "resume-memory") {
+    rollout::RunResumeMemory();
   } else {
     rollout::Fail(absl::InvalidArgumentError(
         absl::StrCat("unknown command '", command, "'; expected ", kCommands)));

@@ -325,4 +325,17 @@ absl::StatusOr<rollout::v1::ResumeResponse> RolloutClient::Resume() {
   return CallUnary(&rollout::v1::RolloutService::Stub::Resume, rollout::v1::ResumeRequest());
 }
 
+absl::StatusOr<rollout::v1::ReleaseMemoryResponse> RolloutClient::ReleaseMemory(
+    bool abort_in_flight, bool weights) {
+  rollout::v1::ReleaseMemoryRequest request;
+  request.set_abort_in_flight(abort_in_flight);
+  request.set_weights(weights);
+  return CallUnary(&rollout::v1::RolloutService::Stub::ReleaseMemory, request);
+}
+
+absl::StatusOr<rollout::v1::ResumeMemoryResponse> RolloutClient::ResumeMemory() {
+  return CallUnary(&rollout::v1::RolloutService::Stub::ResumeMemory,
+                   rollout::v1::ResumeMemoryRequest());
+}
+
 }  // namespace rollout

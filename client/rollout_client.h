@@ -133,6 +133,14 @@ class RolloutClient {
   absl::StatusOr<rollout::v1::PauseResponse> Pause(bool abort_in_flight);
   absl::StatusOr<rollout::v1::ResumeResponse> Resume();
 
+  // Colocated memory: the server gives the KV cache's memory (and with `weights` the weights')
+  // back to the GPU and holds new requests; samples in flight are requeued (recomputed later,
+  // the same bits) or, with abort_in_flight, aborted. ResumeMemory takes it back
+  // (RESOURCE_EXHAUSTED when the GPU lacks it: the server stays released, retry).
+  absl::StatusOr<rollout::v1::ReleaseMemoryResponse> ReleaseMemory(bool abort_in_flight,
+                                                                   bool weights);
+  absl::StatusOr<rollout::v1::ResumeMemoryResponse> ResumeMemory();
+
   const std::string& target() const { return target_; }
 
  private:

@@ -9,8 +9,11 @@
 #include <string>
 #include <thread>
 
+#include <sys/wait.h>
+
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/reliability_util.h"
 #include "tests/test_server.h"
 
 namespace rollout::testing {
@@ -265,6 +268,32 @@ TEST(MemoryShortageE2eTest, AResumeWithoutTheMemoryIsResourceExhaustedAndARetryS
   EXPECT_EQ(resumed.kv_cache_bytes(), released.kv_cache_bytes());
   EXPECT_EQ(Fingerprints(held.get()), Fingerprints(before));
 }
+
+#if defined(ROLLOUT_CLI_BIN)
+// rollout-cli's release-memory and resume-memory: exit 0 and say what changed.
+TEST_F(MemoryE2eTest, TheCliReleasesAndResumes) {
+  namespace rel = ::rollout::testing::reliability;
+  auto run = [](const std::vector<std::string>& args, std::string* output) {
+    std::vector<std::string> argv = {ROLLOUT_CLI_BIN, "--server=" + server_->address()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::unique_ptr<rel::ChildProcess> child = rel::ChildProcess::Start(argv, {});
+    if (child == nullptr) return -1;
+    const int status = child->Wait(std::chrono::seconds(60));
+    child->WaitForOutput("\x01", std::chrono::milliseconds(200));
+    *output = child->output();
+    return status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  std::string out;
+  ASSERT_EQ(run({"release-memory", "--weights"}, &out), 0) << out;
+  EXPECT_NE(out.find("released_kv_cache"), std::string::npos) << out;
+  EXPECT_TRUE(Info(stub()).has_memory_released());
+  ASSERT_EQ(run({"info"}, &out), 0) << out;
+  EXPECT_NE(out.find("memory_released"), std::string::npos) << out;
+  ASSERT_EQ(run({"resume-memory"}, &out), 0) << out;
+  EXPECT_NE(out.find("was_released      true"), std::string::npos) << out;
+  EXPECT_FALSE(Info(stub()).has_memory_released());
+}
+#endif
 
 }  // namespace
 }  // namespace rollout::testing
