@@ -9,8 +9,9 @@ and protobuf, and numpy for arrays.
 from .client import RolloutClient
 from .fleet import Fleet, FleetError
 from .datatypes import (AbortResult, Completion, EngineCounters, EngineLimits, FlushCacheResult,
-                        ModelInfo, RolloutError, ScoreResult, ServerInfo, TokenChunk,
-                        UpdateWeightsResult, VersionSpan)
+                        ModelInfo, ReleasedMemory, ReleaseMemoryResult, ResumeMemoryResult,
+                        RolloutError, ScoreResult, ServerInfo, TokenChunk, UpdateWeightsResult,
+                        VersionSpan)
 from .safetensors import read_safetensors, write_safetensors
 from .weights import RawTensor, bf16_bits_to_f32, f32_to_bf16_bits
 
@@ -33,6 +34,7 @@ def _splitmix64(x: int) -> int:
 __all__ = [
     "RolloutClient", "Fleet", "FleetError", "RolloutError", "Completion", "TokenChunk", "VersionSpan", "ScoreResult",
     "AbortResult", "FlushCacheResult", "UpdateWeightsResult", "ServerInfo", "ModelInfo",
-    "EngineLimits", "EngineCounters", "RawTensor", "read_safetensors", "write_safetensors",
+    "EngineLimits", "EngineCounters", "ReleasedMemory", "ReleaseMemoryResult",
+    "ResumeMemoryResult", "RawTensor", "read_safetensors", "write_safetensors",
     "f32_to_bf16_bits", "bf16_bits_to_f32", "sample_seed",
 ]

@@ -24,8 +24,9 @@ import grpc.aio
 
 from . import _wire
 from ._wire import IntOrList, pb2, pb2_grpc
-from .datatypes import (AbortResult, Completion, FlushCacheResult, RolloutError, ServerInfo,
-                        TokenChunk, UpdateWeightsResult, message_to_dataclass)
+from .datatypes import (AbortResult, Completion, FlushCacheResult, ReleaseMemoryResult,
+                        ResumeMemoryResult, RolloutError, ServerInfo, TokenChunk,
+                        UpdateWeightsResult, message_to_dataclass)
 from .weights import DTypeSpec
 
 __all__ = ["RolloutClient"]
@@ -221,6 +222,18 @@ class RolloutClient:
 
     async def resume(self, *, timeout: Optional[float] = None) -> bool:
         return (await self._unary(self._stub.Resume, pb2.ResumeRequest(), timeout)).was_paused
+
+    async def release_memory(self, weights: bool = False, abort_in_flight: bool = False, *,
+                             timeout: Optional[float] = None) -> ReleaseMemoryResult:
+        """As rollout_client.RolloutClient.release_memory."""
+        request = pb2.ReleaseMemoryRequest(weights=weights, abort_in_flight=abort_in_flight)
+        r = await self._unary(self._stub.ReleaseMemory, request, timeout)
+        return message_to_dataclass(ReleaseMemoryResult, r)
+
+    async def resume_memory(self, *, timeout: Optional[float] = None) -> ResumeMemoryResult:
+        """As rollout_client.RolloutClient.resume_memory."""
+        r = await self._unary(self._stub.ResumeMemory, pb2.ResumeMemoryRequest(), timeout)
+        return message_to_dataclass(ResumeMemoryResult, r)
 
     async def abort(self, request_ids: Union[None, str, Sequence[str]] = None,
                     all: bool = False, *, timeout: Optional[float] = None) -> AbortResult:

@@ -9,8 +9,9 @@ import grpc
 
 from . import _wire
 from ._wire import IntOrList, pb2, pb2_grpc
-from .datatypes import (AbortResult, Completion, FlushCacheResult, RolloutError, ServerInfo,
-                        TokenChunk, UpdateWeightsResult, message_to_dataclass)
+from .datatypes import (AbortResult, Completion, FlushCacheResult, ReleaseMemoryResult,
+                        ResumeMemoryResult, RolloutError, ServerInfo, TokenChunk,
+                        UpdateWeightsResult, message_to_dataclass)
 from .weights import DTypeSpec
 
 # Kept for callers that build raw messages: the generated modules.
@@ -242,6 +243,24 @@ class RolloutClient:
     def resume(self, *, timeout: Optional[float] = None) -> bool:
         """Resumes scheduling. Returns whether it was paused."""
         return self._unary(self._stub.Resume, pb2.ResumeRequest(), timeout).was_paused
+
+    def release_memory(self, weights: bool = False, abort_in_flight: bool = False, *,
+                       timeout: Optional[float] = None) -> ReleaseMemoryResult:
+        """Colocated trainers: the server gives its KV cache's GPU memory (with weights=True
+        the weights' too, kept in its host memory) back until resume_memory(). New requests are
+        held, not failed; samples in flight are requeued and finish later with the same bits
+        (abort_in_flight=True ends them instead). Idempotent. server_info().memory_released
+        says what is released."""
+        request = pb2.ReleaseMemoryRequest(weights=weights, abort_in_flight=abort_in_flight)
+        r = self._unary(self._stub.ReleaseMemory, request, timeout)
+        return message_to_dataclass(ReleaseMemoryResult, r)
+
+    def resume_memory(self, *, timeout: Optional[float] = None) -> ResumeMemoryResult:
+        """Takes the memory back and serves again, bitwise as before. RolloutError
+        RESOURCE_EXHAUSTED when the GPU lacks it (free it, torch.cuda.empty_cache(), and call
+        again: the server stays released)."""
+        r = self._unary(self._stub.ResumeMemory, pb2.ResumeMemoryRequest(), timeout)
+        return message_to_dataclass(ResumeMemoryResult, r)
 
     def abort(self, request_ids: Union[None, str, Sequence[str]] = None, all: bool = False, *,
               timeout: Optional[float] = None) -> AbortResult:

@@ -8,7 +8,7 @@ then.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
 
 import grpc
 
@@ -156,6 +156,32 @@ class UpdateWeightsResult:
 
 
 @dataclass
+class ReleasedMemory:
+    """What ReleaseMemory holds released (ServerInfo.memory_released), in bytes."""
+    kv_cache_bytes: int
+    weight_bytes: int
+    weights: bool                    # the weights too: updates wait for resume_memory()
+
+
+@dataclass
+class ReleaseMemoryResult:
+    was_released: bool               # released already (nothing more, or only the weights)
+    kv_cache_bytes: int              # released by this call
+    weight_bytes: int
+    preempted_samples: int           # in flight: requeued, recomputed after resume (same bits)
+    aborted_samples: int             # abort_in_flight=True: ended
+    seconds: float
+
+
+@dataclass
+class ResumeMemoryResult:
+    was_released: bool               # False: nothing was released (a no-op)
+    kv_cache_bytes: int              # taken back by this call
+    weight_bytes: int
+    seconds: float
+
+
+@dataclass
 class ModelInfo:
     architecture: str
     num_layers: int
@@ -210,6 +236,8 @@ class ServerInfo:
     weight_update_in_progress: bool
     auth_required_for_generate: bool
     weight_digest: str               # "sha256:<hex>" of the served weights; "" if unknown
+    # Set while release_memory() holds the memory released; None otherwise.
+    memory_released: Optional[ReleasedMemory] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -226,7 +254,13 @@ def message_to_dataclass(cls, message):
     for f in fields(cls):
         t = hints[f.name]
         v = getattr(message, f.name, None)
-        if is_dataclass(t):
+        optional = [a for a in typing.get_args(t) if a is not type(None)]
+        if typing.get_origin(t) is Union and len(optional) == 1 and is_dataclass(optional[0]):
+            # Optional[Message]: None unless the message field is set.
+            has = getattr(message, "HasField", None)
+            values[f.name] = (message_to_dataclass(optional[0], v)
+                              if has is not None and has(f.name) else None)
+        elif is_dataclass(t):
             values[f.name] = message_to_dataclass(t, v)
         elif typing.get_origin(t) in (list, List):
             values[f.name] = list(v) if v is not None else []

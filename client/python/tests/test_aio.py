@@ -60,6 +60,21 @@ class AioTest(unittest.TestCase):
         self.assertEqual([[key(c) for c in g] for g in groups], expected)
         self.assertEqual(scores, [c.logprobs for g in groups for c in g])
 
+    def test_release_and_resume_memory(self):
+        async def main():
+            async with rollout_client.aio.RolloutClient(self.target, timeout=120) as client:
+                released = await client.release_memory()
+                info = await client.server_info()
+                resumed = await client.resume_memory()
+                return released, info, resumed, await client.server_info()
+
+        released, info, resumed, after = run(main())
+        self.assertGreater(released.kv_cache_bytes, 0)
+        self.assertEqual(info.memory_released.kv_cache_bytes, released.kv_cache_bytes)
+        self.assertTrue(resumed.was_released)
+        self.assertEqual(resumed.kv_cache_bytes, released.kv_cache_bytes)
+        self.assertIsNone(after.memory_released)
+
     def test_concurrent_streams_on_one_loop_keep_their_bits(self):
         with RolloutClient(self.target, timeout=120) as blocking:
             expected = [key(blocking.generate([p], seed=i, max_new_tokens=20)[0][0])

@@ -627,6 +627,7 @@ class WeightsTest(unittest.TestCase):
     def tearDown(self):
         # Every test leaves the original weights and an unpaused server behind.
         try:
+            self.client.resume_memory()
             self.client.resume()
             self.update([(NORM, self.original)], version="0")
         except RolloutError as e:
@@ -746,6 +747,64 @@ class WeightsTest(unittest.TestCase):
         self.assertFalse(t.is_alive())
         self.assert_baseline(out["groups"], "0")
         self.assertFalse(self.client.resume())
+
+    @needs_server_support
+    def test_release_memory_holds_requests_and_resume_memory_keeps_the_bits(self):
+        self.assertIsNone(self.client.server_info().memory_released)
+        released = self.client.release_memory()
+        self.assertFalse(released.was_released)
+        self.assertGreater(released.kv_cache_bytes, 0)
+        self.assertEqual(released.weight_bytes, 0)
+        info = self.client.server_info()
+        self.assertEqual(info.memory_released,
+                         rollout_client.ReleasedMemory(released.kv_cache_bytes, 0, False))
+        self.assertFalse(info.paused)
+        self.assertEqual(info.to_dict()["memory_released"]["kv_cache_bytes"],
+                         released.kv_cache_bytes)
+        again = self.client.release_memory()
+        self.assertTrue(again.was_released)
+        self.assertEqual(again.kv_cache_bytes, 0)
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(
+            "groups", self.client.generate(PROMPTS, **self.ARGS)))
+        t.start()
+        t.join(1.0)
+        self.assertTrue(t.is_alive(), "generate finished while the memory was released")
+        resumed = self.client.resume_memory()
+        self.assertTrue(resumed.was_released)
+        self.assertEqual(resumed.kv_cache_bytes, released.kv_cache_bytes)
+        t.join(60)
+        self.assertFalse(t.is_alive())
+        self.assert_baseline(out["groups"], "0")
+        self.assertIsNone(self.client.server_info().memory_released)
+        self.assertFalse(self.client.resume_memory().was_released)
+
+    @needs_server_support
+    def test_release_memory_needs_the_token_and_aborts_when_asked(self):
+        server = Server(cache_dir(), "--auth_token_file", self._token_file())
+        try:
+            with RolloutClient(server.target, timeout=60) as anonymous:
+                anonymous.wait_ready(60)
+                with self.assertRaises(RolloutError) as cm:
+                    anonymous.release_memory()
+                self.assertEqual(cm.exception.code, "UNAUTHENTICATED")
+            with RolloutClient(server.target, token="s3cret", timeout=60) as c:
+                stream = c.generate([PROMPTS[0]], max_new_tokens=3000, ignore_eos=True,
+                                    stream=True)
+                next(stream)  # the sample is running
+                r = c.release_memory(abort_in_flight=True)
+                self.assertEqual(r.aborted_samples, 1)
+                last = list(stream)[-1]
+                self.assertEqual(last.finish_reason, "abort")
+                self.assertTrue(c.resume_memory().was_released)
+        finally:
+            server.stop()
+
+    def _token_file(self):
+        path = tempfile.mktemp(prefix="rollout-token-")
+        with open(path, "w") as f:
+            f.write("s3cret\n")
+        return path
 
     def _long_stream(self, rid, max_new_tokens):
         return self.client.generate([PROMPTS[0]], max_new_tokens=max_new_tokens,
