@@ -242,6 +242,29 @@ TEST(MemoryAuthE2eTest, ReleaseAndResumeAreControlRpcsThatNeedTheToken) {
   ASSERT_TRUE(Resume(t->stub.get(), &resumed, "s3cret").ok());
 }
 
+TEST(MemoryMetricsE2eTest, TheReleasedBytesGaugeFollowsReleaseAndResume) {
+  namespace rel = ::rollout::testing::reliability;
+  ServerOptions options;
+  options.metrics_port = rel::PickFreePort();
+  ASSERT_GT(options.metrics_port, 0);
+  std::unique_ptr<TestServer> t = StartTestServer(options);
+  ASSERT_NE(t, nullptr);
+  auto gauge = [&] {
+    const std::string page = rel::HttpGet(options.metrics_port, "/metrics");
+    const std::string name = "\nrollout_memory_released_bytes ";
+    const size_t at = page.find(name);
+    if (at == std::string::npos) return std::string("(missing)");
+    return page.substr(at + name.size(), page.find('\n', at + 1) - at - name.size());
+  };
+  EXPECT_EQ(gauge(), "0");
+  v1::ReleaseMemoryResponse released;
+  ASSERT_TRUE(Release(t->stub.get(), &released).ok());
+  EXPECT_EQ(gauge(), std::to_string(released.kv_cache_bytes()));
+  v1::ResumeMemoryResponse resumed;
+  ASSERT_TRUE(Resume(t->stub.get(), &resumed).ok());
+  EXPECT_EQ(gauge(), "0");
+}
+
 TEST(MemoryShortageE2eTest, AResumeWithoutTheMemoryIsResourceExhaustedAndARetrySucceeds) {
   if (!OnCpuBackend()) GTEST_SKIP() << "the shortage is injected into the CPU backend";
   auto available = std::make_shared<std::atomic<int64_t>>(int64_t{1} << 40);

@@ -643,7 +643,7 @@ TEST_F(ReliabilityBadInputTest, MalformedProtobufBytesOnEveryMethodAreRejected) 
   const std::vector<std::string> methods = {
       "Generate",   "Score",         "GetServerInfo",         "Abort",
       "FlushCache", "UpdateWeights", "UpdateWeightsFromPath", "Pause",
-      "Resume"};
+      "Resume",     "ReleaseMemory", "ResumeMemory"};
   for (const std::string& method : methods) {
     for (size_t p = 0; p < payloads.size(); ++p) {
       const std::string name = absl::StrCat(method, " payload ", p);
@@ -658,6 +658,7 @@ TEST_F(ReliabilityBadInputTest, MalformedProtobufBytesOnEveryMethodAreRejected) 
   }
   const v1::ServerInfo info = rel::FetchServerInfo(stub());
   EXPECT_FALSE(info.paused()) << "a garbage Pause must not pause";
+  EXPECT_FALSE(info.has_memory_released()) << "a garbage ReleaseMemory must not release";
   EXPECT_EQ(info.weight_version(), "0");
 }
 
@@ -828,6 +829,16 @@ TEST(ReliabilityAuthTest, EveryProtectedRpcRefusesMissingAndMalformedTokens) {
              v1::ResumeResponse response;
              return stub->Resume(c, {}, &response);
            }},
+          {"ReleaseMemory",
+           [&](grpc::ClientContext* c) {
+             v1::ReleaseMemoryResponse response;
+             return stub->ReleaseMemory(c, {}, &response);
+           }},
+          {"ResumeMemory",
+           [&](grpc::ClientContext* c) {
+             v1::ResumeMemoryResponse response;
+             return stub->ResumeMemory(c, {}, &response);
+           }},
       };
   const std::vector<std::string> bad_values = {"",  // no header at all
                                                "Bearer wrong",
@@ -859,9 +870,13 @@ TEST(ReliabilityAuthTest, EveryProtectedRpcRefusesMissingAndMalformedTokens) {
   v1::ServerInfo info;
   ASSERT_TRUE(stub->GetServerInfo(&context, {}, &info).ok());
   EXPECT_FALSE(info.paused());
+  EXPECT_FALSE(info.has_memory_released());
   EXPECT_EQ(info.weight_version(), "0");
   for (const auto& [name, call] : rpcs) {
-    if (name == "UpdateWeights" || name == "UpdateWeightsFromPath" || name == "Pause") continue;
+    if (name == "UpdateWeights" || name == "UpdateWeightsFromPath" || name == "Pause" ||
+        name == "ReleaseMemory") {
+      continue;
+    }
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + seconds(60));
     c.AddMetadata("authorization", "Bearer s3cret");
