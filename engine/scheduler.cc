@@ -35,18 +35,22 @@ void Scheduler::Remove(Sequence* seq) {
 int32_t Scheduler::RequeueRunning() {
   const int32_t n = static_cast<int32_t>(running_.size());
   for (Sequence* seq : running_) {
-    ReleaseKv(seq);
-    seq->num_computed = 0;
-    // A scoring sequence is scored again from its start: what it has scored so far (never
-    // reported before its end) would be counted twice.
-    if (seq->is_score()) {
-      seq->logprobs.clear();
-      seq->top_logprobs.clear();
-    }
+    ForgetComputed(seq);
     InsertByArrival(seq, &waiting_);
   }
   running_.clear();
   return n;
+}
+
+void Scheduler::ForgetComputed(Sequence* seq) {
+  ReleaseKv(seq);
+  seq->num_computed = 0;
+  // A scoring sequence is scored again from its start: what it has scored so far (never
+  // reported before its end) would be counted twice.
+  if (seq->is_score()) {
+    seq->logprobs.clear();
+    seq->top_logprobs.clear();
+  }
 }
 
 void Scheduler::ReleaseKv(Sequence* seq) {
@@ -174,8 +178,7 @@ void Scheduler::Preempt(Sequence* seq) {
   auto it = std::find(running_.begin(), running_.end(), seq);
   CHECK(it != running_.end());
   running_.erase(it);
-  ReleaseKv(seq);
-  seq->num_computed = 0;
+  ForgetComputed(seq);
   InsertByArrival(seq, &waiting_);
   ++num_preemptions_;
   if (options_.admission == AdmissionPolicy::kEstimate) RaiseNewTokenRatio();

@@ -103,6 +103,9 @@ class Scheduler {
   void Preempt(Sequence* seq);
   // Frees the sequence's private blocks and unlocks its cached pages.
   void ReleaseKv(Sequence* seq);
+  // Drops seq's KV and what it computed (a Score sequence's partial logprobs too): it starts
+  // again from its first token, after a preemption or a memory release.
+  void ForgetComputed(Sequence* seq);
   // Takes the head of the queue into the running set with its cached prefix and a chunk
   // within `budget`; false (and no change) if it does not fit.
   bool Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>* chunks);

@@ -1,6 +1,8 @@
 #include "engine/scheduler.h"
 
+#include <algorithm>
 #include <memory>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -187,6 +189,45 @@ TEST(SchedulerTest, PreemptionTakesTheSequenceWithTheFewestComputedTokens) {
   EXPECT_EQ(b->num_computed, 0) << "the sequence with the least KV gave way";
   EXPECT_EQ(c->num_computed, 9);
   EXPECT_EQ(a->num_computed, 13);
+}
+
+// A scoring sequence preempted half way is scored again from its start: the logprobs of its
+// first pass must go, or its result would hold some positions twice.
+TEST(SchedulerTest, APreemptedScoreSequenceStartsItsLogprobsAgain) {
+  KvBlockManager blocks(4, 4);  // 16 tokens
+  PrefixCache cache(&blocks, /*enabled=*/false);
+  Scheduler scheduler({8, 8, 4, AdmissionPolicy::kOptimistic}, &blocks, &cache, "v");
+  auto gen = MakeSeq(0, 4);
+  auto score = MakeSeq(1, 12);
+  score->score_start = 1;  // positions 0..10 predict tokens 1..11: 11 logprobs
+  scheduler.Add(gen.get());
+  scheduler.Add(score.get());
+  bool score_preempted = false;
+  for (int step = 0; step < 100 && score->num_computed < score->num_tokens(); ++step) {
+    const uint64_t preemptions = scheduler.num_preemptions();
+    std::vector<ScheduledChunk> chunks = scheduler.Schedule();
+    for (const ScheduledChunk& c : chunks) {
+      if (!c.seq->is_score()) continue;
+      // What the engine appends: one logprob per scored position the chunk computed.
+      const int64_t from = std::max(c.begin, c.seq->score_start - 1);
+      const int64_t to = std::min(c.end, c.seq->num_tokens() - 1);
+      for (int64_t p = from; p < to; ++p) c.seq->logprobs.push_back(static_cast<float>(p));
+    }
+    for (const ScheduledChunk& c : chunks) {
+      c.seq->num_computed = c.end;
+      if (!c.seq->is_score() && c.wants_logits()) c.seq->tokens.push_back(2);
+    }
+    if (scheduler.num_preemptions() > preemptions && score->num_computed == 0) {
+      score_preempted = true;
+      EXPECT_TRUE(score->logprobs.empty()) << "the first pass's logprobs were kept";
+    }
+    if (gen->num_generated() >= 6 && !gen->block_table.empty()) scheduler.Remove(gen.get());
+  }
+  ASSERT_TRUE(score_preempted) << "the test needs the score sequence to give way";
+  ASSERT_EQ(score->num_computed, score->num_tokens());
+  std::vector<float> want;
+  for (int p = 0; p < 11; ++p) want.push_back(static_cast<float>(p));
+  EXPECT_EQ(score->logprobs, want);
 }
 
 TEST(SchedulerTest, RemoveReleasesBlocksOfRunningAndWaiting) {
