@@ -156,7 +156,11 @@ void Engine::FlushCache(std::function<void(FlushResult)> done) {
 
 void Engine::UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done,
                            std::function<bool()> cancelled) {
-  core_->UpdateWeights(PendingUpdate{std::move(update), std::move(done), std::move(cancelled)});
+  PendingUpdate pending;
+  pending.update = std::move(update);
+  pending.done = std::move(done);
+  pending.cancelled = std::move(cancelled);
+  core_->UpdateWeights(std::move(pending));
 }
 
 bool Engine::Pause(bool abort_in_flight) { return core_->SetPaused(true, abort_in_flight); }

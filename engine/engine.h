@@ -170,6 +170,11 @@ struct WeightUpdate {
   // TensorDigest of each of `tensors`, by name, hashed by whoever received the bytes (off the
   // engine thread). A tensor without one is hashed on the engine thread.
   TensorDigests digests;
+  // Or, instead of `tensors`, tensors in another process's device memory (engine/ipc_tensor.h),
+  // opened and hashed by the runner on the engine thread when the update starts (before its
+  // policy acts, so a refused digest aborts nothing), copied at the swap, and unmapped before
+  // `done` is called, whatever the outcome.
+  std::vector<IpcTensorSource> ipc_tensors;
 };
 
 struct UpdateResult {
@@ -177,6 +182,8 @@ struct UpdateResult {
   std::string previous_version;
   std::string digest;  // the served weights' digest after a successful update
   int32_t aborted_samples = 0;
+  // An IPC update: seconds the engine thread spent opening the exports and hashing their bytes.
+  double ipc_open_seconds = 0;
 };
 
 // What Engine::ReleaseMemory does with samples in flight, and what it releases.

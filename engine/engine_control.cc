@@ -2,6 +2,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 #include "engine/engine_internal.h"
 #include "glog/logging.h"
 
@@ -53,7 +54,7 @@ void EngineCore::Shutdown(StepEvents* events) {
   // Held jobs are aborted below with the rest; none of them ever runs.
   held_.clear();
   if (draining_.has_value()) {
-    Reply(draining_->done, FailedUpdate(absl::UnavailableError("the server is shutting down")));
+    Reply(&*draining_, FailedUpdate(absl::UnavailableError("the server is shutting down")));
     draining_.reset();
   }
   AbortAllJobs(events);
@@ -69,6 +70,9 @@ absl::Status EngineCore::CheckDigest(PendingUpdate* pending, TensorDigests* afte
     (*after)[t.name] =
         it != update.digests.end() ? it->second : TensorDigest(t.bytes.data(), t.bytes.size());
   }
+  if (pending->opened_ipc != nullptr) {
+    for (const auto& [name, digest] : pending->opened_ipc->digests()) (*after)[name] = digest;
+  }
   const std::string digest = WeightsDigest(runner_->weight_specs(), *after);
   if (update.version == version_ && !digest_.empty() && !digest.empty() && digest != digest_) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -83,9 +87,9 @@ absl::Status EngineCore::CheckDigest(PendingUpdate* pending, TensorDigests* afte
 void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
   if (DropIfCancelled(&pending)) return;
   if (draining_.has_value()) {
-    Reply(pending.done, FailedUpdate(absl::AbortedError(absl::StrFormat(
-                            "weight update to '%s' is still draining; one update at a time",
-                            draining_->update.version))));
+    Reply(&pending, FailedUpdate(absl::AbortedError(absl::StrFormat(
+                        "weight update to '%s' is still draining; one update at a time",
+                        draining_->update.version))));
     return;
   }
   if (released_.has_value() && released_->weights) {
@@ -94,14 +98,24 @@ void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
         "before updating them (nothing was applied; '%s' still serves)",
         version_)));
     result.previous_version = version_;
-    Reply(pending.done, std::move(result));
+    Reply(&pending, std::move(result));
     return;
   }
+  if (absl::Status opened = OpenIpcTensors(&pending); !opened.ok()) {
+    UpdateResult result = FailedUpdate(std::move(opened));
+    result.previous_version = version_;
+    result.ipc_open_seconds = pending.ipc_open_seconds;
+    Reply(&pending, std::move(result));
+    return;
+  }
+  // Opening and hashing take a while: a caller that gave up meanwhile gets nothing applied.
+  if (pending.opened_ipc != nullptr && DropIfCancelled(&pending)) return;
   TensorDigests after;
   if (absl::Status digest = CheckDigest(&pending, &after); !digest.ok()) {
     UpdateResult result = FailedUpdate(std::move(digest));
     result.previous_version = version_;
-    Reply(pending.done, std::move(result));
+    result.ipc_open_seconds = pending.ipc_open_seconds;
+    Reply(&pending, std::move(result));
     return;
   }
   pending.update.digests = std::move(after);  // from here on: every served tensor's
@@ -124,7 +138,7 @@ void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
         paused = paused_;
       }
       if ((paused || released_.has_value()) && !scheduler_.idle()) {
-        Reply(pending.done,
+        Reply(&pending,
               FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
                   "the server is %s with %d samples in flight, which DRAIN cannot finish; "
                   "%s first, or update with policy ABORT or CONTINUE",
@@ -159,21 +173,42 @@ bool EngineCore::DropIfCancelled(PendingUpdate* pending) {
       "the update to '%s' was cancelled by its caller before the swap; nothing was applied",
       pending->update.version));
   result.previous_version = version_;
-  Reply(pending->done, std::move(result));
+  Reply(pending, std::move(result));
   return true;
 }
 
-void EngineCore::Reply(const std::function<void(UpdateResult)>& done, UpdateResult result) {
+absl::Status EngineCore::OpenIpcTensors(PendingUpdate* pending) {
+  const std::vector<IpcTensorSource>& tensors = pending->update.ipc_tensors;
+  if (tensors.empty()) return absl::OkStatus();
+  if (!pending->update.tensors.empty()) {
+    return absl::InvalidArgumentError("an update gives host tensors or IPC tensors, not both");
+  }
+  ROLLOUT_RETURN_IF_ERROR(CheckIpcTensors(runner_->weight_specs(), tensors));
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::unique_ptr<OpenedIpcTensors>> opened = runner_->OpenIpcTensors(tensors);
+  pending->ipc_open_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!opened.ok()) return opened.status();
+  pending->opened_ipc = *std::move(opened);
+  return absl::OkStatus();
+}
+
+void EngineCore::Reply(PendingUpdate* pending, UpdateResult result) {
+  // The caller may free its exported tensors once answered: they are unmapped first.
+  pending->opened_ipc.reset();
   delivery_.WaitIdle();  // replies come after the events of earlier steps
-  done(std::move(result));
+  pending->done(std::move(result));
 }
 
 void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
   UpdateResult result;
   result.previous_version = version_;
   result.aborted_samples = aborted_samples;
+  result.ipc_open_seconds = pending.ipc_open_seconds;
   const auto start = std::chrono::steady_clock::now();
-  result.status = runner_->UpdateWeights(pending.update.tensors);
+  result.status = pending.opened_ipc != nullptr
+                      ? runner_->UpdateWeightsFromIpc(*pending.opened_ipc)
+                      : runner_->UpdateWeights(pending.update.tensors);
   if (result.status.ok()) {
     ++weight_updates_;
     last_update_seconds_ =
@@ -190,10 +225,11 @@ void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
     published_digest_ = digest_;
     result.digest = digest_;
     LOG(INFO) << "weights updated: " << result.previous_version << " -> " << version_ << " ("
-              << pending.update.tensors.size() << " tensors; "
+              << pending.update.tensors.size() + pending.update.ipc_tensors.size()
+              << (pending.opened_ipc != nullptr ? " IPC" : "") << " tensors; "
               << (digest_.empty() ? "digest unknown" : digest_) << ")";
   }
-  Reply(pending.done, std::move(result));
+  Reply(&pending, std::move(result));
 }
 
 void EngineCore::Accept(Submission submission) {

@@ -48,6 +48,9 @@ struct PendingUpdate {
   WeightUpdate update;
   std::function<void(UpdateResult)> done;
   std::function<bool()> cancelled;  // may be empty
+  // An IPC update's exports, once opened (StartUpdate); closed before its reply.
+  std::unique_ptr<OpenedIpcTensors> opened_ipc;
+  double ipc_open_seconds = 0;
 };
 
 // An Abort, AbortAll or Pause(abort_in_flight) call on its way to the engine thread.
@@ -206,8 +209,12 @@ class EngineCore {
   // reuses the served version name for other bytes (both digests known), else OK with the
   // served digests after it in `after`.
   absl::Status CheckDigest(PendingUpdate* pending, TensorDigests* after);
-  // Calls an update's `done` once the events of earlier steps were delivered.
-  void Reply(const std::function<void(UpdateResult)>& done, UpdateResult result);
+  // An IPC update: its tensors checked against the served specs, then opened and hashed by the
+  // runner (the time it took in pending->ipc_open_seconds); nothing for other updates.
+  absl::Status OpenIpcTensors(PendingUpdate* pending);
+  // Calls an update's `done` once the events of earlier steps were delivered, its IPC exports
+  // (if any) closed first.
+  void Reply(PendingUpdate* pending, UpdateResult result);
   // Makes the submission a job in jobs_ (arrival numbers taken in submission order); its samples
   // wait for Schedule, which hands the unfinished ones to the scheduler.
   void Accept(Submission submission);

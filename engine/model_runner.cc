@@ -6,6 +6,25 @@
 
 namespace rollout {
 
+namespace {
+
+absl::Status NoIpc(const char* backend) {
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "the %s backend cannot read CUDA IPC handles; use UpdateWeights or UpdateWeightsFromPath",
+      backend));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<OpenedIpcTensors>> ModelRunner::OpenIpcTensors(
+    const std::vector<IpcTensorSource>& tensors) {
+  return NoIpc(backend_name());
+}
+
+absl::Status ModelRunner::UpdateWeightsFromIpc(const OpenedIpcTensors& opened) {
+  return NoIpc(backend_name());
+}
+
 absl::Status ModelRunner::ResolveFedTokens(const std::vector<SampleResult>& fed_from,
                                            ForwardBatch* batch) {
   for (const FedToken& fed : batch->fed_tokens) {

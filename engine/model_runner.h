@@ -2,11 +2,14 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/ipc_tensor.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
 #include "model/model_config.h"
@@ -122,6 +125,20 @@ class ModelRunner {
   // released). Between the two, only ResumeMemory, ReleaseMemory and the constant accessors may
   // be called: no Forward, LaunchStep or UpdateWeights.
   virtual absl::StatusOr<ReleasedMemory> ResumeMemory();
+
+  // Weight updates from another process's device memory (engine/ipc_tensor.h), in two steps so
+  // that the digest is known before anything is applied. OpenIpcTensors maps every export into
+  // this process, checks each tensor lies inside its exported allocation and hashes its bytes;
+  // the exports stay mapped until the result is destroyed. A handle that cannot be opened
+  // (freed, of an exited process, of another GPU) or a tensor outside its allocation is
+  // INVALID_ARGUMENT naming the tensor. REQUIRES: CheckIpcTensors(weight_specs(), tensors).ok().
+  // The default (the cpu backend): FAILED_PRECONDITION.
+  virtual absl::StatusOr<std::unique_ptr<OpenedIpcTensors>> OpenIpcTensors(
+      const std::vector<IpcTensorSource>& tensors);
+  // Copies what OpenIpcTensors opened (this runner's, not yet applied) into the served weights,
+  // as UpdateWeights does host bytes: everything was checked before, so only a device failing
+  // mid-copy can leave it half done. The default: FAILED_PRECONDITION.
+  virtual absl::Status UpdateWeightsFromIpc(const OpenedIpcTensors& opened);
 
  protected:
   // Writes the tokens of `fed_from` (the previous launch's results) into the fed tokens' places

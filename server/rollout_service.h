@@ -79,6 +79,10 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   grpc::ServerUnaryReactor* UpdateWeightsFromPath(grpc::CallbackServerContext* context,
                                                   const v1::UpdateWeightsFromPathRequest* request,
                                                   v1::UpdateWeightsResponse* response) override;
+  // Defined in server/ipc_update.cc.
+  grpc::ServerUnaryReactor* UpdateWeightsFromIpc(grpc::CallbackServerContext* context,
+                                                 const v1::UpdateWeightsFromIpcRequest* request,
+                                                 v1::UpdateWeightsResponse* response) override;
   grpc::ServerUnaryReactor* Pause(grpc::CallbackServerContext* context,
                                   const v1::PauseRequest* request,
                                   v1::PauseResponse* response) override;
