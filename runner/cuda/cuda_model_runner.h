@@ -174,6 +174,14 @@ class CudaModelRunner final : public ModelRunner {
   // device layout (bf16 matrices, fp32 norms and biases) on the host, then copied.
   const std::vector<WeightSpec>& weight_specs() const override;
   absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
+  // IPC updates (ipc_weights.cc), ranks on one GPU (FAILED_PRECONDITION with `devices`): every
+  // tensor's GPU must be rank 0's (by UUID), each distinct handle is opened once, each tensor
+  // checked inside its exported allocation (cuMemGetAddressRange) and hashed on the device
+  // (device_tensor_digest.h); the update copies device to device (converted, bitwise as the host
+  // path, where the dtype is not the device's) and waits for the copies.
+  absl::StatusOr<std::unique_ptr<OpenedIpcTensors>> OpenIpcTensors(
+      const std::vector<IpcTensorSource>& tensors) override;
+  absl::Status UpdateWeightsFromIpc(const OpenedIpcTensors& opened) override;
 
   // Colocated memory (ModelRunner::ReleaseMemory): the KV pool and, with `weights`, the weights
   // are ReleasableDeviceBuffers (CUDA virtual memory: the addresses stay reserved, the decode
