@@ -451,6 +451,37 @@ absl::StatusOr<rollout::v1::InFlightPolicy> ParseInFlightPolicy(std::string_view
                    "' is not one of drain, abort, continue"));
 }
 
+absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> ParseIpcTensorsJson(
+    std::string_view json) {
+  rollout::v1::UpdateWeightsFromIpcRequest request;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  const auto parsed = google::protobuf::util::JsonStringToMessage(
+      google::protobuf::StringPiece(json.data(), json.size()), &request, options);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "not an UpdateWeightsFromIpcRequest in proto3 JSON ({\"tensors\": [{\"name\", "
+        "\"dtype\", \"shape\", \"ipc_handle\" (base64), \"offset_bytes\", \"device_uuid\"}]}): ",
+        std::string(parsed.message())));
+  }
+  if (!request.version().empty() || request.policy() != rollout::v1::IN_FLIGHT_POLICY_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        "give the version and policy with --version and --policy, not in the file");
+  }
+  if (request.tensors().empty()) {
+    return absl::InvalidArgumentError("no tensors: the file's \"tensors\" list is empty");
+  }
+  for (int i = 0; i < request.tensors_size(); ++i) {
+    const rollout::v1::IpcTensor& t = request.tensors(i);
+    if (t.ipc_handle().size() != 64) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tensors[%d] ('%s'): ipc_handle decodes to %d bytes; a cudaIpcMemHandle_t has 64", i,
+          t.name(), t.ipc_handle().size()));
+    }
+  }
+  return request;
+}
+
 std::string FormatUpdateWeightsResult(const rollout::v1::UpdateWeightsResponse& response) {
   const double mb = static_cast<double>(response.bytes_received()) / 1e6;
   const std::string rate = response.receive_seconds() > 0

@@ -55,6 +55,15 @@ std::string FormatAbortResult(const rollout::v1::AbortRequest& request,
 // Blocks freed now and blocks detached (freed when the samples using them end).
 std::string FormatFlushCacheResult(const rollout::v1::FlushCacheResponse& response);
 
+// The tensors of an UpdateWeightsFromIpc call from a file (rollout-cli update-weights-from-ipc
+// --ipc_tensors): an UpdateWeightsFromIpcRequest in proto3's JSON mapping, with `tensors` only
+// (the version and policy come from the command line): {"tensors": [{"name": ..., "dtype":
+// "BF16", "shape": [..], "ipc_handle": "<base64 of the 64 bytes>", "offset_bytes": N,
+// "device_uuid": "GPU-..."}, ...]} (lowerCamelCase keys work too). INVALID_ARGUMENT saying
+// what is wrong otherwise, naming the tensor where one is at fault.
+absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> ParseIpcTensorsJson(
+    std::string_view json);
+
 // Abseil reserves --version for "print the binary's version and exit"; this rewrites
 // "--version V", "--version=V" and the single-dash forms in a command line into "--<to>=V" so
 // the CLI can take a weight version under that name. args[0] (the program) and everything

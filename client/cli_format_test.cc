@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
 namespace rollout {
@@ -662,6 +663,49 @@ TEST(RewriteVersionFlagTest, RejectsAVersionWithoutAValue) {
     absl::StatusOr<std::vector<std::string>> out = RewriteVersionFlag(args, "wv");
     EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << args.back();
     EXPECT_THAT(out.status().message(), HasSubstr("--version needs a value")) << args.back();
+  }
+}
+
+// ---- ParseIpcTensorsJson --------------------------------------------------------------------
+
+// 64 bytes 0, 1, ..., 63 in base64.
+constexpr char kHandle64[] =
+    "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8gISIjJCUmJygpKissLS4vMDEyMzQ1Njc4OTo7PD0+Pw==";
+
+TEST(ParseIpcTensorsJsonTest, ReadsTensorsInEitherKeySpelling) {
+  const std::string json = absl::StrCat(
+      R"({"tensors": [{"name": "model.norm.weight", "dtype": "BF16", "shape": [64],
+          "ipc_handle": ")", kHandle64, R"(", "offset_bytes": "512", "device_uuid": "GPU-x"},
+          {"name": "lm_head.weight", "dtype": "BF16", "shape": ["8", 64], "ipcHandle": ")",
+      kHandle64, R"(", "offsetBytes": 1024, "deviceUuid": "GPU-y"}]})");
+  absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> r = ParseIpcTensorsJson(json);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->tensors_size(), 2);
+  EXPECT_EQ(r->tensors(0).name(), "model.norm.weight");
+  EXPECT_EQ(r->tensors(0).offset_bytes(), 512u);
+  EXPECT_EQ(r->tensors(0).ipc_handle().size(), 64u);
+  EXPECT_EQ(static_cast<unsigned char>(r->tensors(0).ipc_handle()[63]), 63);
+  EXPECT_THAT(r->tensors(1).shape(), ElementsAre(8, 64));
+  EXPECT_EQ(r->tensors(1).offset_bytes(), 1024u);
+  EXPECT_EQ(r->tensors(1).device_uuid(), "GPU-y");
+}
+
+TEST(ParseIpcTensorsJsonTest, RefusesWhatIsNotATensorListSayingWhat) {
+  struct Case {
+    std::string json, expected;
+  };
+  const std::vector<Case> cases = {
+      {"[1, 2]", "not an UpdateWeightsFromIpcRequest"},
+      {R"({"tensors": [{"name": "a", "colour": "red"}]})", "not an UpdateWeightsFromIpcRequest"},
+      {R"({"tensors": []})", "no tensors"},
+      {R"({"version": "v1", "tensors": [{"name": "a"}]})", "--version and --policy"},
+      {R"({"tensors": [{"name": "a", "ipc_handle": "AAEC"}]})",
+       "tensors[0] ('a'): ipc_handle decodes to 3 bytes"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> r = ParseIpcTensorsJson(c.json);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.json;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(c.expected)) << c.json;
   }
 }
 

@@ -7,6 +7,7 @@
 //   rollout-cli --json info
 //   rollout-cli update-weights --from /ckpt/step-100 --version step-100 --policy continue
 //   rollout-cli update-weights-from-path --path /srv/ckpt/step-100 --version step-100
+//   rollout-cli update-weights-from-ipc --ipc_tensors handles.json --version step-100
 //   rollout-cli pause --abort_in_flight       (then: rollout-cli resume)
 //   rollout-cli release-memory --weights      (then: rollout-cli resume-memory)
 
@@ -32,6 +33,7 @@
 #include "client/cli_format.h"
 #include "client/rollout_client.h"
 #include "common/command_line.h"
+#include "common/regular_file.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "Address of the rollout server.");
 ABSL_FLAG(std::string, prompt, "", "Prompt token ids, \"1,2,3\" or \"1 2 3\" (generate).");
@@ -79,13 +81,18 @@ ABSL_FLAG(std::string, from, "",
           "update-weights: local checkpoint directory (config.json + safetensors) to stream.");
 ABSL_FLAG(std::string, path, "",
           "update-weights-from-path: checkpoint directory on the server's disk.");
+ABSL_FLAG(std::string, ipc_tensors, "",
+          "update-weights-from-ipc: JSON file of the tensors' CUDA IPC handles, {\"tensors\": "
+          "[{\"name\", \"dtype\", \"shape\", \"ipc_handle\" (base64 of 64 bytes), "
+          "\"offset_bytes\", \"device_uuid\"}, ...]} (docs/api.md); the process that exported "
+          "them must keep them alive until this returns.");
 // Abseil owns --version (print the binary's version and exit); main rewrites "--version V" to
 // this flag before parsing, so both spellings work.
 ABSL_FLAG(std::string, weight_version, "",
-          "update-weights, update-weights-from-path: the new weight version (--version V works "
-          "too).");
+          "update-weights, update-weights-from-path, update-weights-from-ipc: the new weight "
+          "version (--version V works too).");
 ABSL_FLAG(std::string, policy, "drain",
-          "update-weights, update-weights-from-path: what happens to samples in flight: drain "
+          "update-weights*: what happens to samples in flight: drain "
           "(finish them on the old weights first), abort (end them now) or continue (go on with "
           "the new weights).");
 ABSL_FLAG(uint32_t, chunk_mb, 4,
@@ -393,6 +400,22 @@ void RunUpdateWeightsFromPath() {
                                                     FormatUpdateWeightsResult);
 }
 
+void RunUpdateWeightsFromIpc() {
+  const std::string file =
+      RequiredFlag(absl::GetFlag(FLAGS_ipc_tensors), "ipc_tensors", "update-weights-from-ipc");
+  absl::StatusOr<std::string> json = ReadSmallFile(file, uint64_t{64} << 20, "IPC tensors file");
+  CheckOk(json.status());
+  absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> request = ParseIpcTensorsJson(*json);
+  if (!request.ok()) {
+    Fail(absl::InvalidArgumentError(absl::StrCat(file, ": ", request.status().message())));
+  }
+  request->set_version(WeightVersionFromFlags("update-weights-from-ipc"));
+  request->set_policy(PolicyFromFlags());
+  std::unique_ptr<RolloutClient> client = ConnectFromFlags();
+  PrintResponse<rollout::v1::UpdateWeightsResponse>(client->UpdateWeightsFromIpc(*request),
+                                                    FormatUpdateWeightsResult);
+}
+
 void RunPause() {
   std::unique_ptr<RolloutClient> client = ConnectFromFlags();
   PrintResponse<rollout::v1::PauseResponse>(client->Pause(absl::GetFlag(FLAGS_abort_in_flight)),
@@ -434,6 +457,8 @@ int main(int argc, char** argv) {
       "            stream the checkpoint in the local DIR to the server as weight version V\n"
       "  update-weights-from-path --path DIR --version V [--policy drain|abort|continue]\n"
       "            have the server load the checkpoint in DIR on its own disk\n"
+      "  update-weights-from-ipc --ipc_tensors FILE --version V [--policy ...]\n"
+      "            have the server copy a colocated process's GPU tensors (CUDA IPC handles)\n"
       "  pause [--abort_in_flight]  stop scheduling; new requests are held, not failed\n"
       "  resume    start scheduling again\n"
       "  release-memory [--weights] [--abort_in_flight]\n"
@@ -453,8 +478,8 @@ int main(int argc, char** argv) {
   std::vector<char*> args = rollout::ParseCommandLine(static_cast<int>(rewritten->size()),
                                                       rewritten_argv.data(), kUsage, "cli_main.cc");
   constexpr char kCommands[] =
-      "generate, score, abort, flush, info, update-weights, update-weights-from-path, pause, "
-      "resume, release-memory or resume-memory";
+      "generate, score, abort, flush, info, update-weights, update-weights-from-path, "
+      "update-weights-from-ipc, pause, resume, release-memory or resume-memory";
   if (args.size() != 2) {
     rollout::Fail(absl::InvalidArgumentError(
         absl::StrCat("expected exactly one command: ", kCommands, " (see --help)")));
@@ -474,6 +499,8 @@ int main(int argc, char** argv) {
     rollout::RunUpdateWeights();
   } else if (command == "update-weights-from-path") {
     rollout::RunUpdateWeightsFromPath();
+  } else if (command == "update-weights-from-ipc") {
+    rollout::RunUpdateWeightsFromIpc();
   } else if (command == "pause") {
     rollout::RunPause();
   } else if (command == "resume") {

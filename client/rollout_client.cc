@@ -315,6 +315,11 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromPath(
   return CallUnary(&rollout::v1::RolloutService::Stub::UpdateWeightsFromPath, request);
 }
 
+absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromIpc(
+    const rollout::v1::UpdateWeightsFromIpcRequest& request) {
+  return CallUnary(&rollout::v1::RolloutService::Stub::UpdateWeightsFromIpc, request);
+}
+
 absl::StatusOr<rollout::v1::PauseResponse> RolloutClient::Pause(bool abort_in_flight) {
   rollout::v1::PauseRequest request;
   request.set_abort_in_flight(abort_in_flight);

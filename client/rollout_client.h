@@ -127,6 +127,11 @@ class RolloutClient {
   absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromPath(
       const rollout::v1::UpdateWeightsFromPathRequest& request);
 
+  // A colocated trainer's device tensors by CUDA IPC handle (the caller keeps them alive and
+  // unchanged until this returns): the server copies them device to device.
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromIpc(
+      const rollout::v1::UpdateWeightsFromIpcRequest& request);
+
   // Stops scheduling (arriving requests are held, not failed); with abort_in_flight, running
   // samples also end with FINISH_REASON_ABORT. Resume starts scheduling again. Both say whether
   // the server was paused before the call.

@@ -12,6 +12,7 @@ from .datatypes import (AbortResult, Completion, EngineCounters, EngineLimits, F
                         ModelInfo, ReleasedMemory, ReleaseMemoryResult, ResumeMemoryResult,
                         RolloutError, ScoreResult, ServerInfo, TokenChunk, UpdateWeightsResult,
                         VersionSpan)
+from .ipc import IpcTensor
 from .safetensors import read_safetensors, write_safetensors
 from .weights import RawTensor, bf16_bits_to_f32, f32_to_bf16_bits
 
@@ -36,5 +37,5 @@ __all__ = [
     "AbortResult", "FlushCacheResult", "UpdateWeightsResult", "ServerInfo", "ModelInfo",
     "EngineLimits", "EngineCounters", "ReleasedMemory", "ReleaseMemoryResult",
     "ResumeMemoryResult", "RawTensor", "read_safetensors", "write_safetensors",
-    "f32_to_bf16_bits", "bf16_bits_to_f32", "sample_seed",
+    "f32_to_bf16_bits", "bf16_bits_to_f32", "sample_seed", "IpcTensor",
 ]

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator, List, Mapping, Optional, Sequence, T
 
 import grpc
 
-from . import _proto
+from . import _proto, ipc
 from .datatypes import (FINISH_REASONS, AbortResult, Completion, FlushCacheResult, ScoreResult,
                         TokenChunk, TopLogprobs, UpdateWeightsResult, VersionSpan,
                         message_to_dataclass)
@@ -289,6 +289,16 @@ def update_result(response, seconds: float):
     r.seconds = seconds
     r.bytes_per_second = r.bytes_received / seconds if seconds > 0 else 0.0
     return r
+
+
+def ipc_request(tensors: Sequence[Any], version: str, policy_name: Optional[str]):
+    """An UpdateWeightsFromIpcRequest of ipc.IpcTensor values."""
+    if not version:
+        raise ValueError("update_weights_from_ipc: version must be non-empty")
+    request = pb2.UpdateWeightsFromIpcRequest(version=str(version), policy=policy(policy_name))
+    for t in tensors:
+        request.tensors.add(**ipc.request_fields(t))
+    return request
 
 
 def update_from_path_request(path: str, version: str, policy_name: Optional[str]):

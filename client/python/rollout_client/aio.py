@@ -22,7 +22,7 @@ from typing import (Any, AsyncIterator, Iterable, List, Mapping, Optional, Seque
 import grpc
 import grpc.aio
 
-from . import _wire
+from . import _wire, ipc
 from ._wire import IntOrList, pb2, pb2_grpc
 from .datatypes import (AbortResult, Completion, FlushCacheResult, ReleaseMemoryResult,
                         ResumeMemoryResult, RolloutError, ServerInfo, TokenChunk,
@@ -203,6 +203,21 @@ class RolloutClient:
         finally:
             stream.stop(0)
         return _wire.update_result(response, loop.time() - start)
+
+    async def update_weights_from_ipc(self,
+                                      named_tensors: Union[Iterable[Tuple[str, Any]],
+                                                           Mapping[str, Any]],
+                                      version: str, policy: Optional[str] = "drain", *,
+                                      skip_tied: bool = True,
+                                      timeout: Optional[float] = None) -> UpdateWeightsResult:
+        """As rollout_client.RolloutClient.update_weights_from_ipc. The export (a device
+        synchronize, then one _share_cuda_ per storage) runs on the event loop's thread."""
+        if skip_tied and (await self.server_info(timeout=timeout)).model.tie_word_embeddings:
+            named_tensors = _wire.without_tied_lm_head(named_tensors)
+        with ipc.export_tensors(named_tensors) as exported:
+            request = _wire.ipc_request(exported.tensors, version, policy)
+            response = await self._unary(self._stub.UpdateWeightsFromIpc, request, timeout)
+        return message_to_dataclass(UpdateWeightsResult, response)
 
     async def update_weights_from_path(self, path: str, version: str,
                                        policy: Optional[str] = "drain", *,

@@ -7,7 +7,7 @@ from typing import (Any, Iterable, Iterator, List, Mapping, Optional, Sequence, 
 
 import grpc
 
-from . import _wire
+from . import _wire, ipc
 from ._wire import IntOrList, pb2, pb2_grpc
 from .datatypes import (AbortResult, Completion, FlushCacheResult, ReleaseMemoryResult,
                         ResumeMemoryResult, RolloutError, ServerInfo, TokenChunk,
@@ -222,6 +222,31 @@ class RolloutClient:
         finally:
             stream.stop(0)
         return _wire.update_result(response, time.monotonic() - start)
+
+    def update_weights_from_ipc(self,
+                                named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
+                                version: str, policy: Optional[str] = "drain", *,
+                                skip_tied: bool = True,
+                                timeout: Optional[float] = None) -> UpdateWeightsResult:
+        """New weights from this process's GPU tensors, copied by the server device to device
+        (a trainer on the server's GPU; CUDA IPC, no bytes cross the host or the socket).
+
+        named_tensors: (name, torch tensor) pairs or a mapping, e.g. model.state_dict().items():
+        CUDA tensors on the server's GPU, contiguous, already in the served dtype (bfloat16 for a
+        BF16 model; nothing is converted), from torch's caching allocator without expandable
+        segments. They must stay alive and unchanged until this returns; the devices are
+        synchronized first. torch is imported only here (ImportError saying so without it).
+        Answers as update_weights: INVALID_ARGUMENT naming a tensor that is not served, has
+        another dtype or shape, or whose handle the server cannot open (freed, another GPU);
+        FAILED_PRECONDITION on a server without a CUDA backend (use update_weights) or a
+        reused version name with other bytes. policy and skip_tied as in update_weights.
+        """
+        if skip_tied and self.server_info(timeout=timeout).model.tie_word_embeddings:
+            named_tensors = _wire.without_tied_lm_head(named_tensors)
+        with ipc.export_tensors(named_tensors) as exported:
+            request = _wire.ipc_request(exported.tensors, version, policy)
+            response = self._unary(self._stub.UpdateWeightsFromIpc, request, timeout)
+        return message_to_dataclass(UpdateWeightsResult, response)
 
     def update_weights_from_path(self, path: str, version: str,
                                  policy: Optional[str] = "drain", *,

@@ -13,7 +13,7 @@ import tempfile
 import unittest
 
 import rollout_client
-from rollout_client import (EngineCounters, EngineLimits, ModelInfo, ServerInfo,
+from rollout_client import (EngineCounters, EngineLimits, IpcTensor, ModelInfo, ServerInfo,
                             UpdateWeightsResult)
 from rollout_client.client import pb2
 
@@ -74,7 +74,8 @@ class InstalledPackageTest(unittest.TestCase):
         for cls, message in ((ServerInfo, pb2.ServerInfo), (ModelInfo, pb2.ModelInfo),
                              (EngineLimits, pb2.EngineLimits),
                              (EngineCounters, pb2.EngineCounters),
-                             (UpdateWeightsResult, pb2.UpdateWeightsResponse)):
+                             (UpdateWeightsResult, pb2.UpdateWeightsResponse),
+                             (IpcTensor, pb2.IpcTensor)):
             client_side = CLIENT_MEASURED.get(cls, set())
             self.assertEqual({f.name for f in dataclasses.fields(cls)} - client_side,
                              {f.name for f in message.DESCRIPTOR.fields}, cls.__name__)
