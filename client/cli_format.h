@@ -61,8 +61,7 @@ std::string FormatFlushCacheResult(const rollout::v1::FlushCacheResponse& respon
 // "BF16", "shape": [..], "ipc_handle": "<base64 of the 64 bytes>", "offset_bytes": N,
 // "device_uuid": "GPU-..."}, ...]} (lowerCamelCase keys work too). INVALID_ARGUMENT saying
 // what is wrong otherwise, naming the tensor where one is at fault.
-absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> ParseIpcTensorsJson(
-    std::string_view json);
+absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> ParseIpcTensorsJson(std::string_view json);
 
 // Abseil reserves --version for "print the binary's version and exit"; this rewrites
 // "--version V", "--version=V" and the single-dash forms in a command line into "--<to>=V" so

@@ -675,7 +675,8 @@ constexpr char kHandle64[] =
 TEST(ParseIpcTensorsJsonTest, ReadsTensorsInEitherKeySpelling) {
   const std::string json = absl::StrCat(
       R"({"tensors": [{"name": "model.norm.weight", "dtype": "BF16", "shape": [64],
-          "ipc_handle": ")", kHandle64, R"(", "offset_bytes": "512", "device_uuid": "GPU-x"},
+          "ipc_handle": ")",
+      kHandle64, R"(", "offset_bytes": "512", "device_uuid": "GPU-x"},
           {"name": "lm_head.weight", "dtype": "BF16", "shape": ["8", 64], "ipcHandle": ")",
       kHandle64, R"(", "offsetBytes": 1024, "deviceUuid": "GPU-y"}]})");
   absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> r = ParseIpcTensorsJson(json);

@@ -206,9 +206,8 @@ void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
   result.aborted_samples = aborted_samples;
   result.ipc_open_seconds = pending.ipc_open_seconds;
   const auto start = std::chrono::steady_clock::now();
-  result.status = pending.opened_ipc != nullptr
-                      ? runner_->UpdateWeightsFromIpc(*pending.opened_ipc)
-                      : runner_->UpdateWeights(pending.update.tensors);
+  result.status = pending.opened_ipc != nullptr ? runner_->UpdateWeightsFromIpc(*pending.opened_ipc)
+                                                : runner_->UpdateWeights(pending.update.tensors);
   if (result.status.ok()) {
     ++weight_updates_;
     last_update_seconds_ =

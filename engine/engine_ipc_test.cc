@@ -46,9 +46,9 @@ const std::string& ModelDir() {
 struct FakeIpcHost {
   std::mutex mu;
   std::map<std::string, std::vector<uint8_t>> allocations;  // by handle
-  int open = 0;         // handles mapped now
-  int opens = 0;        // handles mapped, ever
-  int open_calls = 0;   // OpenIpcTensors calls
+  int open = 0;                                             // handles mapped now
+  int opens = 0;                                            // handles mapped, ever
+  int open_calls = 0;                                       // OpenIpcTensors calls
 
   // Exports `bytes` as a new allocation; returns its handle.
   std::string Export(std::vector<uint8_t> bytes) {
@@ -187,7 +187,8 @@ HostTensor Scaled(const std::string& name, float scale) {
 
 // `tensors` exported as one allocation, at 256-byte aligned offsets after `lead` bytes (as a
 // caching allocator packs them), as IPC sources.
-std::vector<IpcTensorSource> ExportTogether(FakeIpcHost* host, const std::vector<HostTensor>& tensors,
+std::vector<IpcTensorSource> ExportTogether(FakeIpcHost* host,
+                                            const std::vector<HostTensor>& tensors,
                                             size_t lead = 512) {
   std::vector<uint8_t> allocation(lead, 0xEE);
   std::vector<IpcTensorSource> sources;
@@ -253,9 +254,9 @@ TEST(EngineIpcTest, AnIpcUpdateServesTheBitsAndDigestOfTheSameBytesStreamed) {
   std::unique_ptr<Engine> streamed = MakeEngine(nullptr);
   const std::vector<HostTensor> tensors = {Scaled(kDown, 3.0f), Scaled(kUp, 0.5f)};
   int open_at_reply = -1;
-  UpdateResult r = Update(ipc.get(),
-                          IpcUpdate("v1", UpdatePolicy::kDrain, ExportTogether(host.get(), tensors)),
-                          host.get(), &open_at_reply);
+  UpdateResult r =
+      Update(ipc.get(), IpcUpdate("v1", UpdatePolicy::kDrain, ExportTogether(host.get(), tensors)),
+             host.get(), &open_at_reply);
   ASSERT_TRUE(r.status.ok()) << r.status;
   EXPECT_EQ(r.previous_version, "v0");
   EXPECT_EQ(host->opens, 1) << "two tensors of one allocation: its handle is opened once";
@@ -279,18 +280,19 @@ TEST(EngineIpcTest, ReusingTheServedNameForOtherBytesIsRefusedAndNothingStaysOpe
   ASSERT_FALSE(boot.empty());
   const std::string before = Bits(RunOne(engine.get()));
   int open_at_reply = -1;
-  UpdateResult r = Update(engine.get(),
-                          IpcUpdate("v0", UpdatePolicy::kAbort,
-                                    ExportTogether(host.get(), {Scaled(kDown, 3.0f)})),
-                          host.get(), &open_at_reply);
+  UpdateResult r = Update(
+      engine.get(),
+      IpcUpdate("v0", UpdatePolicy::kAbort, ExportTogether(host.get(), {Scaled(kDown, 3.0f)})),
+      host.get(), &open_at_reply);
   EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
   EXPECT_EQ(open_at_reply, 0);
   EXPECT_EQ(engine->weight_version(), "v0");
   EXPECT_EQ(engine->weight_digest(), boot);
   EXPECT_EQ(Bits(RunOne(engine.get())), before) << "served bits unchanged";
   // The served bytes under the served name are accepted (the digest does not change).
-  UpdateResult same = Update(engine.get(), IpcUpdate("v0", UpdatePolicy::kDrain,
-                                                     ExportTogether(host.get(), {Scaled(kDown, 1.0f)})));
+  UpdateResult same = Update(
+      engine.get(),
+      IpcUpdate("v0", UpdatePolicy::kDrain, ExportTogether(host.get(), {Scaled(kDown, 1.0f)})));
   EXPECT_TRUE(same.status.ok()) << same.status;
   EXPECT_EQ(same.digest, boot);
 }
@@ -350,16 +352,16 @@ TEST(EngineIpcTest, MalformedIpcTensorsAreRefusedBeforeTheRunnerIsAsked) {
   EXPECT_EQ(host->open_calls, 0) << "the runner is never asked to open a malformed update";
   // (An engine update with no tensors at all is a host update of nothing; the server refuses an
   // IPC request without tensors through CheckIpcTensors.)
-  EXPECT_EQ(CheckIpcTensors(engine->weight_specs(), {}).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckIpcTensors(engine->weight_specs(), {}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(engine->weight_version(), "v0");
 }
 
 TEST(EngineIpcTest, TheCpuBackendRefusesIpcUpdatesWithFailedPrecondition) {
   auto host = std::make_shared<FakeIpcHost>();
   std::unique_ptr<Engine> engine = MakeEngine(nullptr);
-  UpdateResult r = Update(engine.get(), IpcUpdate("v1", UpdatePolicy::kDrain,
-                                                  ExportTogether(host.get(), {Scaled(kDown, 2.0f)})));
+  UpdateResult r = Update(
+      engine.get(),
+      IpcUpdate("v1", UpdatePolicy::kDrain, ExportTogether(host.get(), {Scaled(kDown, 2.0f)})));
   EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
   EXPECT_EQ(r.status.message(),
             "the cpu backend cannot read CUDA IPC handles; use UpdateWeights or "
@@ -424,8 +426,9 @@ TEST(EngineIpcTest, AnAbortIpcUpdateEndsInFlightSamplesThenSwaps) {
   Collector in_flight(1);
   ASSERT_TRUE(engine->Submit({Spec(400)}, in_flight.Sink()).ok());
   while (in_flight.num_streamed() < 2) std::this_thread::yield();
-  UpdateResult r = Update(engine.get(), IpcUpdate("v1", UpdatePolicy::kAbort,
-                                                  ExportTogether(host.get(), {Scaled(kDown, 3.0f)})));
+  UpdateResult r = Update(
+      engine.get(),
+      IpcUpdate("v1", UpdatePolicy::kAbort, ExportTogether(host.get(), {Scaled(kDown, 3.0f)})));
   ASSERT_TRUE(r.status.ok()) << r.status;
   EXPECT_EQ(r.aborted_samples, 1);
   EXPECT_EQ(in_flight.Wait()[0].finish_reason, FinishReason::kAbort);

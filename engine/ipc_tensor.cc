@@ -64,9 +64,8 @@ absl::Status CheckIpcTensors(const std::vector<WeightSpec>& specs,
       return absl::InvalidArgumentError(
           absl::StrFormat("%s: device_uuid %s", where, uuid.status().message()));
     } else if (*uuid != t.device_uuid) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s: device_uuid '%s' is not canonical (want '%s')", where,
-                          t.device_uuid, *uuid));
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: device_uuid '%s' is not canonical (want '%s')", where, t.device_uuid, *uuid));
     }
     if (t.offset_bytes > UINT64_MAX - t.nbytes()) {
       return absl::InvalidArgumentError(

@@ -8,8 +8,8 @@
 #include "common/cuda_status.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
-#include "model/weight_digest.h"
 #include "kernels/cuda/device_buffer.h"
+#include "model/weight_digest.h"
 #include "runner/cuda/cuda_handles.h"
 
 namespace rollout {
@@ -69,11 +69,13 @@ absl::StatusOr<std::vector<std::string>> DigestDeviceTensors(
       const Chunk& c = chunks[k];
       const uint8_t* data = host[k % 2].get<uint8_t>();
       uint8_t* out = leaves[c.tensor].data() + 32 * (c.begin / kDigestLeafBytes);
-      const int64_t num_leaves = static_cast<int64_t>((c.size + kDigestLeafBytes - 1) / kDigestLeafBytes);
+      const int64_t num_leaves =
+          static_cast<int64_t>((c.size + kDigestLeafBytes - 1) / kDigestLeafBytes);
       pool.ParallelFor(num_leaves, 16, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const size_t offset = static_cast<size_t>(i) * kDigestLeafBytes;
-          const std::string leaf = Sha256(data + offset, std::min(kDigestLeafBytes, c.size - offset));
+          const std::string leaf =
+              Sha256(data + offset, std::min(kDigestLeafBytes, c.size - offset));
           std::copy(leaf.begin(), leaf.end(), out + 32 * i);
         }
       });
@@ -81,8 +83,7 @@ absl::StatusOr<std::vector<std::string>> DigestDeviceTensors(
   }
   for (size_t t = 0; t < tensors.size(); ++t) {
     const uint8_t none = 0;  // an empty tensor hashes no leaves
-    digests.push_back(
-        Sha256(leaves[t].empty() ? &none : leaves[t].data(), leaves[t].size()));
+    digests.push_back(Sha256(leaves[t].empty() ? &none : leaves[t].data(), leaves[t].size()));
   }
   return digests;
 }

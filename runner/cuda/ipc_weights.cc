@@ -164,8 +164,8 @@ absl::StatusOr<std::unique_ptr<OpenedIpcTensors>> CudaModelRunner::OpenIpcTensor
       opened->mapped_.push_back(base);
       CUdeviceptr range_base = 0;
       size_t range_size = 0;
-      if (const CUresult r = (*address_range)(&range_base, &range_size,
-                                           reinterpret_cast<CUdeviceptr>(base));
+      if (const CUresult r =
+              (*address_range)(&range_base, &range_size, reinterpret_cast<CUdeviceptr>(base));
           r != CUDA_SUCCESS) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "tensor '%s': the size of its exported allocation is unknown (cuMemGetAddressRange: "
@@ -175,8 +175,8 @@ absl::StatusOr<std::unique_ptr<OpenedIpcTensors>> CudaModelRunner::OpenIpcTensor
       // The handle maps the allocation from its start; a range that starts before the mapping
       // would make every offset wrong.
       const size_t skipped = reinterpret_cast<CUdeviceptr>(base) - range_base;
-      it = mappings.emplace(t.ipc_handle, Mapping{static_cast<const char*>(base),
-                                                  range_size - skipped})
+      it = mappings
+               .emplace(t.ipc_handle, Mapping{static_cast<const char*>(base), range_size - skipped})
                .first;
     }
     const Mapping& m = it->second;
