@@ -1,89 +1,44 @@
 #include "runner/cuda/device_tensor_digest.h"
 
-#include <algorithm>
 #include <cstdint>
-#include <thread>
 
-#include "absl/strings/str_format.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
-#include "common/thread_pool.h"
 #include "kernels/cuda/device_buffer.h"
-#include "model/weight_digest.h"
-#include "runner/cuda/cuda_handles.h"
+#include "kernels/cuda/device_digest.h"
 
 namespace rollout {
-namespace {
-
-using cuda_runner_internal::CudaEvent;
-
-// Bytes per copied chunk: whole leaves, large enough that the copy runs at its bandwidth.
-constexpr size_t kChunkBytes = size_t{64} << 20;
-static_assert(kChunkBytes % kDigestLeafBytes == 0);
-
-// A piece of one tensor: [begin, begin + size) of tensor `tensor`, in whole leaves but the last.
-struct Chunk {
-  size_t tensor, begin, size;
-};
-
-}  // namespace
 
 absl::StatusOr<std::vector<std::string>> DigestDeviceTensors(
     const std::vector<DeviceBytes>& tensors, cudaStream_t stream) {
-  std::vector<Chunk> chunks;
-  std::vector<std::vector<uint8_t>> leaves(tensors.size());  // 32 bytes per leaf, per tensor
-  size_t largest = 0;
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    const size_t size = tensors[t].size;
-    leaves[t].resize(32 * ((size + kDigestLeafBytes - 1) / kDigestLeafBytes));
-    for (size_t begin = 0; begin < size; begin += kChunkBytes) {
-      chunks.push_back({t, begin, std::min(kChunkBytes, size - begin)});
-      largest = std::max(largest, chunks.back().size);
-    }
-  }
+  const size_t n = tensors.size();
   std::vector<std::string> digests;
-  if (!chunks.empty()) {
-    cuda::PinnedHostBuffer host[2];
-    CudaEvent copied[2];
-    for (int i = 0; i < 2; ++i) {
-      ROLLOUT_RETURN_IF_ERROR(CudaError(host[i].Allocate(largest), "pinning digest staging"));
-      ROLLOUT_RETURN_IF_ERROR(
-          CudaError(cudaEventCreateWithFlags(copied[i].Receive(), cudaEventDisableTiming),
-                    "digest staging event"));
-    }
-    auto enqueue = [&](size_t k) -> absl::Status {
-      const Chunk& c = chunks[k];
-      const char* from = static_cast<const char*>(tensors[c.tensor].data) + c.begin;
-      ROLLOUT_RETURN_IF_ERROR(CudaError(
-          cudaMemcpyAsync(host[k % 2].get<uint8_t>(), from, c.size, cudaMemcpyDeviceToHost, stream),
-          "copying a tensor to the host to hash it"));
-      return CudaError(cudaEventRecord(copied[k % 2].get(), stream), "digest staging event");
-    };
-    cpu::ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-    ROLLOUT_RETURN_IF_ERROR(enqueue(0));
-    for (size_t k = 0; k < chunks.size(); ++k) {
-      // Chunk k + 1 lands in the other buffer, whose chunk (k - 1) was hashed already.
-      if (k + 1 < chunks.size()) ROLLOUT_RETURN_IF_ERROR(enqueue(k + 1));
-      ROLLOUT_RETURN_IF_ERROR(
-          CudaError(cudaEventSynchronize(copied[k % 2].get()), "copying a tensor to hash it"));
-      const Chunk& c = chunks[k];
-      const uint8_t* data = host[k % 2].get<uint8_t>();
-      uint8_t* out = leaves[c.tensor].data() + 32 * (c.begin / kDigestLeafBytes);
-      const int64_t num_leaves =
-          static_cast<int64_t>((c.size + kDigestLeafBytes - 1) / kDigestLeafBytes);
-      pool.ParallelFor(num_leaves, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const size_t offset = static_cast<size_t>(i) * kDigestLeafBytes;
-          const std::string leaf =
-              Sha256(data + offset, std::min(kDigestLeafBytes, c.size - offset));
-          std::copy(leaf.begin(), leaf.end(), out + 32 * i);
-        }
-      });
-    }
-  }
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    const uint8_t none = 0;  // an empty tensor hashes no leaves
-    digests.push_back(Sha256(leaves[t].empty() ? &none : leaves[t].data(), leaves[t].size()));
+  if (n == 0) return digests;
+  std::vector<cuda::DeviceDigestTensor> batch(n);
+  for (size_t i = 0; i < n; ++i) batch[i] = {tensors[i].data, tensors[i].size};
+  const size_t workspace_bytes = cuda::DeviceDigestWorkspaceBytes(batch.data(), n);
+  cuda::DeviceBuffer workspace, device_digests;
+  cuda::PinnedHostBuffer host_digests;
+  // cudaMalloc'd memory is 256-byte aligned, as the kernels want 16.
+  ROLLOUT_RETURN_IF_ERROR(CudaError(workspace.Allocate(workspace_bytes == 0 ? 16 : workspace_bytes),
+                                    "allocating the digest workspace"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(device_digests.Allocate(cuda::kDigestBytes * n), "allocating the tensor digests"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(host_digests.Allocate(cuda::kDigestBytes * n), "pinning the tensor digests"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cuda::DeviceTensorDigests(batch.data(), n, workspace.get(), workspace.bytes(),
+                                          device_digests.get<uint8_t>(), stream),
+                "hashing tensors on the device"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cudaMemcpyAsync(host_digests.get(), device_digests.get(), cuda::kDigestBytes * n,
+                                cudaMemcpyDeviceToHost, stream),
+                "copying the tensor digests"));
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cudaStreamSynchronize(stream), "hashing tensors on the device"));
+  const char* out = host_digests.get<char>();
+  for (size_t i = 0; i < n; ++i) {
+    digests.emplace_back(out + cuda::kDigestBytes * i, cuda::kDigestBytes);
   }
   return digests;
 }

@@ -1,10 +1,9 @@
 #pragma once
 
-// The tensor digest (model/weight_digest.h) of bytes in device memory: the one seam through
-// which the CUDA backend hashes weights where they are (IPC updates today). For now it copies
-// the bytes to the host in pinned chunks (the next copied while the last is hashed) and hashes
-// their 64 KiB leaves with the host code on every core; a GPU SHA-256 of the leaves
-// (kernels/cuda/device_digest.h) is meant to replace the body, not the callers.
+// The tensor digest (model/weight_digest.h) of bytes in device memory: the one place the CUDA
+// runner hashes weights where they are (IPC updates). A thin owner of the workspace around
+// kernels/cuda/device_digest.h's DeviceTensorDigests (one thread per 64 KiB leaf, then one per
+// tensor), which computes exactly what TensorDigest computes on the host.
 
 #include <cuda_runtime.h>
 
@@ -24,8 +23,9 @@ struct DeviceBytes {
 };
 
 // TensorDigest of each of `tensors`, in order: bitwise what TensorDigest gives for the same
-// bytes on the host. Synchronous; uses `stream` (of the current device) and returns once it is
-// idle. INTERNAL naming the CUDA call on a device error.
+// bytes on the host. Synchronous: enqueues on `stream` (of the current device), allocates the
+// kernels' workspace (32 bytes per leaf: 8 MB for 16.4 GB) for the call, and returns once the
+// stream passed it. INTERNAL naming the CUDA call on a device error.
 absl::StatusOr<std::vector<std::string>> DigestDeviceTensors(
     const std::vector<DeviceBytes>& tensors, cudaStream_t stream);
 

@@ -16,6 +16,7 @@ inside the loop that uses it (grpc.aio binds a channel to the loop).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import (Any, AsyncIterator, Iterable, List, Mapping, Optional, Sequence, Tuple,
                     Union)
 
@@ -214,10 +215,11 @@ class RolloutClient:
         synchronize, then one _share_cuda_ per storage) runs on the event loop's thread."""
         if skip_tied and (await self.server_info(timeout=timeout)).model.tie_word_embeddings:
             named_tensors = _wire.without_tied_lm_head(named_tensors)
+        start = time.monotonic()
         with ipc.export_tensors(named_tensors) as exported:
             request = _wire.ipc_request(exported.tensors, version, policy)
             response = await self._unary(self._stub.UpdateWeightsFromIpc, request, timeout)
-        return message_to_dataclass(UpdateWeightsResult, response)
+        return _wire.update_result(response, time.monotonic() - start)
 
     async def update_weights_from_path(self, path: str, version: str,
                                        policy: Optional[str] = "drain", *,

@@ -239,14 +239,16 @@ class RolloutClient:
         Answers as update_weights: INVALID_ARGUMENT naming a tensor that is not served, has
         another dtype or shape, or whose handle the server cannot open (freed, another GPU);
         FAILED_PRECONDITION on a server without a CUDA backend (use update_weights) or a
-        reused version name with other bytes. policy and skip_tied as in update_weights.
+        reused version name with other bytes. policy and skip_tied as in update_weights; the
+        result's seconds include exporting the tensors.
         """
         if skip_tied and self.server_info(timeout=timeout).model.tie_word_embeddings:
             named_tensors = _wire.without_tied_lm_head(named_tensors)
+        start = time.monotonic()
         with ipc.export_tensors(named_tensors) as exported:
             request = _wire.ipc_request(exported.tensors, version, policy)
             response = self._unary(self._stub.UpdateWeightsFromIpc, request, timeout)
-        return message_to_dataclass(UpdateWeightsResult, response)
+        return _wire.update_result(response, time.monotonic() - start)
 
     def update_weights_from_path(self, path: str, version: str,
                                  policy: Optional[str] = "drain", *,

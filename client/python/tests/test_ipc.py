@@ -204,6 +204,7 @@ class WireTest(unittest.TestCase):
         with RolloutClient(self.target) as c:
             r = c.update_weights_from_ipc(state, version="v3", policy="continue")
         self.assertEqual((r.version, r.previous_version, r.tensors_updated), ("v3", "fake", 2))
+        self.assertGreater(r.seconds, 0)
         request = self.recorder.requests[0]
         self.assertEqual(request.version, "v3")
         self.assertEqual(request.policy, pb2.IN_FLIGHT_POLICY_CONTINUE)
