@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 
 namespace rollout {
 namespace {
@@ -107,6 +108,19 @@ absl::Status CastTensorTo(DType dtype, HostTensor* tensor) {
   tensor->bytes = std::move(cast);
   tensor->dtype = dtype;
   return absl::OkStatus();
+}
+
+absl::Status CastToSpec(const std::vector<WeightSpec>& specs, HostTensor* tensor) {
+  ROLLOUT_RETURN_IF_ERROR(CheckPushedTensor(specs, tensor->name, tensor->dtype, tensor->shape));
+  size_t count = 1;
+  for (int64_t d : tensor->shape) count *= static_cast<size_t>(d);
+  if (tensor->bytes.size() != count * DTypeSize(tensor->dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor '%s': %d bytes given, its shape in %s needs %d", tensor->name,
+                        tensor->bytes.size(), DTypeName(tensor->dtype),
+                        count * DTypeSize(tensor->dtype)));
+  }
+  return CastTensorTo(FindWeightSpec(specs, tensor->name)->dtype, tensor);
 }
 
 }  // namespace rollout

@@ -9,10 +9,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "model/model_config.h"
 #include "model/safetensors.h"
+#include "model/weight_spec.h"
 
 namespace rollout {
 
@@ -34,5 +36,11 @@ absl::Status CastFloats(const std::string& name, DType from, const uint8_t* src,
 // `tensor` in `dtype`: unchanged when it already is, else its bytes cast (and its dtype set).
 // Errors as RoundToDType's, with `tensor` unchanged.
 absl::Status CastTensorTo(DType dtype, HostTensor* tensor);
+
+// A pushed tensor (UpdateWeights, UpdateWeightsFromPath) in its spec's dtype: CheckPushedTensor
+// (model/weight_spec.h), a byte count of prod(shape) x its dtype's size, then CastTensorTo the
+// spec's dtype. Call it before the tensor is hashed: the digest is that of the served bytes.
+// INVALID_ARGUMENT naming the tensor, with `tensor` unchanged.
+absl::Status CastToSpec(const std::vector<WeightSpec>& specs, HostTensor* tensor);
 
 }  // namespace rollout

@@ -122,5 +122,38 @@ TEST(DTypeCastTest, CastTensorToReplacesBytesAndDtype) {
   EXPECT_EQ(big.bytes.size(), 4u);
 }
 
+// A pushed tensor in another float dtype is cast to its spec's, not refused; a wrong name,
+// shape or byte count still is, naming the tensor.
+TEST(DTypeCastTest, CastToSpecCastsPushedTensorsToTheServedDtype) {
+  const std::vector<WeightSpec> specs = {{"a", DType::kBF16, {2}}, {"b", DType::kF32, {1}}};
+  HostTensor f32{"a", DType::kF32, {2}, F32Bytes({1.0f, 0.1f})};
+  ASSERT_TRUE(CastToSpec(specs, &f32).ok());
+  EXPECT_EQ(f32.dtype, DType::kBF16);
+  EXPECT_EQ(Halves(f32.bytes), std::vector<uint16_t>({0x3f80, F32ToBF16(0.1f)}));
+  HostTensor bf16{"b", DType::kBF16, {1}, {0x80, 0x3f}};  // 1.0 widened to F32
+  ASSERT_TRUE(CastToSpec(specs, &bf16).ok());
+  EXPECT_EQ(bf16.dtype, DType::kF32);
+  EXPECT_EQ(bf16.bytes, F32Bytes({1.0f}));
+  HostTensor served{"a", DType::kBF16, {2}, {1, 2, 3, 4}};
+  ASSERT_TRUE(CastToSpec(specs, &served).ok());
+  EXPECT_EQ(served.bytes, std::vector<uint8_t>({1, 2, 3, 4}));  // already served: untouched
+
+  struct Case {
+    HostTensor tensor;
+    const char* message;
+  };
+  for (Case& c : std::vector<Case>{
+           {{"c", DType::kF32, {2}, F32Bytes({1, 2})}, "not a weight of the served model"},
+           {{"a", DType::kF32, {3}, F32Bytes({1, 2, 3})}, "shape [3] given, expected [2]"},
+           {{"a", DType::kF32, {2}, F32Bytes({1})}, "4 bytes given"}}) {
+    const HostTensor before = c.tensor;
+    const absl::Status s = CastToSpec(specs, &c.tensor);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(s.message(), HasSubstr(c.message));
+    EXPECT_EQ(c.tensor.bytes, before.bytes);
+    EXPECT_EQ(c.tensor.dtype, before.dtype);
+  }
+}
+
 }  // namespace
 }  // namespace rollout
