@@ -1,7 +1,7 @@
 #include "model/model_config.h"
 
+#include <algorithm>
 #include <cmath>
-
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -10,7 +10,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/status.h"
+#include "model/rope_config.h"
+#include "model/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace rollout {
@@ -207,53 +210,13 @@ absl::Status ReadHeadDim(const json& j, ModelConfig* c) {
   return absl::OkStatus();
 }
 
-// transformers 5 writes RoPE as "rope_parameters": {"rope_type": "default", "rope_theta": x}.
-// Only plain RoPE is implemented; its theta must agree with a top-level rope_theta if both
-// are present.
-absl::Status ReadRopeParameters(const json& j, ModelConfig* c) {
-  if (IsNull(j, "rope_parameters")) return absl::OkStatus();
-  const json& rp = j["rope_parameters"];
-  if (!rp.is_object()) return FieldError("rope_parameters", "must be an object");
-  for (const auto& [key, value] : rp.items()) {
-    if (key == "rope_type") {
-      if (!value.is_string() || value.get<std::string>() != "default") {
-        return FieldError("rope_parameters", absl::StrCat("rope_type ", value.dump(),
-                                                          " is not supported (only \"default\")"));
-      }
-    } else if (key == "rope_theta") {
-      if (!value.is_number() || !(value.get<double>() > 0.0)) {
-        return FieldError("rope_parameters",
-                          absl::StrCat("rope_theta must be a positive number, got ", value.dump()));
-      }
-      const float theta = static_cast<float>(value.get<double>());
-      if (!IsNull(j, "rope_theta") && theta != c->rope_theta) {
-        return FieldError(
-            "rope_parameters",
-            absl::StrCat("rope_theta ", value.dump(), " disagrees with the top-level rope_theta ",
-                         j["rope_theta"].dump()));
-      }
-      c->rope_theta = theta;
-    } else {
-      return FieldError("rope_parameters", absl::StrCat("key \"", key,
-                                                        "\" is not supported (RoPE scaling is not "
-                                                        "implemented), got ",
-                                                        rp.dump()));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// The norm epsilon and RoPE. Features the engine does not implement, here and in
-// RefuseUnsupportedFeatures, are refused rather than silently ignored: the model would load
-// and produce wrong tokens.
+// The norm epsilon and RoPE (model/rope_config.h). Features the engine does not implement,
+// here and in RefuseUnsupportedFeatures, are refused rather than silently ignored: the model
+// would load and produce wrong tokens.
 absl::Status ReadNormAndRope(const json& j, ModelConfig* c) {
   if (!(c->rms_norm_eps > 0.0f)) return FieldError("rms_norm_eps", "must be positive");
   if (!(c->rope_theta > 0.0f)) return FieldError("rope_theta", "must be positive");
-  if (!IsNull(j, "rope_scaling")) {
-    return FieldError("rope_scaling",
-                      absl::StrCat("is not supported, got ", j["rope_scaling"].dump()));
-  }
-  return ReadRopeParameters(j, c);
+  return ReadRopeConfig(j, c->max_position_embeddings, &c->rope_theta, &c->rope_scaling);
 }
 
 // Sliding-window attention, activations other than SiLU and MLP biases are not implemented.
@@ -307,12 +270,20 @@ absl::Status SetFamilyFlags(const json& j, ModelConfig* c) {
   return absl::OkStatus();
 }
 
-// "torch_dtype", or "dtype", its newer name in transformers. Informational only.
+// "torch_dtype", or "dtype", its newer name in transformers: the dtype the weights are served
+// in (tensors of another float dtype are cast to it on load).
 absl::Status ReadDtype(const json& j, ModelConfig* c) {
   if (IsNull(j, "torch_dtype") && IsNull(j, "dtype")) return absl::OkStatus();
-  const json& d = IsNull(j, "torch_dtype") ? j["dtype"] : j["torch_dtype"];
-  if (!d.is_string()) return FieldError("torch_dtype", "must be a string");
-  c->torch_dtype = d.get<std::string>();
+  const char* field = IsNull(j, "torch_dtype") ? "dtype" : "torch_dtype";
+  const json& d = j[field];
+  if (!d.is_string()) return FieldError(field, "must be a string");
+  const std::string name = d.get<std::string>();
+  if (name != "bfloat16" && name != "float16" && name != "float32") {
+    return FieldError(field, absl::StrCat("\"", name,
+                                          "\" is not a dtype the engine serves (bfloat16, "
+                                          "float16 or float32)"));
+  }
+  c->torch_dtype = name;
   return absl::OkStatus();
 }
 
@@ -347,6 +318,39 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text) {
   }
 }
 
+absl::Status MergeGenerationConfig(std::string_view generation_config_json, ModelConfig* config) {
+  if (generation_config_json.empty()) return absl::OkStatus();
+  json j = json::parse(generation_config_json, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError("generation_config.json: not a JSON object");
+  }
+  std::vector<int32_t> ids;
+  if (absl::Status s = ParseEos(j, &ids); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "generation_config.json: ", absl::StripPrefix(s.message(), "config.json: ")));
+  }
+  for (int32_t id : ids) {
+    if (std::find(config->eos_token_ids.begin(), config->eos_token_ids.end(), id) ==
+        config->eos_token_ids.end()) {
+      config->eos_token_ids.push_back(id);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelConfig> ReadModelConfig(const Checkpoint& checkpoint) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(checkpoint.config_json());
+  if (!config.ok()) {
+    return absl::Status(config.status().code(),
+                        absl::StrCat(checkpoint.dir(), "/", config.status().message()));
+  }
+  if (absl::Status s = MergeGenerationConfig(checkpoint.generation_config_json(), &*config);
+      !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(checkpoint.dir(), "/", s.message()));
+  }
+  return config;
+}
+
 std::string ModelConfigToJson(const ModelConfig& config) {
   // A hand-built config may leave `architecture` empty: fall back to the family's first name.
   const ArchitectureInfo* info = nullptr;
@@ -369,7 +373,7 @@ std::string ModelConfigToJson(const ModelConfig& config) {
   j["max_position_embeddings"] = config.max_position_embeddings;
   j["rms_norm_eps"] = ShortestDouble(config.rms_norm_eps);
   j["rope_theta"] = ShortestDouble(config.rope_theta);
-  j["rope_scaling"] = nullptr;
+  j["rope_scaling"] = RopeScalingToJson(config.rope_scaling);
   j["tie_word_embeddings"] = config.tie_word_embeddings;
   j["attention_bias"] = config.family == ModelFamily::kLlama && config.qkv_bias;
   j["hidden_act"] = "silu";

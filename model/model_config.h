@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "model/rope.h"
 
 namespace rollout {
 
@@ -30,18 +31,34 @@ struct ModelConfig {
   int32_t max_position_embeddings = 0;
   float rms_norm_eps = 1e-6f;
   float rope_theta = 10000.0f;
+  RopeScaling rope_scaling;  // "rope_scaling" / "rope_parameters"; default RoPE when absent
   bool tie_word_embeddings = false;
   bool qk_norm = false;                  // true for Qwen3
   bool qkv_bias = false;                 // true for Qwen2
-  std::vector<int32_t> eos_token_ids;    // "eos_token_id": int or list; may be empty
-  std::string torch_dtype = "bfloat16";  // informational
+  // "eos_token_id": int or list; may be empty. ReadModelConfig appends the ids that
+  // generation_config.json adds.
+  std::vector<int32_t> eos_token_ids;
+  // "torch_dtype" (or "dtype"): bfloat16, float16 or float32; absent means bfloat16. The dtype
+  // every weight is served in (ServedDType, model/dtype_cast.h).
+  std::string torch_dtype = "bfloat16";
 };
 
 // Parses config.json text. Unknown architectures, missing or non-positive sizes, inconsistent
 // head counts (heads not divisible by kv heads) and features the forward pass does not
-// implement (RoPE scaling, sliding windows, MLP or o_proj biases) are INVALID_ARGUMENT with a
-// message naming the field.
+// implement (RoPE variants other than those of model/rope.h, partial rotary, sliding windows,
+// MLP or o_proj biases, dtypes other than bfloat16/float16/float32) are INVALID_ARGUMENT with
+// a message naming the field.
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text);
+
+// Adds generation_config.json's "eos_token_id" (int or list) to config->eos_token_ids: those
+// not there yet, in its order after config.json's, as vLLM and SGLang merge them. Empty text
+// (no such file) changes nothing; invalid JSON or ids are INVALID_ARGUMENT naming the field.
+absl::Status MergeGenerationConfig(std::string_view generation_config_json, ModelConfig* config);
+
+class Checkpoint;
+// The served config of a checkpoint directory: its config.json, with generation_config.json's
+// EOS ids merged. Errors name the file.
+absl::StatusOr<ModelConfig> ReadModelConfig(const Checkpoint& checkpoint);
 
 // Serialises a config in the Hugging Face format (what ParseModelConfig reads back).
 std::string ModelConfigToJson(const ModelConfig& config);

@@ -287,9 +287,9 @@ TEST(ModelConfigTest, RopeParametersOfTransformers5AreRead) {
   EXPECT_EQ(c->rope_theta, 1e6f);
 }
 
-TEST(ModelConfigTest, RopeParametersThatAreNotPlainRopeAreRefused) {
+TEST(ModelConfigTest, RopeParametersOfUnsupportedOrMalformedRopeAreRefused) {
   for (const json& rp :
-       {json{{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}},
+       {json{{"rope_type", "longrope"}, {"rope_theta", 1e6}, {"factor", 4.0}},
         json{{"rope_type", "default"}, {"rope_theta", -1}},
         json{{"rope_theta", 1e6}, {"factor", 2.0}}, json("default"), json{{"rope_theta", 5e5}}}) {
     json j = MinimalConfig();
@@ -299,6 +299,48 @@ TEST(ModelConfigTest, RopeParametersThatAreNotPlainRopeAreRefused) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << rp.dump();
     EXPECT_THAT(s.message(), HasSubstr("rope_parameters")) << rp.dump();
   }
+}
+
+TEST(ModelConfigTest, TorchDtypeMustBeOneTheEngineServes) {
+  json j = MinimalConfig();
+  j["dtype"] = "float16";  // transformers 5's name for it
+  EXPECT_EQ(ParseModelConfig(j.dump())->torch_dtype, "float16");
+  for (const char* dtype : {"float8_e4m3fn", "int8", "auto"}) {
+    j["torch_dtype"] = dtype;
+    const absl::Status s = ParseStatus(j);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << dtype;
+    EXPECT_THAT(s.message(), HasSubstr("torch_dtype")) << dtype;
+    EXPECT_THAT(s.message(), HasSubstr("bfloat16, float16 or float32")) << dtype;
+  }
+}
+
+// generation_config.json's EOS ids join config.json's, as vLLM and SGLang merge them: Qwen3's
+// Instruct configs name <|im_end|> in config.json and also <|endoftext|> in the generation
+// config.
+TEST(ModelConfigTest, GenerationConfigEosIdsAreMergedAfterConfigsInOrder) {
+  ModelConfig c = *ParseModelConfig(kQwen3Config);
+  ASSERT_TRUE(MergeGenerationConfig(R"({"bos_token_id": 151643, "do_sample": true,
+      "eos_token_id": [151645, 151643], "temperature": 0.6})", &c).ok());
+  EXPECT_EQ(c.eos_token_ids, std::vector<int32_t>({151645, 151643}));
+  ASSERT_TRUE(MergeGenerationConfig(R"({"eos_token_id": 7})", &c).ok());
+  EXPECT_EQ(c.eos_token_ids, std::vector<int32_t>({151645, 151643, 7}));
+  ASSERT_TRUE(MergeGenerationConfig("", &c).ok());  // no file
+  ASSERT_TRUE(MergeGenerationConfig(R"({"eos_token_id": null})", &c).ok());
+  EXPECT_EQ(c.eos_token_ids.size(), 3u);
+
+  ModelConfig none = *ParseModelConfig(MinimalConfig().dump());  // config.json has none
+  ASSERT_TRUE(MergeGenerationConfig(R"({"eos_token_id": [3, 3, 4]})", &none).ok());
+  EXPECT_EQ(none.eos_token_ids, std::vector<int32_t>({3, 4}));
+
+  for (const char* bad : {R"({"eos_token_id": "2"})", R"({"eos_token_id": [-1]})", "[1]", "{"}) {
+    ModelConfig before = c;
+    const absl::Status s = MergeGenerationConfig(bad, &c);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(s.message(), HasSubstr("generation_config.json")) << bad;
+    EXPECT_EQ(c.eos_token_ids, before.eos_token_ids) << bad;
+  }
+  EXPECT_THAT(MergeGenerationConfig(R"({"eos_token_id": "2"})", &c).message(),
+              HasSubstr("eos_token_id"));
 }
 
 TEST(ModelConfigTest, InvalidJsonIsInvalidArgument) {
@@ -331,6 +373,7 @@ TEST(ModelConfigTest, ToJsonRoundTripsEveryField) {
     EXPECT_EQ(b->qkv_bias, a->qkv_bias);
     EXPECT_EQ(b->eos_token_ids, a->eos_token_ids);
     EXPECT_EQ(b->torch_dtype, a->torch_dtype);
+    EXPECT_EQ(b->rope_scaling, a->rope_scaling);
   }
 }
 

@@ -169,11 +169,47 @@ const char* TorchDtype(DType dtype) {
   return "bfloat16";
 }
 
+// "small"'s shape as a Llama (no q/k norm) or Qwen3 with a scaled RoPE whose frequencies fall
+// in every band of the scaling: the pre-training context 1024 of a 4096 context.
+ModelConfig SmallWithScaledRope(const std::string& preset) {
+  ModelConfig c = Qwen3Base();
+  c.num_layers = 4;
+  c.hidden_size = 256;
+  c.intermediate_size = 768;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 2;
+  c.head_dim = 32;
+  c.vocab_size = 4096;
+  c.max_position_embeddings = 4096;
+  c.eos_token_ids = {2};
+  c.tie_word_embeddings = false;
+  c.rope_scaling.original_max_position_embeddings = 1024;
+  if (preset == "llama3-small") {
+    // Llama 3.1's rope_scaling (factor 8, low 1, high 4) and theta.
+    c.architecture = "LlamaForCausalLM";
+    c.family = ModelFamily::kLlama;
+    c.qk_norm = false;
+    c.rope_theta = 500000.0f;
+    c.rope_scaling.type = RopeType::kLlama3;
+    c.rope_scaling.factor = 8.0;
+    c.rope_scaling.low_freq_factor = 1.0;
+    c.rope_scaling.high_freq_factor = 4.0;
+  } else {  // "yarn-small": Qwen's long-context recipe, factor 4
+    c.rope_theta = 1000000.0f;
+    c.rope_scaling.type = RopeType::kYarn;
+    c.rope_scaling.factor = 4.0;
+  }
+  return c;
+}
+
 }  // namespace
 
-std::vector<std::string> PresetNames() { return {"tiny", "small", "medium", "qwen3-8b"}; }
+std::vector<std::string> PresetNames() {
+  return {"tiny", "small", "medium", "qwen3-8b", "llama3-small", "yarn-small"};
+}
 
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
+  if (preset == "llama3-small" || preset == "yarn-small") return SmallWithScaledRope(preset);
   ModelConfig c = Qwen3Base();
   if (preset == "tiny") {
     c.num_layers = 2;

@@ -13,10 +13,12 @@
 
 namespace rollout {
 
-// Named model shapes of the Qwen3 architecture. "tiny" is for unit tests, "small" is the
+// Named model shapes. Of the Qwen3 architecture: "tiny" is for unit tests, "small" is the
 // embedded default the demo and end-to-end tests serve, "medium" (~0.5 B parameters, 1 GB in
-// bf16) measures weight updates on the CPU, "qwen3-8b" is the real 8B shape
-// (weights are ~16 GB; for speed work).
+// bf16) measures weight updates on the CPU, "qwen3-8b" is the real 8B shape (weights are
+// ~16 GB; for speed work). With scaled RoPE, "small"'s shape and a 4096 context pre-trained at
+// 1024: "llama3-small" (LlamaForCausalLM, Llama 3.1's rope_scaling: llama3, factor 8, low 1,
+// high 4, theta 500000) and "yarn-small" (Qwen3, yarn factor 4, theta 1e6).
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset);
 std::vector<std::string> PresetNames();
 

@@ -319,6 +319,28 @@ TEST(RandomModelTest, PresetsHaveTheDocumentedShapes) {
   }
 }
 
+// A checkpoint directory's served config: config.json's EOS ids, then generation_config.json's.
+TEST(RandomModelTest, ReadModelConfigMergesTheGenerationConfigBesideConfigJson) {
+  const std::string dir = TestDir();
+  ASSERT_TRUE(WriteRandomModel(Tiny(), dir).ok());
+  EXPECT_EQ(ReadModelConfig(*OpenOrDie(dir))->eos_token_ids, std::vector<int32_t>({1}));
+  std::ofstream(dir + "/generation_config.json") << R"({"eos_token_id": [1, 9]})";
+  absl::StatusOr<ModelConfig> c = ReadModelConfig(*OpenOrDie(dir));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->eos_token_ids, std::vector<int32_t>({1, 9}));
+
+  std::ofstream(dir + "/generation_config.json") << R"({"eos_token_id": "nine"})";
+  const absl::Status bad = ReadModelConfig(*OpenOrDie(dir)).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr(dir + "/generation_config.json"));
+  EXPECT_THAT(bad.message(), HasSubstr("eos_token_id"));
+
+  // Not a regular file: refused at open, never read.
+  fs::remove(dir + "/generation_config.json");
+  fs::create_directory(dir + "/generation_config.json");
+  EXPECT_FALSE(Checkpoint::Open(dir).ok());
+}
+
 TEST(RandomModelTest, ProgressReportsEveryTensorUpToTheTotal) {
   RandomModelOptions options = Tiny();
   options.num_shards = 2;

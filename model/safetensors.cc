@@ -274,6 +274,13 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   absl::StatusOr<std::string> config = ReadJsonFile(config_path);
   if (!config.ok()) return config.status();
   checkpoint->config_json_ = std::move(*config);
+  // Optional: its EOS ids join config.json's (ReadModelConfig).
+  const std::string generation_path = dir + "/generation_config.json";
+  if (FileExists(generation_path)) {
+    absl::StatusOr<std::string> generation = ReadJsonFile(generation_path);
+    if (!generation.ok()) return generation.status();
+    checkpoint->generation_config_json_ = std::move(*generation);
+  }
 
   const std::string single_path = dir + "/model.safetensors";
   const std::string index_path = dir + "/model.safetensors.index.json";

@@ -35,11 +35,11 @@ struct TensorView {
   size_t nbytes = 0;
 };
 
-// A Hugging Face checkpoint directory: config.json plus either model.safetensors or
-// model.safetensors.index.json with its shards. Every file must be a regular file (a FIFO or a
-// device is refused, never waited on) and the JSON files at most 64 MiB. Files stay open and
-// memory-mapped read-only; headers are read, not mapped. Immutable after Open; safe to read
-// from any thread.
+// A Hugging Face checkpoint directory: config.json (and optionally generation_config.json) plus
+// either model.safetensors or model.safetensors.index.json with its shards. Every file must be
+// a regular file (a FIFO or a device is refused, never waited on) and the JSON files at most
+// 64 MiB. Files stay open and memory-mapped read-only; headers are read, not mapped. Immutable
+// after Open; safe to read from any thread.
 class Checkpoint {
  public:
   // Opens `dir`. An empty path, a symlink loop, a directory or other non-regular file where a
@@ -54,6 +54,8 @@ class Checkpoint {
 
   const std::string& dir() const { return dir_; }
   const std::string& config_json() const { return config_json_; }
+  // generation_config.json's text; empty when the directory has none.
+  const std::string& generation_config_json() const { return generation_config_json_; }
   // nullptr when absent.
   const TensorView* Find(const std::string& name) const;
   std::vector<std::string> TensorNames() const;  // sorted
@@ -84,6 +86,7 @@ class Checkpoint {
 
   std::string dir_;
   std::string config_json_;
+  std::string generation_config_json_;
   std::vector<std::unique_ptr<File>> files_;
   std::map<std::string, Entry> tensors_;
 };

@@ -7,6 +7,7 @@
 
 #include "absl/strings/escaping.h"
 #include "glog/logging.h"
+#include "model/dtype_cast.h"
 
 namespace rollout {
 
@@ -58,13 +59,31 @@ std::string WeightsDigest(const std::vector<WeightSpec>& specs, const TensorDige
 TensorDigests DigestCheckpoint(const Checkpoint& checkpoint, const std::vector<WeightSpec>& specs,
                                int num_threads) {
   DigestQueue queue(num_threads);
+  std::vector<const WeightSpec*> cast;  // held in another float dtype: hashed as served, below
   for (const WeightSpec& spec : specs) {
     const TensorView* view = checkpoint.Find(spec.name);
-    if (view != nullptr && view->dtype == spec.dtype && view->nbytes == spec.nbytes()) {
+    if (view == nullptr || view->shape != spec.shape) continue;
+    if (view->dtype == spec.dtype) {
       queue.Add(spec.name, view->data, view->nbytes);
+    } else {
+      cast.push_back(&spec);
     }
   }
-  return queue.Finish();
+  TensorDigests digests = queue.Finish();
+  // One cast tensor in memory at a time, its leaves hashed on all the workers.
+  std::vector<uint8_t> bytes;
+  for (const WeightSpec* spec : cast) {
+    const TensorView* view = checkpoint.Find(spec->name);
+    bytes.resize(spec->nbytes());
+    if (!CastFloats(spec->name, view->dtype, view->data, view->nbytes / DTypeSize(view->dtype),
+                    spec->dtype, bytes.data())
+             .ok()) {
+      continue;  // not servable: the runner refused it already
+    }
+    queue.Add(spec->name, bytes.data(), bytes.size());
+    digests.merge(queue.Finish());
+  }
+  return digests;
 }
 
 TensorDigests DigestTensors(const std::vector<HostTensor>& tensors, int num_threads) {

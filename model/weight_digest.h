@@ -40,9 +40,10 @@ std::string TensorDigest(const uint8_t* data, size_t size);
 // The digest of weights whose tensors have `digests`: "" (unknown) unless every spec has one.
 std::string WeightsDigest(const std::vector<WeightSpec>& specs, const TensorDigests& digests);
 
-// The digests of the served tensors as `checkpoint` holds them, hashed on `num_threads` threads
-// (0: one per core). A spec the checkpoint lacks or holds in another dtype (one the runner
-// converts, or derives, as a tied lm_head) is left out, so WeightsDigest is then unknown.
+// The digests of the served tensors of `checkpoint`, hashed on `num_threads` threads (0: one
+// per core). A tensor held in another float dtype than its spec's is hashed as served: its cast
+// to the spec's dtype (model/dtype_cast.h). A spec the checkpoint lacks (one the runner derives)
+// is left out, so WeightsDigest is then unknown.
 TensorDigests DigestCheckpoint(const Checkpoint& checkpoint, const std::vector<WeightSpec>& specs,
                                int num_threads = 0);
 

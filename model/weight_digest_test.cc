@@ -75,11 +75,19 @@ TEST(WeightDigestTest, ACheckpointsDigestIsItsTensorsBytes) {
   ASSERT_EQ(digests.size(), 2u);
   EXPECT_EQ(digests.at("x"), TensorDigest(tensors[0].bytes.data(), 8));
   EXPECT_EQ(digests.at("y"), TensorDigest(tensors[1].bytes.data(), 4));
-  // Served in another dtype (converted by the runner), or absent: unknown, not guessed.
-  const std::vector<WeightSpec> converted = {
-      {"x", DType::kBF16, {2, 2}}, {"y", DType::kBF16, {1}}, {"z", DType::kBF16, {1}}};
-  EXPECT_EQ(DigestCheckpoint(**checkpoint, converted).size(), 1u);
-  EXPECT_EQ(WeightsDigest(converted, DigestCheckpoint(**checkpoint, converted)), "");
+  // Served in another dtype: the digest of the served (cast) bytes. y = 1.0f is 0x3f80 in bf16.
+  const std::vector<WeightSpec> converted = {{"x", DType::kBF16, {2, 2}},
+                                             {"y", DType::kBF16, {1}}};
+  const TensorDigests cast = DigestCheckpoint(**checkpoint, converted);
+  ASSERT_EQ(cast.size(), 2u);
+  const uint8_t one_bf16[2] = {0x80, 0x3f};
+  EXPECT_EQ(cast.at("y"), TensorDigest(one_bf16, 2));
+  EXPECT_NE(WeightsDigest(converted, cast), "");
+  // Absent (a tensor the runner derives): unknown, not guessed.
+  std::vector<WeightSpec> absent = converted;
+  absent.push_back({"z", DType::kBF16, {1}});
+  EXPECT_EQ(DigestCheckpoint(**checkpoint, absent).size(), 2u);
+  EXPECT_EQ(WeightsDigest(absent, DigestCheckpoint(**checkpoint, absent)), "");
 }
 
 }  // namespace

@@ -18,6 +18,16 @@ const WeightSpec* FindWeightSpec(const std::vector<WeightSpec>& specs, const std
   return it != specs.end() && it->name == name ? &*it : nullptr;
 }
 
+absl::Status CheckPushedTensor(const std::vector<WeightSpec>& specs, const std::string& name,
+                               DType dtype, const std::vector<int64_t>& shape) {
+  const WeightSpec* spec = FindWeightSpec(specs, name);
+  if (spec == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor '%s' is not a weight of the served model", name));
+  }
+  return CheckTensorAgainstSpec(specs, name, spec->dtype, shape);
+}
+
 absl::Status CheckTensorAgainstSpec(const std::vector<WeightSpec>& specs, const std::string& name,
                                     DType dtype, const std::vector<int64_t>& shape) {
   const WeightSpec* spec = FindWeightSpec(specs, name);

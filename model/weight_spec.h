@@ -26,4 +26,10 @@ const WeightSpec* FindWeightSpec(const std::vector<WeightSpec>& specs, const std
 absl::Status CheckTensorAgainstSpec(const std::vector<WeightSpec>& specs, const std::string& name,
                                     DType dtype, const std::vector<int64_t>& shape);
 
+// What a pushed tensor must meet: `specs` has a tensor `name` of this shape. Its dtype may be
+// any float dtype (every DType is one): a tensor in another than the served one is cast to it
+// (CastToSpec, model/dtype_cast.h) before it is hashed or applied. INVALID_ARGUMENT as above.
+absl::Status CheckPushedTensor(const std::vector<WeightSpec>& specs, const std::string& name,
+                               DType dtype, const std::vector<int64_t>& shape);
+
 }  // namespace rollout

@@ -43,7 +43,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(const Checkpoint& 
   runner_options.devices = options.cuda_devices;  // checked against tensor_parallel there
   // A model whose dimensions cannot take the tree cannot be split at any degree either, so
   // at tp = 1 there is no other degree to agree with: the fused GEMM serves it.
-  absl::StatusOr<ModelConfig> config = ParseModelConfig(checkpoint.config_json());
+  absl::StatusOr<ModelConfig> config = ReadModelConfig(checkpoint);
   if (config.ok() && options.tensor_parallel == 1 && options.tp_invariant &&
       ((config->num_attention_heads * config->head_dim) % 64 != 0 ||
        config->intermediate_size % 64 != 0)) {

@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/regular_file.h"
 #include "glog/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -28,6 +29,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "model/random_model.h"
+#include "model/rope.h"
 #include "model/safetensors.h"
 #include "model/weight_digest.h"
 #include "runner/backend.h"
@@ -291,6 +293,12 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
                                  : std::string("sized from free GPU memory"),
       (*runner)->backend_name(), options.tensor_parallel, options.attention_split_size,
       options.max_running_samples, options.max_batch_tokens);
+  // What the config decided beyond the shapes: RoPE (and for dynamic NTK, the context cap),
+  // the dtype weights are served in, the EOS set.
+  LOG(INFO) << absl::StrFormat(
+      "%s; weights served as %s; EOS ids [%s] (config.json, then generation_config.json)",
+      DescribeRope(c.rope_scaling, c.rope_theta, c.max_position_embeddings), c.torch_dtype,
+      absl::StrJoin(c.eos_token_ids, ", "));
   EngineOptions engine_options;
   {
     // Binds the version to the bytes (model/weight_digest.h): hashed on every core.

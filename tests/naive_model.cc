@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "model/dtype_cast.h"
+#include "model/rope.h"
 #include "model/safetensors.h"
 
 namespace rollout::testing {
@@ -29,12 +31,15 @@ void RmsNormInPlace(double* x, size_t n, const std::vector<float>& w, double eps
   for (size_t i = 0; i < n; ++i) x[i] = x[i] * inv * w[i];
 }
 
-void Rope(double* x, int64_t pos, size_t d, double theta) {
+// In double throughout: the frequencies and attention factor of model/rope.h (whose values
+// model/rope_test.cc checks against hand-written formulas), cos and sin never rounded to float.
+void Rope(double* x, int64_t pos, size_t d, const RopeFrequencies& f) {
   for (size_t i = 0; i < d / 2; ++i) {
-    const double angle = pos * std::pow(theta, -2.0 * i / d);
+    const double angle = pos * f.inv_freq[i];
+    const double c = std::cos(angle) * f.attention_factor, s = std::sin(angle) * f.attention_factor;
     const double a = x[i], b = x[i + d / 2];
-    x[i] = a * std::cos(angle) - b * std::sin(angle);
-    x[i + d / 2] = b * std::cos(angle) + a * std::sin(angle);
+    x[i] = a * c - b * s;
+    x[i + d / 2] = b * c + a * s;
   }
 }
 
@@ -44,7 +49,7 @@ absl::StatusOr<NaiveModel> NaiveModel::Load(const std::string& dir) {
   absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(dir);
   if (!ck.ok()) return ck.status();
   NaiveModel m;
-  absl::StatusOr<ModelConfig> config = ParseModelConfig((*ck)->config_json());
+  absl::StatusOr<ModelConfig> config = ReadModelConfig(**ck);
   if (!config.ok()) return config.status();
   m.config_ = *config;
   const ModelConfig& c = m.config_;
@@ -55,6 +60,8 @@ absl::StatusOr<NaiveModel> NaiveModel::Load(const std::string& dir) {
       status.Update(t.status());
       return std::vector<float>();
     }
+    // The values the model serves (model/dtype_cast.h).
+    status.Update(RoundToDType(name, ServedDType(m.config_), t->data(), t->size()));
     return *std::move(t);
   };
   const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
@@ -97,6 +104,7 @@ std::vector<std::vector<double>> NaiveModel::Logits(const std::vector<int32_t>& 
   for (size_t t = 0; t < n; ++t) {
     for (size_t i = 0; i < h; ++i) x[t][i] = embed_[tokens[t] * h + i];
   }
+  const RopeFrequencies rope = ComputeRopeFrequencies(c.rope_scaling, c.rope_theta, hd);
   for (const Layer& l : layers_) {
     std::vector<Vec> q(n), k(n), v(n);
     for (size_t t = 0; t < n; ++t) {
@@ -107,11 +115,11 @@ std::vector<std::vector<double>> NaiveModel::Logits(const std::vector<int32_t>& 
       v[t] = MatVec(l.v, xn, nkv * hd, l.v_bias);
       for (size_t hh = 0; hh < nh; ++hh) {
         if (c.qk_norm) RmsNormInPlace(&q[t][hh * hd], hd, l.q_norm, c.rms_norm_eps);
-        Rope(&q[t][hh * hd], t, hd, c.rope_theta);
+        Rope(&q[t][hh * hd], t, hd, rope);
       }
       for (size_t hh = 0; hh < nkv; ++hh) {
         if (c.qk_norm) RmsNormInPlace(&k[t][hh * hd], hd, l.k_norm, c.rms_norm_eps);
-        Rope(&k[t][hh * hd], t, hd, c.rope_theta);
+        Rope(&k[t][hh * hd], t, hd, rope);
       }
     }
     for (size_t t = 0; t < n; ++t) {

@@ -392,18 +392,14 @@ void RmsNorm(const float* x, const float* weight, int64_t rows, int64_t dim, flo
   }
 }
 
-void ApplyRope(float* x, const int32_t* positions, int64_t num_tokens, int64_t num_heads,
-               int64_t head_dim, float theta) {
+void ApplyRope(float* x, const float* cos, const float* sin, int64_t num_tokens,
+               int64_t num_heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
   for (int64_t t = 0; t < num_tokens; ++t) {
-    const double pos = static_cast<double>(positions[t]);
     float* xt = x + t * num_heads * head_dim;  // [num_heads, head_dim]
     for (int64_t i = 0; i < half; ++i) {
-      const double inv_freq =
-          std::pow(static_cast<double>(theta), -(2.0 * static_cast<double>(i)) / head_dim);
-      const double angle = pos * inv_freq;
-      const float cos_a = static_cast<float>(std::cos(angle));
-      const float sin_a = static_cast<float>(std::sin(angle));
+      const float cos_a = cos[t * half + i];
+      const float sin_a = sin[t * half + i];
       for (int64_t h = 0; h < num_heads; ++h) {
         float* xh = xt + h * head_dim;
         const float x1 = xh[i];

@@ -70,11 +70,11 @@ void CombinePartials(const float* parts, int num_parts, int64_t count, float* y)
 void RmsNorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps, float* y);
 
 // Rotary embedding in the Hugging Face "rotate_half" layout, in place.
-// x: [num_tokens, num_heads, head_dim]; positions: [num_tokens]. The angle of pair i at
-// position p is p * theta^(-2i / head_dim), computed in double, with cos and sin in double then
-// rounded to float: out[i] = fma(x1, cos, -(x2 * sin)), out[i + d/2] = fma(x2, cos, x1 * sin).
-void ApplyRope(float* x, const int32_t* positions, int64_t num_tokens, int64_t num_heads,
-               int64_t head_dim, float theta);
+// x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim / 2], each token's
+// rotation (what model/rope.h's RopeCosSin gives for its position, as the CUDA backend's
+// tables hold it): out[i] = fma(x1, cos, -(x2 * sin)), out[i + d/2] = fma(x2, cos, x1 * sin).
+void ApplyRope(float* x, const float* cos, const float* sin, int64_t num_tokens,
+               int64_t num_heads, int64_t head_dim);
 
 // out[i] = silu(gate[i]) * up[i] for `rows` rows: gate_up: [rows, 2 * dim] holding gate then
 // up, out: [rows, dim].

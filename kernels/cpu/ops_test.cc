@@ -173,13 +173,29 @@ TEST(RmsNormTest, InPlaceBitwiseEqualsOutOfPlaceAndZeroRowStaysFinite) {
   for (int64_t i = dim; i < rows * dim; ++i) ASSERT_EQ(y[i], 0.0f);
 }
 
+// cos and sin [positions.size(), head_dim / 2] of plain RoPE with base theta, double then float.
+static void PlainRopeRows(const std::vector<int32_t>& positions, int64_t head_dim, double theta,
+                   std::vector<float>* cos_rows, std::vector<float>* sin_rows) {
+  const int64_t half = head_dim / 2;
+  cos_rows->resize(positions.size() * half);
+  sin_rows->resize(positions.size() * half);
+  for (size_t t = 0; t < positions.size(); ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = positions[t] * std::pow(theta, -2.0 * i / head_dim);
+      (*cos_rows)[t * half + i] = static_cast<float>(std::cos(angle));
+      (*sin_rows)[t * half + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+}
+
 TEST(ApplyRopeTest, CloseToDoublePrecisionRotateHalfReference) {
   const int64_t num_tokens = 5, num_heads = 3, head_dim = 24;
   const float theta = 10000.0f;
   const std::vector<int32_t> positions = {0, 1, 7, 99, 4097};
   const std::vector<float> x0 = RandomVector(num_tokens * num_heads * head_dim, 71);
-  std::vector<float> x = x0;
-  ApplyRope(x.data(), positions.data(), num_tokens, num_heads, head_dim, theta);
+  std::vector<float> x = x0, cos_rows, sin_rows;
+  PlainRopeRows(positions, head_dim, theta, &cos_rows, &sin_rows);
+  ApplyRope(x.data(), cos_rows.data(), sin_rows.data(), num_tokens, num_heads, head_dim);
   const int64_t half = head_dim / 2;
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t h = 0; h < num_heads; ++h) {
@@ -205,11 +221,13 @@ TEST(ApplyRopeTest, TokenBitwiseIndependentOfItsBatch) {
   const int64_t num_heads = 2, head_dim = 64, row = num_heads * head_dim;
   const std::vector<int32_t> positions = {3, 250, 17};
   const std::vector<float> x0 = RandomVector(3 * row, 72);
-  std::vector<float> batch = x0;
-  ApplyRope(batch.data(), positions.data(), 3, num_heads, head_dim, 1e6f);
+  std::vector<float> batch = x0, cos_rows, sin_rows;
+  PlainRopeRows(positions, head_dim, 1e6, &cos_rows, &sin_rows);
+  ApplyRope(batch.data(), cos_rows.data(), sin_rows.data(), 3, num_heads, head_dim);
   for (int64_t t = 0; t < 3; ++t) {
     std::vector<float> alone(x0.begin() + t * row, x0.begin() + (t + 1) * row);
-    ApplyRope(alone.data(), &positions[t], 1, num_heads, head_dim, 1e6f);
+    ApplyRope(alone.data(), &cos_rows[t * head_dim / 2], &sin_rows[t * head_dim / 2], 1, num_heads,
+              head_dim);
     const std::vector<float> in_batch(batch.begin() + t * row, batch.begin() + (t + 1) * row);
     EXPECT_EQ(FirstBitwiseMismatch(alone, in_batch), -1) << "token " << t;
   }

@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "glog/logging.h"
+#include "model/dtype_cast.h"
 #include "model/random_model.h"
 
 namespace rollout {
@@ -107,7 +108,10 @@ class CpuModelRunner::RankThreads {
 };
 
 CpuModelRunner::CpuModelRunner(ModelConfig config, CpuRunnerOptions options)
-    : config_(std::move(config)), options_(options) {
+    : config_(std::move(config)),
+      options_(options),
+      rope_(ComputeRopeFrequencies(config_.rope_scaling, config_.rope_theta, config_.head_dim)),
+      served_dtype_(ServedDType(config_)) {
   const int tp = options_.tensor_parallel;
   // The cores are shared: tp ranks of total / tp threads each (thread counts never change bits).
   const int total = options_.num_threads > 0
@@ -151,12 +155,8 @@ MemoryPlan PlanHostMemory(const ModelConfig& c, const CpuRunnerOptions& options)
 
 absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
     const Checkpoint& checkpoint, const CpuRunnerOptions& options) {
-  absl::StatusOr<ModelConfig> config = ParseModelConfig(checkpoint.config_json());
-  if (!config.ok()) {
-    return absl::Status(
-        config.status().code(),
-        absl::StrCat(checkpoint.dir(), "/config.json: ", config.status().message()));
-  }
+  absl::StatusOr<ModelConfig> config = ReadModelConfig(checkpoint);
+  if (!config.ok()) return config.status();
   if (options.kv_block_size <= 0 || options.attention_split_size <= 0 ||
       options.attention_split_size % options.kv_block_size != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -222,7 +222,7 @@ void CpuModelRunner::Bind(const Checkpoint& checkpoint, const std::string& name,
     if (p.dest->size() < end) p.dest->resize(end);
     b.pieces.push_back(p);
   }
-  weight_specs_.push_back(WeightSpec{name, checkpoint.Find(name)->dtype, std::move(shape)});
+  weight_specs_.push_back(WeightSpec{name, served_dtype_, std::move(shape)});
 }
 
 void CpuModelRunner::BindWeights(const Checkpoint& checkpoint) {
@@ -305,6 +305,10 @@ absl::Status CpuModelRunner::ReadWeights(const Checkpoint& checkpoint) {
   for (const WeightSpec& spec : weight_specs_) {
     absl::StatusOr<std::vector<float>> t = checkpoint.ReadF32(spec.name, spec.shape);
     if (!t.ok()) return t.status();
+    // A tensor in another float dtype serves as its cast to the served one (model/dtype_cast.h).
+    if (checkpoint.Find(spec.name)->dtype != served_dtype_) {
+      ROLLOUT_RETURN_IF_ERROR(RoundToDType(spec.name, served_dtype_, t->data(), t->size()));
+    }
     const Binding& b = bindings_.at(spec.name);
     const float* src = t->data();
     CopyPieces(b.pieces, b.row_length, [src](int64_t i) { return src[i]; });
@@ -493,7 +497,9 @@ struct CpuModelRunner::Activations {
         gate_up(t * 2 * rk.inter),
         act(t * rk.inter),
         proj(t * c.hidden_size),
-        gathered(tp > 1 ? tp * t * c.hidden_size : 0) {}
+        gathered(tp > 1 ? tp * t * c.hidden_size : 0),
+        rope_cos(t * c.head_dim / 2),
+        rope_sin(t * c.head_dim / 2) {}
 
   const int64_t t;
   std::vector<float> x, xn;     // [t, hidden], replicated: the residual stream, and normed
@@ -503,11 +509,16 @@ struct CpuModelRunner::Activations {
   std::vector<float> act;       // [t, inter]
   std::vector<float> proj;      // [t, hidden]: a row-parallel projection (or embedding) result
   std::vector<float> gathered;  // [tp, t, hidden]; empty at tp = 1
+  std::vector<float> rope_cos, rope_sin;  // [t, head_dim / 2]: each token's rotation
 };
 
 absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
                                          const cpu::TokenSlots& slots, std::vector<float>* logits) {
   Activations a(batch.num_tokens(), config_, rk, options_.tensor_parallel);
+  const int64_t half = config_.head_dim / 2;
+  for (int64_t i = 0; i < a.t; ++i) {
+    RopeCosSin(rope_, batch.positions[i], &a.rope_cos[i * half], &a.rope_sin[i * half]);
+  }
   ROLLOUT_RETURN_IF_ERROR(EmbedTokens(rk, batch, &a));
   for (Layer& l : rk.layers) {
     ROLLOUT_RETURN_IF_ERROR(AttentionBlock(rk, l, batch, slots, &a));
@@ -579,8 +590,8 @@ absl::Status CpuModelRunner::AttentionBlock(Rank& rk, Layer& l, const ForwardBat
     cpu::RmsNorm(q, l.q_norm.data(), t * nh, hd, c.rms_norm_eps, q);
     cpu::RmsNorm(k, l.k_norm.data(), t * nkv, hd, c.rms_norm_eps, k);
   }
-  cpu::ApplyRope(q, batch.positions.data(), t, nh, hd, c.rope_theta);
-  cpu::ApplyRope(k, batch.positions.data(), t, nkv, hd, c.rope_theta);
+  cpu::ApplyRope(q, a->rope_cos.data(), a->rope_sin.data(), t, nh, hd);
+  cpu::ApplyRope(k, a->rope_cos.data(), a->rope_sin.data(), t, nkv, hd);
   cpu::KvCacheLayer cache{l.k_cache, l.v_cache, options_.kv_block_size, nkv, hd};
   cpu::WriteKv(k, v, slots, cache);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));

@@ -10,6 +10,7 @@
 #include "common/thread_pool.h"
 #include "engine/model_runner.h"
 #include "kernels/cpu/ops.h"
+#include "model/rope.h"
 #include "model/safetensors.h"
 #include "model/tensor_parallel.h"
 #include "runner/cpu/communicator.h"
@@ -178,6 +179,8 @@ class CpuModelRunner final : public ModelRunner {
 
   const ModelConfig config_;
   const CpuRunnerOptions options_;
+  const RopeFrequencies rope_;  // of config_ (model/rope.h), as the CUDA backend's tables
+  const DType served_dtype_;    // ServedDType(config_): the weight specs' dtype
   int32_t num_kv_blocks_ = 0;
   int64_t vocab_per_rank_ = 0;  // ceil(vocab / tp): the padded width of gathered logits
   std::vector<Rank> ranks_;

@@ -47,12 +47,8 @@ CudaModelRunner::~CudaModelRunner() {
 
 absl::StatusOr<std::unique_ptr<CudaModelRunner>> CudaModelRunner::Create(
     const Checkpoint& checkpoint, const CudaRunnerOptions& options) {
-  absl::StatusOr<ModelConfig> config = ParseModelConfig(checkpoint.config_json());
-  if (!config.ok()) {
-    return absl::Status(
-        config.status().code(),
-        absl::StrCat(checkpoint.dir(), "/config.json: ", config.status().message()));
-  }
+  absl::StatusOr<ModelConfig> config = ReadModelConfig(checkpoint);
+  if (!config.ok()) return config.status();
   auto runner = std::unique_ptr<CudaModelRunner>(new CudaModelRunner(*std::move(config), options));
   ROLLOUT_RETURN_IF_ERROR(runner->Init());
   ROLLOUT_RETURN_IF_ERROR(runner->LoadCheckpoint(checkpoint));

@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/tensor_parallel.h"
+#include "model/dtype_cast.h"
 #include "model/model_config.h"
 #include "model/random_model.h"
 #include "model/safetensors.h"
@@ -319,8 +320,19 @@ absl::Status CudaModelRunner::LoadCheckpoint(const Checkpoint& checkpoint) {
                                                      " has shape ", ShapeToString(view->shape),
                                                      ", expected ", ShapeToString(spec.shape)));
     }
-    s.weight_specs.push_back(WeightSpec{spec.name, view->dtype, spec.shape});
-    ROLLOUT_RETURN_IF_ERROR(Upload(s.bindings.at(spec.name), view->dtype, view->data,
+    // The served dtype (model/dtype_cast.h): a tensor in another float dtype is cast first, so
+    // that a vector of an F32 checkpoint served as BF16 holds BF16 values like its matrices.
+    const DType served = ServedDType(config_);
+    s.weight_specs.push_back(WeightSpec{spec.name, served, spec.shape});
+    const uint8_t* data = view->data;
+    std::vector<uint8_t> cast;
+    if (view->dtype != served) {
+      cast.resize(NumElements(spec.shape) * DTypeSize(served));
+      ROLLOUT_RETURN_IF_ERROR(CastFloats(spec.name, view->dtype, view->data,
+                                         NumElements(spec.shape), served, cast.data()));
+      data = cast.data();
+    }
+    ROLLOUT_RETURN_IF_ERROR(Upload(s.bindings.at(spec.name), served, data,
                                    NumElements(spec.shape), spec.name));
   }
   SortSpecs(&s.weight_specs);

@@ -18,6 +18,7 @@
 #include "glog/logging.h"
 #include "kernels/cuda/sampling.h"
 #include "kernels/cuda/tensor_parallel.h"
+#include "model/rope.h"
 #include "runner/cuda/batch_plan.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/cuda/cuda_runner_state.h"
@@ -28,24 +29,16 @@ namespace {
 
 using cuda_runner_internal::RankState;
 
-// cos/sin [max_position, head_dim / 2] exactly as the CPU reference computes them (double, then
-// rounded to float).
+// cos/sin [max_position, head_dim / 2]: RopeCosSin of every position (model/rope.h), the
+// floats the CPU reference rotates with.
 void RopeTables(const ModelConfig& c, std::vector<float>* cos_table,
                 std::vector<float>* sin_table) {
-  const int64_t hd = c.head_dim;
-  const int64_t half = hd / 2, max_pos = c.max_position_embeddings;
+  const int64_t half = c.head_dim / 2, max_pos = c.max_position_embeddings;
   cos_table->resize(max_pos * half);
   sin_table->resize(max_pos * half);
-  std::vector<double> inv_freq(half);
-  for (int64_t i = 0; i < half; ++i) {
-    inv_freq[i] = std::pow(static_cast<double>(c.rope_theta), -(2.0 * static_cast<double>(i)) / hd);
-  }
+  const RopeFrequencies f = ComputeRopeFrequencies(c.rope_scaling, c.rope_theta, c.head_dim);
   for (int64_t p = 0; p < max_pos; ++p) {
-    for (int64_t i = 0; i < half; ++i) {
-      const double angle = static_cast<double>(p) * inv_freq[i];
-      (*cos_table)[p * half + i] = static_cast<float>(std::cos(angle));
-      (*sin_table)[p * half + i] = static_cast<float>(std::sin(angle));
-    }
+    RopeCosSin(f, p, cos_table->data() + p * half, sin_table->data() + p * half);
   }
 }
 

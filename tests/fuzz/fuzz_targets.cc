@@ -224,7 +224,7 @@ int FuzzModelConfig(const uint8_t* data, size_t size) {
           d.rms_norm_eps == c.rms_norm_eps && d.rope_theta == c.rope_theta &&
           d.tie_word_embeddings == c.tie_word_embeddings && d.qk_norm == c.qk_norm &&
           d.qkv_bias == c.qkv_bias && d.eos_token_ids == c.eos_token_ids &&
-          d.torch_dtype == c.torch_dtype,
+          d.torch_dtype == c.torch_dtype && d.rope_scaling == c.rope_scaling,
       "ModelConfigToJson does not round-trip:\n" + written);
   return 0;
 }

@@ -1,17 +1,22 @@
-// CudaModelRunner against an independent implementation: Hugging Face transformers in fp32 on
-// the same bf16 weights (tests/gpu/make_hf_reference.py writes the model and the reference).
-// Skipped unless ROLLOUT_HF_REFERENCE names that script's output directory.
+// Both backends against an independent implementation: Hugging Face transformers in fp32 on the
+// same bf16 weights (tests/gpu/make_hf_reference.py writes the model and the reference: plain
+// Qwen3, a Llama 3.1-style model with llama3 RoPE scaling, a Qwen3 with YaRN). Skipped unless
+// ROLLOUT_HF_REFERENCE names that script's output directories, separated by ':'.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "model/rope.h"
 #include "nlohmann/json.hpp"
+#include "runner/cpu/cpu_model_runner.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -19,48 +24,92 @@ namespace rollout {
 namespace {
 
 struct Reference {
+  std::string arch;
   int64_t vocab = 0;
   std::vector<std::vector<int32_t>> prompts, greedy;
   std::vector<std::vector<float>> margins;
   std::vector<std::vector<float>> logits;  // per prompt: [prompt + greedy, vocab]
+  std::vector<double> inv_freq;            // the rotary embedding's (float32 in transformers)
+  double attention_scaling = 1.0;
 };
 
-class HfTest : public ::testing::Test {
+// One forward of a backend: logits of batch.logit_rows, on the host.
+struct Backend {
+  std::function<absl::Status(const ForwardBatch&, std::vector<float>*)> forward;
+  int kv_block_size = 16;
+  ModelConfig config;
+};
+
+std::vector<std::string> ReferenceDirs() {
+  const char* dirs = std::getenv("ROLLOUT_HF_REFERENCE");
+  if (dirs == nullptr) return {};
+  return absl::StrSplit(dirs, ':', absl::SkipEmpty());
+}
+
+// (reference directory, backend) pairs: "cpu" or "cuda".
+class HfTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
-    const char* dir = std::getenv("ROLLOUT_HF_REFERENCE");
-    if (dir == nullptr) GTEST_SKIP() << "ROLLOUT_HF_REFERENCE is not set";
-    dir_ = dir;
-    std::ifstream in(dir_ + "/reference.json");
-    ASSERT_TRUE(in.good()) << dir_ << "/reference.json";
+    if (ReferenceDirs().empty()) GTEST_SKIP() << "ROLLOUT_HF_REFERENCE is not set";
+  }
+
+  // Loads `dir`'s reference and a runner of the backend under test on its model.
+  void Load(const std::string& dir) {
+    std::ifstream in(dir + "/reference.json");
+    ASSERT_TRUE(in.good()) << dir << "/reference.json";
     const nlohmann::json j = nlohmann::json::parse(in);
+    ref_ = Reference();
+    ref_.arch = j.value("arch", "qwen3");
     ref_.vocab = j["vocab"];
     ref_.prompts = j["prompts"].get<std::vector<std::vector<int32_t>>>();
     ref_.greedy = j["greedy"].get<std::vector<std::vector<int32_t>>>();
     ref_.margins = j["margins"].get<std::vector<std::vector<float>>>();
+    if (j.contains("inv_freq")) ref_.inv_freq = j["inv_freq"].get<std::vector<double>>();
+    ref_.attention_scaling = j.value("attention_scaling", 1.0);
     for (size_t i = 0; i < ref_.prompts.size(); ++i) {
       const size_t rows = ref_.prompts[i].size() + ref_.greedy[i].size();
       std::vector<float> l(rows * ref_.vocab);
-      std::ifstream f(dir_ + "/" + j["logits_files"][i].get<std::string>(), std::ios::binary);
+      std::ifstream f(dir + "/" + j["logits_files"][i].get<std::string>(), std::ios::binary);
       f.read(reinterpret_cast<char*>(l.data()), l.size() * sizeof(float));
       ASSERT_TRUE(f.good()) << "reading logits of prompt " << i;
       ref_.logits.push_back(std::move(l));
     }
-    auto ckpt = Checkpoint::Open(dir_ + "/model");
+    checkpoint_.reset();
+    cpu_.reset();
+    cuda_.reset();
+    auto ckpt = Checkpoint::Open(dir + "/model");
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-    CudaRunnerOptions o;
-    o.kv_cache_bytes = 256ll << 20;
-    o.max_batch_tokens = 1024;
-    auto runner = CudaModelRunner::Create(**ckpt, o);
-    ASSERT_TRUE(runner.ok()) << runner.status();
-    runner_ = *std::move(runner);
+    checkpoint_ = *std::move(ckpt);
+    if (std::string(GetParam()) == "cpu") {
+      CpuRunnerOptions o;
+      o.kv_cache_bytes = 256ll << 20;
+      o.max_batch_tokens = 1024;
+      auto runner = CpuModelRunner::Create(*checkpoint_, o);
+      ASSERT_TRUE(runner.ok()) << runner.status();
+      cpu_ = *std::move(runner);
+      backend_ = {[this](const ForwardBatch& b, std::vector<float>* l) {
+                    return cpu_->Forward(b, l);
+                  },
+                  cpu_->kv_block_size(), cpu_->config()};
+    } else {
+      CudaRunnerOptions o;
+      o.kv_cache_bytes = 256ll << 20;
+      o.max_batch_tokens = 1024;
+      auto runner = CudaModelRunner::Create(*checkpoint_, o);
+      ASSERT_TRUE(runner.ok()) << runner.status();
+      cuda_ = *std::move(runner);
+      backend_ = {[this](const ForwardBatch& b, std::vector<float>* l) {
+                    return cuda_->ForwardToHost(b, l);
+                  },
+                  cuda_->kv_block_size(), cuda_->config()};
+    }
   }
 
   // One sequence in blocks [0, n): KV of earlier steps stays where the table says.
   ForwardBatch Batch(const std::vector<int32_t>& tokens, int begin, int end, bool all_logits) {
     ForwardBatch b;
-    const int bs = runner_->kv_block_size();
+    const int bs = backend_.kv_block_size;
     std::vector<int32_t> table;
     for (int i = 0; i * bs < end; ++i) table.push_back(i);
     b.block_tables.push_back(table);
@@ -73,9 +122,13 @@ class HfTest : public ::testing::Test {
     return b;
   }
 
-  std::string dir_;
+  void CheckAgainst(const std::string& dir);
+
   Reference ref_;
-  std::unique_ptr<CudaModelRunner> runner_;
+  std::unique_ptr<Checkpoint> checkpoint_;
+  std::unique_ptr<CpuModelRunner> cpu_;
+  std::unique_ptr<CudaModelRunner> cuda_;
+  Backend backend_;
 };
 
 int32_t Argmax(const float* row, int64_t n) {
@@ -89,7 +142,7 @@ int32_t Argmax(const float* row, int64_t n) {
 // Teacher-forced logits of every position of prompt + reference continuation: checks them
 // against the reference, returns the largest error seen (used below to tell near-ties from real
 // divergence) and, per prompt, our argmax at each generated position given the reference prefix.
-double MaxLogitError(CudaModelRunner* runner, const Reference& ref, std::vector<double>* rms_out,
+double MaxLogitError(const Backend& backend, const Reference& ref, std::vector<double>* rms_out,
                      std::vector<std::vector<int32_t>>* forced_argmax) {
   double worst = 0.0;
   for (size_t i = 0; i < ref.prompts.size(); ++i) {
@@ -97,7 +150,7 @@ double MaxLogitError(CudaModelRunner* runner, const Reference& ref, std::vector<
     seq.insert(seq.end(), ref.greedy[i].begin(), ref.greedy[i].end());
     ForwardBatch b;
     std::vector<int32_t> table;
-    for (int k = 0; k * runner->kv_block_size() < static_cast<int>(seq.size()); ++k) {
+    for (int k = 0; k * backend.kv_block_size < static_cast<int>(seq.size()); ++k) {
       table.push_back(k);
     }
     b.block_tables.push_back(table);
@@ -108,7 +161,7 @@ double MaxLogitError(CudaModelRunner* runner, const Reference& ref, std::vector<
       b.token_seq.push_back(0);
     }
     std::vector<float> got;
-    EXPECT_TRUE(runner->ForwardToHost(b, &got).ok());
+    EXPECT_TRUE(backend.forward(b, &got).ok());
     const std::vector<float>& want = ref.logits[i];
     forced_argmax->emplace_back();
     for (size_t step = 0; step < ref.greedy[i].size(); ++step) {
@@ -135,10 +188,29 @@ double MaxLogitError(CudaModelRunner* runner, const Reference& ref, std::vector<
   return worst;
 }
 
-TEST_F(HfTest, LogitsMatchTransformersAndGreedyContinuationsAgree) {
+// The RoPE the engine computes from the config transformers saved is the one transformers'
+// rotary embedding uses (its inverse frequencies are float32).
+void CheckRope(const ModelConfig& c, const Reference& ref) {
+  if (ref.inv_freq.empty()) return;  // a reference of an older script
+  const RopeFrequencies f = ComputeRopeFrequencies(c.rope_scaling, c.rope_theta, c.head_dim);
+  ASSERT_EQ(f.inv_freq.size(), ref.inv_freq.size());
+  for (size_t i = 0; i < f.inv_freq.size(); ++i) {
+    EXPECT_NEAR(f.inv_freq[i], ref.inv_freq[i], 1e-5 * ref.inv_freq[i]) << "inv_freq " << i;
+  }
+  EXPECT_NEAR(f.attention_factor, ref.attention_scaling, 1e-5);
+  std::printf("[ rope     ] %s: %s matches transformers' inv_freq and attention scaling %.6f\n",
+              ref.arch.c_str(), RopeTypeName(c.rope_scaling.type), ref.attention_scaling);
+}
+
+void HfTest::CheckAgainst(const std::string& dir) {
+  Load(dir);
+  if (HasFatalFailure()) return;
+  std::printf("[ model    ] %s (%s) on the %s backend\n", dir.c_str(), ref_.arch.c_str(),
+              GetParam());
+  CheckRope(backend_.config, ref_);
   std::vector<double> rms;
   std::vector<std::vector<int32_t>> forced;
-  const double max_err = MaxLogitError(runner_.get(), ref_, &rms, &forced);
+  const double max_err = MaxLogitError(backend_, ref_, &rms, &forced);
   // A reference step whose top-1 / top-2 margin is within twice our largest logit error is a
   // near-tie: bf16 arithmetic may pick either token there, and only there.
   const double tie = 2.0 * max_err;
@@ -171,12 +243,12 @@ TEST_F(HfTest, LogitsMatchTransformersAndGreedyContinuationsAgree) {
     const int n = static_cast<int>(seq.size());
     const int steps = static_cast<int>(ref_.greedy[i].size());
     std::vector<float> logits;
-    ASSERT_TRUE(runner_->ForwardToHost(Batch(seq, 0, n, false), &logits).ok());
+    ASSERT_TRUE(backend_.forward(Batch(seq, 0, n, false), &logits).ok());
     for (int s = 0; s < steps; ++s) {
       seq.push_back(Argmax(logits.data(), ref_.vocab));
       if (s + 1 < steps) {
         const int len = static_cast<int>(seq.size());
-        ASSERT_TRUE(runner_->ForwardToHost(Batch(seq, len - 1, len, false), &logits).ok());
+        ASSERT_TRUE(backend_.forward(Batch(seq, len - 1, len, false), &logits).ok());
       }
     }
     int agree = 0;
@@ -193,6 +265,18 @@ TEST_F(HfTest, LogitsMatchTransformersAndGreedyContinuationsAgree) {
   EXPECT_GE(full_matches * 2, static_cast<int>(ref_.prompts.size()))
       << "fewer than half of the prompts match all their tokens";
 }
+
+TEST_P(HfTest, LogitsMatchTransformersAndGreedyContinuationsAgree) {
+  for (const std::string& dir : ReferenceDirs()) {
+    SCOPED_TRACE(dir);
+    CheckAgainst(dir);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, HfTest, ::testing::Values("cpu", "cuda"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param);
+                         });
 
 }  // namespace
 }  // namespace rollout

@@ -10,6 +10,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/compare.h"
 #include "kernels/cuda/ops.h"
+#include "model/rope.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace rollout {
@@ -130,21 +131,32 @@ TEST_F(KernelsTest, SiluMulMatchesCpu) {
   }
 }
 
-// cos/sin tables as CudaModelRunner builds them.
-void RopeTables(int64_t max_pos, int64_t head_dim, float theta, std::vector<float>* cos_t,
-                std::vector<float>* sin_t) {
+// cos/sin tables [max_pos, head_dim / 2] as CudaModelRunner builds them (model/rope.h).
+void RopeTables(int64_t max_pos, int64_t head_dim, float theta, const RopeScaling& scaling,
+                std::vector<float>* cos_t, std::vector<float>* sin_t) {
   const int64_t half = head_dim / 2;
   cos_t->resize(max_pos * half);
   sin_t->resize(max_pos * half);
-  for (int64_t p = 0; p < max_pos; ++p) {
-    for (int64_t i = 0; i < half; ++i) {
-      const double inv_freq =
-          std::pow(static_cast<double>(theta), -(2.0 * static_cast<double>(i)) / head_dim);
-      const double angle = static_cast<double>(p) * inv_freq;
-      (*cos_t)[p * half + i] = static_cast<float>(std::cos(angle));
-      (*sin_t)[p * half + i] = static_cast<float>(std::sin(angle));
-    }
+  const RopeFrequencies f = ComputeRopeFrequencies(scaling, theta, head_dim);
+  for (int64_t p = 0; p < max_pos; ++p) RopeCosSin(f, p, &(*cos_t)[p * half], &(*sin_t)[p * half]);
+}
+
+// The rows of `positions` in a table, as the CPU runner gathers them for ApplyRope.
+std::vector<float> RopeRows(const std::vector<float>& table, const std::vector<int32_t>& positions,
+                            int64_t half) {
+  std::vector<float> rows(positions.size() * half);
+  for (size_t t = 0; t < positions.size(); ++t) {
+    std::memcpy(&rows[t * half], &table[positions[t] * half], half * sizeof(float));
   }
+  return rows;
+}
+
+RopeScaling YarnForTest() {
+  RopeScaling s;
+  s.type = RopeType::kYarn;
+  s.factor = 4.0;
+  s.original_max_position_embeddings = 1024;  // cos and sin scaled by 1 + 0.1 ln 4
+  return s;
 }
 
 TEST_F(KernelsTest, QkvNormRopeMatchesCpuAndWritesCacheSlots) {
@@ -154,6 +166,8 @@ TEST_F(KernelsTest, QkvNormRopeMatchesCpuAndWritesCacheSlots) {
   const int64_t t = positions.size(), num_blocks = 8;
   for (int32_t hd : {32, 64, 128}) {
     for (bool with_bias : {false, true}) {
+      // Plain RoPE, and YaRN (scaled frequencies, cos and sin times its attention factor).
+      const RopeScaling scaling = with_bias ? YarnForTest() : RopeScaling();
       const int64_t cols = (nh + 2 * nkv) * hd;
       const std::vector<float> qkv = gpu_test::RandomFloats(t * cols, hd, 1.0f);
       const std::vector<float> bias = gpu_test::RandomFloats(cols, 5, 0.1f);
@@ -162,7 +176,7 @@ TEST_F(KernelsTest, QkvNormRopeMatchesCpuAndWritesCacheSlots) {
       for (float& w : qn) w += 1.0f;
       for (float& w : kn) w += 1.0f;
       std::vector<float> cos_t, sin_t;
-      RopeTables(4096, hd, 1e6f, &cos_t, &sin_t);
+      RopeTables(4096, hd, 1e6f, scaling, &cos_t, &sin_t);
       auto d_qkv = Upload(qkv), d_bias = Upload(bias), d_qn = Upload(qn), d_kn = Upload(kn);
       auto d_pos = Upload(positions), d_slots = Upload(slots);
       auto d_cos = Upload(cos_t), d_sin = Upload(sin_t);
@@ -209,8 +223,10 @@ TEST_F(KernelsTest, QkvNormRopeMatchesCpuAndWritesCacheSlots) {
         cpu::RmsNorm(q.data(), qn.data(), t * nh, hd, 1e-6f, q.data());
         cpu::RmsNorm(k.data(), kn.data(), t * nkv, hd, 1e-6f, k.data());
       }
-      cpu::ApplyRope(q.data(), positions.data(), t, nh, hd, 1e6f);
-      cpu::ApplyRope(k.data(), positions.data(), t, nkv, hd, 1e6f);
+      const std::vector<float> cos_rows = RopeRows(cos_t, positions, hd / 2);
+      const std::vector<float> sin_rows = RopeRows(sin_t, positions, hd / 2);
+      cpu::ApplyRope(q.data(), cos_rows.data(), sin_rows.data(), t, nh, hd);
+      cpu::ApplyRope(k.data(), cos_rows.data(), sin_rows.data(), t, nkv, hd);
       EXPECT_TRUE(AllClose(Download<float>(d_q, t * nh * hd), q, 1e-5f, 1e-5f)) << "hd " << hd;
       const std::vector<float> k_cache = gpu_test::Widen(Download<bf16>(d_k, cache_elems));
       const std::vector<float> v_cache = gpu_test::Widen(Download<bf16>(d_v, cache_elems));

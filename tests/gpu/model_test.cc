@@ -138,15 +138,31 @@ TEST_F(ModelTest, SyntheticWeightsEqualTheCheckpointWritersBitwise) {
   std::filesystem::remove_all(dir);
 }
 
+// The CUDA backend's logits of a random `preset` model against CpuModelRunner's (fp32).
+void CheckAgainstCpu(const std::string& dir, const std::string& preset,
+                     const CudaRunnerOptions& options);
+
 TEST_F(ModelTest, LogitsMatchTheCpuReferenceWithinBf16Tolerance) {
-  const std::string dir = TempDir("cpu_ref");
+  CheckAgainstCpu(TempDir("cpu_ref"), "small", SmallOptions());
+}
+
+// Scaled RoPE (the CUDA tables and the CPU's per-token rotation from one function): Llama 3.1's
+// llama3 scaling, and YaRN with its attention factor on cos and sin.
+TEST_F(ModelTest, ScaledRopeLogitsMatchTheCpuReferenceWithinBf16Tolerance) {
+  CheckAgainstCpu(TempDir("cpu_ref_llama3"), "llama3-small", SmallOptions());
+  CheckAgainstCpu(TempDir("cpu_ref_yarn"), "yarn-small", SmallOptions());
+}
+
+void CheckAgainstCpu(const std::string& dir, const std::string& preset,
+                     const CudaRunnerOptions& options) {
+  SCOPED_TRACE(preset);
   RandomModelOptions write;
-  write.preset = "small";
+  write.preset = preset;
   write.seed = 9;
   ASSERT_TRUE(WriteRandomModel(write, dir).ok());
   absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  CudaRunnerOptions gpu_options = SmallOptions();
+  CudaRunnerOptions gpu_options = options;
   gpu_options.kv_block_size = 16;
   gpu_options.attention_split_size = 64;
   auto gpu = CudaModelRunner::Create(**ckpt, gpu_options);
@@ -178,9 +194,9 @@ TEST_F(ModelTest, LogitsMatchTheCpuReferenceWithinBf16Tolerance) {
   }
   const double rms = std::sqrt(sum_sq / want.size());
   std::printf(
-      "[ vs cpu   ] logits rms %.3f, max |err| %.4f, mean |err| %.5f, argmax agrees on "
+      "[ vs cpu   ] %s: logits rms %.3f, max |err| %.4f, mean |err| %.5f, argmax agrees on "
       "%ld/%ld rows\n",
-      rms, max_err, sum_err / want.size(), static_cast<long>(argmax_agree),
+      preset.c_str(), rms, max_err, sum_err / want.size(), static_cast<long>(argmax_agree),
       static_cast<long>(rows));
   // bf16 weights are exact in both; the GPU rounds activations to bf16 at every GEMM input,
   // the CPU keeps fp32: errors of a few 2^-8 relative, accumulated over the layers.

@@ -22,12 +22,17 @@ source .gpu/env.sh .gpu/lib
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 date -u +%Y-%m-%dT%H:%MZ >> "$OUT/gpu.txt"
 
+# transformers references: plain Qwen3, Llama 3.1-style (llama3 RoPE scaling), Qwen3 + YaRN.
+HF_REFERENCES=/tmp/hf-ref:/tmp/hf-ref-llama3:/tmp/hf-ref-yarn
 if [[ " $STEPS " == *" hf "* ]]; then
-  timeout 300 python3 tests/gpu/make_hf_reference.py /tmp/hf-ref > "$OUT/hf_reference.log" 2>&1
-  echo "make_hf_reference: rc $?"; tail -3 "$OUT/hf_reference.log"
+  for arch in qwen3 llama3 yarn; do
+    dir=/tmp/hf-ref; [[ $arch == qwen3 ]] || dir=/tmp/hf-ref-$arch
+    timeout 300 python3 tests/gpu/make_hf_reference.py $dir $arch > "$OUT/hf_reference_$arch.log" 2>&1
+    echo "make_hf_reference $arch: rc $?"; tail -1 "$OUT/hf_reference_$arch.log"
+  done
 fi
 if [[ " $STEPS " == *" test "* ]]; then
-  ROLLOUT_HF_REFERENCE=/tmp/hf-ref timeout ${TEST_TIMEOUT:-300} .gpu/bin/rollout_gpu_test \
+  ROLLOUT_HF_REFERENCE=$HF_REFERENCES timeout ${TEST_TIMEOUT:-300} .gpu/bin/rollout_gpu_test \
     ${TEST_FILTER:+--gtest_filter=$TEST_FILTER} > "$OUT/gpu_test.log" 2>&1
   echo "rollout_gpu_test: rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran" "$OUT/gpu_test.log"
 fi
