@@ -45,7 +45,9 @@ class NoOpRunner final : public ModelRunner {
   int32_t kv_block_size() const override { return 32; }
   int32_t attention_split_size() const override { return 256; }
   const std::vector<WeightSpec>& weight_specs() const override { return specs_; }
-  absl::Status UpdateWeights(const std::vector<HostTensor>&) override { return absl::OkStatus(); }
+  absl::Status UpdateWeights(const std::vector<HostTensorView>&) override {
+    return absl::OkStatus();
+  }
   absl::Status Forward(const ForwardBatch&, std::vector<float>*) override {
     steps_.fetch_add(1);
     return absl::OkStatus();

@@ -25,8 +25,12 @@ class TimedRunner final : public ModelRunner {
   int32_t kv_block_size() const override { return inner_->kv_block_size(); }
   int32_t attention_split_size() const override { return inner_->attention_split_size(); }
   const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
-  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override {
+  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override {
     return inner_->UpdateWeights(tensors);
+  }
+  absl::StatusOr<std::unique_ptr<HostStagingBuffer>> AllocateHostStaging(
+      size_t bytes) const override {
+    return inner_->AllocateHostStaging(bytes);
   }
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
     return inner_->Forward(batch, logits);

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/weights_stream.h"
 
 namespace rollout {
 namespace {
@@ -291,23 +292,29 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
   uint64_t offset = 0;  // next byte of it
   uint64_t sent = 0;    // bytes handed out before this call; written, since we are called again
   if (progress) progress(0, total);
-  return UpdateWeights(header, [&](TensorData* data) {
-    if (progress && sent > 0) progress(sent, total);
-    // Tensors of zero bytes are declared but get no chunk: the server refuses empty chunks.
-    while (index < tensors.size() && offset >= tensors[index].nbytes) {
-      ++index;
-      offset = 0;
-    }
-    if (index == tensors.size()) return false;
-    const TensorSource& tensor = tensors[index];
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, tensor.nbytes - offset));
-    data->set_name(tensor.name);
-    data->set_offset(offset);
-    data->set_data(tensor.data + offset, n);
-    offset += n;
-    sent += n;
-    return true;
-  });
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  // The chunks' bytes go to gRPC where they are, not copied into messages (weights_stream.h).
+  return client_internal::StreamUpdateWeights(
+      channel_, &context, header, [&](client_internal::RawChunk* chunk) {
+        if (progress && sent > 0) progress(sent, total);
+        // Tensors of zero bytes are declared but get no chunk: the server refuses empty chunks.
+        while (index < tensors.size() && offset >= tensors[index].nbytes) {
+          ++index;
+          offset = 0;
+        }
+        if (index == tensors.size()) return false;
+        const TensorSource& tensor = tensors[index];
+        const size_t n =
+            static_cast<size_t>(std::min<uint64_t>(chunk_bytes, tensor.nbytes - offset));
+        chunk->name = tensor.name;
+        chunk->offset = offset;
+        chunk->data = tensor.data + offset;
+        chunk->size = n;
+        offset += n;
+        sent += n;
+        return true;
+      });
 }
 
 absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromPath(

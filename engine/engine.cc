@@ -50,6 +50,7 @@ Engine::Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options
       split_size_(runner->attention_split_size()),
       num_kv_blocks_(runner->num_kv_blocks()),
       weight_specs_(runner->weight_specs()),
+      staging_allocator_(runner.get()),
       core_(std::make_unique<EngineCore>(std::move(runner), options, max_context())) {}
 
 Engine::~Engine() = default;
@@ -161,6 +162,22 @@ void Engine::UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)
   pending.done = std::move(done);
   pending.cancelled = std::move(cancelled);
   core_->UpdateWeights(std::move(pending));
+}
+
+absl::StatusOr<std::unique_ptr<HostStagingBuffer>> Engine::AllocateHostStaging(
+    size_t bytes) const {
+  return staging_allocator_->AllocateHostStaging(bytes);
+}
+
+WeightUpdate OwnedWeightUpdate(std::string version, UpdatePolicy policy,
+                               std::vector<HostTensor> tensors) {
+  auto owned = std::make_shared<const std::vector<HostTensor>>(std::move(tensors));
+  WeightUpdate update;
+  update.version = std::move(version);
+  update.policy = policy;
+  update.tensors = ViewsOf(*owned);
+  update.bytes = std::move(owned);
+  return update;
 }
 
 bool Engine::Pause(bool abort_in_flight) { return core_->SetPaused(true, abort_in_flight); }

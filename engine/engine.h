@@ -166,7 +166,7 @@ inline constexpr size_t kMaxWeightVersionBytes = 256;
 struct WeightUpdate {
   std::string version;
   UpdatePolicy policy = UpdatePolicy::kDrain;
-  std::vector<HostTensor> tensors;  // complete; checked again by the runner
+  std::vector<HostTensorView> tensors;  // complete; checked again by the runner
   // TensorDigest of each of `tensors`, by name, hashed by whoever received the bytes (off the
   // engine thread). A tensor without one is hashed on the engine thread.
   TensorDigests digests;
@@ -175,7 +175,15 @@ struct WeightUpdate {
   // policy acts, so a refused digest aborts nothing), copied at the swap, and unmapped before
   // `done` is called, whatever the outcome.
   std::vector<IpcTensorSource> ipc_tensors;
+  // Owns the bytes `tensors` view (the server's staging lease, or tensors of its own). The
+  // engine drops it, the last reference it holds, before the update's `done` runs, so that the
+  // staging is free again when the caller hears back.
+  std::shared_ptr<const void> bytes;
 };
+
+// An update whose bytes are `tensors`, owned by it.
+WeightUpdate OwnedWeightUpdate(std::string version, UpdatePolicy policy,
+                               std::vector<HostTensor> tensors);
 
 struct UpdateResult {
   absl::Status status;
@@ -184,6 +192,11 @@ struct UpdateResult {
   int32_t aborted_samples = 0;
   // An IPC update: seconds the engine thread spent opening the exports and hashing their bytes.
   double ipc_open_seconds = 0;
+  // From Engine::UpdateWeights to the runner's copy: the engine thread taking it (after the
+  // step in flight), aborting (ABORT) or draining (DRAIN), hashing tensors without a digest.
+  double wait_seconds = 0;
+  // The runner's copy of the bytes into the served weights (ModelRunner::UpdateWeights).
+  double copy_seconds = 0;
 };
 
 // What Engine::ReleaseMemory does with samples in flight, and what it releases.
@@ -270,7 +283,8 @@ class Engine {
   // is asked on the engine thread before the update acts (an ABORT update aborts nothing first),
   // while a DRAIN update waits (after every step, and every 50 ms while there is no step to
   // run), and right before the swap: once it answers true, nothing is applied and `done` gets
-  // CANCELLED.
+  // CANCELLED. Whatever the outcome, the engine has dropped `update` (its bytes) when `done`
+  // runs.
   void UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done,
                      std::function<bool()> cancelled = nullptr);
 
@@ -303,6 +317,9 @@ class Engine {
 
   // The tensors an update may replace (constant; any thread).
   const std::vector<WeightSpec>& weight_specs() const { return weight_specs_; }
+  // Host memory to stage updates in, from the runner (ModelRunner::AllocateHostStaging: pinned
+  // on CUDA). Any thread; the buffer may outlive the engine.
+  absl::StatusOr<std::unique_ptr<HostStagingBuffer>> AllocateHostStaging(size_t bytes) const;
   std::string weight_version() const;
   // The served weights' digest (model/weight_digest.h; "" when unknown), changed with the
   // version at each swap.
@@ -323,6 +340,8 @@ class Engine {
   const int32_t split_size_;
   const int32_t num_kv_blocks_;
   const std::vector<WeightSpec> weight_specs_;
+  // The runner, borrowed for its one thread-safe method (AllocateHostStaging); core_ owns it.
+  const ModelRunner* const staging_allocator_;
 
   // The engine thread, its state and the queue to it (engine/engine_internal.h). Last: it takes
   // the runner, after the constants above were read from it.

@@ -65,10 +65,9 @@ void EngineCore::Shutdown(StepEvents* events) {
 absl::Status EngineCore::CheckDigest(PendingUpdate* pending, TensorDigests* after) {
   WeightUpdate& update = pending->update;
   *after = tensor_digests_;
-  for (const HostTensor& t : update.tensors) {
+  for (const HostTensorView& t : update.tensors) {
     auto it = update.digests.find(t.name);
-    (*after)[t.name] =
-        it != update.digests.end() ? it->second : TensorDigest(t.bytes.data(), t.bytes.size());
+    (*after)[t.name] = it != update.digests.end() ? it->second : TensorDigest(t.data, t.nbytes);
   }
   if (pending->opened_ipc != nullptr) {
     for (const auto& [name, digest] : pending->opened_ipc->digests()) (*after)[name] = digest;
@@ -194,8 +193,11 @@ absl::Status EngineCore::OpenIpcTensors(PendingUpdate* pending) {
 }
 
 void EngineCore::Reply(PendingUpdate* pending, UpdateResult result) {
-  // The caller may free its exported tensors once answered: they are unmapped first.
+  // The caller may free its exported tensors once answered: they are unmapped first. And it
+  // may stage its next update: the bytes (the server's staging lease) go too.
   pending->opened_ipc.reset();
+  pending->update.tensors.clear();
+  pending->update.bytes.reset();
   delivery_.WaitIdle();  // replies come after the events of earlier steps
   pending->done(std::move(result));
 }
@@ -206,12 +208,14 @@ void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
   result.aborted_samples = aborted_samples;
   result.ipc_open_seconds = pending.ipc_open_seconds;
   const auto start = std::chrono::steady_clock::now();
+  result.wait_seconds = std::chrono::duration<double>(start - pending.submitted).count();
   result.status = pending.opened_ipc != nullptr ? runner_->UpdateWeightsFromIpc(*pending.opened_ipc)
                                                 : runner_->UpdateWeights(pending.update.tensors);
+  result.copy_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (result.status.ok()) {
     ++weight_updates_;
-    last_update_seconds_ =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    last_update_seconds_ = result.copy_seconds;
     version_ = pending.update.version;
     tensor_digests_ = std::move(pending.update.digests);
     digest_ = WeightsDigest(runner_->weight_specs(), tensor_digests_);

@@ -51,6 +51,7 @@ struct PendingUpdate {
   // An IPC update's exports, once opened (StartUpdate); closed before its reply.
   std::unique_ptr<OpenedIpcTensors> opened_ipc;
   double ipc_open_seconds = 0;
+  std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
 };
 
 // An Abort, AbortAll or Pause(abort_in_flight) call on its way to the engine thread.
@@ -213,7 +214,7 @@ class EngineCore {
   // runner (the time it took in pending->ipc_open_seconds); nothing for other updates.
   absl::Status OpenIpcTensors(PendingUpdate* pending);
   // Calls an update's `done` once the events of earlier steps were delivered, its IPC exports
-  // (if any) closed first.
+  // (if any) closed and its bytes (WeightUpdate::bytes) dropped first.
   void Reply(PendingUpdate* pending, UpdateResult result);
   // Makes the submission a job in jobs_ (arrival numbers taken in submission order); its samples
   // wait for Schedule, which hands the unfinished ones to the scheduler.

@@ -102,7 +102,7 @@ class FakeIpcRunner final : public ModelRunner {
     return inner_->ProcessLogits(tasks, logits, results);
   }
   const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
-  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override {
+  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override {
     return inner_->UpdateWeights(tensors);
   }
 
@@ -139,7 +139,7 @@ class FakeIpcRunner final : public ModelRunner {
     return std::unique_ptr<OpenedIpcTensors>(std::move(opened));
   }
   absl::Status UpdateWeightsFromIpc(const OpenedIpcTensors& opened) override {
-    return inner_->UpdateWeights(dynamic_cast<const FakeOpened&>(opened).tensors);
+    return inner_->UpdateWeights(ViewsOf(dynamic_cast<const FakeOpened&>(opened).tensors));
   }
 
  private:
@@ -262,10 +262,7 @@ TEST(EngineIpcTest, AnIpcUpdateServesTheBitsAndDigestOfTheSameBytesStreamed) {
   EXPECT_EQ(host->opens, 1) << "two tensors of one allocation: its handle is opened once";
   EXPECT_EQ(open_at_reply, 0) << "exports are closed before the caller is answered";
 
-  WeightUpdate host_update;
-  host_update.version = "v1";
-  host_update.tensors = tensors;
-  UpdateResult s = Update(streamed.get(), std::move(host_update));
+  UpdateResult s = Update(streamed.get(), OwnedWeightUpdate("v1", UpdatePolicy::kDrain, tensors));
   ASSERT_TRUE(s.status.ok()) << s.status;
   EXPECT_EQ(r.digest, s.digest) << "the same bytes give the same digest along either path";
   EXPECT_EQ(ipc->weight_digest(), r.digest);

@@ -51,7 +51,7 @@ class WeightsReleasingRunner final : public ModelRunner {
     return inner_->ProcessLogits(tasks, logits, results);
   }
   const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
-  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override {
+  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override {
     ++updates_seen_;
     if (weights_released_) return absl::InternalError("an update reached released weights");
     return inner_->UpdateWeights(tensors);
@@ -162,11 +162,7 @@ UpdateResult Update(Engine* engine, std::string version, UpdatePolicy policy) {
                std::vector<uint8_t>(view->data, view->data + view->nbytes)};
   for (size_t i = 0; i < t.bytes.size(); i += 2) t.bytes[i] ^= 1;  // other bytes
   std::promise<UpdateResult> promise;
-  WeightUpdate update;
-  update.version = std::move(version);
-  update.policy = policy;
-  update.tensors.push_back(std::move(t));
-  engine->UpdateWeights(std::move(update),
+  engine->UpdateWeights(OwnedWeightUpdate(std::move(version), policy, {std::move(t)}),
                         [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
   return promise.get_future().get();
 }
@@ -348,12 +344,10 @@ TEST(EngineMemoryTest, ReleaseWhileADrainUpdateWaitsIsRefusedUnlessItAbortsTheSa
   {
     auto ck = Checkpoint::Open(ModelDir());
     const TensorView* view = (*ck)->Find(kTensor);
-    WeightUpdate update;
-    update.version = "v1";
-    update.policy = UpdatePolicy::kDrain;
-    update.tensors.push_back(HostTensor{kTensor, view->dtype, view->shape,
-                                        std::vector<uint8_t>(view->data, view->data + view->nbytes)});
-    t.engine->UpdateWeights(std::move(update),
+    t.engine->UpdateWeights(
+        OwnedWeightUpdate("v1", UpdatePolicy::kDrain,
+                          {HostTensor{kTensor, view->dtype, view->shape,
+                                      std::vector<uint8_t>(view->data, view->data + view->nbytes)}}),
                             [&update_done](UpdateResult r) { update_done.set_value(std::move(r)); });
   }
   const MemoryResult refused = Release(t.engine.get());

@@ -115,7 +115,7 @@ UpdateResult Update(Engine* engine, std::string version, UpdatePolicy policy,
                     std::vector<HostTensor> tensors) {
   std::promise<UpdateResult> promise;
   auto future = promise.get_future();
-  engine->UpdateWeights(WeightUpdate{std::move(version), policy, std::move(tensors)},
+  engine->UpdateWeights(OwnedWeightUpdate(std::move(version), policy, std::move(tensors)),
                         [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
   return future.get();
 }
@@ -227,7 +227,7 @@ TEST(EngineUpdateTest, AbortPolicyDeliversTheAbortedCompletionsBeforeItsReply) {
                   .ok());
   while (engine->counters().generated_tokens < 4) std::this_thread::yield();
   std::promise<int> seen_at_reply;
-  engine->UpdateWeights(WeightUpdate{"v1", UpdatePolicy::kAbort, {ScaledTensor(2.0f)}},
+  engine->UpdateWeights(OwnedWeightUpdate("v1", UpdatePolicy::kAbort, {ScaledTensor(2.0f)}),
                         [&](UpdateResult r) {
                           EXPECT_TRUE(r.status.ok()) << r.status;
                           seen_at_reply.set_value(completions->load());
@@ -244,7 +244,7 @@ TEST(EngineUpdateTest, ADrainUpdateCancelledWhileTheEngineIsPausedIsNoticed) {
   std::promise<UpdateResult> promise;
   auto answered = promise.get_future();
   engine->UpdateWeights(
-      WeightUpdate{"v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}},
+      OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}),
       [&promise](UpdateResult r) { promise.set_value(std::move(r)); },
       [&cancelled] { return cancelled.load(); });
   // Let the engine take the update (it waits for the in-flight sample), then pause it.
@@ -268,7 +268,7 @@ TEST(EngineUpdateTest, DrainFinishesInFlightOnOldWeightsAndNewWorkRunsOnTheNew) 
   const std::string old_bits = Bits(RunJob(engine.get(), {Spec(400)})[0]);
   auto in_flight = StartInFlight(engine.get(), Spec(400));
   std::promise<UpdateResult> promise;
-  engine->UpdateWeights(WeightUpdate{"v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)}},
+  engine->UpdateWeights(OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)}),
                         [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
   auto waiting = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(400)}); });
   const SampleCompletion drained = in_flight.get()[0];
@@ -310,7 +310,7 @@ TEST(EngineUpdateTest, AnUpdateCancelledBeforeItActsAppliesNothingWhateverItsPol
        {UpdatePolicy::kAbort, UpdatePolicy::kContinue, UpdatePolicy::kDrain}) {
     std::promise<UpdateResult> promise;
     engine->UpdateWeights(
-        WeightUpdate{"v1", policy, {ScaledTensor(2.0f)}},
+        OwnedWeightUpdate("v1", policy, {ScaledTensor(2.0f)}),
         [&promise](UpdateResult r) { promise.set_value(std::move(r)); }, [] { return true; });
     const UpdateResult r = promise.get_future().get();
     EXPECT_EQ(r.status.code(), absl::StatusCode::kCancelled) << r.status;
@@ -328,7 +328,7 @@ TEST(EngineUpdateTest, ADrainUpdateCancelledWhileItWaitsAppliesNothingAndRelease
   std::atomic<bool> cancelled{false};
   std::promise<UpdateResult> promise;
   engine->UpdateWeights(
-      WeightUpdate{"v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)}},
+      OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)}),
       [&promise](UpdateResult r) { promise.set_value(std::move(r)); },
       [&cancelled] { return cancelled.load(); });
   auto held = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec()}); });
@@ -350,7 +350,7 @@ TEST(EngineUpdateTest, AnAbortReachesWorkHeldBehindADrainUpdateAndItNeverRuns) {
   auto in_flight = StartInFlight(engine.get(), Spec(4000));
   std::promise<UpdateResult> promise;
   auto answered = promise.get_future();
-  engine->UpdateWeights(WeightUpdate{"v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}},
+  engine->UpdateWeights(OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}),
                         [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
   std::vector<SampleSpec> specs = {Spec(4), Spec(4)};
   for (int32_t i = 0; i < 2; ++i) specs[i].rollout_index = specs[i].sample_index = i;
@@ -385,7 +385,7 @@ TEST(EngineUpdateTest, AbortAllEndsWorkHeldBehindADrainUpdate) {
   auto in_flight = StartInFlight(engine.get(), Spec(4000));
   std::promise<UpdateResult> promise;
   auto answered = promise.get_future();
-  engine->UpdateWeights(WeightUpdate{"v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}},
+  engine->UpdateWeights(OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}),
                         [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
   Collector held(1);
   ASSERT_TRUE(engine->Submit({Spec(4)}, held.Sink()).ok());

@@ -1,10 +1,44 @@
 #include "engine/model_runner.h"
 
 #include <algorithm>
+#include <new>
+#include <utility>
 
 #include "absl/strings/str_format.h"
 
 namespace rollout {
+namespace {
+
+// Plain heap memory: untouched pages cost nothing until the first update writes them.
+class PlainHostStaging final : public HostStagingBuffer {
+ public:
+  PlainHostStaging(std::unique_ptr<uint8_t[]> data, size_t size)
+      : data_(std::move(data)), size_(size) {}
+  uint8_t* data() const override { return data_.get(); }
+  size_t size() const override { return size_; }
+  bool pinned() const override { return false; }
+
+ private:
+  std::unique_ptr<uint8_t[]> data_;
+  size_t size_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostStagingBuffer>> ModelRunner::AllocateHostStaging(
+    size_t bytes) const {
+  return AllocatePlainHostStaging(bytes);
+}
+
+absl::StatusOr<std::unique_ptr<HostStagingBuffer>> AllocatePlainHostStaging(size_t bytes) {
+  // Not value-initialised: no zero-fill.
+  std::unique_ptr<uint8_t[]> data(new (std::nothrow) uint8_t[bytes]);
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "cannot allocate %.2f GiB of host memory to stage weight updates", bytes / 1073741824.0));
+  }
+  return std::unique_ptr<HostStagingBuffer>(new PlainHostStaging(std::move(data), bytes));
+}
 
 namespace {
 

@@ -53,7 +53,24 @@ struct LogitsRowTask {
   std::optional<int32_t> score_token;
 };
 
-// A backend's forward pass with its KV cache. Owned and called by the engine thread only.
+// Host memory to stage weight updates in, from the backend that copies out of it
+// (ModelRunner::AllocateHostStaging). Uninitialised when allocated. Owns the memory; not
+// thread-safe (one update writes it at a time).
+class HostStagingBuffer {
+ public:
+  virtual ~HostStagingBuffer() = default;
+  virtual uint8_t* data() const = 0;
+  virtual size_t size() const = 0;
+  // Page-locked: the backend's device copies from it run asynchronously at the bus rate.
+  virtual bool pinned() const = 0;
+};
+
+// `bytes` of plain heap memory, uninitialised (ModelRunner::AllocateHostStaging's default):
+// RESOURCE_EXHAUSTED when it cannot be had.
+absl::StatusOr<std::unique_ptr<HostStagingBuffer>> AllocatePlainHostStaging(size_t bytes);
+
+// A backend's forward pass with its KV cache. Owned and called by the engine thread only (but
+// AllocateHostStaging, which any thread may call).
 // Contract: the logits of a row are a pure function of the weights and the tokens at positions
 // [0, position] of its sequence -- bitwise, whatever the rest of the batch, the chunking, or
 // where the cached KV came from.
@@ -103,10 +120,19 @@ class ModelRunner {
   // Every tensor a weight update may replace, sorted by name. Constant after construction.
   virtual const std::vector<WeightSpec>& weight_specs() const = 0;
 
-  // Replaces the named tensors. All-or-nothing: validates every tensor (known name, dtype and
-  // shape as in weight_specs(), exact byte count) before changing anything. Host staging
-  // buffers are the only extra copy.
-  virtual absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) = 0;
+  // Replaces the named tensors with the bytes `tensors` view (which stay valid until it
+  // returns). All-or-nothing: validates every tensor (known name, dtype and shape as in
+  // weight_specs(), exact byte count) before changing anything. Returns once the bytes are no
+  // longer read. Fastest from memory AllocateHostStaging gave.
+  virtual absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) = 0;
+
+  // `bytes` of host memory for staging weight updates, the memory UpdateWeights copies from
+  // fastest: page-locked on the CUDA backend (so the swap's copies run at the bus rate, all
+  // enqueued at once), plain memory here (the CPU backend reads it where it is). Thread-safe,
+  // unlike the rest of the class: the server stages updates while the engine steps. The buffer
+  // may outlive the runner. RESOURCE_EXHAUSTED when the memory cannot be had.
+  virtual absl::StatusOr<std::unique_ptr<HostStagingBuffer>> AllocateHostStaging(
+      size_t bytes) const;
 
   // Colocated memory (Engine::ReleaseMemory). ReleaseMemory gives the KV cache's memory back
   // to the system (the GPU, or the host for the CPU backend) and keeps its addresses reserved,

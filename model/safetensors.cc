@@ -532,6 +532,10 @@ absl::Status WriteSafetensorsStreaming(const std::string& path, std::vector<Tens
   return absl::OkStatus();
 }
 
+std::vector<HostTensorView> ViewsOf(const std::vector<HostTensor>& tensors) {
+  return std::vector<HostTensorView>(tensors.begin(), tensors.end());
+}
+
 absl::Status WriteSafetensors(const std::string& path, const std::vector<HostTensor>& tensors) {
   std::vector<TensorMeta> metas;
   std::map<std::string, const HostTensor*> by_name;

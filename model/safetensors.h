@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -98,6 +99,27 @@ struct HostTensor {
   std::vector<int64_t> shape;
   std::vector<uint8_t> bytes;  // exactly prod(shape) * DTypeSize(dtype)
 };
+
+// A tensor in host memory that something else owns (a weight update's staging, a HostTensor),
+// borrowed for as long as the owner keeps it: what a weight update hands the model runner. Like
+// std::string_view, it converts implicitly from what it views.
+struct HostTensorView {
+  HostTensorView() = default;
+  HostTensorView(std::string name, DType dtype, std::vector<int64_t> shape, const uint8_t* data,
+                 size_t nbytes)
+      : name(std::move(name)), dtype(dtype), shape(std::move(shape)), data(data), nbytes(nbytes) {}
+  HostTensorView(const HostTensor& t)  // NOLINT(google-explicit-constructor): a view
+      : HostTensorView(t.name, t.dtype, t.shape, t.bytes.data(), t.bytes.size()) {}
+
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;  // nbytes bytes, row-major, little-endian
+  size_t nbytes = 0;              // prod(shape) * DTypeSize(dtype) for a valid tensor
+};
+
+// Views of `tensors`, which must outlive them.
+std::vector<HostTensorView> ViewsOf(const std::vector<HostTensor>& tensors);
 
 // Writes one .safetensors file (header sorted by name, 8-byte aligned data). The file appears
 // atomically (temp file + rename).

@@ -86,9 +86,9 @@ TensorDigests DigestCheckpoint(const Checkpoint& checkpoint, const std::vector<W
   return digests;
 }
 
-TensorDigests DigestTensors(const std::vector<HostTensor>& tensors, int num_threads) {
+TensorDigests DigestTensors(const std::vector<HostTensorView>& tensors, int num_threads) {
   DigestQueue queue(num_threads);
-  for (const HostTensor& t : tensors) queue.Add(t.name, t.bytes.data(), t.bytes.size());
+  for (const HostTensorView& t : tensors) queue.Add(t.name, t.data, t.nbytes);
   return queue.Finish();
 }
 
@@ -142,6 +142,14 @@ void DigestQueue::Work() {
     lock.lock();
     if (--pending_runs_ == 0) done_cv_.notify_all();
   }
+}
+
+void DigestQueue::Cancel() {
+  std::unique_lock<std::mutex> lock(mu_);
+  pending_runs_ -= runs_.size();
+  runs_.clear();
+  done_cv_.wait(lock, [this] { return pending_runs_ == 0; });
+  tensors_.clear();
 }
 
 TensorDigests DigestQueue::Finish() {

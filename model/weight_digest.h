@@ -48,7 +48,10 @@ TensorDigests DigestCheckpoint(const Checkpoint& checkpoint, const std::vector<W
                                int num_threads = 0);
 
 // The digests of `tensors`, on `num_threads` threads (0: one per core).
-TensorDigests DigestTensors(const std::vector<HostTensor>& tensors, int num_threads = 0);
+TensorDigests DigestTensors(const std::vector<HostTensorView>& tensors, int num_threads = 0);
+inline TensorDigests DigestTensors(const std::vector<HostTensor>& tensors, int num_threads = 0) {
+  return DigestTensors(ViewsOf(tensors), num_threads);
+}
 
 // Hashes tensors on worker threads while the caller goes on (receiving the next ones): their
 // leaves are queued in runs of 4 MiB, so all workers share a big tensor. Add and Finish from one
@@ -66,6 +69,9 @@ class DigestQueue {
   void Add(const std::string& name, const uint8_t* data, size_t size);
   // Waits for every queued tensor and returns their digests; the queue is empty after.
   TensorDigests Finish();
+  // Drops the work not started yet and waits only for the runs being hashed (4 MiB each), so
+  // that the queued bytes may be reused at once; the queue is empty after.
+  void Cancel();
 
  private:
   struct Tensor;

@@ -31,6 +31,8 @@ RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, Access
       metrics_(metrics),
       max_unfinished_samples_(max_unfinished_samples),
       stream_limits_(stream_limits),
+      weights_arena_(engine->weight_specs(),
+                     [engine](size_t bytes) { return engine->AllocateHostStaging(bytes); }),
       loader_(std::make_unique<SerialExecutor>()) {}
 
 void RolloutServiceImpl::StopAdmission() { admitting_ = false; }
@@ -132,9 +134,10 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
     const auto start = std::chrono::steady_clock::now();
     // The caller's deadline and cancel (and a shutdown, which cancels every call) stop the read
     // between two bounded reads, so the slot is never held for a caller that gave up.
-    absl::StatusOr<WeightUpdate> update =
-        LoadUpdateFromCheckpoint(engine_->weight_specs(), path, version, FromProto(policy),
-                                 [context] { return context->IsCancelled(); });
+    CheckpointLoadTimes times;
+    absl::StatusOr<WeightUpdate> update = LoadUpdateFromCheckpoint(
+        engine_->weight_specs(), &weights_arena_, path, version, FromProto(policy),
+        [context] { return context->IsCancelled(); }, &times);
     if (!update.ok()) {
       LOG(WARNING) << "weight update from path '" << path << "' failed: " << update.status();
       if (metrics_ != nullptr) metrics_->RecordUpdate(0, false);
@@ -143,12 +146,15 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
       return;
     }
     uint64_t bytes = 0;
-    for (const HostTensor& t : update->tensors) bytes += t.bytes.size();
+    for (const HostTensorView& t : update->tensors) bytes += t.nbytes;
     response->set_version(update->version);
     response->set_tensors_updated(static_cast<uint32_t>(update->tensors.size()));
     response->set_bytes_received(bytes);
+    response->set_digest_wait_seconds(times.digest_seconds);
+    response->set_staging_setup_seconds(times.setup_seconds);
     response->set_receive_seconds(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() -
+        times.digest_seconds);
     const auto swap_start = std::chrono::steady_clock::now();
     engine_->UpdateWeights(
         *std::move(update),
@@ -158,8 +164,11 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
           response->set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
           response->set_swap_seconds(
               std::chrono::duration<double>(std::chrono::steady_clock::now() - swap_start).count());
+          response->set_engine_wait_seconds(r.wait_seconds);
+          response->set_device_copy_seconds(r.copy_seconds);
           if (metrics_ != nullptr) {
-            metrics_->RecordUpdate(response->receive_seconds() + response->swap_seconds(),
+            metrics_->RecordUpdate(response->receive_seconds() + response->digest_wait_seconds() +
+                                       response->swap_seconds(),
                                    r.status.ok());
           }
           if (!r.status.ok()) {

@@ -12,6 +12,7 @@
 #include "engine/engine.h"
 #include "rollout/v1/rollout.grpc.pb.h"
 #include "server/metrics.h"
+#include "server/weights_arena.h"
 
 namespace rollout {
 
@@ -127,6 +128,9 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   absl::Status CheckAdmission() const;
 
   Engine* engine() const { return engine_; }
+  // Where every update is staged (UpdateWeights, UpdateWeightsFromPath): one at a time, as the
+  // update slot admits.
+  WeightsArena* weights_arena() { return &weights_arena_; }
   ServiceMetrics* metrics() const { return metrics_; }
   const StreamLimits& stream_limits() const { return stream_limits_; }
 
@@ -147,6 +151,7 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   const int64_t max_unfinished_samples_;
   const StreamLimits stream_limits_;
   std::atomic<bool> admitting_{true};
+  WeightsArena weights_arena_;
   // Reads UpdateWeightsFromPath checkpoints off gRPC's threads; the destructor joins it first.
   std::unique_ptr<SerialExecutor> loader_;
   std::mutex mu_;

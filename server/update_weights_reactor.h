@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <vector>
 
 #include "grpcpp/support/byte_buffer.h"
 #include "rollout/v1/rollout.grpc.pb.h"
@@ -19,7 +20,8 @@ namespace rollout {
 //
 // Messages arrive as raw bytes and are parsed here: on a typed stream gRPC reports a message it
 // cannot parse exactly as it reports the client's half-close (OnReadDone(false)), and only the
-// half-close may apply an update.
+// half-close may apply an update. A data chunk's bytes are copied once, from gRPC's buffers to
+// their staging place (ReadTensorDataChunk); anything else goes through protobuf.
 //
 // When an update is applied: after a clean half-close, and only if the call is still not
 // cancelled when the engine is about to swap (asked on the engine thread, right before). A
@@ -52,9 +54,13 @@ class UpdateWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   std::atomic<bool> cancelled_{false};  // OnCancel ran
 
+  // A message that ReadTensorDataChunk leaves to protobuf, parsed into chunk_.
+  absl::Status ParseAndStage();
+
   // Touched by one reaction at a time (each read's OnReadDone, then the engine's answer).
   WeightsStaging staging_;
   grpc::ByteBuffer message_;  // the read in flight
+  std::vector<grpc::Slice> slices_;  // message_'s, while it is staged
   v1::WeightsChunk chunk_;
   uint64_t messages_read_ = 0;
   v1::UpdateWeightsResponse response_;

@@ -1,5 +1,6 @@
 #include "server/weights_staging.h"
 
+#include <chrono>
 #include <cstring>
 #include <iterator>
 #include <memory>
@@ -34,6 +35,7 @@ absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
   if (header.tensors().empty()) {
     return absl::InvalidArgumentError("header.tensors is empty; declare the tensors to replace");
   }
+  std::map<std::string, Staged, std::less<>> tensors;
   for (int i = 0; i < header.tensors_size(); ++i) {
     const v1::TensorDecl& decl = header.tensors(i);
     absl::StatusOr<DType> dtype = ParseDType(decl.dtype());
@@ -46,16 +48,22 @@ absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
     if (absl::Status s = CheckTensorAgainstSpec(*specs_, decl.name(), *dtype, shape); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrFormat("header.tensors[%d]: %s", i, s.message()));
     }
-    if (tensors_.count(decl.name()) != 0) {
+    if (tensors.count(decl.name()) != 0) {
       return absl::InvalidArgumentError(
           absl::StrFormat("header.tensors[%d]: '%s' is declared twice", i, decl.name()));
     }
-    Staged& staged = tensors_[decl.name()];
+    Staged& staged = tensors[decl.name()];
     staged.tensor.name = decl.name();
     staged.tensor.dtype = *dtype;
     staged.tensor.shape = std::move(shape);
-    staged.tensor.bytes.resize(FindWeightSpec(*specs_, decl.name())->nbytes());
+    staged.tensor.nbytes = FindWeightSpec(*specs_, decl.name())->nbytes();
   }
+  // A valid header, and only then the arena: no byte of it is written before this update owns it.
+  absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> lease = arena_->Acquire(&setup_seconds_);
+  if (!lease.ok()) return lease.status();
+  lease_ = *std::move(lease);
+  for (auto& [name, staged] : tensors) staged.tensor.data = lease_->TensorBytes(name);
+  tensors_ = std::move(tensors);
   version_ = header.version();
   policy_ = FromProto(header.policy());
   has_header_ = true;
@@ -63,24 +71,33 @@ absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
 }
 
 absl::Status WeightsStaging::AddData(const v1::TensorData& data) {
+  const std::string& bytes = data.data();
+  return AddData(data.name(), data.offset(), bytes.size(), [&bytes](uint8_t* destination) {
+    std::memcpy(destination, bytes.data(), bytes.size());
+  });
+}
+
+absl::Status WeightsStaging::AddData(absl::string_view name, uint64_t offset, uint64_t size,
+                                     const CopyTo& copy) {
   if (!has_header_) {
     return absl::InvalidArgumentError("TensorData before the WeightsHeader; send the header first");
   }
-  auto it = tensors_.find(data.name());
+  auto it = tensors_.find(name);
   if (it == tensors_.end()) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("data for '%s', which the header did not declare", data.name()));
+        absl::StrFormat("data for '%s', which the header did not declare", name));
   }
   Staged& staged = it->second;
-  const uint64_t size = staged.tensor.bytes.size();
-  const uint64_t begin = data.offset(), end = begin + data.data().size();
-  if (data.data().empty()) {
+  const uint64_t tensor_size = staged.tensor.nbytes;
+  const uint64_t begin = offset, end = begin + size;
+  if (size == 0) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("empty data chunk for '%s' at offset %d", data.name(), begin));
+        absl::StrFormat("empty data chunk for '%s' at offset %d", name, begin));
   }
-  if (begin >= size || end > size || end < begin) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "data for '%s' covers bytes [%d, %d), beyond its %d bytes", data.name(), begin, end, size));
+  if (begin >= tensor_size || end > tensor_size || end < begin) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("data for '%s' covers bytes [%d, %d), beyond its %d bytes", name, begin,
+                        end, tensor_size));
   }
   // The first range starting at or after `end` bounds the search; its predecessor must end
   // before `begin`.
@@ -90,50 +107,70 @@ absl::Status WeightsStaging::AddData(const v1::TensorData& data) {
     if (prev->second > begin) {
       return absl::InvalidArgumentError(
           absl::StrFormat("data for '%s' bytes [%d, %d) overlaps bytes [%d, %d) sent earlier",
-                          data.name(), begin, end, prev->first, prev->second));
+                          name, begin, end, prev->first, prev->second));
     }
   }
-  std::memcpy(staged.tensor.bytes.data() + begin, data.data().data(), data.data().size());
+  // Checked above: the bytes land inside the tensor's place, on no byte written before.
+  copy(const_cast<uint8_t*>(staged.tensor.data) + begin);
   staged.received[begin] = end;
-  bytes_received_ += end - begin;
-  staged.received_bytes += end - begin;
+  bytes_received_ += size;
+  staged.received_bytes += size;
   // Disjoint ranges inside the tensor: all of it arrived. Hashed on the digest workers while
   // the stream goes on.
-  if (staged.received_bytes == size) digests_.Add(data.name(), staged.tensor.bytes.data(), size);
+  if (staged.received_bytes == tensor_size) {
+    digests_.Add(staged.tensor.name, staged.tensor.data, tensor_size);
+  }
   return absl::OkStatus();
 }
 
-absl::StatusOr<WeightUpdate> WeightsStaging::Finish() {
+absl::StatusOr<WeightUpdate> WeightsStaging::Finish(double* digest_wait_seconds) {
+  if (digest_wait_seconds != nullptr) *digest_wait_seconds = 0;
   if (!has_header_) {
     return absl::InvalidArgumentError("the stream ended without a WeightsHeader");
   }
-  WeightUpdate update;
-  update.version = version_;
-  update.policy = policy_;
-  update.digests = digests_.Finish();
-  for (auto& [name, staged] : tensors_) {
+  for (const auto& [name, staged] : tensors_) {
     uint64_t covered = 0;  // ranges are disjoint and sorted: a gap shows as a jump
     for (const auto& [begin, end] : staged.received) {
       if (begin != covered) break;
       covered = end;
     }
-    if (covered != staged.tensor.bytes.size()) {
+    if (covered != staged.tensor.nbytes) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "tensor '%s' is incomplete: bytes from %d on are missing (it has %d); nothing was "
           "applied",
-          name, covered, staged.tensor.bytes.size()));
+          name, covered, staged.tensor.nbytes));
     }
-    update.tensors.push_back(std::move(staged.tensor));
   }
+  WeightUpdate update;
+  update.version = version_;
+  update.policy = policy_;
+  const auto wait_start = std::chrono::steady_clock::now();
+  update.digests = digests_.Finish();
+  if (digest_wait_seconds != nullptr) {
+    *digest_wait_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+  }
+  for (auto& [name, staged] : tensors_) update.tensors.push_back(std::move(staged.tensor));
   tensors_.clear();
+  update.bytes = std::move(lease_);
   return update;
 }
 
+void WeightsStaging::Abandon() {
+  digests_.Cancel();
+  tensors_.clear();
+  lease_.reset();
+}
+
 absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSpec>& specs,
-                                                      const std::string& path,
+                                                      WeightsArena* arena, const std::string& path,
                                                       const std::string& version,
                                                       UpdatePolicy policy,
-                                                      const std::function<bool()>& cancelled) {
+                                                      const std::function<bool()>& cancelled,
+                                                      CheckpointLoadTimes* times) {
+  CheckpointLoadTimes unused;
+  if (times == nullptr) times = &unused;
+  *times = CheckpointLoadTimes{};
   if (absl::Status s = CheckWeightVersion(version); !s.ok()) return s;
   if (path.empty()) {
     return absl::InvalidArgumentError(
@@ -141,9 +178,6 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
   }
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(path);
   if (!checkpoint.ok()) return checkpoint.status();
-  WeightUpdate update;
-  update.version = version;
-  update.policy = policy;
   for (const WeightSpec& spec : specs) {
     const TensorView* view = (*checkpoint)->Find(spec.name);
     if (view == nullptr) {
@@ -159,19 +193,29 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
   for (const WeightSpec& spec : specs) bytes += (*checkpoint)->Find(spec.name)->nbytes;
   LOG(INFO) << absl::StrFormat("reading weight version '%s' from %s: %d tensors, %.1f MiB", version,
                                path, specs.size(), bytes / 1048576.0);
+  absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> lease =
+      arena->Acquire(&times->setup_seconds);
+  if (!lease.ok()) return lease.status();
+  WeightUpdate update;
+  update.version = version;
+  update.policy = policy;
   for (const WeightSpec& spec : specs) {
     const TensorView* view = (*checkpoint)->Find(spec.name);
-    HostTensor& t = update.tensors.emplace_back(
-        HostTensor{spec.name, view->dtype, view->shape, std::vector<uint8_t>(view->nbytes)});
+    uint8_t* place = (*lease)->TensorBytes(spec.name);
+    update.tensors.emplace_back(spec.name, view->dtype, view->shape, place, view->nbytes);
     // Read, not copied from the mapping: a file truncated meanwhile fails this update only.
-    if (absl::Status s = (*checkpoint)->Read(spec.name, t.bytes.data(), cancelled); !s.ok()) {
+    if (absl::Status s = (*checkpoint)->Read(spec.name, place, cancelled); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat(s.message(), "; nothing was applied"));
     }
   }
   if (absl::Status s = (*checkpoint)->CheckUnchanged(); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(s.message(), "; nothing was applied"));
   }
+  const auto digest_start = std::chrono::steady_clock::now();
   update.digests = DigestTensors(update.tensors);
+  times->digest_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - digest_start).count();
+  update.bytes = *std::move(lease);
   return update;
 }
 

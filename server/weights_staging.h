@@ -4,64 +4,98 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "engine/engine.h"
 #include "rollout/v1/rollout.pb.h"
+#include "server/weights_arena.h"
 
 namespace rollout {
 
-// Collects a weight update's tensors in host memory as they stream in, checking each step:
-// the header against the served model (known names, dtypes, shapes, no duplicates), every data
-// chunk against the header (declared name, inside the tensor, no overlap), and at the end that
-// every byte arrived (no gap). Host memory is the only staging; the engine applies the result
-// in place. Not thread-safe: one reactor owns it.
+// Collects a weight update's tensors in the server's staging arena as they stream in, checking
+// each step: the header against the served model (known names, dtypes, shapes, no duplicates),
+// every data chunk against the header (declared name, inside the tensor, no overlap), and at the
+// end that every byte arrived (no gap). Each tensor is hashed as its last byte arrives. The
+// arena is held from SetHeader until Finish hands it to the update, or Abandon (or destruction)
+// gives it back. Not thread-safe: one reactor owns it.
 class WeightsStaging {
  public:
-  // Tensors are hashed on half the cores, so that receiving keeps the others.
-  explicit WeightsStaging(const std::vector<WeightSpec>* specs)
-      : specs_(specs),
-        digests_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2)) {}
+  // Copies a chunk's bytes to where they are staged.
+  using CopyTo = std::function<void(uint8_t* destination)>;
 
+  // `specs` and `arena` are borrowed. Tensors are hashed on half the cores, so that receiving
+  // keeps the others.
+  WeightsStaging(const std::vector<WeightSpec>* specs, WeightsArena* arena)
+      : specs_(specs),
+        arena_(arena),
+        digests_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2)) {}
+  ~WeightsStaging() { Abandon(); }
+  WeightsStaging(const WeightsStaging&) = delete;
+  WeightsStaging& operator=(const WeightsStaging&) = delete;
+
+  // Checks the header and takes the arena (allocated by the first update: setup_seconds).
   absl::Status SetHeader(const v1::WeightsHeader& header);
+  // Checks a chunk of `size` bytes at byte `offset` of tensor `name`, then has `copy` write
+  // them to their place.
+  absl::Status AddData(absl::string_view name, uint64_t offset, uint64_t size, const CopyTo& copy);
   absl::Status AddData(const v1::TensorData& data);
-  // Checks that every declared byte arrived and moves the tensors into a WeightUpdate.
-  absl::StatusOr<WeightUpdate> Finish();
+  // Checks that every declared byte arrived, waits for the hashing (how long in
+  // *digest_wait_seconds), and hands the tensors and the arena to a WeightUpdate.
+  absl::StatusOr<WeightUpdate> Finish(double* digest_wait_seconds = nullptr);
+  // Gives the arena back (at once for the next update): drops the hashing not started and
+  // waits for the runs being hashed. Idempotent.
+  void Abandon();
 
   bool has_header() const { return has_header_; }
+  bool declared(absl::string_view name) const { return tensors_.find(name) != tensors_.end(); }
   uint64_t bytes_received() const { return bytes_received_; }
   size_t num_tensors() const { return tensors_.size(); }
+  double setup_seconds() const { return setup_seconds_; }
 
  private:
   struct Staged {
-    HostTensor tensor;
+    HostTensorView tensor;  // its bytes: the arena's place for it
     std::map<uint64_t, uint64_t> received;  // disjoint byte ranges [begin, end), by begin
     uint64_t received_bytes = 0;
   };
 
   const std::vector<WeightSpec>* const specs_;
+  WeightsArena* const arena_;
   bool has_header_ = false;
   std::string version_;
   UpdatePolicy policy_ = UpdatePolicy::kDrain;
-  std::map<std::string, Staged> tensors_;
-  // Hashes the tensors complete so far; declared after tensors_, so destroyed (its work
-  // waited for) before their bytes.
+  std::shared_ptr<WeightsArena::Lease> lease_;  // from SetHeader to Finish or Abandon
+  double setup_seconds_ = 0;
+  std::map<std::string, Staged, std::less<>> tensors_;
+  // Hashes the tensors complete so far, reading the arena: Abandon stops it before the lease
+  // goes.
   DigestQueue digests_;
   uint64_t bytes_received_ = 0;
 };
 
 UpdatePolicy FromProto(v1::InFlightPolicy policy);
 
-// Reads every weight the model serves from the checkpoint at `path` into an update,
-// validated as a streamed one would be. Reads are bounded (Checkpoint::Read): a file truncated
-// or rewritten meanwhile is ABORTED, never a crash. `cancelled` (optional) is asked between
-// reads: CANCELLED once the caller gave up (deadline, cancel, shutdown).
+// How long the parts of LoadUpdateFromCheckpoint took.
+struct CheckpointLoadTimes {
+  double setup_seconds = 0;   // allocating the arena (the first update only)
+  double digest_seconds = 0;  // hashing what was read
+};
+
+// Reads every weight the model serves from the checkpoint at `path` into the arena, as an
+// update validated as a streamed one would be. Reads are bounded (Checkpoint::Read): a file
+// truncated or rewritten meanwhile is ABORTED, never a crash. `cancelled` (optional) is asked
+// between reads: CANCELLED once the caller gave up (deadline, cancel, shutdown). On failure the
+// arena is free again when this returns.
 absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(
-    const std::vector<WeightSpec>& specs, const std::string& path, const std::string& version,
-    UpdatePolicy policy, const std::function<bool()>& cancelled = nullptr);
+    const std::vector<WeightSpec>& specs, WeightsArena* arena, const std::string& path,
+    const std::string& version, UpdatePolicy policy,
+    const std::function<bool()>& cancelled = nullptr, CheckpointLoadTimes* times = nullptr);
 
 // A weight version names what serves and is copied into every completion: non-empty and at most
 // kMaxWeightVersionBytes. INVALID_ARGUMENT saying which.

@@ -400,22 +400,22 @@ absl::StatusOr<ReleasedMemory> CpuModelRunner::ResumeMemory() {
   return taken;
 }
 
-absl::Status CpuModelRunner::UpdateWeights(const std::vector<HostTensor>& tensors) {
-  for (const HostTensor& t : tensors) {
+absl::Status CpuModelRunner::UpdateWeights(const std::vector<HostTensorView>& tensors) {
+  for (const HostTensorView& t : tensors) {
     if (absl::Status s = CheckTensorAgainstSpec(weight_specs_, t.name, t.dtype, t.shape); !s.ok()) {
       return s;
     }
     const Binding& b = bindings_.at(t.name);
-    if (t.bytes.size() != static_cast<size_t>(b.count) * DTypeSize(t.dtype)) {
+    if (t.nbytes != static_cast<size_t>(b.count) * DTypeSize(t.dtype)) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("tensor '%s': %d bytes given, expected %d", t.name, t.bytes.size(),
+          absl::StrFormat("tensor '%s': %d bytes given, expected %d", t.name, t.nbytes,
                           static_cast<size_t>(b.count) * DTypeSize(t.dtype)));
     }
   }
   // Each full tensor is sliced into the ranks' shards as Load did.
-  for (const HostTensor& t : tensors) {
+  for (const HostTensorView& t : tensors) {
     const Binding& b = bindings_.at(t.name);
-    const uint8_t* in = t.bytes.data();
+    const uint8_t* in = t.data;
     switch (t.dtype) {
       case DType::kF32:
         CopyPieces(b.pieces, b.row_length, [in](int64_t i) {

@@ -82,7 +82,7 @@ class CpuModelRunner final : public ModelRunner {
     return ProcessLogitsOnHost(tasks, logits, config_.vocab_size, ranks_[0].pool.get(), results);
   }
   const std::vector<WeightSpec>& weight_specs() const override { return weight_specs_; }
-  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
+  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override;
 
   // The KV cache's pages go back to the OS (ReleasableHostMemory) and come back zeroed at the
   // same addresses. The weights are in host memory already, where a backup would go: `weights`

@@ -186,13 +186,13 @@ TEST(TensorParallelRunnerTest, WeightUpdatesSliceIntoTheRankShards) {
     update.push_back(RandomTensor(*spec, seed++, norm ? 0.2f : 0.1f, norm ? 1.0f : 0.0f));
   }
   const std::vector<std::string> before = RunSteps(MakeRunner(Qwen2Dir(), 1).get());
-  ASSERT_TRUE(tp1->UpdateWeights(update).ok());
+  ASSERT_TRUE(tp1->UpdateWeights(ViewsOf(update)).ok());
   const std::vector<std::string> want = RunSteps(tp1.get());
   EXPECT_NE(want, before) << "the update changed nothing";
   for (int tp : {2, 4, 8}) {
     std::unique_ptr<CpuModelRunner> runner = MakeRunner(Qwen2Dir(), tp);
     ASSERT_NE(runner, nullptr);
-    absl::Status s = runner->UpdateWeights(update);
+    absl::Status s = runner->UpdateWeights(ViewsOf(update));
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(RunSteps(runner.get()), want) << "TP " << tp;
   }

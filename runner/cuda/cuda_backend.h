@@ -52,8 +52,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
 // module (ROLLOUT_CUDA_BACKEND pointing elsewhere, a partial install) both sides compare this
 // fingerprint of the crossing types before anything else.
 struct CudaBackendAbi {
-  // 2: ForwardBatch::fed_tokens; 3: ModelRunner::ReleaseMemory; 4: ModelRunner::OpenIpcTensors
-  uint32_t version = 4;
+  // 2: ForwardBatch::fed_tokens; 3: ModelRunner::ReleaseMemory; 4: ModelRunner::OpenIpcTensors;
+  // 5: weight updates as HostTensorView, ModelRunner::AllocateHostStaging
+  uint32_t version = 5;
   uint32_t options_size = sizeof(CudaRunnerOptions);
   uint32_t checkpoint_size = sizeof(Checkpoint);
   uint32_t config_size = sizeof(ModelConfig);
@@ -63,6 +64,7 @@ struct CudaBackendAbi {
   uint32_t sample_result_size = sizeof(SampleResult);
   uint32_t weight_spec_size = sizeof(WeightSpec);
   uint32_t host_tensor_size = sizeof(HostTensor);
+  uint32_t host_tensor_view_size = sizeof(HostTensorView);
   uint32_t runner_size = sizeof(ModelRunner);
   uint32_t ipc_tensor_size = sizeof(IpcTensorSource);
 
@@ -72,7 +74,8 @@ struct CudaBackendAbi {
            batch_size == o.batch_size && task_size == o.task_size &&
            sampling_params_size == o.sampling_params_size &&
            sample_result_size == o.sample_result_size && weight_spec_size == o.weight_spec_size &&
-           host_tensor_size == o.host_tensor_size && runner_size == o.runner_size &&
+           host_tensor_size == o.host_tensor_size &&
+           host_tensor_view_size == o.host_tensor_view_size && runner_size == o.runner_size &&
            ipc_tensor_size == o.ipc_tensor_size;
   }
   bool operator!=(const CudaBackendAbi& o) const { return !(*this == o); }

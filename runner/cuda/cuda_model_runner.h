@@ -173,7 +173,11 @@ class CudaModelRunner final : public ModelRunner {
   // Weights as the checkpoint had them (bf16 for synthetic models); updates are converted to the
   // device layout (bf16 matrices, fp32 norms and biases) on the host, then copied.
   const std::vector<WeightSpec>& weight_specs() const override;
-  absl::Status UpdateWeights(const std::vector<HostTensor>& tensors) override;
+  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override;
+  // Page-locked (cudaHostAlloc, portable to every device), so that UpdateWeights enqueues every
+  // copy at once and waits once; plain memory, with a warning, if the driver refuses.
+  absl::StatusOr<std::unique_ptr<HostStagingBuffer>> AllocateHostStaging(
+      size_t bytes) const override;
   // IPC updates (ipc_weights.cc), ranks on one GPU (FAILED_PRECONDITION with `devices`): every
   // tensor's GPU must be rank 0's (by UUID), each distinct handle is opened once, each tensor
   // checked inside its exported allocation (cuMemGetAddressRange) and hashed on the device

@@ -17,6 +17,7 @@
 #include "common/cuda_device_scope.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
+#include "glog/logging.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/tensor_parallel.h"
 #include "model/dtype_cast.h"
@@ -264,6 +265,50 @@ absl::Status SliceIntoPieces(const Binding& dst, const cuda::DeviceBuffer& full,
   return absl::OkStatus();
 }
 
+// Whether a tensor given in `dtype` is stored on the device in another type (fp32 norms and
+// biases; a matrix given in F16 or F32): converted on the host first.
+bool NeedsConversion(const Binding& dst, DType dtype) { return dst.f32 || dtype != DType::kBF16; }
+
+// Enqueues the copies of a bf16 tensor at `data` (host memory) to its pieces on the legacy
+// stream of each piece's device, without waiting, and adds those devices to *devices. From
+// pinned memory the copies run asynchronously; from pageable memory each returns once staged.
+absl::Status EnqueueUpload(const Binding& dst, const uint8_t* data, const std::string& name,
+                           std::vector<int>* devices) {
+  const std::string what = absl::StrCat("uploading ", name);
+  constexpr size_t kElem = 2;
+  for (const Piece& p : dst.pieces) {
+    if (!p.device.has_value()) {  // on the current device (rank 0's)
+      ROLLOUT_RETURN_IF_ERROR(
+          CudaError(CopyPiece(dst, p, data, kElem, cudaMemcpyHostToDevice, 0), what));
+      continue;
+    }
+    CudaDeviceScope scope;
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(*p.device), what));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(CopyPiece(dst, p, data, kElem, cudaMemcpyHostToDevice, 0), what));
+    if (std::find(devices->begin(), devices->end(), *p.device) == devices->end()) {
+      devices->push_back(*p.device);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Page-locked host memory from cudaHostAlloc, portable to every device's context.
+class PinnedHostStaging final : public HostStagingBuffer {
+ public:
+  PinnedHostStaging(void* data, size_t size) : data_(static_cast<uint8_t*>(data)), size_(size) {}
+  ~PinnedHostStaging() override { cudaFreeHost(data_); }
+  PinnedHostStaging(const PinnedHostStaging&) = delete;
+  PinnedHostStaging& operator=(const PinnedHostStaging&) = delete;
+  uint8_t* data() const override { return data_; }
+  size_t size() const override { return size_; }
+  bool pinned() const override { return true; }
+
+ private:
+  uint8_t* const data_;
+  const size_t size_;
+};
+
 void SortSpecs(std::vector<WeightSpec>* specs) {
   std::sort(specs->begin(), specs->end(),
             [](const WeightSpec& a, const WeightSpec& b) { return a.name < b.name; });
@@ -376,24 +421,56 @@ const std::vector<WeightSpec>& CudaModelRunner::weight_specs() const {
   return state_->weight_specs;
 }
 
-absl::Status CudaModelRunner::UpdateWeights(const std::vector<HostTensor>& tensors) {
+absl::Status CudaModelRunner::UpdateWeights(const std::vector<HostTensorView>& tensors) {
   State& s = *state_;
-  for (const HostTensor& t : tensors) {
+  for (const HostTensorView& t : tensors) {
     ROLLOUT_RETURN_IF_ERROR(CheckTensorAgainstSpec(s.weight_specs, t.name, t.dtype, t.shape));
     const size_t expected = FindWeightSpec(s.weight_specs, t.name)->nbytes();
-    if (t.bytes.size() != expected) {
+    if (t.nbytes != expected) {
       return absl::InvalidArgumentError(absl::StrFormat("tensor '%s': %d bytes given, expected %d",
-                                                        t.name, t.bytes.size(), expected));
+                                                        t.name, t.nbytes, expected));
     }
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));
   // Between steps: nothing of ours is in flight, but be explicit.
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "weight update"));
-  for (const HostTensor& t : tensors) {
-    ROLLOUT_RETURN_IF_ERROR(
-        Upload(s.bindings.at(t.name), t.dtype, t.bytes.data(), NumElements(t.shape), t.name));
+  // What the host converts (norms, biases: a small part) goes synchronously, first. Then every
+  // bf16 tensor's copies are enqueued straight from its bytes -- from pinned staging they run
+  // back to back at the bus rate while this thread enqueues the next -- and waited for once.
+  for (const HostTensorView& t : tensors) {
+    const Binding& dst = s.bindings.at(t.name);
+    if (!NeedsConversion(dst, t.dtype)) continue;
+    ROLLOUT_RETURN_IF_ERROR(Upload(dst, t.dtype, t.data, NumElements(t.shape), t.name));
   }
-  return CudaError(cudaDeviceSynchronize(), "weight update");
+  std::vector<int> devices = {s.ranks[0].device};
+  for (const HostTensorView& t : tensors) {
+    const Binding& dst = s.bindings.at(t.name);
+    if (NeedsConversion(dst, t.dtype)) continue;
+    ROLLOUT_RETURN_IF_ERROR(EnqueueUpload(dst, t.data, t.name, &devices));
+  }
+  for (int device : devices) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(device), "cudaSetDevice"));
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cudaDeviceSynchronize(), "weight update"));
+  }
+  return CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice");
+}
+
+absl::StatusOr<std::unique_ptr<HostStagingBuffer>> CudaModelRunner::AllocateHostStaging(
+    size_t bytes) const {
+  // On any thread: rank 0's device current for the call only (its context exists already).
+  CudaDeviceScope scope;
+  void* data = nullptr;
+  cudaError_t error = cudaSetDevice(state_->ranks[0].device);
+  if (error == cudaSuccess) error = cudaHostAlloc(&data, bytes, cudaHostAllocPortable);
+  if (error == cudaSuccess) {
+    return std::unique_ptr<HostStagingBuffer>(new PinnedHostStaging(data, bytes));
+  }
+  cudaGetLastError();  // not sticky; clear it for the next call on this thread
+  LOG(WARNING) << absl::StrFormat(
+      "cannot page-lock %.2f GiB of host memory to stage weight updates (cudaHostAlloc: %s); "
+      "staging them in pageable memory, so each swap copies at the pageable rate",
+      bytes / 1073741824.0, cudaGetErrorString(error));
+  return AllocatePlainHostStaging(bytes);
 }
 
 }  // namespace rollout

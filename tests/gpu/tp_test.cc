@@ -300,7 +300,7 @@ TEST_F(TpModelTest, WeightUpdatesSliceIntoTheRankShards) {
         CudaModelRunner::CreateSynthetic(config, 7, Options(tp, true, true, 128ll << 20, 2048));
     ASSERT_TRUE(runner.ok()) << runner.status();
     if (tp == 1) before = RunScript(runner->get(), script);
-    const absl::Status s = (*runner)->UpdateWeights(update);
+    const absl::Status s = (*runner)->UpdateWeights(ViewsOf(update));
     ASSERT_TRUE(s.ok()) << s;
     const std::vector<float> got = RunScript(runner->get(), script);
     if (tp == 1) {
@@ -562,13 +562,13 @@ TEST_F(TpMultiGpuTest, WeightUpdatesReachEveryDevice) {
     auto ref =
         CudaModelRunner::CreateSynthetic(config, 7, Options(1, true, false, 128ll << 20, 2048));
     ASSERT_TRUE(ref.ok()) << ref.status();
-    ASSERT_TRUE((*ref)->UpdateWeights(update).ok());
+    ASSERT_TRUE((*ref)->UpdateWeights(ViewsOf(update)).ok());
     want = RunScript(ref->get(), script);
   }
   for (int tp : degrees_) {
     auto runner = CudaModelRunner::CreateSynthetic(config, 7, SpreadOptions(tp, 128ll << 20, 2048));
     ASSERT_TRUE(runner.ok()) << runner.status();
-    const absl::Status s = (*runner)->UpdateWeights(update);
+    const absl::Status s = (*runner)->UpdateWeights(ViewsOf(update));
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_TRUE(SameBits(RunScript(runner->get(), script), want, config.vocab_size))
         << "after the update, tp " << tp << " on " << tp << " GPUs";
