@@ -2,6 +2,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <mutex>
 
@@ -193,6 +194,65 @@ TEST(EngineUpdateTest, AnInvalidUpdateLeavesTheOldWeightsServingBitwise) {
     EXPECT_EQ(engine->weight_version(), "v0");
     EXPECT_EQ(Bits(RunJob(engine.get(), {Spec()})[0]), Bits(before)) << r.status;
   }
+}
+
+// An update's bytes with a marker of whether the engine still holds them.
+struct TrackedUpdate {
+  WeightUpdate update;
+  std::shared_ptr<std::atomic<bool>> released = std::make_shared<std::atomic<bool>>(false);
+};
+TrackedUpdate Tracked(std::string version, std::vector<HostTensor> tensors) {
+  TrackedUpdate t;
+  t.update = OwnedWeightUpdate(std::move(version), UpdatePolicy::kContinue, std::move(tensors));
+  // The owner of the bytes, wrapped: the marker flips when the engine drops its reference.
+  std::shared_ptr<const void> inner = std::move(t.update.bytes);
+  t.update.bytes = std::shared_ptr<const void>(
+      inner.get(), [inner, released = t.released](const void*) mutable {
+        inner.reset();
+        *released = true;
+      });
+  return t;
+}
+
+TEST(EngineUpdateTest, TheEngineDropsAnUpdatesBytesBeforeItsCallerHearsBack) {
+  // So the server's staging is free again when the client gets its answer, whatever it is.
+  std::unique_ptr<Engine> engine = MakeEngine();
+  HostTensor unknown = ScaledTensor(2.0f);
+  unknown.name = "model.layers.0.mlp.nonexistent.weight";
+  struct Case {
+    std::string what;
+    std::vector<HostTensor> tensors;
+    std::function<bool()> cancelled;
+    absl::StatusCode code;
+  };
+  const std::vector<Case> cases = {
+      {"applied", {ScaledTensor(2.0f)}, nullptr, absl::StatusCode::kOk},
+      {"refused by the runner", {unknown}, nullptr, absl::StatusCode::kInvalidArgument},
+      {"cancelled", {ScaledTensor(3.0f)}, [] { return true; }, absl::StatusCode::kCancelled},
+  };
+  for (const Case& c : cases) {
+    TrackedUpdate t = Tracked("v-" + c.what, c.tensors);
+    std::promise<bool> released_at_done;
+    std::promise<UpdateResult> result;
+    engine->UpdateWeights(
+        std::move(t.update),
+        [&, released = t.released](UpdateResult r) {
+          released_at_done.set_value(released->load());
+          result.set_value(std::move(r));
+        },
+        c.cancelled);
+    EXPECT_TRUE(released_at_done.get_future().get()) << c.what;
+    EXPECT_EQ(result.get_future().get().status.code(), c.code) << c.what;
+  }
+}
+
+TEST(EngineUpdateTest, TheResultSaysHowLongTheCopyAndTheWaitBeforeItTook) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  const UpdateResult r = Update(engine.get(), "v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)});
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_GT(r.copy_seconds, 0.0);
+  EXPECT_GE(r.wait_seconds, 0.0);
+  EXPECT_LT(r.copy_seconds + r.wait_seconds, 60.0);
 }
 
 TEST(EngineUpdateTest, AbortPolicyEndsInFlightSamplesThenSwaps) {

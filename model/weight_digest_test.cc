@@ -1,5 +1,6 @@
 #include "model/weight_digest.h"
 
+#include <chrono>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -88,6 +89,27 @@ TEST(WeightDigestTest, ACheckpointsDigestIsItsTensorsBytes) {
   absent.push_back({"z", DType::kBF16, {1}});
   EXPECT_EQ(DigestCheckpoint(**checkpoint, absent).size(), 2u);
   EXPECT_EQ(WeightsDigest(absent, DigestCheckpoint(**checkpoint, absent)), "");
+}
+
+TEST(DigestQueueTest, CancelDropsQueuedWorkAndTheQueueServesTheNextTensors) {
+  std::vector<uint8_t> big(size_t{64} << 20, 3), small(1000, 4);
+  DigestQueue queue(1);
+  auto seconds_since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  };
+  // What hashing 512 MiB takes here, for scale.
+  for (int i = 0; i < 8; ++i) queue.Add("big" + std::to_string(i), big.data(), big.size());
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(queue.Finish().size(), 8u);
+  const double all = seconds_since(start);
+  for (int i = 0; i < 8; ++i) queue.Add("big" + std::to_string(i), big.data(), big.size());
+  start = std::chrono::steady_clock::now();
+  queue.Cancel();  // waits only for the run being hashed (at most 4 MiB of the 512)
+  EXPECT_LT(seconds_since(start), all / 4) << "Cancel hashed what was queued";
+  queue.Add("small", small.data(), small.size());
+  const TensorDigests digests = queue.Finish();
+  ASSERT_EQ(digests.size(), 1u) << "the cancelled tensors are gone";
+  EXPECT_EQ(digests.at("small"), TensorDigest(small.data(), small.size()));
 }
 
 }  // namespace

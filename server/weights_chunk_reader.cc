@@ -60,6 +60,38 @@ class SliceInputStream final : public google::protobuf::io::ZeroCopyInputStream 
   int64_t position_ = 0;
 };
 
+// Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past
+// U+10FFFF), which protobuf requires of a proto3 string.
+bool IsUtf8(const std::string& s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const auto* end = p + s.size();
+  while (p < end) {
+    const unsigned char c = *p;
+    int n;
+    uint32_t code, min;
+    if (c < 0x80) {
+      ++p;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1, code = c & 0x1F, min = 0x80;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2, code = c & 0x0F, min = 0x800;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3, code = c & 0x07, min = 0x10000;
+    } else {
+      return false;
+    }
+    if (end - p <= n) return false;
+    for (int i = 1; i <= n; ++i) {
+      if ((p[i] & 0xC0) != 0x80) return false;
+      code = code << 6 | (p[i] & 0x3F);
+    }
+    if (code < min || code > 0x10FFFF || (code >= 0xD800 && code <= 0xDFFF)) return false;
+    p += n + 1;
+  }
+  return true;
+}
+
 // TensorData's fields, up to the limit pushed on `in`.
 bool ReadTensorData(CodedInputStream* in, TensorDataChunk* chunk) {
   constexpr uint32_t kName = 1, kOffset = 2, kData = 3;
@@ -86,7 +118,7 @@ bool ReadTensorData(CodedInputStream* in, TensorDataChunk* chunk) {
     }
   }
   if (!has_data) chunk->data_size = 0;
-  return in->ConsumedEntireMessage();
+  return in->ConsumedEntireMessage() && IsUtf8(chunk->name);
 }
 
 size_t TotalSize(const std::vector<grpc::Slice>& slices) {

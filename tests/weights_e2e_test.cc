@@ -202,6 +202,80 @@ TEST_F(WeightsE2eTest, ASecondConcurrentUpdateIsRefusedWhileTheFirstStreams) {
   EXPECT_EQ(response.version(), "first");
 }
 
+TEST_F(WeightsE2eTest, APathUpdateIsRefusedWhileAStreamStagesAndChangesNothing) {
+  // Both kinds stage in the one arena: the slot admits one update of either kind.
+  using reliability::FetchServerInfo;
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
+  grpc::ClientContext context;
+  v1::UpdateWeightsResponse response;
+  auto writer = stub()->UpdateWeights(&context, &response);
+  v1::WeightsChunk first;
+  *first.mutable_header() = MakeWeightsHeader("streamed", v1::IN_FLIGHT_POLICY_DRAIN, changed);
+  ASSERT_TRUE(writer->Write(first));
+  const std::vector<v1::WeightsChunk> data = MakeDataChunks(changed, 1 << 16);
+  ASSERT_TRUE(writer->Write(data[0]));  // the stream surely holds the slot once this is read
+  grpc::Status refused;
+  for (int i = 0; i < 50; ++i) {
+    grpc::ClientContext path_context;
+    v1::UpdateWeightsFromPathRequest request;
+    request.set_path(server_->server->model_dir());
+    request.set_version("from-path");
+    v1::UpdateWeightsResponse path_response;
+    refused = stub()->UpdateWeightsFromPath(&path_context, request, &path_response);
+    if (refused.error_code() == grpc::StatusCode::ABORTED) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::ABORTED) << refused.error_message();
+  for (size_t i = 1; i < data.size(); ++i) ASSERT_TRUE(writer->Write(data[i]));
+  writer->WritesDone();
+  ASSERT_TRUE(writer->Finish().ok());
+  EXPECT_EQ(FetchServerInfo(stub()).weight_version(), "streamed");
+  EXPECT_EQ(FetchServerInfo(stub()).weight_digest(), response.weight_digest());
+}
+
+TEST_F(WeightsE2eTest, AnUpdateRightAfterAFailedOneIsStagedAtOnce) {
+  // A stream the server fails (mid-stream, or at its end) gives the staging memory back before
+  // its caller hears back, so a retry at once is never refused as "in progress". (A stream the
+  // client cancels is another matter: the server learns of it some time after the client.)
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
+  const std::vector<v1::WeightsChunk> data = MakeDataChunks(changed, 1 << 14);
+  std::vector<v1::WeightsChunk> overlapping = data, truncated = data;
+  overlapping.back().mutable_data()->set_offset(0);
+  truncated.pop_back();
+  for (int round = 0; round < 6; ++round) {
+    const std::string version = "good-" + std::to_string(round);
+    PushOutcome failed = Push(stub(), MakeWeightsHeader("bad", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                              round % 2 == 0 ? overlapping : truncated);
+    EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << round;
+    PushOutcome good =
+        Push(stub(), MakeWeightsHeader(version, v1::IN_FLIGHT_POLICY_DRAIN, changed), data);
+    ASSERT_TRUE(good.status.ok()) << round << ": " << good.status.error_message();
+    EXPECT_EQ(good.response.version(), version);
+  }
+}
+
+TEST_F(WeightsE2eTest, TheResponseSplitsTheTimeAndOnlyTheFirstUpdateSetsUpTheStaging) {
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
+  std::vector<v1::UpdateWeightsResponse> responses;
+  for (const char* version : {"first", "second", "third"}) {
+    PushOutcome push = Push(stub(), MakeWeightsHeader(version, v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                            MakeDataChunks(changed, 1 << 16));
+    ASSERT_TRUE(push.status.ok()) << push.status.error_message();
+    responses.push_back(push.response);
+  }
+  for (size_t i = 0; i < responses.size(); ++i) {
+    const v1::UpdateWeightsResponse& r = responses[i];
+    EXPECT_GT(r.receive_seconds(), 0.0) << i;
+    EXPECT_GE(r.digest_wait_seconds(), 0.0) << i;
+    EXPECT_GT(r.device_copy_seconds(), 0.0) << i;
+    EXPECT_GE(r.engine_wait_seconds(), 0.0) << i;
+    // The engine's wait and copy are parts of the swap the reactor timed around them.
+    EXPECT_GE(r.swap_seconds() + 1e-3, r.engine_wait_seconds() + r.device_copy_seconds()) << i;
+    EXPECT_LE(r.staging_setup_seconds(), r.receive_seconds()) << i;
+    if (i > 0) EXPECT_EQ(r.staging_setup_seconds(), 0.0) << "update " << i << " allocated";
+  }
+}
+
 // Starts a long generation, waits for its first tokens, then pushes with `policy`.
 struct PolicyRun {
   v1::Completion completion;

@@ -1,0 +1,195 @@
+// The staging arena and WeightsStaging on their own: memory reused across updates, one update at
+// a time, and the arena back as soon as an update ends either way.
+#include "server/weights_staging.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "model/weight_digest.h"
+#include "server/weights_arena.h"
+
+namespace rollout {
+namespace {
+
+const std::vector<WeightSpec>& Specs() {
+  // Odd sizes, so that places are not multiples of the alignment by accident.
+  static const std::vector<WeightSpec> specs = {
+      {"a", DType::kBF16, {3, 5}}, {"b", DType::kF32, {7}}, {"c", DType::kBF16, {4099}}};
+  return specs;
+}
+
+// Plain memory, counting the calls; fails the first `failures` of them.
+struct CountingAllocator {
+  int calls = 0;
+  int failures = 0;
+  WeightsArena::Allocator Get() {
+    return [this](size_t bytes) -> absl::StatusOr<std::unique_ptr<HostStagingBuffer>> {
+      if (calls++ < failures) return absl::ResourceExhaustedError("no memory today");
+      return AllocatePlainHostStaging(bytes);
+    };
+  }
+};
+
+TEST(WeightsArenaTest, OnlyTheFirstUpdateAllocatesAndEveryOneGetsTheSamePlaces) {
+  CountingAllocator allocator;
+  WeightsArena arena(Specs(), allocator.Get());
+  EXPECT_EQ(arena.allocations(), 0) << "nothing before the first update";
+  std::vector<uint8_t*> places;
+  for (int update = 0; update < 3; ++update) {
+    double setup = -1;
+    absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> lease = arena.Acquire(&setup);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    if (update > 0) EXPECT_EQ(setup, 0.0) << "update " << update << " allocated nothing";
+    for (const WeightSpec& spec : Specs()) {
+      uint8_t* place = (*lease)->TensorBytes(spec.name);
+      ASSERT_NE(place, nullptr) << spec.name;
+      if (update == 0) {
+        places.push_back(place);
+      } else {
+        EXPECT_EQ(place, places[&spec - Specs().data()]) << spec.name << ", update " << update;
+      }
+    }
+    EXPECT_EQ((*lease)->TensorBytes("not-a-weight"), nullptr);
+  }
+  EXPECT_EQ(allocator.calls, 1);
+  EXPECT_EQ(arena.allocations(), 1);
+  EXPECT_FALSE(arena.pinned()) << "plain memory";
+}
+
+TEST(WeightsArenaTest, PlacesArePageAlignedDisjointAndInsideTheBuffer) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> lease = arena.Acquire();
+  ASSERT_TRUE(lease.ok());
+  const uint8_t* base = (*lease)->TensorBytes(Specs()[0].name);
+  size_t end_of_previous = 0;
+  for (const WeightSpec& spec : Specs()) {  // sorted by name, laid out in that order
+    const size_t offset = (*lease)->TensorBytes(spec.name) - base;
+    EXPECT_EQ(offset % 4096, 0u) << spec.name;
+    EXPECT_GE(offset, end_of_previous) << spec.name;
+    end_of_previous = offset + spec.nbytes();
+  }
+  EXPECT_LE(end_of_previous, arena.capacity());
+}
+
+TEST(WeightsArenaTest, OneUpdateHoldsItAtATime) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> first = arena.Acquire();
+  ASSERT_TRUE(first.ok());
+  absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> second = arena.Acquire();
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kAborted);
+  EXPECT_NE(second.status().message().find("one update at a time"), std::string::npos);
+  first->reset();
+  EXPECT_TRUE(arena.Acquire().ok()) << "free again once the lease is gone";
+}
+
+TEST(WeightsArenaTest, AFailedAllocationKeepsNothingAndTheNextUpdateTriesAgain) {
+  CountingAllocator allocator;
+  allocator.failures = 1;
+  WeightsArena arena(Specs(), allocator.Get());
+  absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> failed = arena.Acquire();
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(failed.status().message().find("nothing was applied"), std::string::npos);
+  EXPECT_TRUE(arena.Acquire().ok());
+  EXPECT_EQ(allocator.calls, 2);
+}
+
+TEST(WeightsArenaTest, ALeaseOutlivingTheArenaKeepsItsMemory) {
+  std::shared_ptr<WeightsArena::Lease> lease;
+  {
+    WeightsArena arena(Specs(), AllocatePlainHostStaging);
+    lease = *arena.Acquire();
+  }
+  std::memset(lease->TensorBytes("c"), 7, Specs()[2].nbytes());  // ASan: no use after free
+}
+
+v1::WeightsHeader HeaderFor(const std::vector<std::string>& names) {
+  v1::WeightsHeader header;
+  header.set_version("v1");
+  for (const std::string& name : names) {
+    const WeightSpec* spec = FindWeightSpec(Specs(), name);
+    v1::TensorDecl* decl = header.add_tensors();
+    decl->set_name(name);
+    decl->set_dtype(DTypeName(spec->dtype));
+    for (int64_t d : spec->shape) decl->add_shape(d);
+  }
+  return header;
+}
+
+v1::TensorData Data(const std::string& name, uint64_t offset, const std::string& bytes) {
+  v1::TensorData data;
+  data.set_name(name);
+  data.set_offset(offset);
+  data.set_data(bytes);
+  return data;
+}
+
+bool ArenaIsFree(WeightsArena* arena) { return arena->Acquire().ok(); }
+
+TEST(WeightsStagingTest, TheArenaIsHeldFromAValidHeaderUntilAbandon) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  WeightsStaging staging(&Specs(), &arena);
+  v1::WeightsHeader bad = HeaderFor({"a"});
+  bad.mutable_tensors(0)->set_dtype("F32");
+  EXPECT_FALSE(staging.SetHeader(bad).ok());
+  EXPECT_TRUE(ArenaIsFree(&arena)) << "a refused header takes nothing";
+  ASSERT_TRUE(staging.SetHeader(HeaderFor({"a", "c"})).ok());
+  EXPECT_FALSE(ArenaIsFree(&arena));
+  // A tensor complete (its hashing queued), then the update fails.
+  ASSERT_TRUE(staging.AddData(Data("a", 0, std::string(Specs()[0].nbytes(), 'x'))).ok());
+  EXPECT_FALSE(staging.AddData(Data("a", 0, "y")).ok()) << "overlap";
+  staging.Abandon();
+  EXPECT_TRUE(ArenaIsFree(&arena)) << "back at once, for a caller who retries";
+}
+
+TEST(WeightsStagingTest, FinishHandsTheStagedBytesAndTheArenaToTheUpdate) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  const std::string c_bytes(Specs()[2].nbytes(), 'c');
+  for (int update = 0; update < 2; ++update) {  // the second reuses the first's memory
+    WeightsStaging staging(&Specs(), &arena);
+    ASSERT_TRUE(staging.SetHeader(HeaderFor({"c"})).ok());
+    // Out of order, in uneven chunks.
+    ASSERT_TRUE(staging.AddData(Data("c", 4000, c_bytes.substr(4000))).ok());
+    ASSERT_TRUE(staging.AddData(Data("c", 0, c_bytes.substr(0, 4000))).ok());
+    double digest_wait = -1;
+    absl::StatusOr<WeightUpdate> update_or = staging.Finish(&digest_wait);
+    ASSERT_TRUE(update_or.ok()) << update_or.status();
+    WeightUpdate& u = *update_or;
+    EXPECT_GE(digest_wait, 0.0);
+    ASSERT_EQ(u.tensors.size(), 1u);
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(u.tensors[0].data), u.tensors[0].nbytes),
+              c_bytes);
+    EXPECT_EQ(u.digests.at("c"),
+              TensorDigest(reinterpret_cast<const uint8_t*>(c_bytes.data()), c_bytes.size()));
+    EXPECT_FALSE(ArenaIsFree(&arena)) << "the update holds it";
+    u.bytes.reset();
+    EXPECT_TRUE(ArenaIsFree(&arena));
+  }
+}
+
+TEST(WeightsStagingTest, AnIncompleteStreamFailsAndGivesTheArenaBack) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  {
+    WeightsStaging staging(&Specs(), &arena);
+    ASSERT_TRUE(staging.SetHeader(HeaderFor({"b"})).ok());
+    ASSERT_TRUE(staging.AddData(Data("b", 4, std::string(24, 'b'))).ok());
+    absl::StatusOr<WeightUpdate> update = staging.Finish();
+    EXPECT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(update.status().message().find("bytes from 0 on are missing"), std::string::npos);
+  }  // destroyed: as Abandon
+  EXPECT_TRUE(ArenaIsFree(&arena));
+}
+
+TEST(WeightsStagingTest, ASecondStagingIsRefusedWhileTheFirstHoldsTheArena) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  WeightsStaging first(&Specs(), &arena), second(&Specs(), &arena);
+  ASSERT_TRUE(first.SetHeader(HeaderFor({"a"})).ok());
+  EXPECT_EQ(second.SetHeader(HeaderFor({"a"})).code(), absl::StatusCode::kAborted);
+  first.Abandon();
+  EXPECT_TRUE(second.SetHeader(HeaderFor({"a"})).ok());
+}
+
+}  // namespace
+}  // namespace rollout
