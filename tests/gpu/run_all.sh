@@ -2,8 +2,8 @@
 # Runs the CUDA backend's proofs and benchmarks on a GPU machine, from the repository root, with
 # binaries built elsewhere and bundled in .gpu/ (docs/cuda.md: "Running on a GPU host").
 # Logs go to $OUT (default /tmp/rollout-gpu). Each step is time-boxed; a failing step does not
-# stop the later ones. Steps: STEPS="hf test attn digest bits sweep bench e2e grpc" (default:
-# hf test sweep bench).
+# stop the later ones. Steps: STEPS="hf test attn digest bits sweep bench e2e grpc weights"
+# (default: hf test sweep bench).
 #   attn: rollout-attention-bench (bit checks: prefill = decode; decode timings to ~16K).
 #   digest: rollout-digest-bench (the device weight digest of Qwen3-8B's 16.4 GB, validated
 #         against the host digest, beside the copy rate and the host digest rate).
@@ -13,6 +13,9 @@
 #   grpc: writes a Qwen3-8B-shaped checkpoint (rollout-make-model), serves it with rollout-server
 #         --backend cuda (its default limits; more flags in GRPC_SERVER_ARGS) and runs
 #         rollout-grpc-bench against it (GRPC_ARGS).
+#   weights: rollout-weight-bench --backend cuda on the same checkpoint (written if missing):
+#         updates of every Qwen3-8B tensor over loopback gRPC, the split and the copy floors
+#         (WEIGHTS_ARGS).
 set -uo pipefail
 OUT=${OUT:-/tmp/rollout-gpu}
 STEPS=${STEPS:-"hf test sweep bench"}
@@ -83,6 +86,13 @@ if [[ " $STEPS " == *" grpc "* ]]; then
   echo "rollout-grpc-bench: rc $?"; grep -A3 RESULT "$OUT/grpc_bench.log"
   curl -s localhost:9491/metrics > "$OUT/grpc_metrics.txt" 2>/dev/null || true
   kill -TERM $server; wait $server; echo "rollout-server exit: $?"
+fi
+if [[ " $STEPS " == *" weights "* ]]; then
+  timeout ${WEIGHTS_TIMEOUT:-420} .gpu/bin/rollout-weight-bench --backend cuda --preset qwen3-8b \
+    --model_dir "${GRPC_MODEL_DIR:-/tmp/rollout-qwen3-8b}" ${WEIGHTS_ARGS:-} \
+    > "$OUT/weight_bench.log" 2>&1
+  echo "rollout-weight-bench: rc $?"; grep -E "^floors|^wrote|^update|RESULT|split:|served digest" \
+    "$OUT/weight_bench.log"
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   timeout ${BENCH_TIMEOUT:-420} .gpu/bin/rollout-bench $BENCH_ARGS > "$OUT/bench.log" 2>&1

@@ -312,6 +312,46 @@ TEST_F(TpModelTest, WeightUpdatesSliceIntoTheRankShards) {
   }
 }
 
+// An update staged in the runner's page-locked staging (AllocateHostStaging), whose bf16 copies
+// are all enqueued asynchronously and waited for once, gives the bits of the same update from
+// pageable memory (copied one by one), at TP 1 and with pieces at TP 4; twice, as the server
+// reuses its staging.
+TEST_F(TpModelTest, UpdatesFromPinnedStagingGiveTheBitsOfPageableOnes) {
+  const ModelConfig config = *PresetConfig("small");
+  const Script script = MakeScript(config.vocab_size, 32, 5, 200, /*all_logits=*/true, 35);
+  for (int tp : {1, 4}) {
+    auto pageable =
+        CudaModelRunner::CreateSynthetic(config, 7, Options(tp, true, true, 128ll << 20, 2048));
+    auto pinned =
+        CudaModelRunner::CreateSynthetic(config, 7, Options(tp, true, true, 128ll << 20, 2048));
+    ASSERT_TRUE(pageable.ok() && pinned.ok());
+    size_t total = 0;
+    for (uint32_t seed : {36u, 37u}) {
+      for (const HostTensor& t : RandomLayer1AndTopLevelUpdate(config, seed)) total += t.bytes.size();
+    }
+    absl::StatusOr<std::unique_ptr<HostStagingBuffer>> staging =
+        (*pinned)->AllocateHostStaging(total);
+    ASSERT_TRUE(staging.ok()) << staging.status();
+    EXPECT_TRUE((*staging)->pinned());
+    for (uint32_t seed : {36u, 37u}) {
+      const std::vector<HostTensor> update = RandomLayer1AndTopLevelUpdate(config, seed);
+      ASSERT_TRUE((*pageable)->UpdateWeights(ViewsOf(update)).ok());
+      std::vector<HostTensorView> views;
+      uint8_t* at = (*staging)->data();
+      for (const HostTensor& t : update) {
+        std::memcpy(at, t.bytes.data(), t.bytes.size());
+        views.emplace_back(t.name, t.dtype, t.shape, at, t.bytes.size());
+        at += t.bytes.size();
+      }
+      const absl::Status s = (*pinned)->UpdateWeights(views);
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_TRUE(SameBits(RunScript(pinned->get(), script), RunScript(pageable->get(), script),
+                           config.vocab_size))
+          << "tp " << tp << ", update seeded " << seed;
+    }
+  }
+}
+
 TEST_F(TpModelTest, DegreesTheModelCannotSplitAreRefused) {
   ModelConfig config = *PresetConfig("small");
   for (int tp : {3, 16}) {
