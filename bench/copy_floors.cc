@@ -68,7 +68,57 @@ double HostMemcpyGBps(size_t bytes, int threads) {
   return best;
 }
 
-absl::StatusOr<double> LoopbackTcpGBps(size_t bytes) {
+namespace {
+
+// One connected pair of loopback sockets.
+struct Connection {
+  std::unique_ptr<Fd> sender, receiver;
+};
+
+absl::StatusOr<Connection> Connect(int listener, const sockaddr_in& address) {
+  Connection c;
+  c.sender = std::make_unique<Fd>(socket(AF_INET, SOCK_STREAM, 0));
+  if (connect(c.sender->get(), reinterpret_cast<const sockaddr*>(&address), sizeof(address)) !=
+      0) {
+    return Errno("connect");
+  }
+  c.receiver = std::make_unique<Fd>(accept(listener, nullptr, nullptr));
+  if (c.receiver->get() < 0) return Errno("accept");
+  return c;
+}
+
+// Sends `bytes` from `sender` and reads them at `receiver`; false if either side failed.
+bool Transfer(const Connection& c, size_t bytes) {
+  // 4 MiB writes and reads, the size of a weight update's chunks.
+  constexpr size_t kBlock = size_t{4} << 20;
+  std::unique_ptr<uint8_t[]> out(new uint8_t[kBlock]), in(new uint8_t[kBlock]);
+  std::memset(out.get(), 3, kBlock);
+  std::memset(in.get(), 4, kBlock);
+  bool write_failed = false;
+  std::thread writer([&] {
+    for (size_t sent = 0; sent < bytes;) {
+      const ssize_t n = write(c.sender->get(), out.get(), std::min(kBlock, bytes - sent));
+      if (n <= 0) {
+        write_failed = true;
+        return;
+      }
+      sent += static_cast<size_t>(n);
+    }
+  });
+  size_t received = 0;
+  while (received < bytes) {
+    const ssize_t n = read(c.receiver->get(), in.get(), std::min(kBlock, bytes - received));
+    if (n <= 0) break;
+    received += static_cast<size_t>(n);
+  }
+  writer.join();
+  return !write_failed && received == bytes;
+}
+
+}  // namespace
+
+absl::StatusOr<double> LoopbackTcpGBps(size_t bytes, int connections) {
+  connections = std::max(1, connections);
   Fd listener(socket(AF_INET, SOCK_STREAM, 0));
   if (listener.get() < 0) return Errno("socket");
   sockaddr_in address{};
@@ -77,44 +127,28 @@ absl::StatusOr<double> LoopbackTcpGBps(size_t bytes) {
   address.sin_port = 0;
   socklen_t length = sizeof(address);
   if (bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      listen(listener.get(), 1) != 0 ||
+      listen(listener.get(), connections) != 0 ||
       getsockname(listener.get(), reinterpret_cast<sockaddr*>(&address), &length) != 0) {
     return Errno("listening on loopback");
   }
-  Fd sender(socket(AF_INET, SOCK_STREAM, 0));
-  if (connect(sender.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    return Errno("connect");
+  std::vector<Connection> pairs;
+  for (int i = 0; i < connections; ++i) {
+    absl::StatusOr<Connection> c = Connect(listener.get(), address);
+    if (!c.ok()) return c.status();
+    pairs.push_back(*std::move(c));
   }
-  Fd receiver(accept(listener.get(), nullptr, nullptr));
-  if (receiver.get() < 0) return Errno("accept");
-  // 4 MiB writes and reads, the size of a weight update's chunks.
-  constexpr size_t kBlock = size_t{4} << 20;
-  std::unique_ptr<uint8_t[]> out(new uint8_t[kBlock]), in(new uint8_t[kBlock]);
-  std::memset(out.get(), 3, kBlock);
-  std::memset(in.get(), 4, kBlock);
+  const size_t share = bytes / connections;
   double best = 0;
   for (int r = 0; r < kRepetitions; ++r) {
     const auto start = Clock::now();
-    bool write_failed = false;
-    std::thread writer([&] {
-      for (size_t sent = 0; sent < bytes;) {
-        const ssize_t n = write(sender.get(), out.get(), std::min(kBlock, bytes - sent));
-        if (n <= 0) {
-          write_failed = true;
-          return;
-        }
-        sent += static_cast<size_t>(n);
-      }
-    });
-    size_t received = 0;
-    while (received < bytes) {
-      const ssize_t n = read(receiver.get(), in.get(), std::min(kBlock, bytes - received));
-      if (n <= 0) break;
-      received += static_cast<size_t>(n);
+    std::vector<std::thread> threads;
+    std::vector<char> ok(connections, 0);
+    for (int i = 0; i < connections; ++i) {
+      threads.emplace_back([&, i] { ok[i] = Transfer(pairs[i], share); });
     }
-    writer.join();
-    if (write_failed || received < bytes) return Errno("loopback transfer");
-    best = std::max(best, bytes / Seconds(start) / 1e9);
+    for (std::thread& t : threads) t.join();
+    if (std::find(ok.begin(), ok.end(), 0) != ok.end()) return Errno("loopback transfer");
+    best = std::max(best, share * connections / Seconds(start) / 1e9);
   }
   return best;
 }

@@ -14,9 +14,10 @@ namespace rollout::bench {
 // memcpy of `bytes` between two host buffers on `threads` threads (each its own slice).
 double HostMemcpyGBps(size_t bytes, int threads);
 
-// `bytes` through one loopback TCP connection (write() on one thread, read() on another),
-// what one gRPC stream's bytes cross before gRPC touches them.
-absl::StatusOr<double> LoopbackTcpGBps(size_t bytes);
+// `bytes` through `connections` loopback TCP connections at once, an equal share each (write()
+// on one thread, read() on another per connection): one is what one gRPC stream's bytes cross
+// before gRPC touches them; more say what spreading an update over several would give.
+absl::StatusOr<double> LoopbackTcpGBps(size_t bytes, int connections = 1);
 
 // Host to device copies of `bytes` on GPU `device`, from page-locked and from pageable memory.
 struct HostToDeviceFloors {
