@@ -13,8 +13,9 @@
 // update it checks that the digest the server serves (the response's and GetServerInfo's) is the
 // digest of the bytes it sent (model/weight_digest.h), and exits 1 printing no RESULT
 // otherwise. The first update also allocates the server's staging (staging_setup in its line);
-// RESULT is the fastest of the later ones. Floors: host memcpy on one thread and on all, one
-// loopback TCP connection, and on cuda the host-to-device copy from pinned and pageable memory.
+// RESULT is the fastest of the later ones. Floors: host memcpy on one thread and on all, loopback
+// TCP on one connection and on four, and on cuda the host-to-device copy from pinned and
+// pageable memory.
 #include <sys/resource.h>
 
 #include <algorithm>
