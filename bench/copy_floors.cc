@@ -78,8 +78,7 @@ struct Connection {
 absl::StatusOr<Connection> Connect(int listener, const sockaddr_in& address) {
   Connection c;
   c.sender = std::make_unique<Fd>(socket(AF_INET, SOCK_STREAM, 0));
-  if (connect(c.sender->get(), reinterpret_cast<const sockaddr*>(&address), sizeof(address)) !=
-      0) {
+  if (connect(c.sender->get(), reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
     return Errno("connect");
   }
   c.receiver = std::make_unique<Fd>(accept(listener, nullptr, nullptr));

@@ -44,8 +44,8 @@ absl::StatusOr<HostToDeviceFloors> MeasureHostToDevice(size_t bytes, int device)
   void* on_device = nullptr;
   void* pinned = nullptr;
   if (absl::Status s = Check(cudaMalloc(&on_device, bytes), "cudaMalloc"); !s.ok()) return s;
-  absl::Status status = Check(cudaHostAlloc(&pinned, bytes, cudaHostAllocPortable),
-                              "cudaHostAlloc");
+  absl::Status status =
+      Check(cudaHostAlloc(&pinned, bytes, cudaHostAllocPortable), "cudaHostAlloc");
   HostToDeviceFloors floors;
   if (status.ok()) {
     std::memset(pinned, 5, bytes);

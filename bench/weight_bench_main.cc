@@ -210,8 +210,7 @@ int Main() {
   std::string dir = absl::GetFlag(FLAGS_model_dir);
   const bool temporary = dir.empty();
   if (temporary) {
-    dir = (std::filesystem::temp_directory_path() /
-           absl::StrCat("rollout-weight-bench-", getpid()))
+    dir = (std::filesystem::temp_directory_path() / absl::StrCat("rollout-weight-bench-", getpid()))
               .string();
   }
   struct Cleanup {

@@ -78,18 +78,15 @@ grpc::ByteBuffer DataChunkMessage(const RawChunk& chunk, SliceTracker* tracker) 
     google::protobuf::io::StringOutputStream stream(&prefix);
     google::protobuf::io::CodedOutputStream out(&stream);
     constexpr int kDataItem = 2, kDataField = 3;  // WeightsChunk.data, TensorData.data
-    out.WriteTag(
-        WireFormatLite::MakeTag(kDataItem, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+    out.WriteTag(WireFormatLite::MakeTag(kDataItem, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
     out.WriteVarint64(name_and_offset.size() + data_field_prefix + chunk.size);
     out.WriteRaw(name_and_offset.data(), static_cast<int>(name_and_offset.size()));
-    out.WriteTag(
-        WireFormatLite::MakeTag(kDataField, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+    out.WriteTag(WireFormatLite::MakeTag(kDataField, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
     out.WriteVarint64(chunk.size);
   }
   tracker->Add();
-  grpc::Slice slices[2] = {
-      grpc::Slice(prefix),
-      grpc::Slice(const_cast<uint8_t*>(chunk.data), chunk.size, &ReleaseSlice, tracker)};
+  grpc::Slice slices[2] = {grpc::Slice(prefix), grpc::Slice(const_cast<uint8_t*>(chunk.data),
+                                                            chunk.size, &ReleaseSlice, tracker)};
   return grpc::ByteBuffer(slices, 2);
 }
 

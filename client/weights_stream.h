@@ -2,8 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <cstddef>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>

@@ -164,8 +164,7 @@ void Engine::UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)
   core_->UpdateWeights(std::move(pending));
 }
 
-absl::StatusOr<std::unique_ptr<HostStagingBuffer>> Engine::AllocateHostStaging(
-    size_t bytes) const {
+absl::StatusOr<std::unique_ptr<HostStagingBuffer>> Engine::AllocateHostStaging(size_t bytes) const {
   return staging_allocator_->AllocateHostStaging(bytes);
 }
 

@@ -206,8 +206,8 @@ TrackedUpdate Tracked(std::string version, std::vector<HostTensor> tensors) {
   t.update = OwnedWeightUpdate(std::move(version), UpdatePolicy::kContinue, std::move(tensors));
   // The owner of the bytes, wrapped: the marker flips when the engine drops its reference.
   std::shared_ptr<const void> inner = std::move(t.update.bytes);
-  t.update.bytes = std::shared_ptr<const void>(
-      inner.get(), [inner, released = t.released](const void*) mutable {
+  t.update.bytes =
+      std::shared_ptr<const void>(inner.get(), [inner, released = t.released](const void*) mutable {
         inner.reset();
         *released = true;
       });
@@ -410,8 +410,9 @@ TEST(EngineUpdateTest, AnAbortReachesWorkHeldBehindADrainUpdateAndItNeverRuns) {
   auto in_flight = StartInFlight(engine.get(), Spec(4000));
   std::promise<UpdateResult> promise;
   auto answered = promise.get_future();
-  engine->UpdateWeights(OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}),
-                        [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
+  engine->UpdateWeights(
+      OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}),
+      [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
   std::vector<SampleSpec> specs = {Spec(4), Spec(4)};
   for (int32_t i = 0; i < 2; ++i) specs[i].rollout_index = specs[i].sample_index = i;
   Collector held(2);
@@ -445,8 +446,9 @@ TEST(EngineUpdateTest, AbortAllEndsWorkHeldBehindADrainUpdate) {
   auto in_flight = StartInFlight(engine.get(), Spec(4000));
   std::promise<UpdateResult> promise;
   auto answered = promise.get_future();
-  engine->UpdateWeights(OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}),
-                        [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
+  engine->UpdateWeights(
+      OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}),
+      [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
   Collector held(1);
   ASSERT_TRUE(engine->Submit({Spec(4)}, held.Sink()).ok());
   engine->AbortAll();

@@ -52,11 +52,10 @@ void UpdateWeightsReactor::OnReadDone(bool ok) {
   slices_.clear();
   if (message_.Dump(&slices_).ok() && ReadTensorDataChunk(slices_, &chunk) &&
       staging_.declared(chunk.name)) {
-    status = staging_.AddData(chunk.name, chunk.offset, chunk.data_size,
-                              [this, &chunk](uint8_t* destination) {
-                                CopyMessageBytes(slices_, chunk.data_begin, chunk.data_size,
-                                                 destination);
-                              });
+    status = staging_.AddData(
+        chunk.name, chunk.offset, chunk.data_size, [this, &chunk](uint8_t* destination) {
+          CopyMessageBytes(slices_, chunk.data_begin, chunk.data_size, destination);
+        });
   } else {
     // Anything else (a header, an undeclared name, an unusual encoding) as protobuf parses it.
     status = ParseAndStage();

@@ -59,7 +59,7 @@ class UpdateWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
 
   // Touched by one reaction at a time (each read's OnReadDone, then the engine's answer).
   WeightsStaging staging_;
-  grpc::ByteBuffer message_;  // the read in flight
+  grpc::ByteBuffer message_;         // the read in flight
   std::vector<grpc::Slice> slices_;  // message_'s, while it is staged
   v1::WeightsChunk chunk_;
   uint64_t messages_read_ = 0;

@@ -36,8 +36,7 @@ WeightsArena::WeightsArena(const std::vector<WeightSpec>& specs, Allocator alloc
   state_->allocate = std::move(allocate);
 }
 
-absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> WeightsArena::Acquire(
-    double* setup_seconds) {
+absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> WeightsArena::Acquire(double* setup_seconds) {
   if (setup_seconds != nullptr) *setup_seconds = 0;
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mu);

@@ -25,8 +25,7 @@ namespace rollout {
 // Thread-safe; the leases may outlive it.
 class WeightsArena {
  public:
-  using Allocator =
-      std::function<absl::StatusOr<std::unique_ptr<HostStagingBuffer>>(size_t bytes)>;
+  using Allocator = std::function<absl::StatusOr<std::unique_ptr<HostStagingBuffer>>(size_t bytes)>;
   class Lease;
 
   // Places for every tensor of `specs`; `allocate` is called (from Acquire) once, for all.

@@ -11,8 +11,8 @@
 namespace rollout {
 namespace {
 
-using google::protobuf::io::CodedInputStream;
 using google::protobuf::internal::WireFormatLite;
+using google::protobuf::io::CodedInputStream;
 
 // Longer lengths than CodedInputStream can count: left to protobuf (which refuses them).
 constexpr uint32_t kMaxLength = std::numeric_limits<int32_t>::max();
@@ -143,8 +143,8 @@ bool ReadTensorDataChunk(const std::vector<grpc::Slice>& message, TensorDataChun
       continue;
     }
     // A second data item would be merged into the first by protobuf: leave that to it.
-    if (has_item || WireFormatLite::GetTagWireType(tag) !=
-                        WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+    if (has_item ||
+        WireFormatLite::GetTagWireType(tag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
       return false;
     }
     uint32_t length;

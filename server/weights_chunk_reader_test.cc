@@ -134,17 +134,17 @@ TEST(WeightsChunkReaderTest, LeavesHeadersMergesAndMalformedMessagesToProtobuf) 
   const std::string data = DataChunk("t", 4, "abcdefgh");
   const std::vector<std::string> messages = {
       header.SerializeAsString(),
-      data + data,                                     // two data items: protobuf merges them
-      header.SerializeAsString() + data,               // both items: the last wins
-      data.substr(0, data.size() - 1),                 // truncated
-      ChunkWriter().Varint(1, 5).Build(),              // name with another wire type
-      ChunkWriter().Field(2, 2, "x").Build(),          // offset with another wire type
-      ChunkWriter().Varint(3, 5).Build(),              // data with another wire type
-      std::string("\x12\x7f") + "short",               // item longer than the message
-      std::string("\x12\x03\x0a\x05x"),                // name longer than the item
-      std::string("\x12\x00\x00", 3),                  // a zero tag
-      ChunkWriter().Field(1, 2, "\xc3\x28").Build(),      // a name that is not UTF-8
-      "",                                              // nothing
+      data + data,                                    // two data items: protobuf merges them
+      header.SerializeAsString() + data,              // both items: the last wins
+      data.substr(0, data.size() - 1),                // truncated
+      ChunkWriter().Varint(1, 5).Build(),             // name with another wire type
+      ChunkWriter().Field(2, 2, "x").Build(),         // offset with another wire type
+      ChunkWriter().Varint(3, 5).Build(),             // data with another wire type
+      std::string("\x12\x7f") + "short",              // item longer than the message
+      std::string("\x12\x03\x0a\x05x"),               // name longer than the item
+      std::string("\x12\x00\x00", 3),                 // a zero tag
+      ChunkWriter().Field(1, 2, "\xc3\x28").Build(),  // a name that is not UTF-8
+      "",                                             // nothing
   };
   for (size_t i = 0; i < messages.size(); ++i) {
     TensorDataChunk chunk;

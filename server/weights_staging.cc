@@ -62,7 +62,10 @@ absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
   absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> lease = arena_->Acquire(&setup_seconds_);
   if (!lease.ok()) return lease.status();
   lease_ = *std::move(lease);
-  for (auto& [name, staged] : tensors) staged.tensor.data = lease_->TensorBytes(name);
+  for (auto& [name, staged] : tensors) {
+    staged.place = lease_->TensorBytes(name);
+    staged.tensor.data = staged.place;
+  }
   tensors_ = std::move(tensors);
   version_ = header.version();
   policy_ = FromProto(header.policy());
@@ -95,9 +98,8 @@ absl::Status WeightsStaging::AddData(absl::string_view name, uint64_t offset, ui
         absl::StrFormat("empty data chunk for '%s' at offset %d", name, begin));
   }
   if (begin >= tensor_size || end > tensor_size || end < begin) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("data for '%s' covers bytes [%d, %d), beyond its %d bytes", name, begin,
-                        end, tensor_size));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "data for '%s' covers bytes [%d, %d), beyond its %d bytes", name, begin, end, tensor_size));
   }
   // The first range starting at or after `end` bounds the search; its predecessor must end
   // before `begin`.
@@ -106,12 +108,12 @@ absl::Status WeightsStaging::AddData(absl::string_view name, uint64_t offset, ui
     auto prev = std::prev(next);
     if (prev->second > begin) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("data for '%s' bytes [%d, %d) overlaps bytes [%d, %d) sent earlier",
-                          name, begin, end, prev->first, prev->second));
+          absl::StrFormat("data for '%s' bytes [%d, %d) overlaps bytes [%d, %d) sent earlier", name,
+                          begin, end, prev->first, prev->second));
     }
   }
   // Checked above: the bytes land inside the tensor's place, on no byte written before.
-  copy(const_cast<uint8_t*>(staged.tensor.data) + begin);
+  copy(staged.place + begin);
   staged.received[begin] = end;
   bytes_received_ += size;
   staged.received_bytes += size;

@@ -60,7 +60,8 @@ class WeightsStaging {
 
  private:
   struct Staged {
-    HostTensorView tensor;  // its bytes: the arena's place for it
+    HostTensorView tensor;                  // tensor.data: `place`
+    uint8_t* place = nullptr;               // the arena's place for its bytes
     std::map<uint64_t, uint64_t> received;  // disjoint byte ranges [begin, end), by begin
     uint64_t received_bytes = 0;
   };

@@ -427,8 +427,8 @@ absl::Status CudaModelRunner::UpdateWeights(const std::vector<HostTensorView>& t
     ROLLOUT_RETURN_IF_ERROR(CheckTensorAgainstSpec(s.weight_specs, t.name, t.dtype, t.shape));
     const size_t expected = FindWeightSpec(s.weight_specs, t.name)->nbytes();
     if (t.nbytes != expected) {
-      return absl::InvalidArgumentError(absl::StrFormat("tensor '%s': %d bytes given, expected %d",
-                                                        t.name, t.nbytes, expected));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor '%s': %d bytes given, expected %d", t.name, t.nbytes, expected));
     }
   }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaSetDevice(s.ranks[0].device), "cudaSetDevice"));

@@ -327,7 +327,8 @@ TEST_F(TpModelTest, UpdatesFromPinnedStagingGiveTheBitsOfPageableOnes) {
     ASSERT_TRUE(pageable.ok() && pinned.ok());
     size_t total = 0;
     for (uint32_t seed : {36u, 37u}) {
-      for (const HostTensor& t : RandomLayer1AndTopLevelUpdate(config, seed)) total += t.bytes.size();
+      for (const HostTensor& t : RandomLayer1AndTopLevelUpdate(config, seed))
+        total += t.bytes.size();
     }
     absl::StatusOr<std::unique_ptr<HostStagingBuffer>> staging =
         (*pinned)->AllocateHostStaging(total);

@@ -150,6 +150,11 @@ class UpdateWeightsResult:
     receive_seconds: float
     swap_seconds: float
     weight_digest: str               # the served weights' digest after the update
+    # The server's time split (docs/api.md, "Where an update's time goes"); 0 from older servers.
+    digest_wait_seconds: float = 0.0    # after receive: hashing not done yet
+    device_copy_seconds: float = 0.0    # in swap: the copy into the served weights
+    engine_wait_seconds: float = 0.0    # in swap, before the copy: step in flight, DRAIN, ABORT
+    staging_setup_seconds: float = 0.0  # in receive: allocating the staging (first update)
     # Measured by the client: the call's wall time and bytes_received over it.
     seconds: float = 0.0
     bytes_per_second: float = 0.0
