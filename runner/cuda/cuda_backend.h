@@ -52,8 +52,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
 // module (ROLLOUT_CUDA_BACKEND pointing elsewhere, a partial install) both sides compare this
 // fingerprint of the crossing types before anything else.
 struct CudaBackendAbi {
-  // 2: ForwardBatch::fed_tokens; 3: ModelRunner::ReleaseMemory; 4: ModelRunner::OpenIpcTensors
-  uint32_t version = 4;
+  // 2: ForwardBatch::fed_tokens; 3: ModelRunner::ReleaseMemory; 4: ModelRunner::OpenIpcTensors;
+  // 5: ModelRunner::CreateWeightSyncPort
+  uint32_t version = 5;
   uint32_t options_size = sizeof(CudaRunnerOptions);
   uint32_t checkpoint_size = sizeof(Checkpoint);
   uint32_t config_size = sizeof(ModelConfig);
