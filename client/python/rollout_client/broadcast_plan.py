@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 ALIGNMENT = 256
 LEAF_BYTES = 1 << 16  # the weight digest's leaf (docs/api.md, "Weight digests")
 HANDSHAKE_BYTES = 64
+UNIQUE_ID_BYTES = 128  # an ncclUniqueId
 ROLE_SOURCE = 1
 ROLE_RECEIVER = 2
 _MAGIC = b"RLBCAST1"
