@@ -164,8 +164,8 @@ class TorchNcclTransport:
                     ptr = flat[s.tensor][s.tensor_offset:s.tensor_offset + s.size].data_ptr()
                 else:
                     k = j % 2
-                    if packing[k] is None:
-                        packing[k] = torch.zeros(plan.bucket_bytes, dtype=torch.uint8,
+                    if packing[k] is None:  # empty: no kernel the streams would race with
+                        packing[k] = torch.empty(plan.bucket_bytes, dtype=torch.uint8,
                                                  device=self.device)
                     buf = packing[k]
                     with torch.cuda.stream(self._copy_stream):
