@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "engine/engine_internal.h"
+#include "engine/weight_sync_agent.h"
 #include "glog/logging.h"
 
 namespace rollout {
@@ -15,6 +16,7 @@ using engine_internal::AbortOrder;
 using engine_internal::EngineCore;
 using engine_internal::MemoryOrder;
 using engine_internal::PendingUpdate;
+using engine_internal::WeightSyncAgent;
 
 namespace {
 
@@ -39,10 +41,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<ModelRunn
         "sample decodes one token per step",
         options.max_batch_tokens, options.max_running_samples));
   }
-  return std::unique_ptr<Engine>(new Engine(std::move(runner), options));
+  // Before the engine thread takes the runner: the port is the weight-sync thread's from here on.
+  absl::StatusOr<std::unique_ptr<WeightSyncPort>> port = runner->CreateWeightSyncPort();
+  return std::unique_ptr<Engine>(new Engine(std::move(runner), std::move(port), options));
 }
 
-Engine::Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options)
+Engine::Engine(std::unique_ptr<ModelRunner> runner,
+               absl::StatusOr<std::unique_ptr<WeightSyncPort>> port, const EngineOptions& options)
     : options_(options),
       config_(runner->config()),
       backend_name_(runner->backend_name()),
@@ -51,7 +56,8 @@ Engine::Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options
       num_kv_blocks_(runner->num_kv_blocks()),
       weight_specs_(runner->weight_specs()),
       staging_allocator_(runner.get()),
-      core_(std::make_unique<EngineCore>(std::move(runner), options, max_context())) {}
+      core_(std::make_unique<EngineCore>(std::move(runner), options, max_context())),
+      weight_sync_(std::make_unique<WeightSyncAgent>(std::move(port), core_.get())) {}
 
 Engine::~Engine() = default;
 
@@ -177,6 +183,25 @@ WeightUpdate OwnedWeightUpdate(std::string version, UpdatePolicy policy,
   update.tensors = ViewsOf(*owned);
   update.bytes = std::move(owned);
   return update;
+}
+
+void Engine::JoinWeightSyncGroup(WeightSyncGroupSpec spec, std::function<void(JoinResult)> done,
+                                 GiveUp give_up) {
+  weight_sync_->Join(std::move(spec), std::move(done), std::move(give_up));
+}
+
+void Engine::LeaveWeightSyncGroup(std::function<void(std::optional<WeightSyncGroupInfo>)> done) {
+  weight_sync_->Leave(std::move(done));
+}
+
+void Engine::UpdateWeightsFromBroadcast(absl::StatusOr<BroadcastUpdate> update,
+                                        std::function<void(UpdateResult)> done,
+                                        std::function<bool()> cancelled) {
+  weight_sync_->Broadcast(std::move(update), std::move(done), std::move(cancelled));
+}
+
+std::optional<WeightSyncGroupInfo> Engine::weight_sync_group() const {
+  return weight_sync_->group();
 }
 
 bool Engine::Pause(bool abort_in_flight) { return core_->SetPaused(true, abort_in_flight); }

@@ -16,11 +16,13 @@
 #include "engine/prefix_cache.h"
 #include "engine/sampling_params.h"
 #include "engine/sequence.h"
+#include "engine/weight_sync.h"
 #include "model/weight_digest.h"
 
 namespace rollout {
 namespace engine_internal {
 class EngineCore;
+class WeightSyncAgent;
 }  // namespace engine_internal
 
 struct EngineOptions {
@@ -179,6 +181,36 @@ struct WeightUpdate {
   // engine drops it, the last reference it holds, before the update's `done` runs, so that the
   // staging is free again when the caller hears back.
   std::shared_ptr<const void> bytes;
+  // When set ("sha256:..."), the update is refused with DATA_LOSS unless the served weights'
+  // digest after it would be exactly this (a broadcast's bytes checked against what the trainer
+  // meant to send).
+  std::string expected_digest;
+};
+
+// An UpdateWeightsFromBroadcast call (engine/weight_sync.h): the tensors, in broadcast order,
+// and how they travel. Checked against the served specs by CheckBroadcastTensors.
+struct BroadcastUpdate {
+  std::string version;
+  UpdatePolicy policy = UpdatePolicy::kDrain;
+  std::vector<BroadcastTensor> tensors;
+  uint64_t bucket_bytes = 0;
+  int32_t source_rank = 0;  // the trainer's rank in the group
+  // Each wait of the receive (the handshake, every bucket) ends after this without progress.
+  std::chrono::milliseconds timeout{60'000};
+  std::string expected_digest;  // WeightUpdate::expected_digest
+};
+
+// The weight-sync group this server is a member of.
+struct WeightSyncGroupInfo {
+  int32_t rank = 0;
+  int32_t world_size = 0;
+};
+
+struct JoinResult {
+  absl::Status status;
+  WeightSyncGroupInfo group;  // when OK
+  double seconds = 0;         // waiting for the group's ranks
+  int nccl_version = 0;
 };
 
 // An update whose bytes are `tensors`, owned by it.
@@ -197,6 +229,10 @@ struct UpdateResult {
   double wait_seconds = 0;
   // The runner's copy of the bytes into the served weights (ModelRunner::UpdateWeights).
   double copy_seconds = 0;
+  // A broadcast update: seconds from the handshake to the last bucket hashed (the weight-sync
+  // thread), and the bytes received (padding included).
+  double receive_seconds = 0;
+  uint64_t received_bytes = 0;
 };
 
 // What Engine::ReleaseMemory does with samples in flight, and what it releases.
@@ -288,6 +324,33 @@ class Engine {
   void UpdateWeights(WeightUpdate update, std::function<void(UpdateResult)> done,
                      std::function<bool()> cancelled = nullptr);
 
+  // Fleets: NCCL weight-sync groups (engine/weight_sync.h, docs/api.md "Weights by NCCL
+  // broadcast"). The runner's port does the work on the engine's weight-sync thread, one call at
+  // a time in call order, so the engine thread keeps stepping meanwhile; each `done` runs on that
+  // thread (it must not block).
+  //
+  // Joins the group of `spec` (returns once every rank joined, the timeout passed, or
+  // `give_up`). FAILED_PRECONDITION when the runner cannot receive broadcasts (its port's
+  // reason: the cpu backend, no device staging), while another join runs, or when already a
+  // member.
+  void JoinWeightSyncGroup(WeightSyncGroupSpec spec, std::function<void(JoinResult)> done,
+                           GiveUp give_up = nullptr);
+  // Leaves the group, if any (after the calls queued before); `done` gets what was left.
+  void LeaveWeightSyncGroup(std::function<void(std::optional<WeightSyncGroupInfo>)> done);
+  // Receives a broadcast into the runner's staging (ReceiveBroadcast), then updates as
+  // UpdateWeights does, with its digests and policy; `done` once applied or failed (on the engine
+  // thread, or on the weight-sync thread when the receive failed). A refused update (`update` an
+  // error: the server's validation, its update slot) still takes part in the group's handshake,
+  // so that the trainer and the other servers stop too, and answers its error. Without a group:
+  // FAILED_PRECONDITION (the runner's reason first, then "join first"), or the refusal.
+  // A receive that times out, is cancelled or fails in NCCL leaves the group (join again).
+  // `cancelled` is asked during the receive too.
+  void UpdateWeightsFromBroadcast(absl::StatusOr<BroadcastUpdate> update,
+                                  std::function<void(UpdateResult)> done,
+                                  std::function<bool()> cancelled = nullptr);
+  // The group this server is a member of (any thread).
+  std::optional<WeightSyncGroupInfo> weight_sync_group() const;
+
   // Stops running steps (and so admissions) once the step in flight, if any, is collected and
   // its events delivered; submissions are queued, not failed. With `abort_in_flight`, every job
   // is aborted too. Returns whether it was paused already.
@@ -330,7 +393,8 @@ class Engine {
   int64_t unfinished_samples() const;
 
  private:
-  Engine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options);
+  Engine(std::unique_ptr<ModelRunner> runner, absl::StatusOr<std::unique_ptr<WeightSyncPort>> port,
+         const EngineOptions& options);
 
   // Constant after construction.
   const EngineOptions options_;
@@ -346,6 +410,9 @@ class Engine {
   // The engine thread, its state and the queue to it (engine/engine_internal.h). Last: it takes
   // the runner, after the constants above were read from it.
   std::unique_ptr<engine_internal::EngineCore> core_;
+  // The weight-sync thread and its group, over the runner's port (made before core_ took the
+  // runner). After core_: destroyed first, so no receive outlives the engine or the runner.
+  std::unique_ptr<engine_internal::WeightSyncAgent> weight_sync_;
 };
 
 }  // namespace rollout

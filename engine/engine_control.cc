@@ -72,7 +72,17 @@ absl::Status EngineCore::CheckDigest(PendingUpdate* pending, TensorDigests* afte
   if (pending->opened_ipc != nullptr) {
     for (const auto& [name, digest] : pending->opened_ipc->digests()) (*after)[name] = digest;
   }
+  if (pending->staged != nullptr) {
+    for (const auto& [name, digest] : pending->staged->digests()) (*after)[name] = digest;
+  }
   const std::string digest = WeightsDigest(runner_->weight_specs(), *after);
+  if (!update.expected_digest.empty() && digest != update.expected_digest) {
+    return absl::DataLossError(absl::StrFormat(
+        "these bytes give weights %s, not the expected %s: what arrived is not what the sender "
+        "meant to send (nothing was applied)",
+        digest.empty() ? "of an unknown digest (a served tensor is converted or missing)" : digest,
+        update.expected_digest));
+  }
   if (update.version == version_ && !digest_.empty() && !digest.empty() && digest != digest_) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "version '%s' is served with weights %s; these bytes give %s: the same name for other "
@@ -194,10 +204,14 @@ absl::Status EngineCore::OpenIpcTensors(PendingUpdate* pending) {
 
 void EngineCore::Reply(PendingUpdate* pending, UpdateResult result) {
   // The caller may free its exported tensors once answered: they are unmapped first. And it
-  // may stage its next update: the bytes (the server's staging lease) go too.
+  // may stage its next update: the bytes (the server's staging lease, or a broadcast's
+  // device staging) go too.
   pending->opened_ipc.reset();
   pending->update.tensors.clear();
   pending->update.bytes.reset();
+  pending->staged.reset();
+  result.receive_seconds = pending->receive_seconds;
+  result.received_bytes = pending->received_bytes;
   delivery_.WaitIdle();  // replies come after the events of earlier steps
   pending->done(std::move(result));
 }
@@ -209,8 +223,13 @@ void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
   result.ipc_open_seconds = pending.ipc_open_seconds;
   const auto start = std::chrono::steady_clock::now();
   result.wait_seconds = std::chrono::duration<double>(start - pending.submitted).count();
-  result.status = pending.opened_ipc != nullptr ? runner_->UpdateWeightsFromIpc(*pending.opened_ipc)
-                                                : runner_->UpdateWeights(pending.update.tensors);
+  if (pending.staged != nullptr) {
+    result.status = runner_->UpdateWeightsFromStaging(*pending.staged);
+  } else if (pending.opened_ipc != nullptr) {
+    result.status = runner_->UpdateWeightsFromIpc(*pending.opened_ipc);
+  } else {
+    result.status = runner_->UpdateWeights(pending.update.tensors);
+  }
   result.copy_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (result.status.ok()) {
@@ -228,8 +247,10 @@ void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
     published_digest_ = digest_;
     result.digest = digest_;
     LOG(INFO) << "weights updated: " << result.previous_version << " -> " << version_ << " ("
-              << pending.update.tensors.size() + pending.update.ipc_tensors.size()
-              << (pending.opened_ipc != nullptr ? " IPC" : "") << " tensors; "
+              << pending.update.tensors.size() + pending.update.ipc_tensors.size() +
+                     (pending.staged != nullptr ? pending.staged->plan().tensors.size() : 0)
+              << (pending.opened_ipc != nullptr ? " IPC" : "")
+              << (pending.staged != nullptr ? " broadcast" : "") << " tensors; "
               << (digest_.empty() ? "digest unknown" : digest_) << ")";
   }
   Reply(&pending, std::move(result));

@@ -52,6 +52,11 @@ struct PendingUpdate {
   std::unique_ptr<OpenedIpcTensors> opened_ipc;
   double ipc_open_seconds = 0;
   std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
+  // A broadcast update's bytes, received and hashed in the runner's staging by the weight-sync
+  // thread (engine/weight_sync_agent.h); released before its reply.
+  std::unique_ptr<StagedWeights> staged;
+  double receive_seconds = 0;
+  uint64_t received_bytes = 0;
 };
 
 // An Abort, AbortAll or Pause(abort_in_flight) call on its way to the engine thread.
@@ -207,14 +212,15 @@ class EngineCore {
   // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
   bool DropIfCancelled(PendingUpdate* pending);
   // Hashes the update's tensors that came without a digest; then FAILED_PRECONDITION when it
-  // reuses the served version name for other bytes (both digests known), else OK with the
-  // served digests after it in `after`.
+  // reuses the served version name for other bytes (both digests known), DATA_LOSS when it
+  // expects another digest than its bytes give, else OK with the served digests after it in
+  // `after`.
   absl::Status CheckDigest(PendingUpdate* pending, TensorDigests* after);
   // An IPC update: its tensors checked against the served specs, then opened and hashed by the
   // runner (the time it took in pending->ipc_open_seconds); nothing for other updates.
   absl::Status OpenIpcTensors(PendingUpdate* pending);
   // Calls an update's `done` once the events of earlier steps were delivered, its IPC exports
-  // (if any) closed and its bytes (WeightUpdate::bytes) dropped first.
+  // (if any) closed and its bytes (WeightUpdate::bytes) and staging (if any) dropped first.
   void Reply(PendingUpdate* pending, UpdateResult result);
   // Makes the submission a job in jobs_ (arrival numbers taken in submission order); its samples
   // wait for Schedule, which hands the unfinished ones to the scheduler.

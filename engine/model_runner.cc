@@ -48,7 +48,23 @@ absl::Status NoIpc(const char* backend) {
       backend));
 }
 
+absl::Status NoBroadcasts(const char* backend) {
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "the %s backend cannot receive NCCL weight broadcasts (they land in device memory): serve "
+      "with --backend cuda --device_weight_staging, or update with UpdateWeights or "
+      "UpdateWeightsFromPath",
+      backend));
+}
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<WeightSyncPort>> ModelRunner::CreateWeightSyncPort() {
+  return NoBroadcasts(backend_name());
+}
+
+absl::Status ModelRunner::UpdateWeightsFromStaging(const StagedWeights& staged) {
+  return NoBroadcasts(backend_name());
+}
 
 absl::StatusOr<std::unique_ptr<OpenedIpcTensors>> ModelRunner::OpenIpcTensors(
     const std::vector<IpcTensorSource>& tensors) {

@@ -12,6 +12,7 @@
 #include "engine/ipc_tensor.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
+#include "engine/weight_sync.h"
 #include "model/model_config.h"
 #include "model/safetensors.h"
 #include "model/weight_spec.h"
@@ -165,6 +166,16 @@ class ModelRunner {
   // as UpdateWeights does host bytes: everything was checked before, so only a device failing
   // mid-copy can leave it half done. The default: FAILED_PRECONDITION.
   virtual absl::Status UpdateWeightsFromIpc(const OpenedIpcTensors& opened);
+
+  // Fleets (engine/weight_sync.h): this runner's port to NCCL weight-sync groups, receiving into
+  // staging it planned with its memory. Called once, before the engine thread starts; the port
+  // is then the weight-sync thread's, and must be destroyed before the runner. The default (the
+  // cpu backend, whose weights are not on a device): FAILED_PRECONDITION naming the cuda backend.
+  virtual absl::StatusOr<std::unique_ptr<WeightSyncPort>> CreateWeightSyncPort();
+  // Copies what this runner's port staged (every tensor of staged.plan(), received and hashed)
+  // into the served weights, between two steps: only a device failing mid-copy can leave it
+  // half done. The default: FAILED_PRECONDITION.
+  virtual absl::Status UpdateWeightsFromStaging(const StagedWeights& staged);
 
  protected:
   // Writes the tokens of `fed_from` (the previous launch's results) into the fed tokens' places

@@ -23,9 +23,10 @@ struct BackendOptions {
   int32_t max_batch_tokens = 512;
   int32_t num_threads = 0;  // cpu: 0 = all cores
   int32_t tensor_parallel = 1;
-  bool cuda_graphs = true;                 // cuda
-  bool tp_invariant = true;                // cuda: the canonical K tree at tp = 1 too
-  std::vector<int> cuda_devices;           // cuda: one per rank, or empty (every rank on GPU 0)
+  bool cuda_graphs = true;             // cuda
+  bool tp_invariant = true;            // cuda: the canonical K tree at tp = 1 too
+  std::vector<int> cuda_devices;       // cuda: one per rank, or empty (every rank on GPU 0)
+  bool device_weight_staging = false;  // cuda: staging for broadcast updates (CudaRunnerOptions)
   bool batch_variant_for_testing = false;  // cpu: the determinism suites' negative control
   // cpu: CpuRunnerOptions::available_host_memory (tests inject a shortage for ResumeMemory).
   std::function<int64_t()> available_host_memory_for_testing;

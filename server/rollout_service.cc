@@ -289,6 +289,10 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
     response->set_weight_update_in_progress(update_in_progress_);
   }
   response->set_backend(engine_->backend_name());
+  if (std::optional<WeightSyncGroupInfo> group = engine_->weight_sync_group()) {
+    response->mutable_weight_sync_group()->set_rank(static_cast<uint32_t>(group->rank));
+    response->mutable_weight_sync_group()->set_world_size(static_cast<uint32_t>(group->world_size));
+  }
   v1::EngineLimits* l = response->mutable_limits();
   l->set_max_running_samples(engine_->options().max_running_samples);
   l->set_max_batch_tokens(engine_->options().max_batch_tokens);

@@ -23,7 +23,8 @@ struct ServedModel {
 };
 
 // Who may call what. With a token, control RPCs (UpdateWeights*, Pause, Resume, Abort,
-// FlushCache, ReleaseMemory, ResumeMemory) need "authorization: Bearer <token>" metadata; with `all_rpcs`, every RPC does.
+// FlushCache, ReleaseMemory, ResumeMemory, Join/LeaveWeightSyncGroup) need "authorization:
+// Bearer <token>" metadata; with `all_rpcs`, every RPC does.
 struct AccessPolicy {
   std::string bearer_token;  // empty: no authentication
   bool all_rpcs = false;
@@ -84,6 +85,16 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   grpc::ServerUnaryReactor* UpdateWeightsFromIpc(grpc::CallbackServerContext* context,
                                                  const v1::UpdateWeightsFromIpcRequest* request,
                                                  v1::UpdateWeightsResponse* response) override;
+  // Fleets (NCCL weight-sync groups); defined in server/broadcast_update.cc.
+  grpc::ServerUnaryReactor* JoinWeightSyncGroup(grpc::CallbackServerContext* context,
+                                                const v1::JoinWeightSyncGroupRequest* request,
+                                                v1::JoinWeightSyncGroupResponse* response) override;
+  grpc::ServerUnaryReactor* LeaveWeightSyncGroup(
+      grpc::CallbackServerContext* context, const v1::LeaveWeightSyncGroupRequest* request,
+      v1::LeaveWeightSyncGroupResponse* response) override;
+  grpc::ServerUnaryReactor* UpdateWeightsFromBroadcast(
+      grpc::CallbackServerContext* context, const v1::UpdateWeightsFromBroadcastRequest* request,
+      v1::UpdateWeightsResponse* response) override;
   grpc::ServerUnaryReactor* Pause(grpc::CallbackServerContext* context,
                                   const v1::PauseRequest* request,
                                   v1::PauseResponse* response) override;

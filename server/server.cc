@@ -267,6 +267,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   backend.cuda_graphs = options.cuda_graphs;
   backend.tp_invariant = options.tp_invariant;
   backend.cuda_devices = options.cuda_devices;
+  backend.device_weight_staging = options.device_weight_staging;
   backend.batch_variant_for_testing = options.batch_variant_for_testing;
   backend.available_host_memory_for_testing = options.available_host_memory_for_testing;
   if (absl::Status s = CheckBackend(backend); !s.ok()) return s;
@@ -281,6 +282,9 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
                                checkpoint_bytes / 1048576.0, options.backend);
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner = CreateModelRunner(**checkpoint, backend);
   if (!runner.ok()) return runner.status();
+  if (options.wrap_runner_for_testing) {
+    runner = options.wrap_runner_for_testing(*std::move(runner));
+  }
   const ModelConfig& c = (*runner)->config();
   LOG(INFO) << absl::StrFormat(
       "loaded %s from %s: %d layers, hidden %d, %d/%d heads x %d, vocab %d; KV cache %d blocks "

@@ -46,6 +46,10 @@ struct ServerOptions {
   // tensor_parallel; ranks exchange through NCCL, libnccl.so.2 loaded at run time). Empty: every
   // rank on GPU 0, as streams of that one device.
   std::vector<int> cuda_devices;
+  // CUDA backend (--device_weight_staging): reserve device memory for one update of every served
+  // tensor (taken from the KV pool), where UpdateWeightsFromBroadcast receives. Without it a
+  // JoinWeightSyncGroup is refused (FAILED_PRECONDITION naming the flag).
+  bool device_weight_staging = false;
   std::string weight_version = "0";
   bool prefix_cache = true;
   bool decode_lookahead = true;                           // EngineOptions::decode_lookahead
@@ -70,6 +74,9 @@ struct ServerOptions {
   // CPU backend, tests only: the host memory ResumeMemory is told is available (empty: the
   // host's), to exercise its RESOURCE_EXHAUSTED.
   std::function<int64_t()> available_host_memory_for_testing;
+  // Tests: wraps the runner before the engine takes it (a fake weight-sync group, for the
+  // broadcast protocol through gRPC without NCCL). Never set it outside tests.
+  std::function<std::unique_ptr<ModelRunner>(std::unique_ptr<ModelRunner>)> wrap_runner_for_testing;
 };
 
 // `options` with every engine limit left at 0 set to its backend's default (see ServerOptions).

@@ -44,6 +44,10 @@ ABSL_FLAG(int32_t, tp, 1,
 ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
           "cuda backend: one GPU per tensor-parallel rank, e.g. 0,1 for --tp 2 (ranks exchange "
           "through NCCL: libnccl.so.2 must load); empty: every rank on GPU 0");
+ABSL_FLAG(bool, device_weight_staging, false,
+          "cuda backend: reserve GPU memory for one update of every served tensor (as large as "
+          "the weights; taken from the KV cache), where UpdateWeightsFromBroadcast receives an "
+          "NCCL broadcast before the atomic swap. Needed to JoinWeightSyncGroup");
 ABSL_FLAG(std::string, weight_version, "0", "version string reported with every completion");
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of shared prefixes across requests");
 ABSL_FLAG(std::string, admission, "reserve",
@@ -56,7 +60,8 @@ ABSL_FLAG(bool, decode_lookahead, true,
           "cuda backend: launch decode step N + 1 before step N's results are applied (its "
           "tokens fed on the device); false: one step at a time. Never changes a bit");
 ABSL_FLAG(std::string, auth_token_file, "",
-          "file holding the bearer token that control RPCs (UpdateWeights*, Pause, Resume, "
+          "file holding the bearer token that control RPCs (UpdateWeights*, Join/Leave"
+          "WeightSyncGroup, Pause, Resume, "
           "Abort, FlushCache) require");
 ABSL_FLAG(std::string, auth_token, "",
           "the bearer token itself (visible in the process list; prefer --auth_token_file)");
@@ -118,6 +123,7 @@ int main(int argc, char** argv) {
     }
     options.cuda_devices.push_back(index);
   }
+  options.device_weight_staging = absl::GetFlag(FLAGS_device_weight_staging);
   options.weight_version = absl::GetFlag(FLAGS_weight_version);
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   options.decode_lookahead = absl::GetFlag(FLAGS_decode_lookahead);

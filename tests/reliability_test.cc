@@ -640,10 +640,20 @@ TEST_F(ReliabilityBadInputTest, MalformedProtobufBytesOnEveryMethodAreRejected) 
                                              std::string("\x0f", 1), std::string("\x08\x80", 2),
                                              std::string("\x0b\x10\x01", 3),
                                              std::string("\x12\x05\x01\x02", 4)};
-  const std::vector<std::string> methods = {
-      "Generate",   "Score",         "GetServerInfo",         "Abort",
-      "FlushCache", "UpdateWeights", "UpdateWeightsFromPath", "Pause",
-      "Resume",     "ReleaseMemory", "ResumeMemory"};
+  const std::vector<std::string> methods = {"Generate",
+                                            "Score",
+                                            "GetServerInfo",
+                                            "Abort",
+                                            "FlushCache",
+                                            "UpdateWeights",
+                                            "UpdateWeightsFromPath",
+                                            "Pause",
+                                            "Resume",
+                                            "ReleaseMemory",
+                                            "ResumeMemory",
+                                            "JoinWeightSyncGroup",
+                                            "LeaveWeightSyncGroup",
+                                            "UpdateWeightsFromBroadcast"};
   for (const std::string& method : methods) {
     for (size_t p = 0; p < payloads.size(); ++p) {
       const std::string name = absl::StrCat(method, " payload ", p);
@@ -846,6 +856,27 @@ TEST(ReliabilityAuthTest, EveryProtectedRpcRefusesMissingAndMalformedTokens) {
              v1::ResumeMemoryResponse response;
              return stub->ResumeMemory(c, {}, &response);
            }},
+          {"JoinWeightSyncGroup",
+           [&](grpc::ClientContext* c) {
+             v1::JoinWeightSyncGroupRequest r;
+             r.set_unique_id(std::string(128, 'u'));
+             r.set_rank(1);
+             r.set_world_size(2);
+             v1::JoinWeightSyncGroupResponse response;
+             return stub->JoinWeightSyncGroup(c, r, &response);
+           }},
+          {"LeaveWeightSyncGroup",
+           [&](grpc::ClientContext* c) {
+             v1::LeaveWeightSyncGroupResponse response;
+             return stub->LeaveWeightSyncGroup(c, {}, &response);
+           }},
+          {"UpdateWeightsFromBroadcast",
+           [&](grpc::ClientContext* c) {
+             v1::UpdateWeightsFromBroadcastRequest r;
+             r.set_version("unauthorized");
+             v1::UpdateWeightsResponse response;
+             return stub->UpdateWeightsFromBroadcast(c, r, &response);
+           }},
       };
   const std::vector<std::string> bad_values = {"",  // no header at all
                                                "Bearer wrong",
@@ -888,8 +919,14 @@ TEST(ReliabilityAuthTest, EveryProtectedRpcRefusesMissingAndMalformedTokens) {
     c.set_deadline(std::chrono::system_clock::now() + seconds(60));
     c.AddMetadata("authorization", "Bearer s3cret");
     const grpc::Status status = call(&c);
-    if (name == "UpdateWeightsFromIpc") {  // past the token, its empty request is refused
+    // Past the token: an empty request is refused, and the cpu backend joins no group.
+    if (name == "UpdateWeightsFromIpc" || name == "UpdateWeightsFromBroadcast") {
       EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+      continue;
+    }
+    if (name == "JoinWeightSyncGroup") {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+          << status.error_message();
       continue;
     }
     EXPECT_TRUE(status.ok()) << name << ": " << status.error_message();

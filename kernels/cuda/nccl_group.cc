@@ -1,91 +1,17 @@
-// The NCCL RankGroup: one device per rank, NCCL loaded with dlopen() at run
-// time. Debian has no NCCL package, so the build cannot link it (CI has neither
-// a GPU nor NCCL); a GPU host brings its own (e.g. the one inside its PyTorch
-// environment). What this file needs of NCCL's public API (nccl.h, stable
-// across NCCL 2.x) is declared below by hand: a few functions, the opaque
-// communicator, the 128-byte unique id, and two enum values.
-#include <dlfcn.h>
-
+// The NCCL RankGroup: one device per rank, NCCL loaded with dlopen() at run time
+// (kernels/cuda/nccl_library.h says why and what of its API is used).
 #include <memory>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "common/cuda_device_scope.h"
 #include "common/status.h"
+#include "kernels/cuda/nccl_library.h"
 #include "kernels/cuda/rank_group.h"
 
 namespace rollout::cuda {
 namespace {
-
-// nccl.h: typedef struct ncclComm* ncclComm_t; typedef struct { char
-// internal[128]; } ncclUniqueId (NCCL_UNIQUE_ID_BYTES = 128, passed by value to
-// ncclCommInitRank); ncclResult_t and ncclDataType_t are C enums (int-sized):
-// ncclSuccess = 0, ncclFloat32 = 7.
-struct NcclComm;
-using NcclCommHandle = NcclComm*;
-struct NcclUniqueId {
-  char internal[128];
-};
-using NcclResult = int;
-constexpr NcclResult kNcclSuccess = 0;
-constexpr int kNcclFloat32 = 7;
-
-// The loaded library and its entry points. Closed (dlclose) on destruction;
-// communicators made through it must be destroyed first.
-class NcclLibrary {
- public:
-  ~NcclLibrary() {
-    if (handle_ != nullptr) dlclose(handle_);
-  }
-
-  GroupStatus Load(const std::string& path) {
-    const std::string name = path.empty() ? "libnccl.so.2" : path;
-    handle_ = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (handle_ == nullptr) {
-      const char* why = dlerror();
-      return GroupStatus::Error("cannot load NCCL (" + name + "): " + (why ? why : "dlopen"));
-    }
-    GroupStatus status = GroupStatus::Ok();
-    auto bind = [&](auto* fn, const char* symbol) {
-      void* p = dlsym(handle_, symbol);
-      if (p == nullptr && status.ok()) {
-        status = GroupStatus::Error(name + " lacks " + symbol);
-      }
-      *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
-    };
-    bind(&GetVersion, "ncclGetVersion");
-    bind(&GetUniqueId, "ncclGetUniqueId");
-    bind(&CommInitRank, "ncclCommInitRank");
-    bind(&CommDestroy, "ncclCommDestroy");
-    bind(&AllGatherFn, "ncclAllGather");
-    bind(&GroupStart, "ncclGroupStart");
-    bind(&GroupEnd, "ncclGroupEnd");
-    bind(&GetErrorString, "ncclGetErrorString");
-    return status;
-  }
-
-  GroupStatus Check(NcclResult result, const char* what) const {
-    if (result == kNcclSuccess) return GroupStatus::Ok();
-    const char* text = GetErrorString != nullptr ? GetErrorString(result) : nullptr;
-    return GroupStatus::Error(std::string(what) + ": NCCL error " + std::to_string(result) +
-                              (text != nullptr ? std::string(" (") + text + ")" : ""));
-  }
-
-  NcclResult (*GetVersion)(int* version) = nullptr;
-  NcclResult (*GetUniqueId)(NcclUniqueId* id) = nullptr;
-  NcclResult (*CommInitRank)(NcclCommHandle* comm, int nranks, NcclUniqueId id, int rank) = nullptr;
-  NcclResult (*CommDestroy)(NcclCommHandle comm) = nullptr;
-  NcclResult (*AllGatherFn)(const void* send, void* recv, size_t send_count, int data_type,
-                            NcclCommHandle comm, cudaStream_t stream) = nullptr;
-  NcclResult (*GroupStart)() = nullptr;
-  NcclResult (*GroupEnd)() = nullptr;
-  const char* (*GetErrorString)(NcclResult result) = nullptr;
-
- private:
-  void* handle_ = nullptr;
-};
 
 class NcclGroup final : public RankGroup {
  public:

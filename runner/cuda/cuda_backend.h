@@ -53,8 +53,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
 // fingerprint of the crossing types before anything else.
 struct CudaBackendAbi {
   // 2: ForwardBatch::fed_tokens; 3: ModelRunner::ReleaseMemory; 4: ModelRunner::OpenIpcTensors;
-  // 5: weight updates as HostTensorView, ModelRunner::AllocateHostStaging
-  uint32_t version = 5;
+  // 5: weight updates as HostTensorView, ModelRunner::AllocateHostStaging;
+  // 6: ModelRunner::CreateWeightSyncPort
+  uint32_t version = 6;
   uint32_t options_size = sizeof(CudaRunnerOptions);
   uint32_t checkpoint_size = sizeof(Checkpoint);
   uint32_t config_size = sizeof(ModelConfig);

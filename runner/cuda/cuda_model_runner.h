@@ -42,6 +42,13 @@ struct CudaRunnerOptions {
   // The NCCL library dlopen()ed when `devices` spans devices: a path, or "" for libnccl.so.2 on
   // the loader's search path (LD_LIBRARY_PATH).
   std::string nccl_library;
+  // Fleets (UpdateWeightsFromBroadcast, engine/weight_sync.h): reserve on the device, at load and
+  // before the KV pool, staging for one update of every served tensor (their checkpoint bytes,
+  // each at a 256-byte boundary: 16.4 GB for Qwen3-8B) and its digest workspace. A broadcast
+  // lands there bucket by bucket, is hashed there, and is copied device to device into the
+  // weights at the swap. Off: CreateWeightSyncPort is FAILED_PRECONDITION naming
+  // --device_weight_staging (no pinned-host fallback: docs/cuda.md says why).
+  bool device_weight_staging = false;
   // KV page size in tokens. Any positive size works; attention tiles are 32 keys.
   int32_t kv_block_size = 32;
   // Split-KV size S: a multiple of 32 and of kv_block_size. Prefill chunks end on multiples of
@@ -186,6 +193,14 @@ class CudaModelRunner final : public ModelRunner {
   absl::StatusOr<std::unique_ptr<OpenedIpcTensors>> OpenIpcTensors(
       const std::vector<IpcTensorSource>& tensors) override;
   absl::Status UpdateWeightsFromIpc(const OpenedIpcTensors& opened) override;
+  // Fleets (weight_sync_port.cc): with device_weight_staging and ranks on one GPU, a port whose
+  // members are NCCL ranks on rank 0's device (NCCL dlopen()ed from options.nccl_library when
+  // the first group is joined) and whose sink stages and hashes in the reserved staging;
+  // FAILED_PRECONDITION naming --device_weight_staging (or --cuda_devices) otherwise. The swap
+  // copies the staged tensors device to device (converted where the dtype is not the device's)
+  // and waits for the copies.
+  absl::StatusOr<std::unique_ptr<WeightSyncPort>> CreateWeightSyncPort() override;
+  absl::Status UpdateWeightsFromStaging(const StagedWeights& staged) override;
 
   // Colocated memory (ModelRunner::ReleaseMemory): the KV pool and, with `weights`, the weights
   // are ReleasableDeviceBuffers (CUDA virtual memory: the addresses stay reserved, the decode
@@ -234,7 +249,8 @@ class CudaModelRunner final : public ModelRunner {
   // Finish (workspace.cc, pinned_gemms.cc):
   absl::Status Finish();
   absl::Status UploadRopeTables();
-  absl::Status AllocateWorkspace();  // activations, logits, sampling buffers, host staging
+  absl::Status AllocateWorkspace();      // activations, logits, sampling buffers, host staging
+  absl::Status AllocateWeightStaging();  // device_weight_staging: broadcast staging, digests
   absl::Status PinGemms();
   absl::Status PinCanonicalGemms();
   absl::Status AllocateKvCache();  // the KV pool from the memory left

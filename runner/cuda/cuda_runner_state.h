@@ -83,6 +83,11 @@ struct CudaModelRunner::State {
   cuda::DeviceBuffer meta;
   // ProcessLogits: per-row specs and results on the device, [max_logit_rows].
   cuda::DeviceBuffer row_specs, row_results;
+  // Broadcast staging (CudaRunnerOptions::device_weight_staging; empty without): room for a
+  // stream of every served tensor (engine/broadcast_plan.h), 32 bytes per digest leaf of them,
+  // and 32 per tensor. The weight-sync port's sink (weight_sync_port.cc) writes them from its
+  // thread; the engine thread reads `weight_staging` at the swap (UpdateWeightsFromStaging).
+  cuda::DeviceBuffer weight_staging, staging_leaf_digests, staging_tensor_digests;
 
   // --- 6. The cuBLASLt handle of rank 0's device: RankState::lt of every rank on it.
   cuda_runner_internal::CublasLt lt;

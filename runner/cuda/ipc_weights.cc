@@ -18,16 +18,13 @@
 #include "common/status.h"
 #include "engine/ipc_tensor.h"
 #include "glog/logging.h"
-#include "kernels/cuda/weight_convert.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/cuda/cuda_runner_state.h"
 #include "runner/cuda/device_tensor_digest.h"
+#include "runner/cuda/device_weight_copy.h"
 
 namespace rollout {
 namespace {
-
-using cuda_runner_internal::Binding;
-using cuda_runner_internal::Piece;
 
 // The exports of one update mapped into this process, closed (on their device) on destruction.
 class CudaIpcTensors final : public OpenedIpcTensors {
@@ -78,36 +75,6 @@ absl::StatusOr<GetAddressRange> AddressRangeFunction() {
         cudaGetErrorName(e)));
   }
   return reinterpret_cast<GetAddressRange>(fn);
-}
-
-cuda::WeightSourceType SourceType(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return cuda::WeightSourceType::kF32;
-    case DType::kF16:
-      return cuda::WeightSourceType::kF16;
-    case DType::kBF16:
-      break;
-  }
-  return cuda::WeightSourceType::kBF16;
-}
-
-// Copies tensor `src` (`dtype`, row-major [b.rows, b.cols], device memory) into its pieces on
-// the current device: straight when the dtype is the device's (bf16 matrices, fp32 vectors),
-// else converted on the device as the host path converts.
-cudaError_t CopyFromDevice(const Binding& b, DType dtype, const char* src, cudaStream_t stream) {
-  const size_t in = DTypeSize(dtype), out = b.f32 ? sizeof(float) : 2;
-  const bool same = b.f32 ? dtype == DType::kF32 : dtype == DType::kBF16;
-  for (const Piece& p : b.pieces) {
-    const char* from = src + (p.row_begin * b.cols + p.col_begin) * in;
-    const cudaError_t e =
-        same ? cudaMemcpy2DAsync(p.ptr, p.cols * out, from, b.cols * in, p.cols * out, p.rows,
-                                 cudaMemcpyDeviceToDevice, stream)
-             : cuda::ConvertWeightRows(from, SourceType(dtype), b.cols, p.ptr, b.f32, p.cols,
-                                       p.rows, p.cols, stream);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
 }
 
 }  // namespace
@@ -208,7 +175,7 @@ absl::Status CudaModelRunner::UpdateWeightsFromIpc(const OpenedIpcTensors& opene
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "weight update"));
   for (const CudaIpcTensors::Tensor& t : ipc->tensors) {
     ROLLOUT_RETURN_IF_ERROR(
-        CudaError(CopyFromDevice(s.bindings.at(t.name), t.dtype, t.data, s.stream),
+        CudaError(CopyWeightFromDevice(s.bindings.at(t.name), t.dtype, t.data, s.stream),
                   absl::StrFormat("copying %s from its IPC export", t.name)));
   }
   // Done before the exports are closed and before the next step reads the weights.

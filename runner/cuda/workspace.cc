@@ -15,10 +15,12 @@
 #include "absl/strings/str_format.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
+#include "engine/broadcast_plan.h"
 #include "glog/logging.h"
 #include "kernels/cuda/sampling.h"
 #include "kernels/cuda/tensor_parallel.h"
 #include "model/rope.h"
+#include "model/weight_digest.h"
 #include "runner/cuda/batch_plan.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/cuda/cuda_runner_state.h"
@@ -60,6 +62,10 @@ absl::Status CudaModelRunner::Finish() {
         options_.max_batch_tokens, state_->partial_token_splits, config_.max_position_embeddings,
         static_cast<double>(free_before) / (1 << 30), workspace.message()));
   }
+  ROLLOUT_RETURN_IF_ERROR(AllocateWeightStaging());
+  const int64_t staging_bytes =
+      static_cast<int64_t>(state_->weight_staging.bytes() + state_->staging_leaf_digests.bytes() +
+                           state_->staging_tensor_digests.bytes());
   ROLLOUT_RETURN_IF_ERROR(state_->canonical ? PinCanonicalGemms() : PinGemms());
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
   ROLLOUT_RETURN_IF_ERROR(AllocateKvCache());
@@ -71,9 +77,13 @@ absl::Status CudaModelRunner::Finish() {
       {"weights", weight_bytes(), ""},
       {absl::StrFormat("workspace at %d tokens per step, attention partials for %d token-splits",
                        options_.max_batch_tokens, state_->partial_token_splits),
-       static_cast<int64_t>(free_before - free_after), "--max_batch_tokens"},
-      {"KV cache", static_cast<int64_t>(free_after - free_left), "--kv_cache_mb"},
+       static_cast<int64_t>(free_before - free_after) - staging_bytes, "--max_batch_tokens"},
   };
+  if (staging_bytes > 0) {
+    plan.items.push_back({"broadcast staging (every served tensor) and its digests", staging_bytes,
+                          "--device_weight_staging"});
+  }
+  plan.items.push_back({"KV cache", static_cast<int64_t>(free_after - free_left), "--kv_cache_mb"});
   plan.available = static_cast<int64_t>(free_before) + weight_bytes();
   LOG(INFO) << "memory plan, " << plan.ToString();
   return absl::OkStatus();
@@ -157,6 +167,36 @@ absl::Status CudaModelRunner::AllocateWorkspace() {
                                       "allocating sampling results"));
     ROLLOUT_RETURN_IF_ERROR(CudaError(
         cudaEventCreateWithFlags(slot.done.Receive(), cudaEventDisableTiming), "cudaEventCreate"));
+  }
+  return absl::OkStatus();
+}
+
+// Room for a broadcast of every served tensor as the checkpoint holds them, laid out as
+// engine/broadcast_plan.h lays a stream (each tensor at a 256-byte boundary), with its digest
+// leaves and tensor digests; on rank 0's device, before the KV pool takes what is left.
+absl::Status CudaModelRunner::AllocateWeightStaging() {
+  State& s = *state_;
+  if (!options_.device_weight_staging || s.multi_device) return absl::OkStatus();
+  uint64_t stream = 0, leaves = 0;
+  for (const WeightSpec& spec : s.weight_specs) {
+    const uint64_t n = spec.nbytes();
+    stream += (n + kBroadcastAlignment - 1) / kBroadcastAlignment * kBroadcastAlignment;
+    leaves += (n + kDigestLeafBytes - 1) / kDigestLeafBytes;
+  }
+  const absl::Status allocated = [&]() -> absl::Status {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(s.weight_staging.Allocate(stream), "broadcast staging"));
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(s.staging_leaf_digests.Allocate(32 * leaves), "broadcast digest leaves"));
+    return CudaError(s.staging_tensor_digests.Allocate(32 * s.weight_specs.size()),
+                     "broadcast tensor digests");
+  }();
+  if (!allocated.ok()) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "--device_weight_staging needs %.2f GiB of GPU memory for a broadcast of every served "
+        "tensor, which does not fit beside the weights and the step workspace (%s): serve "
+        "without it (and update by UpdateWeights, UpdateWeightsFromPath or IPC), or on a GPU "
+        "with more memory",
+        static_cast<double>(stream + 32 * leaves) / (1 << 30), allocated.message()));
   }
   return absl::OkStatus();
 }

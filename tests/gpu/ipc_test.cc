@@ -314,7 +314,7 @@ TEST_F(IpcTest, AnIpcUpdateServesTheBitsAndDigestsOfTheSameBytesFromTheHost) {
     }
     ASSERT_TRUE((*ipc)->UpdateWeightsFromIpc(**opened).ok());
     opened->reset();  // closed before the exporter goes
-    ASSERT_TRUE((*host)->UpdateWeights(tensors).ok());
+    ASSERT_TRUE((*host)->UpdateWeights(ViewsOf(tensors)).ok());
     const std::vector<float> after = Logits(ipc->get());
     EXPECT_FALSE(SameBits(after, before)) << "the update changed nothing";
     EXPECT_TRUE(SameBits(after, Logits(host->get()))) << "canonical K tree: " << canonical;
@@ -342,7 +342,7 @@ TEST_F(IpcTest, F32TensorsAreConvertedOnTheDeviceAsTheHostConvertsThem) {
   ASSERT_TRUE(opened.ok()) << opened.status();
   ASSERT_TRUE((*ipc)->UpdateWeightsFromIpc(**opened).ok());
   opened->reset();
-  ASSERT_TRUE((*host)->UpdateWeights(tensors).ok());
+  ASSERT_TRUE((*host)->UpdateWeights(ViewsOf(tensors)).ok());
   EXPECT_TRUE(SameBits(Logits(ipc->get()), Logits(host->get())));
   std::filesystem::remove_all(boot);
   std::filesystem::remove_all(next);

@@ -7,11 +7,12 @@ and protobuf, and numpy for arrays.
 """
 
 from .client import RolloutClient
+from .broadcast import BroadcastError, WeightBroadcaster
 from .fleet import Fleet, FleetError
 from .datatypes import (AbortResult, Completion, EngineCounters, EngineLimits, FlushCacheResult,
                         ModelInfo, ReleasedMemory, ReleaseMemoryResult, ResumeMemoryResult,
                         RolloutError, ScoreResult, ServerInfo, TokenChunk, UpdateWeightsResult,
-                        VersionSpan)
+                        VersionSpan, WeightSyncGroup, WeightSyncGroupInfo)
 from .ipc import IpcTensor
 from .safetensors import read_safetensors, write_safetensors
 from .weights import RawTensor, bf16_bits_to_f32, f32_to_bf16_bits
@@ -37,5 +38,6 @@ __all__ = [
     "AbortResult", "FlushCacheResult", "UpdateWeightsResult", "ServerInfo", "ModelInfo",
     "EngineLimits", "EngineCounters", "ReleasedMemory", "ReleaseMemoryResult",
     "ResumeMemoryResult", "RawTensor", "read_safetensors", "write_safetensors",
-    "f32_to_bf16_bits", "bf16_bits_to_f32", "sample_seed", "IpcTensor",
+    "f32_to_bf16_bits", "bf16_bits_to_f32", "sample_seed", "IpcTensor", "WeightBroadcaster",
+    "BroadcastError", "WeightSyncGroup", "WeightSyncGroupInfo",
 ]

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator, List, Mapping, Optional, Sequence, T
 
 import grpc
 
-from . import _proto, ipc
+from . import _proto, broadcast_plan, ipc
 from .datatypes import (FINISH_REASONS, AbortResult, Completion, FlushCacheResult, ScoreResult,
                         TokenChunk, TopLogprobs, UpdateWeightsResult, VersionSpan,
                         message_to_dataclass)
@@ -298,6 +298,51 @@ def ipc_request(tensors: Sequence[Any], version: str, policy_name: Optional[str]
     request = pb2.UpdateWeightsFromIpcRequest(version=str(version), policy=policy(policy_name))
     for t in tensors:
         request.tensors.add(**ipc.request_fields(t))
+    return request
+
+
+def join_request(unique_id: bytes, rank: int, world_size: int, group_timeout: float):
+    """A JoinWeightSyncGroupRequest; ValueError for what the server would refuse anyway."""
+    unique_id = bytes(unique_id)
+    if len(unique_id) != broadcast_plan.UNIQUE_ID_BYTES:
+        raise ValueError(f"join_weight_sync_group: unique_id has {len(unique_id)} bytes; an "
+                         "ncclUniqueId has 128 (the source's ncclGetUniqueId, unchanged)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"join_weight_sync_group: rank {rank} is not in [0, {world_size})")
+    return pb2.JoinWeightSyncGroupRequest(unique_id=unique_id, rank=int(rank),
+                                          world_size=int(world_size),
+                                          timeout_seconds=float(group_timeout))
+
+
+def broadcast_tensor_specs(tensors: Sequence[Any]) -> List[broadcast_plan.TensorSpec]:
+    """TensorSpec values of broadcast_plan.TensorSpec or (name, dtype, shape) tuples."""
+    specs = []
+    for t in tensors:
+        if not isinstance(t, broadcast_plan.TensorSpec):
+            name, dtype, shape = t
+            t = broadcast_plan.TensorSpec(str(name), str(dtype), tuple(int(d) for d in shape))
+        t.nbytes  # ValueError for an unknown dtype, naming the tensor
+        specs.append(t)
+    return specs
+
+
+def broadcast_request(tensors: Sequence[Any], version: str, policy_name: Optional[str],
+                      bucket_bytes: int, source_rank: int, broadcast_timeout: float,
+                      expected_weight_digest: Optional[str]):
+    """An UpdateWeightsFromBroadcastRequest declaring `tensors` (TensorSpec or (name, dtype,
+    shape)) in broadcast order."""
+    if not version:
+        raise ValueError("update_weights_from_broadcast: version must be non-empty")
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0 or \
+            bucket_bytes % broadcast_plan.ALIGNMENT:
+        raise ValueError(f"update_weights_from_broadcast: bucket_bytes = {bucket_bytes!r}; it "
+                         f"must be a positive multiple of {broadcast_plan.ALIGNMENT}")
+    request = pb2.UpdateWeightsFromBroadcastRequest(
+        version=str(version), policy=policy(policy_name), bucket_bytes=bucket_bytes,
+        source_rank=int(source_rank), timeout_seconds=float(broadcast_timeout or 0.0),
+        expected_weight_digest=expected_weight_digest or "")
+    for t in broadcast_tensor_specs(tensors):
+        request.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape))
     return request
 
 

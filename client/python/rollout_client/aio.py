@@ -27,7 +27,7 @@ from . import _wire, ipc
 from ._wire import IntOrList, pb2, pb2_grpc
 from .datatypes import (AbortResult, Completion, FlushCacheResult, ReleaseMemoryResult,
                         ResumeMemoryResult, RolloutError, ServerInfo, TokenChunk,
-                        UpdateWeightsResult, message_to_dataclass)
+                        UpdateWeightsResult, WeightSyncGroup, message_to_dataclass)
 from .weights import DTypeSpec
 
 __all__ = ["RolloutClient"]
@@ -228,6 +228,36 @@ class RolloutClient:
         request = _wire.update_from_path_request(path, version, policy)
         response = await self._unary(self._stub.UpdateWeightsFromPath, request, timeout)
         return message_to_dataclass(UpdateWeightsResult, response)
+
+    async def join_weight_sync_group(self, unique_id: bytes, rank: int, world_size: int, *,
+                                     group_timeout: float = 0.0,
+                                     timeout: Optional[float] = None) -> WeightSyncGroup:
+        """As rollout_client.RolloutClient.join_weight_sync_group."""
+        request = _wire.join_request(unique_id, rank, world_size, group_timeout)
+        return message_to_dataclass(
+            WeightSyncGroup, await self._unary(self._stub.JoinWeightSyncGroup, request, timeout))
+
+    async def leave_weight_sync_group(self, *, timeout: Optional[float] = None
+                                      ) -> Optional[WeightSyncGroup]:
+        """As rollout_client.RolloutClient.leave_weight_sync_group."""
+        r = await self._unary(self._stub.LeaveWeightSyncGroup,
+                              pb2.LeaveWeightSyncGroupRequest(), timeout)
+        return WeightSyncGroup(r.rank, r.world_size) if r.was_member else None
+
+    async def update_weights_from_broadcast(self, tensors: Sequence[Any], version: str,
+                                            policy: Optional[str] = "drain", *,
+                                            bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
+                                            source_rank: int = 0,
+                                            broadcast_timeout: float = 0.0,
+                                            expected_weight_digest: Optional[str] = None,
+                                            timeout: Optional[float] = None
+                                            ) -> UpdateWeightsResult:
+        """As rollout_client.RolloutClient.update_weights_from_broadcast."""
+        request = _wire.broadcast_request(tensors, version, policy, bucket_bytes, source_rank,
+                                          broadcast_timeout, expected_weight_digest)
+        start = asyncio.get_running_loop().time()
+        response = await self._unary(self._stub.UpdateWeightsFromBroadcast, request, timeout)
+        return _wire.update_result(response, asyncio.get_running_loop().time() - start)
 
     # -- control ------------------------------------------------------------------------------
 

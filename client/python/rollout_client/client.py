@@ -11,7 +11,7 @@ from . import _wire, ipc
 from ._wire import IntOrList, pb2, pb2_grpc
 from .datatypes import (AbortResult, Completion, FlushCacheResult, ReleaseMemoryResult,
                         ResumeMemoryResult, RolloutError, ServerInfo, TokenChunk,
-                        UpdateWeightsResult, message_to_dataclass)
+                        UpdateWeightsResult, WeightSyncGroup, message_to_dataclass)
 from .weights import DTypeSpec
 
 # Kept for callers that build raw messages: the generated modules.
@@ -257,6 +257,45 @@ class RolloutClient:
         request = _wire.update_from_path_request(path, version, policy)
         response = self._unary(self._stub.UpdateWeightsFromPath, request, timeout)
         return message_to_dataclass(UpdateWeightsResult, response)
+
+    # -- fleets: NCCL weight-sync groups (rollout_client.WeightBroadcaster drives these) -------
+
+    def join_weight_sync_group(self, unique_id: bytes, rank: int, world_size: int, *,
+                               group_timeout: float = 0.0,
+                               timeout: Optional[float] = None) -> WeightSyncGroup:
+        """Makes the server rank `rank` of the NCCL group of `world_size` ranks that the
+        128-byte ncclUniqueId `unique_id` names (the source's ncclGetUniqueId). Blocks until
+        every rank joined (or group_timeout seconds; 0: the server's 60). RolloutError
+        FAILED_PRECONDITION from a server that cannot receive broadcasts (cpu backend, no
+        --device_weight_staging) or is a member already; DEADLINE_EXCEEDED when the group did
+        not form."""
+        request = _wire.join_request(unique_id, rank, world_size, group_timeout)
+        return message_to_dataclass(
+            WeightSyncGroup, self._unary(self._stub.JoinWeightSyncGroup, request, timeout))
+
+    def leave_weight_sync_group(self, *, timeout: Optional[float] = None
+                                ) -> Optional[WeightSyncGroup]:
+        """Leaves the server's weight-sync group; returns what it left (None: it had none)."""
+        r = self._unary(self._stub.LeaveWeightSyncGroup, pb2.LeaveWeightSyncGroupRequest(),
+                        timeout)
+        return WeightSyncGroup(r.rank, r.world_size) if r.was_member else None
+
+    def update_weights_from_broadcast(self, tensors: Sequence[Any], version: str,
+                                      policy: Optional[str] = "drain", *,
+                                      bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
+                                      source_rank: int = 0, broadcast_timeout: float = 0.0,
+                                      expected_weight_digest: Optional[str] = None,
+                                      timeout: Optional[float] = None) -> UpdateWeightsResult:
+        """Tells the server to receive the tensors that rank `source_rank` of its weight-sync
+        group broadcasts -- (name, dtype, shape) or broadcast_plan.TensorSpec, in broadcast
+        order, in buckets of bucket_bytes (rollout_client.broadcast_plan lays them out) -- and
+        swap them in as update_weights does. Returns once it did (or failed); the bytes must come
+        from the source's NCCL meanwhile: WeightBroadcaster.broadcast does both."""
+        request = _wire.broadcast_request(tensors, version, policy, bucket_bytes, source_rank,
+                                          broadcast_timeout, expected_weight_digest)
+        start = time.monotonic()
+        response = self._unary(self._stub.UpdateWeightsFromBroadcast, request, timeout)
+        return _wire.update_result(response, time.monotonic() - start)
 
     # -- control ------------------------------------------------------------------------------
 

@@ -187,6 +187,22 @@ class ResumeMemoryResult:
 
 
 @dataclass
+class WeightSyncGroup:
+    """This server's rank in an NCCL weight-sync group (JoinWeightSyncGroup)."""
+    rank: int
+    world_size: int
+    seconds: float = 0.0             # the join's wait for every rank
+    nccl_version: int = 0            # the server's libnccl, e.g. 22703 for 2.27.3
+
+
+@dataclass
+class WeightSyncGroupInfo:
+    """ServerInfo.weight_sync_group: the group a server is a member of."""
+    rank: int
+    world_size: int
+
+
+@dataclass
 class ModelInfo:
     architecture: str
     num_layers: int
@@ -243,6 +259,8 @@ class ServerInfo:
     weight_digest: str               # "sha256:<hex>" of the served weights; "" if unknown
     # Set while release_memory() holds the memory released; None otherwise.
     memory_released: Optional[ReleasedMemory] = None
+    # Set while the server is a member of an NCCL weight-sync group (JoinWeightSyncGroup).
+    weight_sync_group: Optional[WeightSyncGroupInfo] = None
 
     def to_dict(self) -> dict:
         return asdict(self)

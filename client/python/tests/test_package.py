@@ -14,7 +14,8 @@ import unittest
 
 import rollout_client
 from rollout_client import (EngineCounters, EngineLimits, IpcTensor, ModelInfo, ServerInfo,
-                            UpdateWeightsResult)
+                            UpdateWeightsResult, WeightSyncGroup, WeightSyncGroupInfo)
+from rollout_client.broadcast_plan import TensorSpec
 from rollout_client.client import pb2
 
 from _support import REPO
@@ -75,7 +76,10 @@ class InstalledPackageTest(unittest.TestCase):
                              (EngineLimits, pb2.EngineLimits),
                              (EngineCounters, pb2.EngineCounters),
                              (UpdateWeightsResult, pb2.UpdateWeightsResponse),
-                             (IpcTensor, pb2.IpcTensor)):
+                             (IpcTensor, pb2.IpcTensor),
+                             (WeightSyncGroup, pb2.JoinWeightSyncGroupResponse),
+                             (WeightSyncGroupInfo, pb2.WeightSyncGroupInfo),
+                             (TensorSpec, pb2.BroadcastTensor)):
             client_side = CLIENT_MEASURED.get(cls, set())
             self.assertEqual({f.name for f in dataclasses.fields(cls)} - client_side,
                              {f.name for f in message.DESCRIPTOR.fields}, cls.__name__)
