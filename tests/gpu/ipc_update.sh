@@ -21,8 +21,8 @@
 set -uo pipefail
 STEPS=${STEPS:-"update tests"}
 OUT=${OUT:-/tmp/rollout-ipc}
-WORK=${WORK:-/tmp/rollout-ipc-work}
-PRESET=${PRESET:-qwen3-8b}
+PRESET=${PRESET:-qwen3-8b}   # PRESET=small: a quick run of the same steps
+WORK=${WORK:-/tmp/rollout-ipc-work-$PRESET}
 KV_MB=${KV_MB:-8192}   # leave the trainer room on the GPU
 PORT=${PORT:-50171}
 mkdir -p "$OUT" "$WORK"
