@@ -49,8 +49,8 @@ void Encode(DType dtype, float x, uint8_t* p) {
 
 absl::Status Overflow(const std::string& name, size_t index, float value, DType dtype) {
   return absl::InvalidArgumentError(absl::StrFormat(
-      "tensor '%s': element %d (%g) is beyond the range of %s, the dtype the model serves; "
-      "nothing was cast",
+      "tensor '%s': element %d (%g) is beyond the range of %s, the dtype the model serves "
+      "(cast, it would be infinite)",
       name, index, value, DTypeName(dtype)));
 }
 
@@ -80,7 +80,7 @@ absl::Status RoundToDType(const std::string& name, DType dtype, float* values, s
 }
 
 absl::Status CastFloats(const std::string& name, DType from, const uint8_t* src, size_t count,
-                        DType to, uint8_t* dst) {
+                        DType to, uint8_t* dst, size_t first_element) {
   if (from == to) {
     std::memcpy(dst, src, count * DTypeSize(to));
     return absl::OkStatus();
@@ -90,7 +90,7 @@ absl::Status CastFloats(const std::string& name, DType from, const uint8_t* src,
     const float x = Decode(from, src + i * in);
     Encode(to, x, dst + i * out);
     if (std::isfinite(x) && !std::isfinite(Decode(to, dst + i * out))) {
-      return Overflow(name, i, x, to);
+      return Overflow(name, first_element + i, x, to);
     }
   }
   return absl::OkStatus();

@@ -29,9 +29,10 @@ absl::Status RoundToDType(const std::string& name, DType dtype, float* values, s
 
 // Casts `count` elements at `src` in `from` to `to` at `dst` (count * DTypeSize(to) bytes, not
 // overlapping `src`): a copy when the dtypes are equal, else as RoundToDType of the exact f32
-// value. Errors as RoundToDType's.
+// value. Errors as RoundToDType's; `first_element` is the index of src[0] in the tensor, for
+// the message (a tensor cast in pieces).
 absl::Status CastFloats(const std::string& name, DType from, const uint8_t* src, size_t count,
-                        DType to, uint8_t* dst);
+                        DType to, uint8_t* dst, size_t first_element = 0);
 
 // `tensor` in `dtype`: unchanged when it already is, else its bytes cast (and its dtype set).
 // Errors as RoundToDType's, with `tensor` unchanged.

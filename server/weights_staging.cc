@@ -8,7 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 #include "glog/logging.h"
+#include "model/dtype_cast.h"
 #include "model/safetensors.h"
 #include "model/weight_digest.h"
 
@@ -45,18 +47,22 @@ absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
                           decl.name(), decl.dtype()));
     }
     std::vector<int64_t> shape(decl.shape().begin(), decl.shape().end());
-    if (absl::Status s = CheckTensorAgainstSpec(*specs_, decl.name(), *dtype, shape); !s.ok()) {
+    // Any float dtype: one other than the served is cast on arrival.
+    if (absl::Status s = CheckPushedTensor(*specs_, decl.name(), *dtype, shape); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrFormat("header.tensors[%d]: %s", i, s.message()));
     }
     if (tensors.count(decl.name()) != 0) {
       return absl::InvalidArgumentError(
           absl::StrFormat("header.tensors[%d]: '%s' is declared twice", i, decl.name()));
     }
+    const WeightSpec& spec = *FindWeightSpec(*specs_, decl.name());
     Staged& staged = tensors[decl.name()];
     staged.tensor.name = decl.name();
-    staged.tensor.dtype = *dtype;
+    staged.tensor.dtype = spec.dtype;
     staged.tensor.shape = std::move(shape);
-    staged.tensor.nbytes = FindWeightSpec(*specs_, decl.name())->nbytes();
+    staged.tensor.nbytes = spec.nbytes();
+    staged.wire_dtype = *dtype;
+    staged.wire_bytes = spec.nbytes() / DTypeSize(spec.dtype) * DTypeSize(*dtype);
   }
   // A valid header, and only then the arena: no byte of it is written before this update owns it.
   absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> lease = arena_->Acquire(&setup_seconds_);
@@ -91,7 +97,7 @@ absl::Status WeightsStaging::AddData(absl::string_view name, uint64_t offset, ui
         absl::StrFormat("data for '%s', which the header did not declare", name));
   }
   Staged& staged = it->second;
-  const uint64_t tensor_size = staged.tensor.nbytes;
+  const uint64_t tensor_size = staged.wire_bytes;
   const uint64_t begin = offset, end = begin + size;
   if (size == 0) {
     return absl::InvalidArgumentError(
@@ -112,16 +118,46 @@ absl::Status WeightsStaging::AddData(absl::string_view name, uint64_t offset, ui
                           begin, end, prev->first, prev->second));
     }
   }
-  // Checked above: the bytes land inside the tensor's place, on no byte written before.
-  copy(staged.place + begin);
-  staged.received[begin] = end;
+  // Checked above: the bytes land inside the tensor, on no byte written before.
+  ROLLOUT_RETURN_IF_ERROR(Place(staged, begin, size, copy));
   bytes_received_ += size;
+  return absl::OkStatus();
+}
+
+absl::Status WeightsStaging::Place(Staged& staged, uint64_t begin, uint64_t size,
+                                   const CopyTo& copy) {
+  const DType served = staged.tensor.dtype, wire = staged.wire_dtype;
+  const uint64_t in = DTypeSize(wire), out = DTypeSize(served);
+  if (wire == served) {
+    copy(staged.place + begin);
+  } else if (begin % in == 0 && size % in == 0) {
+    // Whole elements: cast now, so that the cost is spread over the stream.
+    chunk_bytes_.resize(size);
+    copy(chunk_bytes_.data());
+    ROLLOUT_RETURN_IF_ERROR(CastFloats(staged.tensor.name, wire, chunk_bytes_.data(), size / in,
+                                       served, staged.place + begin / in * out, begin / in));
+  } else {
+    // A chunk that cuts an element: its neighbours across the cut cut it too, so every byte of
+    // the elements it touches comes through here.
+    if (staged.unaligned.empty()) staged.unaligned.resize(staged.wire_bytes);
+    copy(staged.unaligned.data() + begin);
+    staged.unaligned_ranges.emplace_back(begin, begin + size);
+  }
+  staged.received[begin] = begin + size;
   staged.received_bytes += size;
   // Disjoint ranges inside the tensor: all of it arrived. Hashed on the digest workers while
   // the stream goes on.
-  if (staged.received_bytes == tensor_size) {
-    digests_.Add(staged.tensor.name, staged.tensor.data, tensor_size);
+  if (staged.received_bytes != staged.wire_bytes) return absl::OkStatus();
+  for (const auto& [first, last] : staged.unaligned_ranges) {
+    const uint64_t element = first / in, end_element = (last + in - 1) / in;
+    ROLLOUT_RETURN_IF_ERROR(CastFloats(staged.tensor.name, wire,
+                                       staged.unaligned.data() + element * in,
+                                       end_element - element, served,
+                                       staged.place + element * out, element));
   }
+  std::vector<uint8_t>().swap(staged.unaligned);
+  staged.unaligned_ranges.clear();
+  digests_.Add(staged.tensor.name, staged.tensor.data, staged.tensor.nbytes);
   return absl::OkStatus();
 }
 
@@ -136,11 +172,11 @@ absl::StatusOr<WeightUpdate> WeightsStaging::Finish(double* digest_wait_seconds)
       if (begin != covered) break;
       covered = end;
     }
-    if (covered != staged.tensor.nbytes) {
+    if (covered != staged.wire_bytes) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "tensor '%s' is incomplete: bytes from %d on are missing (it has %d); nothing was "
           "applied",
-          name, covered, staged.tensor.nbytes));
+          name, covered, staged.wire_bytes));
     }
   }
   WeightUpdate update;
@@ -186,8 +222,7 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s: checkpoint lacks tensor '%s'; nothing was applied", path, spec.name));
     }
-    if (absl::Status s = CheckTensorAgainstSpec(specs, spec.name, view->dtype, view->shape);
-        !s.ok()) {
+    if (absl::Status s = CheckPushedTensor(specs, spec.name, view->dtype, view->shape); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrFormat("%s: %s", path, s.message()));
     }
   }
@@ -201,13 +236,26 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
   WeightUpdate update;
   update.version = version;
   update.policy = policy;
+  std::vector<uint8_t> cast_from;  // a tensor in another float dtype, before its cast
   for (const WeightSpec& spec : specs) {
     const TensorView* view = (*checkpoint)->Find(spec.name);
     uint8_t* place = (*lease)->TensorBytes(spec.name);
-    update.tensors.emplace_back(spec.name, view->dtype, view->shape, place, view->nbytes);
+    update.tensors.emplace_back(spec.name, spec.dtype, spec.shape, place, spec.nbytes());
     // Read, not copied from the mapping: a file truncated meanwhile fails this update only.
-    if (absl::Status s = (*checkpoint)->Read(spec.name, place, cancelled); !s.ok()) {
+    uint8_t* read_to = place;
+    if (view->dtype != spec.dtype) {
+      cast_from.resize(view->nbytes);
+      read_to = cast_from.data();
+    }
+    if (absl::Status s = (*checkpoint)->Read(spec.name, read_to, cancelled); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat(s.message(), "; nothing was applied"));
+    }
+    if (view->dtype != spec.dtype) {
+      if (absl::Status s = CastFloats(spec.name, view->dtype, cast_from.data(),
+                                      view->nbytes / DTypeSize(view->dtype), spec.dtype, place);
+          !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrFormat("%s: %s", path, s.message()));
+      }
     }
   }
   if (absl::Status s = (*checkpoint)->CheckUnchanged(); !s.ok()) {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,9 +20,12 @@
 namespace rollout {
 
 // Collects a weight update's tensors in the server's staging arena as they stream in, checking
-// each step: the header against the served model (known names, dtypes, shapes, no duplicates),
-// every data chunk against the header (declared name, inside the tensor, no overlap), and at the
-// end that every byte arrived (no gap). Each tensor is hashed as its last byte arrives. The
+// each step: the header against the served model (known names, float dtypes, shapes, no
+// duplicates), every data chunk against the header (declared name, inside the tensor, no
+// overlap), and at the end that every byte arrived (no gap). A tensor declared in another float
+// dtype than the served one is cast into its place as its chunks arrive (model/dtype_cast.h:
+// round to nearest even; a chunk that cuts an element waits in a side buffer until the tensor is
+// complete). Each tensor is hashed, as served, once its last byte arrived. The
 // arena is held from SetHeader until Finish hands it to the update, or Abandon (or destruction)
 // gives it back. Not thread-safe: one reactor owns it.
 class WeightsStaging {
@@ -60,11 +64,23 @@ class WeightsStaging {
 
  private:
   struct Staged {
-    HostTensorView tensor;                  // tensor.data: `place`
-    uint8_t* place = nullptr;               // the arena's place for its bytes
+    HostTensorView tensor;     // as served (the spec's dtype); tensor.data: `place`
+    uint8_t* place = nullptr;  // the arena's place for its bytes
+    // What the stream carries: the declared dtype and its byte count. Chunks, their ranges and
+    // the completeness check are in these bytes.
+    DType wire_dtype = DType::kBF16;
+    uint64_t wire_bytes = 0;
     std::map<uint64_t, uint64_t> received;  // disjoint byte ranges [begin, end), by begin
     uint64_t received_bytes = 0;
+    // A cast tensor's chunks that cut an element (the rest are cast on arrival): their bytes
+    // (allocated at the first such chunk, wire_bytes long) and ranges, cast when it completes.
+    std::vector<uint8_t> unaligned;
+    std::vector<std::pair<uint64_t, uint64_t>> unaligned_ranges;
   };
+  // Writes a chunk's bytes [begin, begin + size) of `staged` to where they go: its place, or
+  // for a cast tensor through the cast (or into its side buffer). Then, when it is complete,
+  // finishes its cast and queues its hashing.
+  absl::Status Place(Staged& staged, uint64_t begin, uint64_t size, const CopyTo& copy);
 
   const std::vector<WeightSpec>* const specs_;
   WeightsArena* const arena_;
@@ -78,6 +94,7 @@ class WeightsStaging {
   // goes.
   DigestQueue digests_;
   uint64_t bytes_received_ = 0;
+  std::vector<uint8_t> chunk_bytes_;  // a cast tensor's chunk before its cast
 };
 
 UpdatePolicy FromProto(v1::InFlightPolicy policy);
@@ -89,7 +106,8 @@ struct CheckpointLoadTimes {
 };
 
 // Reads every weight the model serves from the checkpoint at `path` into the arena, as an
-// update validated as a streamed one would be. Reads are bounded (Checkpoint::Read): a file
+// update validated as a streamed one would be (a tensor in another float dtype is cast to the
+// served one, then hashed as served). Reads are bounded (Checkpoint::Read): a file
 // truncated or rewritten meanwhile is ABORTED, never a crash. `cancelled` (optional) is asked
 // between reads: CANCELLED once the caller gave up (deadline, cancel, shutdown). On failure the
 // arena is free again when this returns.

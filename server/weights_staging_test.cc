@@ -3,6 +3,7 @@
 #include "server/weights_staging.h"
 
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -132,7 +133,7 @@ TEST(WeightsStagingTest, TheArenaIsHeldFromAValidHeaderUntilAbandon) {
   WeightsArena arena(Specs(), AllocatePlainHostStaging);
   WeightsStaging staging(&Specs(), &arena);
   v1::WeightsHeader bad = HeaderFor({"a"});
-  bad.mutable_tensors(0)->set_dtype("F32");
+  bad.mutable_tensors(0)->set_shape(0, 4);
   EXPECT_FALSE(staging.SetHeader(bad).ok());
   EXPECT_TRUE(ArenaIsFree(&arena)) << "a refused header takes nothing";
   ASSERT_TRUE(staging.SetHeader(HeaderFor({"a", "c"})).ok());
@@ -189,6 +190,102 @@ TEST(WeightsStagingTest, ASecondStagingIsRefusedWhileTheFirstHoldsTheArena) {
   EXPECT_EQ(second.SetHeader(HeaderFor({"a"})).code(), absl::StatusCode::kAborted);
   first.Abandon();
   EXPECT_TRUE(second.SetHeader(HeaderFor({"a"})).ok());
+}
+
+std::string F32Bytes(const std::vector<float>& values) {
+  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+}
+
+std::vector<float> Ramp(size_t n) {  // values whose bf16 rounding is visible
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = 0.1f * static_cast<float>(i) + 1.0f / 3.0f;
+  return v;
+}
+
+// An F32 push to a BF16 weight is cast on arrival (round to nearest even) and hashed as served,
+// whether its chunks are whole elements or cut them anywhere, in any order.
+TEST(WeightsStagingTest, AnotherFloatDtypeIsCastToTheServedOneAndHashedAsServed) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  const std::vector<float> values = Ramp(15);  // "a": BF16 [3, 5]
+  const std::string wire = F32Bytes(values);
+  std::string served(30, '\0');
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint16_t h = F32ToBF16(values[i]);
+    std::memcpy(&served[2 * i], &h, 2);
+  }
+  // Whole elements; elements cut at odd offsets, out of order; one byte at a time.
+  const std::vector<std::vector<std::pair<size_t, size_t>>> chunkings = {
+      {{0, 20}, {20, 60}}, {{33, 60}, {0, 7}, {7, 33}}, {}};
+  for (size_t k = 0; k < chunkings.size(); ++k) {
+    std::vector<std::pair<size_t, size_t>> chunks = chunkings[k];
+    if (chunks.empty()) {
+      for (size_t b = 60; b-- > 0;) chunks.push_back({b, b + 1});
+    }
+    WeightsStaging staging(&Specs(), &arena);
+    v1::WeightsHeader header = HeaderFor({"a"});
+    header.mutable_tensors(0)->set_dtype("F32");
+    ASSERT_TRUE(staging.SetHeader(header).ok()) << k;
+    for (const auto& [begin, end] : chunks) {
+      ASSERT_TRUE(staging.AddData(Data("a", begin, wire.substr(begin, end - begin))).ok()) << k;
+    }
+    absl::StatusOr<WeightUpdate> u = staging.Finish();
+    ASSERT_TRUE(u.ok()) << k << ": " << u.status();
+    ASSERT_EQ(u->tensors.size(), 1u);
+    EXPECT_EQ(u->tensors[0].dtype, DType::kBF16);
+    EXPECT_EQ(u->tensors[0].nbytes, 30u);
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(u->tensors[0].data), 30), served) << k;
+    EXPECT_EQ(u->digests.at("a"),
+              TensorDigest(reinterpret_cast<const uint8_t*>(served.data()), served.size()))
+        << k;
+    EXPECT_EQ(staging.bytes_received(), 60u);
+  }
+  // The other way: BF16 bytes widened exactly into the F32 weight "b" [7].
+  WeightsStaging staging(&Specs(), &arena);
+  v1::WeightsHeader header = HeaderFor({"b"});
+  header.mutable_tensors(0)->set_dtype("BF16");
+  ASSERT_TRUE(staging.SetHeader(header).ok());
+  std::string bf16(14, '\0');
+  std::vector<float> widened(7);
+  for (int i = 0; i < 7; ++i) {
+    const uint16_t h = F32ToBF16(values[i]);
+    std::memcpy(&bf16[2 * i], &h, 2);
+    widened[i] = BF16ToF32(h);
+  }
+  ASSERT_TRUE(staging.AddData(Data("b", 0, bf16)).ok());
+  absl::StatusOr<WeightUpdate> u = staging.Finish();
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(u->tensors[0].data), 28),
+            F32Bytes(widened));
+}
+
+TEST(WeightsStagingTest, ACastTensorIsCheckedInItsDeclaredBytesAndOverflowIsRefused) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  {
+    // Declared F32, sent as many bytes as the served BF16 has: half of it is missing.
+    WeightsStaging staging(&Specs(), &arena);
+    v1::WeightsHeader header = HeaderFor({"a"});
+    header.mutable_tensors(0)->set_dtype("F32");
+    ASSERT_TRUE(staging.SetHeader(header).ok());
+    ASSERT_TRUE(staging.AddData(Data("a", 0, std::string(30, 'x'))).ok());
+    const absl::Status s = staging.Finish().status();
+    EXPECT_NE(s.message().find("bytes from 30 on are missing (it has 60)"), std::string::npos)
+        << s;
+    EXPECT_FALSE(staging.AddData(Data("a", 60, "x")).ok()) << "beyond its 60 bytes";
+  }
+  {
+    // A value no BF16 can hold (the largest float rounds up to infinity): refused, by name.
+    WeightsStaging staging(&Specs(), &arena);
+    v1::WeightsHeader header = HeaderFor({"a"});
+    header.mutable_tensors(0)->set_dtype("F32");
+    ASSERT_TRUE(staging.SetHeader(header).ok());
+    std::vector<float> values = Ramp(15);
+    values[9] = std::numeric_limits<float>::max();
+    const absl::Status s = staging.AddData(Data("a", 0, F32Bytes(values)));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("tensor 'a': element 9"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("BF16"), std::string::npos) << s;
+  }
+  EXPECT_TRUE(ArenaIsFree(&arena));
 }
 
 }  // namespace

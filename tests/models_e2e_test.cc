@@ -164,7 +164,8 @@ TEST(ModelsE2eTest, AnEosOfTheGenerationConfigStopsTheRollout) {
 }
 
 // An F32 checkpoint of a bfloat16 model is cast on load, round to nearest even: it serves the
-// bits and the weight digest of the BF16 checkpoint of the same weights.
+// bits and the weight digest of the BF16 checkpoint of the same weights, at start and when a
+// server updates from it.
 TEST(ModelsE2eTest, AnF32CheckpointServesTheBitsAndDigestOfItsBf16Cast) {
   const std::string bf16 = WriteModel("bf16", "small", 6);
   const std::string f32 = WriteModel("f32", "small", 6, DType::kF32);
@@ -181,6 +182,21 @@ TEST(ModelsE2eTest, AnF32CheckpointServesTheBitsAndDigestOfItsBf16Cast) {
   ASSERT_EQ(want.size(), 2u);
   ASSERT_EQ(got.size(), 2u);
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(Fingerprint(got[i]), Fingerprint(want[i]));
+
+  // The same through UpdateWeightsFromPath: the F32 files cast into the BF16 server.
+  {
+    grpc::ClientContext context;
+    v1::UpdateWeightsFromPathRequest request;
+    request.set_path(f32);
+    request.set_version("from-f32");
+    v1::UpdateWeightsResponse response;
+    const grpc::Status s = a->stub->UpdateWeightsFromPath(&context, request, &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(response.weight_digest(), digest);
+    const std::vector<v1::Completion> after = Rollouts(a->stub.get(), 12);
+    ASSERT_EQ(after.size(), 2u);
+    EXPECT_EQ(Fingerprint(after[1]), Fingerprint(want[1]));
+  }
 
   // Served as float32 (its config says so), the same file is another model, and its digest is
   // that of the F32 bytes.

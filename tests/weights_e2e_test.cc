@@ -93,6 +93,44 @@ TEST_F(WeightsE2eTest, PushChangesOutputsAndVersionAndOriginalBytesRestoreThemBi
   EXPECT_EQ(Generate(stub()), before);
 }
 
+// A trainer's F32 tensor pushed to a bfloat16 model is cast on arrival, round to nearest even:
+// it serves the bits, and gets the digest, of its BF16 cast pushed as such.
+TEST_F(WeightsE2eTest, AnF32PushToABf16ModelServesItsBf16CastBitwise) {
+  const HostTensor changed = ScaledBf16(original_, 2.5f);
+  // Each F32 value three quarters of a BF16 ulp above a BF16 value: to nearest it rounds up to
+  // the next BF16 (`up`); truncation would give the one below.
+  HostTensor up = changed;
+  HostTensor f32{changed.name, DType::kF32, changed.shape,
+                 std::vector<uint8_t>(changed.bytes.size() * 2)};
+  for (size_t i = 0; i < changed.bytes.size() / 2; ++i) {
+    uint16_t h;
+    std::memcpy(&h, &changed.bytes[2 * i], 2);
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    if ((h & 0x7fff) != 0 && (h & 0x7f80) != 0x7f80) {  // finite and non-zero
+      bits += 0xc000;
+      const uint16_t next = h + 1;  // the next BF16 away from zero
+      std::memcpy(&up.bytes[2 * i], &next, 2);
+    }
+    std::memcpy(&f32.bytes[4 * i], &bits, 4);
+  }
+  PushOutcome bf16 = Push(stub(), MakeWeightsHeader("bf16", v1::IN_FLIGHT_POLICY_DRAIN, {up}),
+                          MakeDataChunks({up}, 4096));
+  ASSERT_TRUE(bf16.status.ok()) << bf16.status.error_message();
+  const std::string want = Generate(stub());
+  PushOutcome back =
+      Push(stub(), MakeWeightsHeader("back", v1::IN_FLIGHT_POLICY_DRAIN, {original_}),
+           MakeDataChunks({original_}, 1 << 20));
+  ASSERT_TRUE(back.status.ok());
+  ASSERT_NE(Generate(stub()), want);
+  // Chunks of 4095 bytes: most cut an F32 element in two.
+  PushOutcome cast = Push(stub(), MakeWeightsHeader("f32", v1::IN_FLIGHT_POLICY_DRAIN, {f32}),
+                          MakeDataChunks({f32}, 4095));
+  ASSERT_TRUE(cast.status.ok()) << cast.status.error_message();
+  EXPECT_EQ(cast.response.bytes_received(), f32.bytes.size());
+  EXPECT_EQ(cast.response.weight_digest(), bf16.response.weight_digest());
+  EXPECT_EQ(Generate(stub()), want);
+}
+
 TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
   const std::string before = Generate(stub());
   const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
@@ -113,11 +151,12 @@ TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
          h->mutable_tensors(0)->set_shape(0, 3);
        },
        "shape"},
-      {"wrong dtype",
+      // Another float dtype is cast, so F32 needs its own byte count: BF16's is half of it.
+      {"F32 declared, BF16's bytes sent",
        [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) {
          h->mutable_tensors(0)->set_dtype("F32");
        },
-       "dtype F32 given, the served tensor is BF16"},
+       "incomplete"},
       {"bad dtype name",
        [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) {
          h->mutable_tensors(0)->set_dtype("I64");
