@@ -297,7 +297,8 @@ TEST(MemoryShortageE2eTest, AResumeWithoutTheMemoryIsResourceExhaustedAndARetryS
 TEST_F(MemoryE2eTest, TheCliReleasesAndResumes) {
   namespace rel = ::rollout::testing::reliability;
   auto run = [](const std::vector<std::string>& args, std::string* output) {
-    std::vector<std::string> argv = {ROLLOUT_CLI_BIN, "--server=" + server_->address()};
+    std::vector<std::string> argv = {rel::BinaryPath("ROLLOUT_CLI_BIN", ROLLOUT_CLI_BIN),
+                                     "--server=" + server_->address()};
     argv.insert(argv.end(), args.begin(), args.end());
     std::unique_ptr<rel::ChildProcess> child = rel::ChildProcess::Start(argv, {});
     if (child == nullptr) return -1;

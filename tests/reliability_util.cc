@@ -333,6 +333,11 @@ int ChildProcess::Wait(std::chrono::milliseconds timeout) {
   }
 }
 
+std::string BinaryPath(const char* env_var, const std::string& built) {
+  const char* path = std::getenv(env_var);
+  return path != nullptr && *path != '\0' ? path : built;
+}
+
 std::string TestModelCache() { return ::testing::TempDir() + "rollout-test-cache"; }
 
 ServerProcess StartServerProcess(const std::vector<std::string>& args,

@@ -102,6 +102,10 @@ struct ServerProcess {
 ServerProcess StartServerProcess(const std::vector<std::string>& args,
                                  const std::vector<std::string>& extra_env = {});
 
+// A binary the test runs: `built` (the path CMake compiled in), or $`env_var` when set (a
+// bundle run on another machine, where the build's paths do not exist).
+std::string BinaryPath(const char* env_var, const std::string& built);
+
 // The test binary's model cache (where the embedded default model is written once).
 std::string TestModelCache();
 

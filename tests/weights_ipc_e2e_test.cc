@@ -186,11 +186,7 @@ struct CliRun {
   std::string output;
 };
 
-// The binary built beside this test, or $ROLLOUT_CLI_BIN (a bundle run elsewhere).
-std::string CliPath() {
-  const char* path = std::getenv("ROLLOUT_CLI_BIN");
-  return path != nullptr && *path ? path : ROLLOUT_CLI_BIN;
-}
+std::string CliPath() { return rel::BinaryPath("ROLLOUT_CLI_BIN", ROLLOUT_CLI_BIN); }
 
 CliRun RunCli(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {CliPath()};

@@ -32,6 +32,9 @@ class DeviceBuffer {
     const cudaError_t err = cudaMalloc(&ptr_, bytes);
     if (err != cudaSuccess) {
       ptr_ = nullptr;
+      // The error is returned; clear the thread's last error too, so that the next kernel
+      // launch checked with cudaGetLastError() does not report this allocation's failure.
+      (void)cudaGetLastError();
       return err;
     }
     bytes_ = bytes;
@@ -70,6 +73,9 @@ class PinnedHostBuffer {
     const cudaError_t err = cudaMallocHost(&ptr_, bytes);
     if (err != cudaSuccess) {
       ptr_ = nullptr;
+      // The error is returned; clear the thread's last error too, so that the next kernel
+      // launch checked with cudaGetLastError() does not report this allocation's failure.
+      (void)cudaGetLastError();
       return err;
     }
     bytes_ = bytes;

@@ -135,7 +135,10 @@ cudaError_t ReleasableDeviceBuffer::Allocate(size_t bytes) {
                  << " bytes allocated with cudaMalloc, which ReleaseMemory cannot release";
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, bytes);
-    if (e != cudaSuccess) return e;
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // returned: not left for the next launch check to report
+      return e;
+    }
     ptr_ = reinterpret_cast<uintptr_t>(p);
     bytes_ = bytes;
     return cudaSuccess;

@@ -34,6 +34,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 _spec = importlib.util.spec_from_file_location(
     "rollout_ipc", os.path.join(REPO, "client", "python", "rollout_client", "ipc.py"))
 ipc = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = ipc  # dataclasses look their module up there while it executes
 _spec.loader.exec_module(ipc)
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

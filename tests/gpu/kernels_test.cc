@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/compare.h"
+#include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/ops.h"
 #include "model/rope.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -27,6 +28,25 @@ class KernelsTest : public ::testing::Test {
     if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
   }
 };
+
+// A refused allocation is reported once, by its return value: it must not stay behind as the
+// thread's last error, where the next launch check (cudaGetLastError) would report it as that
+// kernel's failure (found on the H200: a runner refused for memory made the next runner's
+// first weight-generation kernel "fail" with cudaErrorMemoryAllocation).
+TEST_F(KernelsTest, ARefusedAllocationLeavesNoErrorForTheNextLaunch) {
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  cuda::DeviceBuffer device;
+  EXPECT_EQ(device.Allocate(total * 4), cudaErrorMemoryAllocation);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  cuda::PinnedHostBuffer host;
+  EXPECT_NE(host.Allocate(size_t{1} << 52), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  cuda::DeviceBuffer small;
+  ASSERT_EQ(small.Allocate(1024), cudaSuccess);
+  ASSERT_EQ(cudaMemset(small.get(), 0, 1024), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
 
 TEST_F(KernelsTest, EmbeddingGatherCopiesRowsExactly) {
   const int64_t vocab = 1000, hidden = 264;

@@ -76,6 +76,14 @@ def main():
     if rope_type != want_rope_type:
         sys.exit(f"transformers built rope_type {rope_type!r}, not {want_rope_type!r}")
     inv_freq = rotary.inv_freq.double()
+    # The float32 frequencies transformers computes at init. `model.to(torch.bfloat16)` below
+    # would round this buffer to bf16 too (it is a floating buffer), which no inference engine
+    # does and transformers' own from_pretrained(dtype=bf16) does not either (the buffer is
+    # built in float32): restore it before the reference forward.
+    inv_freq32 = rotary.inv_freq.detach().float().clone()
+    original_inv_freq32 = getattr(rotary, "original_inv_freq", None)
+    if original_inv_freq32 is not None:
+        original_inv_freq32 = original_inv_freq32.detach().float().clone()
     attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
     head_dim = SHAPE["head_dim"]
     # Plain RoPE: the base the model really uses, read back from its inverse frequencies
@@ -116,10 +124,15 @@ def main():
         saved = json.load(f)
 
     model = model.float().cuda().eval()
+    rotary = model.model.rotary_emb
+    with torch.no_grad():
+        rotary.inv_freq.copy_(inv_freq32.to(rotary.inv_freq.device))
+        if original_inv_freq32 is not None and hasattr(rotary, "original_inv_freq"):
+            rotary.original_inv_freq = original_inv_freq32.to(rotary.inv_freq.device)
     gen = torch.Generator().manual_seed(1)
     ref = {"arch": arch, "vocab": SHAPE["vocab_size"], "prompts": [], "greedy": [],
            "margins": [], "logits_files": [], "rope_type": rope_type,
-           "inv_freq": [float(x) for x in rotary.inv_freq.float().cpu()],
+           "inv_freq": [float(x) for x in inv_freq32.cpu()],
            "attention_scaling": attention_scaling,
            "transformers": transformers.__version__, "torch": torch.__version__}
     with torch.no_grad():

@@ -58,7 +58,8 @@ if [[ " $STEPS " == *" sweep "* ]]; then
   echo "rollout-gemm-sweep: rc $?"
 fi
 if [[ " $STEPS " == *" e2e "* ]]; then
-  ROLLOUT_TEST_BACKEND=cuda timeout ${E2E_TIMEOUT:-300} .gpu/bin/e2e_test \
+  ROLLOUT_TEST_BACKEND=cuda ROLLOUT_CLI_BIN=$(pwd)/.gpu/bin/rollout-cli \
+    timeout ${E2E_TIMEOUT:-300} .gpu/bin/e2e_test \
     --gtest_filter="${E2E_FILTER:-Determinism*:TensorParallelServer*:ReliabilityMetrics*:GenerateE2e*}" \
     > "$OUT/e2e_cuda.log" 2>&1
   echo "e2e_test (cuda backend): rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED" "$OUT/e2e_cuda.log"
