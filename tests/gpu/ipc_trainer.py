@@ -7,7 +7,9 @@ ipc.py, loaded by path: this host has torch but no grpcio, so the package itself
 import), writes them as rollout-cli's --ipc_tensors JSON, and runs `rollout-cli
 update-weights-from-ipc --json` as a subprocess while it keeps the tensors alive. Two layouts,
 the same bytes: `tensor` (one torch allocation per tensor, as a model's parameters) and
-`packed` (views into one flat buffer, as a trainer's bucket). Also measures the device-to-device
+`packed` (views into one flat buffer, as a trainer's bucket), then `paused`: the packed
+buffer again inside `rollout-cli pause` ... `resume`, the loop a trainer runs between steps
+(PAUSE_UPDATE_RESUME wall_s=...). Also measures the device-to-device
 copy rate of this GPU in the same run (the floor an IPC update is compared with).
 
 Prints one line per update:
@@ -142,7 +144,7 @@ def main():
     p.add_argument("--cli", required=True, help="rollout-cli (or a wrapper that sets its env)")
     p.add_argument("--version", required=True, help="version prefix; -tensor / -packed appended")
     p.add_argument("--policy", default="drain")
-    p.add_argument("--layouts", default="tensor,packed")
+    p.add_argument("--layouts", default="tensor,packed,paused")
     p.add_argument("--work", default="/tmp")
     p.add_argument("--results", default="")
     args = p.parse_args()
@@ -169,7 +171,23 @@ def main():
               f"ms ({total / seconds / 1e9:.0f} GB/s)", flush=True)
         del tensors
         torch.cuda.empty_cache()
+        tensors = packed
         results["updates"].append(update(args, "packed", packed, f"{args.version}-packed"))
+    if "paused" in layouts:
+        # A trainer's loop between two steps: pause generation, update, resume (each a
+        # rollout-cli call, as a script would make them), timed as a whole.
+        target = tensors
+        start = time.monotonic()
+        paused = subprocess.run([args.cli, f"--server={args.server}", "pause"],
+                                capture_output=True, text=True)
+        u = update(args, "paused", target, f"{args.version}-paused")
+        resumed = subprocess.run([args.cli, f"--server={args.server}", "resume"],
+                                 capture_output=True, text=True)
+        u["pause_update_resume_s"] = time.monotonic() - start
+        u["ok"] = u.get("ok") and paused.returncode == 0 and resumed.returncode == 0
+        print(f"PAUSE_UPDATE_RESUME wall_s={u['pause_update_resume_s']:.3f} (pause rc "
+              f"{paused.returncode}, resume rc {resumed.returncode})", flush=True)
+        results["updates"].append(u)
     digests = {u.get("digest") for u in results["updates"] if u.get("ok")}
     results["same_digest"] = len(digests) == 1
     if args.results:

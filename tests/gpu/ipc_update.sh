@@ -90,7 +90,7 @@ if start_server "$WORK/ckpt-1" server_a; then
   LD_LIBRARY_PATH=$trainer_ld timeout 900 python3 tests/gpu/ipc_trainer.py \
     --checkpoint "$WORK/ckpt-2" --server 127.0.0.1:$PORT --cli "$WORK/cli.sh" --version ipc \
     --work "$WORK" --results "$OUT/trainer.json" 2>&1 | tee "$OUT/trainer.log" |
-    grep -E "IPC_UPDATE|COPY_FLOOR|packed|loaded|TRAINER|torch|Error|error"
+    grep -E "IPC_UPDATE|COPY_FLOOR|PAUSE_UPDATE_RESUME|packed|loaded|TRAINER|torch|Error|error"
   grep -q "TRAINER OK" "$OUT/trainer.log" || fail "the trainer's updates"
   probe probe_ipc
   ipc_digest=$(digest)
