@@ -372,7 +372,15 @@ absl::StatusOr<Setup> MakeSetup() {
     std::printf("  pinned %s\n", line.c_str());
   }
   setup.batch1_floor_ms =
-      2.0 * (GemmParams(config) + double(config.vocab_size) * config.hidden_size) / setup.bw * 1e3;
+      2.0 * (StepWeightParams(config, 1) + double(config.vocab_size) * config.hidden_size) /
+      setup.bw * 1e3;
+  if (config.is_moe()) {
+    std::printf(
+        "MoE: %d of %d layers, %d experts (%d per token) of width %d; active parameters per token "
+        "%.2f B; a decode step of 256 tokens touches %.1f experts per layer (uniform routing)\n",
+        config.NumMoeLayers(), config.num_layers, config.num_experts, config.num_experts_per_tok,
+        config.moe_intermediate_size, GemmParams(config) / 1e9, TouchedExperts(config, 256));
+  }
   return setup;
 }
 
@@ -459,10 +467,18 @@ void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
     PrintProfile("decode step profile (mean context), logits copied to the host", runner.profile(),
                  batch);
     const double kv_ms = double(batch) * ctx * KvBytesPerToken(config) / setup.bw * 1e3;
-    const double weights = 2.0 * (GemmParams(config) + double(vocab) * config.hidden_size);
-    const double gemm_ms = std::max(weights / setup.bw, weights * batch / setup.flops) * 1e3;
+    const double lm = double(vocab) * config.hidden_size;
+    const double read = 2.0 * (StepWeightParams(config, batch) + lm);
+    const double compute = 2.0 * (GemmParams(config) + lm) * batch;
+    const double gemm_ms = std::max(read / setup.bw, compute / setup.flops) * 1e3;
     std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms = %.2f ms\n", gemm_ms, kv_ms,
                 gemm_ms + kv_ms);
+    if (config.is_moe()) {
+      std::printf(
+          "  (MoE: %.2f GB of weights touched = %.1f experts per layer of %d read once, %.2f "
+          "TFLOP)\n",
+          read / 1e9, TouchedExperts(config, batch), config.num_experts, compute / 1e12);
+    }
     // The device work alone, without the logits copy to the host.
     runner.ResetProfile();
     for (int i = 0; i < 5; ++i) Check(runner.Forward(decode, nullptr));

@@ -3,6 +3,7 @@
 // The floor of docs/benchmarks.md ("The workload and its floor"): what the GPU cannot beat on a
 // workload, from a measured copy rate and GEMM rate. Host-only arithmetic.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -17,11 +18,46 @@ struct Floor {
   double total() const { return prefill_s + decode_gemm_s + decode_kv_s; }
 };
 
-inline int64_t GemmParams(const ModelConfig& c) {  // projections of all layers, without lm_head
+// The projection parameters of all layers but the MLPs of MoE layers, without lm_head.
+inline int64_t DenseGemmParams(const ModelConfig& c) {
   const int64_t h = c.hidden_size, hd = c.head_dim;
-  const int64_t per_layer = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * hd +
-                            h * c.num_attention_heads * hd + 3 * h * c.intermediate_size;
-  return per_layer * c.num_layers;
+  int64_t params = 0;
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    params += h * (c.num_attention_heads + 2 * c.num_key_value_heads) * hd +
+              h * c.num_attention_heads * hd;
+    if (!c.IsMoeLayer(l)) params += 3 * h * c.intermediate_size;
+  }
+  return params;
+}
+
+// One expert's parameters (gate, up, down), and a MoE layer's router.
+inline int64_t ExpertParams(const ModelConfig& c) {
+  return 3 * int64_t{c.hidden_size} * c.moe_intermediate_size;
+}
+inline int64_t RouterParams(const ModelConfig& c) { return int64_t{c.num_experts} * c.hidden_size; }
+
+// The parameters one token multiplies with (its FLOPs are twice this), without lm_head: for a
+// MoE layer the router and num_experts_per_tok experts.
+inline int64_t GemmParams(const ModelConfig& c) {
+  const int64_t moe = c.NumMoeLayers();
+  return DenseGemmParams(c) +
+         moe * (RouterParams(c) + int64_t{c.num_experts_per_tok} * ExpertParams(c));
+}
+
+// Experts a step of `batch` tokens touches per MoE layer, expected when each token's experts are
+// a uniform draw of num_experts_per_tok distinct ones: E (1 - (1 - k / E)^batch). (Synthetic
+// weights route close to uniformly; the real routing of the step is not read back.)
+inline double TouchedExperts(const ModelConfig& c, int64_t batch) {
+  if (!c.is_moe()) return 0.0;
+  const double e = c.num_experts, k = c.num_experts_per_tok;
+  return e * (1.0 - std::pow(1.0 - k / e, static_cast<double>(batch)));
+}
+
+// The parameters a step of `batch` tokens reads at least once (weights read once), without
+// lm_head: the dense projections, and per MoE layer its router and the experts it touches.
+inline double StepWeightParams(const ModelConfig& c, int64_t batch) {
+  return static_cast<double>(DenseGemmParams(c)) +
+         c.NumMoeLayers() * (RouterParams(c) + TouchedExperts(c, batch) * ExpertParams(c));
 }
 
 inline int64_t KvBytesPerToken(const ModelConfig& c) {
@@ -37,10 +73,12 @@ inline Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t 
   const double p = GemmParams(c), lm = static_cast<double>(c.vocab_size) * c.hidden_size;
   f.prefill_s = 2.0 * p * prefill_tokens / flops;
   const double kv_bytes = static_cast<double>(KvBytesPerToken(c));
-  // Each decode step: its GEMMs (weights read once, or compute-bound) and one read of the KV.
+  // Each decode step: its GEMMs (the weights it touches read once -- for a MoE model the experts
+  // its tokens route to --, or compute-bound) and one read of the KV.
   ForEachOracleDecodeStep(
       lengths, static_cast<int>(in), kv_capacity_tokens, [&](int64_t batch, int64_t kv_tokens) {
-        f.decode_gemm_s += std::max(2.0 * (p + lm) / bw, 2.0 * (p + lm) * batch / flops);
+        const double read = StepWeightParams(c, batch) + lm;
+        f.decode_gemm_s += std::max(2.0 * read / bw, 2.0 * (p + lm) * batch / flops);
         f.decode_kv_s += kv_tokens * kv_bytes / bw;
       });
   return f;

@@ -204,8 +204,7 @@ struct GemmSmem {
   bf16 b[kStages][kBn][kRowStride];
 };
 
-__global__ void __launch_bounds__(kGemmThreads)
-    MoeExpertGemmKernel(MoeGemmParams params) {
+__global__ void __launch_bounds__(kGemmThreads) MoeExpertGemmKernel(MoeGemmParams params) {
   __shared__ __align__(16) GemmSmem smem;
   __shared__ int32_t tile_rows[kBm];  // x row of each tile row (valid rows only)
   const int32_t tile = blockIdx.x;
@@ -332,8 +331,8 @@ __global__ void MoeCombineKernel(const float* y, const int32_t* slots, const flo
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int j = 0; j < top_k; ++j) {
     const float w = weights[t * top_k + j];
-    const float4 v =
-        reinterpret_cast<const float4*>(y + static_cast<int64_t>(slots[t * top_k + j]) * hidden)[c4];
+    const float4 v = reinterpret_cast<const float4*>(
+        y + static_cast<int64_t>(slots[t * top_k + j]) * hidden)[c4];
     acc.x = fmaf(w, v.x, acc.x);
     acc.y = fmaf(w, v.y, acc.y);
     acc.z = fmaf(w, v.z, acc.z);

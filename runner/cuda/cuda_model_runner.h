@@ -149,7 +149,17 @@ class CudaModelRunner final : public ModelRunner {
 
   // As ModelRunner::Forward, except that the fp32 logits stay on the GPU for ProcessLogits:
   // `logits` (may be nullptr) is left empty. ForwardToHost also copies them to the host.
+  // A batch that asks for routing (ForwardBatch::asks_routing) is run as ForwardWithRouting
+  // when it only forces routings; one that asks them back is refused (InvalidArgument).
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
+  // MoE routing replay (engine/model_runner.h), a MoE model only (tp = 1): forced rows' ids go
+  // to the routing kernel (the weights from their probabilities), every logits row's ids come
+  // back from the device after each slice. Runs synchronously, without decode graphs.
+  // InvalidArgument for a forced routing of the wrong size, an id out of range or twice in a
+  // layer, or a dense model.
+  bool SupportsRoutingReplay() const override { return config_.is_moe(); }
+  absl::Status ForwardWithRouting(const ForwardBatch& batch, std::vector<float>* logits,
+                                  std::vector<std::vector<int32_t>>* routing) override;
   // Forward, then the logits of batch.logit_rows in `logits` ([rows, vocab]; tests, benchmarks).
   absl::Status ForwardToHost(const ForwardBatch& batch, std::vector<float>* logits);
   // Samples / scores on the GPU (kernels/cuda/sampling.h, one block per row, fixed-order
@@ -253,16 +263,26 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status AllocateWeightStaging();  // device_weight_staging: broadcast staging, digests
   absl::Status PinGemms();
   absl::Status PinCanonicalGemms();
+  absl::Status PinMoeGemms();      // a MoE model's router
   absl::Status AllocateKvCache();  // the KV pool from the memory left
 
   // The forward pass (forward.cc). async (LaunchStep): fed tokens (batch.fed_tokens: rows of the
   // device's sampling results) allowed, and nothing waits for the device.
-  absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits, bool async = false);
+  // routing (ForwardWithRouting): the batch's forced routings in, its rows' routings out.
+  struct RoutingIo;
+  absl::Status ForwardImpl(const ForwardBatch& batch, float* host_logits, bool async = false,
+                           RoutingIo* routing = nullptr);
   absl::Status CheckBatch(const ForwardBatch& batch, bool async) const;
   // Tokens [begin, end) of the batch: planned (batch_plan.h), the metadata uploaded, the slice
   // enqueued or its decode graph replayed.
   absl::Status ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
-                            float* host_logits, bool keep_on_device, bool async);
+                            float* host_logits, bool keep_on_device, bool async,
+                            RoutingIo* routing);
+  // Routing replay around a slice (routing_replay.cc): its forced routings uploaded (returns
+  // whether it has any), and after it ran, its logits rows' routings downloaded.
+  absl::StatusOr<bool> UploadForcedRouting(const RoutingIo& routing, int64_t begin, int64_t end);
+  absl::Status DownloadRouting(const ForwardBatch& batch, int64_t begin, int64_t end,
+                               RoutingIo* routing);
   cuda_runner_internal::SlicePlanOptions PlanOptions() const;
   // Where ForwardImpl ends the slices of `batch` (SliceEnd: max_batch_tokens and the planned
   // attention partials); empty for an empty batch.
@@ -275,8 +295,9 @@ class CudaModelRunner final : public ModelRunner {
                                    const cuda_runner_internal::SlicePlanOptions& options);
   // Enqueues a slice whose metadata is on the device: the layers, then the logits rows (copied
   // to `host_logits` pass by pass when it is set). forward_layers.cc.
+  // forced_routing: the slice's routing replay is uploaded (EnqueueMoe).
   absl::Status EnqueueSlice(const cuda_runner_internal::SliceShape& shape, float* host_logits,
-                            bool keep_on_device);
+                            bool keep_on_device, bool forced_routing = false);
   // The parts of EnqueueSlice. Per rank: the attention block up to its o_proj part (input norm
   // and q/k/v, then attention), the MLP up to its down_proj part, and a row-parallel projection's
   // part (mlp: down_proj, else o_proj; the fused GEMM + residual, or the rank's leaves of the K
@@ -290,6 +311,10 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status EnqueuePagedAttention(cuda_runner_internal::RankState& rk, int layer,
                                      const cuda_runner_internal::SliceShape& shape);
   absl::Status EnqueueMlp(cuda_runner_internal::RankState& rk, int layer, int64_t n);
+  // A MoE layer's MLP (tp = 1): router GEMM, routing (forced where the slice's routing replay
+  // says), grouping, the grouped expert GEMMs, the combine into x. `forced`: the slice has
+  // forced rows (their ids and flags uploaded to moe_forced_ids / moe_forced_rows).
+  absl::Status EnqueueMoe(cuda_runner_internal::RankState& rk, int layer, int64_t n, bool forced);
   absl::Status EnqueueRowParallel(cuda_runner_internal::RankState& rk, int layer, bool mlp,
                                   int64_t n);
   absl::Status CombineRowParallel(int64_t n);

@@ -25,6 +25,15 @@ using cuda_runner_internal::SlicePlanOptions;
 
 absl::Status CudaModelRunner::Forward(const ForwardBatch& batch, std::vector<float>* logits) {
   if (logits != nullptr) logits->clear();
+  if (batch.asks_routing()) {
+    if (batch.return_routing) {
+      return absl::InvalidArgumentError(
+          "a batch that asks for its routing back (return_routing) goes through "
+          "ForwardWithRouting");
+    }
+    std::vector<std::vector<int32_t>> unused;
+    return ForwardWithRouting(batch, logits, &unused);
+  }
   return ForwardImpl(batch, nullptr);
 }
 
@@ -87,8 +96,8 @@ absl::Status CudaModelRunner::CheckBatch(const ForwardBatch& batch, bool async) 
   return absl::OkStatus();
 }
 
-absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host_logits,
-                                          bool async) {
+absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host_logits, bool async,
+                                          RoutingIo* routing) {
   const ModelConfig& c = config_;
   ROLLOUT_RETURN_IF_ERROR(CheckBatch(batch, async));
   State& s = *state_;
@@ -115,7 +124,8 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMeta));
   int64_t begin = 0;
   for (int64_t end : ends) {
-    ROLLOUT_RETURN_IF_ERROR(ForwardSlice(batch, begin, end, host_logits, keep_on_device, async));
+    ROLLOUT_RETURN_IF_ERROR(
+        ForwardSlice(batch, begin, end, host_logits, keep_on_device, async, routing));
     begin = end;
   }
   if (async) return absl::OkStatus();
@@ -152,12 +162,13 @@ SlicePlanOptions CudaModelRunner::PlanOptions() const {
 
 // Tokens [begin, end) of the batch through every layer, then their logit rows.
 absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
-                                           float* host_logits, bool keep_on_device, bool async) {
+                                           float* host_logits, bool keep_on_device, bool async,
+                                           RoutingIo* routing) {
   State& s = *state_;
-  // Decode graphs replay only what they captured: logits on the device, no profiling marks; and
-  // not when the ranks span devices (decode then runs eagerly).
-  const bool may_replay_graph =
-      keep_on_device && !s.profiler.on() && !s.graphs_failed && !s.multi_device;
+  // Decode graphs replay only what they captured: logits on the device, no profiling marks, no
+  // routing replay; and not when the ranks span devices (decode then runs eagerly).
+  const bool may_replay_graph = keep_on_device && !s.profiler.on() && !s.graphs_failed &&
+                                !s.multi_device && routing == nullptr;
   const SlicePlanOptions options = PlanOptions();
   const SlicePlan plan = PlanSlice(batch, begin, end, options, may_replay_graph);
   ROLLOUT_RETURN_IF_ERROR(GrowAttentionPartials(plan.shape));
@@ -171,12 +182,19 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
           "copying logits"));
     }
   } else {
-    ROLLOUT_RETURN_IF_ERROR(EnqueueSlice(plan.shape, host_logits, keep_on_device));
+    bool forced = false;
+    if (routing != nullptr) {
+      absl::StatusOr<bool> uploaded = UploadForcedRouting(*routing, begin, end);
+      if (!uploaded.ok()) return uploaded.status();
+      forced = *uploaded;
+    }
+    ROLLOUT_RETURN_IF_ERROR(EnqueueSlice(plan.shape, host_logits, keep_on_device, forced));
   }
   // The pinned metadata buffer is rewritten by the next slice (async: by the launch after the
   // next, LaunchStep's staging slots).
   if (async) return absl::OkStatus();
-  return CudaError(cudaStreamSynchronize(s.stream), "forward pass");
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "forward pass"));
+  return routing != nullptr ? DownloadRouting(batch, begin, end, routing) : absl::OkStatus();
 }
 
 // Every rank's attention split partials for the shape (the tensor-core kernel, or the SIMT

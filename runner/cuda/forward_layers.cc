@@ -10,6 +10,7 @@
 #include "common/cuda_status.h"
 #include "common/status.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/rank_group.h"
 #include "kernels/cuda/tensor_parallel.h"
@@ -28,6 +29,11 @@ using cuda_runner_internal::kGemmO;
 using cuda_runner_internal::kGemmQkv;
 using cuda_runner_internal::kLmHead;
 using cuda_runner_internal::kLogitsCopy;
+using cuda_runner_internal::kMoeCombine;
+using cuda_runner_internal::kMoeDown;
+using cuda_runner_internal::kMoeGateUp;
+using cuda_runner_internal::kMoeGroup;
+using cuda_runner_internal::kMoeRoute;
 using cuda_runner_internal::kNorm;
 using cuda_runner_internal::kQkvRope;
 using cuda_runner_internal::kSiluMul;
@@ -46,7 +52,8 @@ cuda::KvCacheView LayerCache(const RankState& rk, int layer, int32_t block_size,
 }  // namespace
 
 absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShape& shape,
-                                           float* host_logits, bool keep_on_device) {
+                                           float* host_logits, bool keep_on_device,
+                                           bool forced_routing) {
   const ModelConfig& c = config_;
   State& s = *state_;
   // Ranks > 0 start after what rank 0's stream holds so far (the metadata upload); inside a
@@ -69,6 +76,10 @@ absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShap
     for (RankState& rk : s.ranks) ROLLOUT_RETURN_IF_ERROR(EnqueueAttention(rk, layer, shape));
     ROLLOUT_RETURN_IF_ERROR(CombineRowParallel(shape.n));
     ROLLOUT_RETURN_IF_ERROR(s.Mark(kGemmO));
+    if (c.IsMoeLayer(layer)) {  // tp = 1 (CheckSupported)
+      ROLLOUT_RETURN_IF_ERROR(EnqueueMoe(s.ranks[0], layer, shape.n, forced_routing));
+      continue;
+    }
     for (RankState& rk : s.ranks) ROLLOUT_RETURN_IF_ERROR(EnqueueMlp(rk, layer, shape.n));
     ROLLOUT_RETURN_IF_ERROR(CombineRowParallel(shape.n));
     ROLLOUT_RETURN_IF_ERROR(s.Mark(kGemmDown));
@@ -266,6 +277,77 @@ absl::Status CudaModelRunner::EnqueueMlp(RankState& rk, int layer, int64_t n) {
       cuda::SiluMul(gate_up, n, rk.inter, rk.act.get<bf16>(), rk.stream.get()), "silu * up"));
   ROLLOUT_RETURN_IF_ERROR(mark(kSiluMul));
   return EnqueueRowParallel(rk, layer, /*mlp=*/true, n);
+}
+
+// The MoE MLP (kernels/cuda/moe.h): post-attention norm, router logits by the pinned router
+// GEMM (fp32), routing into the layer's slice of moe_ids, grouping, gate/up, SiLU * up, down,
+// and the combine into x. Every launch is sized by n (host-known): graph-capturable.
+absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bool forced) {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  const LayerWeights& l = rk.layers[layer];
+  cudaStream_t stream = rk.stream.get();
+  const int32_t e = c.num_experts, k = c.num_experts_per_tok;
+  const int64_t h = c.hidden_size, mi = c.moe_intermediate_size, a = n * k;
+  bf16* xn = rk.xn.get<bf16>();
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cuda::RmsNorm(rk.x.get<float>(), nullptr, n, h, l.post_norm, c.rms_norm_eps, xn, stream),
+      "rmsnorm"));
+  ROLLOUT_RETURN_IF_ERROR(s.Mark(kNorm));
+  float* logits = rk.router_logits.get<float>();
+  ROLLOUT_RETURN_IF_ERROR(
+      CublasError(rk.gemm_router->Run(xn, n, l.router, logits, stream), "router"));
+  // This layer's routing: [n, k] at the layer's place in the slice's [moe layers, n, k].
+  int32_t* ids = rk.moe_ids.get<int32_t>() + l.moe_layer * a;
+  const int32_t* forced_ids = forced ? rk.moe_forced_ids.get<int32_t>() + l.moe_layer * a : nullptr;
+  const int32_t* forced_rows = forced ? rk.moe_forced_rows.get<int32_t>() : nullptr;
+  float* weights = rk.moe_weights.get<float>();
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeRoute(logits, n, e, k, c.norm_topk_prob, forced_ids,
+                                                   forced_rows, ids, weights, stream),
+                                    "moe routing"));
+  ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeRoute));
+  int32_t* g = rk.moe_grouping.get<int32_t>();
+  const cuda::MoeGrouping grouping{g, g + e, g + 2 * e + 1, g + 3 * e + 2, g + 3 * e + 2 + a};
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cuda::MoeGroup(ids, n, e, k, grouping, stream), "moe grouping"));
+  ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGroup));
+  cuda::MoeGemmParams gemm;
+  gemm.x = xn;
+  gemm.rows = grouping.rows;
+  gemm.assignments = a;
+  gemm.w = l.expert_gate_up;
+  gemm.expert_stride = 2 * mi * h;
+  gemm.n = 2 * mi;
+  gemm.k = h;
+  gemm.expert_offsets = grouping.expert_offsets;
+  gemm.tile_offsets = grouping.tile_offsets;
+  gemm.num_experts = e;
+  gemm.output = cuda::MoeGemmOutput::kBf16;
+  gemm.y = rk.moe_gate_up.get();
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeExpertGemm(gemm, stream), "moe gate/up"));
+  ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGateUp));
+  bf16* act = rk.moe_act.get<bf16>();
+  for (int64_t r0 = 0; r0 < a; r0 += 65535) {  // SiluMul's grid holds 65535 rows
+    const int64_t rn = std::min<int64_t>(65535, a - r0);
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cuda::SiluMul(rk.moe_gate_up.get<bf16>() + r0 * 2 * mi, rn, mi, act + r0 * mi, stream),
+        "moe silu * up"));
+  }
+  ROLLOUT_RETURN_IF_ERROR(s.Mark(kSiluMul));
+  gemm.x = act;
+  gemm.rows = nullptr;
+  gemm.w = l.expert_down;
+  gemm.expert_stride = h * mi;
+  gemm.n = h;
+  gemm.k = mi;
+  gemm.output = cuda::MoeGemmOutput::kF32;
+  gemm.y = rk.moe_y.get();
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeExpertGemm(gemm, stream), "moe down"));
+  ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeDown));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeCombine(rk.moe_y.get<float>(), grouping.slots, weights,
+                                                     n, k, h, rk.x.get<float>(), stream),
+                                    "moe combine"));
+  return s.Mark(kMoeCombine);
 }
 
 // A rank's part of o_proj (mlp = false: input attn, K = heads * head_dim) or down_proj (mlp:

@@ -28,6 +28,11 @@ enum Family {
   kGemmDown,
   kLmHead,
   kLogitsCopy,
+  kMoeRoute,    // router GEMM + routing
+  kMoeGroup,    // grouping by expert
+  kMoeGateUp,   // the grouped gate/up GEMM
+  kMoeDown,     // the grouped down GEMM
+  kMoeCombine,  // the weighted sum into the residual
   kNumFamilies
 };
 inline constexpr const char* kFamilyNames[kNumFamilies] = {"metadata h2d",
@@ -41,7 +46,12 @@ inline constexpr const char* kFamilyNames[kNumFamilies] = {"metadata h2d",
                                                            "silu*up",
                                                            "gemm down (+res)",
                                                            "lm_head (+final norm)",
-                                                           "logits d2h"};
+                                                           "logits d2h",
+                                                           "moe router+routing",
+                                                           "moe grouping",
+                                                           "moe gemm gate_up",
+                                                           "moe gemm down",
+                                                           "moe combine (+res)"};
 
 class ForwardProfiler {
  public:

@@ -132,4 +132,36 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
   return absl::OkStatus();
 }
 
+// A MoE model's router GEMM: logits [tokens, num_experts] fp32, pinned like the others (its rows
+// must not depend on the batch either: routing reads them). TP 1 only (CheckSupported). The
+// expert GEMMs are kernels/cuda/moe.h's, no cuBLASLt.
+absl::Status CudaModelRunner::PinMoeGemms() {
+  const ModelConfig& c = config_;
+  State& s = *state_;
+  if (!c.is_moe()) return absl::OkStatus();
+  RankState& rk = s.ranks[0];
+  const int64_t n = c.num_experts, k = c.hidden_size;
+  std::string why = "gemm_pin_m <= 0 asks for the heuristic";
+  if (options_.gemm_pin_m <= 0 ||
+      cuda::PinnedGemm::Create(s.lt.get(), n, k, cuda::GemmOutput::kF32, options_.gemm_pin_m,
+                               &rk.gemm_router, &why) != CUBLAS_STATUS_SUCCESS) {
+    if (options_.gemm_pin_m > 0) {
+      LOG(WARNING) << absl::StrFormat(
+          "no split-K-free cuBLASLt algorithm could be pinned for router [%d x %d]; using the "
+          "no-workspace heuristic per m:\n%s",
+          n, k, why);
+    }
+    ROLLOUT_RETURN_IF_ERROR(
+        CublasError(cuda::PinnedGemm::CreateHeuristic(s.lt.get(), n, k, cuda::GemmOutput::kF32,
+                                                      &rk.gemm_router),
+                    "creating the GEMM for router"));
+  } else if (options_.gemm_ladder) {
+    ROLLOUT_RETURN_IF_ERROR(
+        CublasError(rk.gemm_router->BuildLadder(), "the GEMM ladder for router"));
+  }
+  s.gemm_descriptions.push_back(
+      absl::StrFormat("%-8s n=%-6d k=%-6d %s", "router", n, k, rk.gemm_router->Describe()));
+  return absl::OkStatus();
+}
+
 }  // namespace rollout

@@ -38,6 +38,13 @@ struct LayerWeights {
   float* q_norm = nullptr;      // [head_dim]; nullptr unless qk_norm
   float* k_norm = nullptr;      // [head_dim]; nullptr unless qk_norm
   float* qkv_bias = nullptr;    // [(heads + 2 * kv_heads) * head_dim]; nullptr unless qkv_bias
+  // A MoE layer (ModelConfig::IsMoeLayer; gate_up and down are then null): the router and every
+  // expert, experts contiguous so that the grouped GEMM finds expert e at e * its size.
+  cuda::bf16* router = nullptr;          // [num_experts, hidden]
+  cuda::bf16* expert_gate_up = nullptr;  // [num_experts, 2 * moe_inter, hidden]: gate rows, up rows
+  cuda::bf16* expert_down = nullptr;     // [num_experts, hidden, moe_inter]
+  int32_t moe_layer = 0;                 // the layer's index among the MoE layers (router set)
+  bool moe() const { return router != nullptr; }
 };
 
 // One tensor-parallel rank on the device: its shard of the weights and of the KV cache, its
@@ -89,6 +96,19 @@ struct RankState : RankShard {
   cuda::DeviceBuffer act;         // [tokens, intermediate] bf16
   cuda::DeviceBuffer final_rows;  // [max_logit_rows, hidden] bf16
   cuda::DeviceBuffer partials;    // [tokens, heads, splits, head_dim + 2] fp32
+  // MoE layers (empty for a dense model), for T = max_batch_tokens tokens and A = T * top_k
+  // assignments (kernels/cuda/moe.h).
+  cuda::DeviceBuffer router_logits;    // [T, num_experts] fp32
+  cuda::DeviceBuffer moe_ids;          // [moe layers, T', top_k] int32: a slice of T' tokens'
+                                       // routing, layer-major (routing replay reads it back)
+  cuda::DeviceBuffer moe_weights;      // [T, top_k] fp32
+  cuda::DeviceBuffer moe_forced_ids;   // [moe layers, T', top_k] int32: routing replay's
+  cuda::DeviceBuffer moe_forced_rows;  // [T] int32: nonzero where the token's routing is forced
+  cuda::DeviceBuffer moe_grouping;     // int32: counts [E], offsets [E + 1], tiles [E + 1],
+                                       // rows [A], slots [A]
+  cuda::DeviceBuffer moe_gate_up;      // [A, 2 * moe_inter] bf16
+  cuda::DeviceBuffer moe_act;          // [A, moe_inter] bf16
+  cuda::DeviceBuffer moe_y;            // [A, hidden] fp32
   // Canonical K tree, when the rank owns more than one leaf: [8 / tp, tokens, hidden] fp32.
   cuda::DeviceBuffer leaves;
   // tensor_parallel > 1: [tp, max(tokens * hidden, max_logit_rows * vocab_rows)] fp32, what the
@@ -101,6 +121,8 @@ struct RankState : RankShard {
   // Column-parallel GEMMs run the algorithm pinned for the full weight's shape; with the
   // canonical K tree, gemm_o and gemm_down are the [hidden, K / 8] segment GEMMs.
   std::unique_ptr<cuda::PinnedGemm> gemm_qkv, gemm_o, gemm_gate_up, gemm_down, gemm_lm_head;
+  // MoE: the router logits [tokens, num_experts] fp32 (null for a dense model).
+  std::unique_ptr<cuda::PinnedGemm> gemm_router;
 };
 
 // The tensor-parallel ranks, rank r at [r]. Destroys them in index order, each with its device

@@ -4,6 +4,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -11,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/rank_group.h"
 #include "model/tensor_parallel.h"
@@ -54,6 +56,33 @@ absl::Status CheckDevices(const CudaRunnerOptions& o) {
   return absl::OkStatus();
 }
 
+// A mixture-of-experts model against what kernels/cuda/moe.h supports (nothing for a dense one).
+absl::Status CheckMoeSupported(const ModelConfig& c, const CudaRunnerOptions& o) {
+  if (!c.is_moe()) return absl::OkStatus();
+  if (o.tensor_parallel > 1) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "tensor parallelism (tensor_parallel %d) is not implemented for mixture-of-experts "
+        "models (Qwen3MoeForCausalLM) on the cuda backend: serve it at --tp 1 (or on the cpu "
+        "backend)",
+        o.tensor_parallel));
+  }
+  if (c.num_experts > cuda::kMoeMaxExperts || c.num_experts_per_tok < 1 ||
+      c.num_experts_per_tok > std::min(c.num_experts, cuda::kMoeMaxTopK)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the cuda backend supports up to %d experts and 1..%d experts per token (not more than "
+        "num_experts), not num_experts %d, num_experts_per_tok %d",
+        cuda::kMoeMaxExperts, cuda::kMoeMaxTopK, c.num_experts, c.num_experts_per_tok));
+  }
+  if (c.moe_intermediate_size % cuda::kMoeGemmAlign != 0 ||
+      c.hidden_size % cuda::kMoeGemmAlign != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the cuda backend's expert GEMMs need hidden_size (%d) and moe_intermediate_size (%d) to "
+        "be multiples of %d",
+        c.hidden_size, c.moe_intermediate_size, cuda::kMoeGemmAlign));
+  }
+  return absl::OkStatus();
+}
+
 // The options and the model against what the kernels support.
 absl::Status CheckSupported(const ModelConfig& c, const CudaRunnerOptions& o) {
   if (o.kv_block_size <= 0 || o.attention_split_size <= 0 ||
@@ -80,6 +109,7 @@ absl::Status CheckSupported(const ModelConfig& c, const CudaRunnerOptions& o) {
   if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0) {
     return absl::InvalidArgumentError("hidden and intermediate sizes must be multiples of 8");
   }
+  ROLLOUT_RETURN_IF_ERROR(CheckMoeSupported(c, o));
   ROLLOUT_RETURN_IF_ERROR(CheckTensorParallel(c, o.tensor_parallel));
   ROLLOUT_RETURN_IF_ERROR(CheckDevices(o));
   if (o.canonical_k_tree) {

@@ -43,7 +43,9 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
   // One slice only: the pinned metadata of a slice is rewritten by the next one, which an
   // enqueued step cannot wait for.
   const bool one_slice = SliceEnds(batch).size() <= 1;
-  if (one_slice && CanFeed(tasks) && (!fed || s.feed_ready)) {
+  // Routing replay runs synchronously (ForwardWithRouting), its routings into the results.
+  const bool routing = batch.asks_routing();
+  if (one_slice && CanFeed(tasks) && (!fed || s.feed_ready) && !routing) {
     status = ForwardImpl(batch, nullptr, /*async=*/true);
     if (status.ok() && rows > 0) {
       status = EnqueueDeviceRows(s.logits.get<float>(), tasks, 0, rows);
@@ -66,8 +68,12 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
       if (status.ok()) status = ResolveFedTokens(fed_from, &resolved);
       run = &resolved;
     }
-    if (status.ok()) status = Forward(*run, nullptr);
+    std::vector<std::vector<int32_t>> routings;
+    if (status.ok()) status = ForwardWithRouting(*run, nullptr, &routings);
     if (status.ok()) status = ProcessLogits(tasks, {}, &launched.results);
+    for (size_t i = 0; status.ok() && i < routings.size(); ++i) {
+      launched.results[i].routing = std::move(routings[i]);
+    }
   }
   // The device's results are this step's tokens when one sampling pass picked them all (a failed
   // launch may have overwritten them: nothing to feed from).

@@ -69,11 +69,21 @@ void LayOutRank(const ModelConfig& c, int64_t vocab_rows, RankState& rk, Arena* 
   rk.lm_head = c.tie_word_embeddings ? rk.embed : mats->Take<bf16>(vocab_rows * h);
   rk.final_norm = vecs->Take<float>(h);
   rk.layers.assign(c.num_layers, LayerWeights{});
-  for (LayerWeights& l : rk.layers) {
+  int32_t moe_layers = 0;
+  for (int32_t i = 0; i < c.num_layers; ++i) {
+    LayerWeights& l = rk.layers[i];
     l.qkv = mats->Take<bf16>(qkv_rows * h);
     l.o = mats->Take<bf16>(h * rk.heads * hd);
-    l.gate_up = mats->Take<bf16>(2 * rk.inter * h);
-    l.down = mats->Take<bf16>(h * rk.inter);
+    if (c.IsMoeLayer(i)) {  // tp = 1 only (CheckSupported): every expert whole
+      const int64_t e = c.num_experts, mi = c.moe_intermediate_size;
+      l.router = mats->Take<bf16>(e * h);
+      l.expert_gate_up = mats->Take<bf16>(e * 2 * mi * h);
+      l.expert_down = mats->Take<bf16>(e * h * mi);
+      l.moe_layer = moe_layers++;
+    } else {
+      l.gate_up = mats->Take<bf16>(2 * rk.inter * h);
+      l.down = mats->Take<bf16>(h * rk.inter);
+    }
     l.input_norm = vecs->Take<float>(h);
     l.post_norm = vecs->Take<float>(h);
     if (c.qk_norm) {
@@ -121,11 +131,15 @@ class TensorBinder {
       Add(p + "self_attn.v_proj.weight", false, nkv * hd, h,
           Piece{l.qkv + (rh + rkv) * hd * h, kvb * hd, rkv * hd, 0, h});
       AddKSlices(p + "self_attn.o_proj.weight", rk, l.o, nh * hd);
-      Add(p + "mlp.gate_proj.weight", false, inter, h,
-          Piece{l.gate_up, r * rk.inter, rk.inter, 0, h});
-      Add(p + "mlp.up_proj.weight", false, inter, h,
-          Piece{l.gate_up + rk.inter * h, r * rk.inter, rk.inter, 0, h});
-      AddKSlices(p + "mlp.down_proj.weight", rk, l.down, inter);
+      if (l.moe()) {
+        BindExperts(p, l);
+      } else {
+        Add(p + "mlp.gate_proj.weight", false, inter, h,
+            Piece{l.gate_up, r * rk.inter, rk.inter, 0, h});
+        Add(p + "mlp.up_proj.weight", false, inter, h,
+            Piece{l.gate_up + rk.inter * h, r * rk.inter, rk.inter, 0, h});
+        AddKSlices(p + "mlp.down_proj.weight", rk, l.down, inter);
+      }
       if (c_.qk_norm) {
         Add(p + "self_attn.q_norm.weight", true, hd, 1, Piece{l.q_norm, 0, hd, 0, 1});
         Add(p + "self_attn.k_norm.weight", true, hd, 1, Piece{l.k_norm, 0, hd, 0, 1});
@@ -149,6 +163,20 @@ class TensorBinder {
     b.rows = rows;
     b.cols = cols;
     if (piece.rows > 0 && piece.cols > 0) b.pieces.push_back(piece);
+  }
+  // A MoE layer's router and experts (the Hub's per-expert tensors, the served names), each
+  // whole: expert e's gate and up rows at e * 2 * moe_inter rows of the fused gate/up, its down
+  // at e * hidden rows of the experts' down.
+  void BindExperts(const std::string& p, LayerWeights& l) {
+    const int64_t h = c_.hidden_size, mi = c_.moe_intermediate_size;
+    Add(p + "mlp.gate.weight", false, c_.num_experts, h, Piece{l.router, 0, c_.num_experts, 0, h});
+    for (int64_t e = 0; e < c_.num_experts; ++e) {
+      const std::string x = absl::StrCat(p, "mlp.experts.", e, ".");
+      bf16* gate = l.expert_gate_up + e * 2 * mi * h;
+      Add(x + "gate_proj.weight", false, mi, h, Piece{gate, 0, mi, 0, h});
+      Add(x + "up_proj.weight", false, mi, h, Piece{gate + mi * h, 0, mi, 0, h});
+      Add(x + "down_proj.weight", false, h, mi, Piece{l.expert_down + e * h * mi, 0, h, 0, mi});
+    }
   }
   // A row-parallel weight [hidden, k_full]: whole, or the rank's K segments, each [hidden,
   // k_full / 8] contiguous, so a segment GEMM reads the same weight layout at every degree.

@@ -67,6 +67,7 @@ absl::Status CudaModelRunner::Finish() {
       static_cast<int64_t>(state_->weight_staging.bytes() + state_->staging_leaf_digests.bytes() +
                            state_->staging_tensor_digests.bytes());
   ROLLOUT_RETURN_IF_ERROR(state_->canonical ? PinCanonicalGemms() : PinGemms());
+  ROLLOUT_RETURN_IF_ERROR(PinMoeGemms());
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
   ROLLOUT_RETURN_IF_ERROR(AllocateKvCache());
   size_t free_left = 0;
@@ -136,14 +137,29 @@ absl::Status CudaModelRunner::AllocateWorkspace() {
     const int64_t qkv_cols = (rk.heads + 2 * rk.kv_heads) * hd;
     const int64_t leaves = s.canonical && local_segments > 1 ? local_segments * t * h * 4 : 0;
     const int64_t gathered = tp > 1 ? tp * std::max(t * h, r * s.vocab_rows) * 4 : 0;
+    // A MoE model: the dense MLP buffers only if a layer is dense; the MoE buffers for every
+    // token's top_k assignments (kernels/cuda/moe.h).
+    const int64_t moe_layers = c.NumMoeLayers();
+    const bool dense_mlp = moe_layers < c.num_layers;
+    const int64_t e = c.num_experts, k = c.num_experts_per_tok, a = t * k;
+    const int64_t mi = c.moe_intermediate_size;
     for (auto [buffer, bytes] : std::vector<std::pair<cuda::DeviceBuffer*, int64_t>>{
              {&rk.x, t * h * 4},
              {&rk.xn, t * h * 2},
              {&rk.qkv, t * qkv_cols * 4},
              {&rk.q, t * rk.heads * hd * 4},
              {&rk.attn, t * rk.heads * hd * 2},
-             {&rk.gate_up, t * 2 * rk.inter * 2},
-             {&rk.act, t * rk.inter * 2},
+             {&rk.gate_up, dense_mlp ? t * 2 * rk.inter * 2 : 0},
+             {&rk.act, dense_mlp ? t * rk.inter * 2 : 0},
+             {&rk.router_logits, t * e * 4},
+             {&rk.moe_ids, moe_layers * a * 4},
+             {&rk.moe_weights, a * 4},
+             {&rk.moe_forced_ids, moe_layers * a * 4},
+             {&rk.moe_forced_rows, moe_layers > 0 ? t * 4 : 0},
+             {&rk.moe_grouping, moe_layers > 0 ? (3 * e + 2 + 2 * a) * 4 : 0},
+             {&rk.moe_gate_up, a * 2 * mi * 2},
+             {&rk.moe_act, a * mi * 2},
+             {&rk.moe_y, a * h * 4},
              {&rk.final_rows, r * h * 2},
              {&rk.leaves, leaves},
              {&rk.gathered, gathered},

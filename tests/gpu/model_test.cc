@@ -493,5 +493,153 @@ TEST_F(ModelTest, Qwen3_8bShapedWithSimtAttentionIsInvariant) {
   CheckInvariance(runner->get(), 600, 15);
 }
 
+// --- Qwen3-MoE (kernels/cuda/moe.h): the invariance suite, graphs, the CPU reference, replay.
+
+// Real Qwen3-30B-A3B shapes (hidden 2048, 32/4 heads x 128, 128 experts of width 768, 8 per
+// token) with two layers.
+ModelConfig Qwen3MoeTwoLayers() {
+  ModelConfig config = *PresetConfig("qwen3-30b-a3b");
+  config.num_layers = 2;
+  return config;
+}
+
+TEST_F(ModelTest, MoeSmallLogitsMatchTheCpuReferenceWithinBf16Tolerance) {
+  CheckAgainstCpu(TempDir("cpu_ref_moe"), "moe-small", SmallOptions());
+}
+
+TEST_F(ModelTest, MoeSmallModelRowsAreBatchAndChunkInvariant) {
+  for (bool canonical : {false, true}) {
+    SCOPED_TRACE(canonical ? "canonical K tree" : "fused row-parallel GEMMs");
+    CudaRunnerOptions o = SmallOptions();
+    o.canonical_k_tree = canonical;
+    auto runner = CudaModelRunner::CreateSynthetic(*PresetConfig("moe-small"), 1, o);
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    CheckInvariance(runner->get(), 300, 11);
+  }
+}
+
+TEST_F(ModelTest, MoeSmallModelDecodeGraphsEqualEagerBitwise) {
+  CheckGraphsMatchEager(*PresetConfig("moe-small"), SmallOptions(), 256, 700,
+                        {1, 2, 3, 4, 5, 7, 13, 16, 17, 31, 32, 33, 63, 100, 129, 200, 255, 256});
+}
+
+TEST_F(ModelTest, Qwen3MoeShapedRowsAreBatchAndChunkInvariant) {
+  CudaRunnerOptions o = Qwen3_8bOptions();
+  o.max_batch_tokens = 8192;
+  auto runner = CudaModelRunner::CreateSynthetic(Qwen3MoeTwoLayers(), 2, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  CheckInvariance(runner->get(), 1100, 12);
+}
+
+TEST_F(ModelTest, Qwen3MoeShapedDecodeGraphsEqualEagerBitwise) {
+  CheckGraphsMatchEager(Qwen3MoeTwoLayers(), Qwen3_8bOptions(), 256, 1500,
+                        {1, 2, 5, 8, 31, 64, 97, 200, 256});
+}
+
+// Routing replay: the routing a Forward returns, forced back, gives the same logits bitwise and
+// is returned unchanged; a row's routing is the same in prefill and in decode; another forced
+// routing changes the logits; bad routings are refused before anything runs.
+TEST_F(ModelTest, MoeRoutingReplayGivesBackTheLogitsOfTheRoutingItReturned) {
+  const ModelConfig config = *PresetConfig("moe-small");
+  auto made = CudaModelRunner::CreateSynthetic(config, 4, SmallOptions());
+  ASSERT_TRUE(made.ok()) << made.status();
+  CudaModelRunner& runner = **made;
+  ASSERT_TRUE(runner.SupportsRoutingReplay());
+  const int64_t vocab = config.vocab_size;
+  const size_t size = static_cast<size_t>(config.RoutingSize());
+  BlockPool pool(runner.num_kv_blocks(), runner.kv_block_size());
+  const int len = 90;
+  std::vector<Seq> seqs = {pool.Make(RandomTokens(len, static_cast<int>(vocab), 31)),
+                           pool.Make(RandomTokens(40, static_cast<int>(vocab), 32))};
+  ForwardBatch batch = MakeBatch(seqs, {{0, 0, len, true}, {1, 0, 40, false}});
+  batch.return_routing = true;
+  std::vector<std::vector<int32_t>> chosen;
+  ASSERT_TRUE(runner.ForwardWithRouting(batch, nullptr, &chosen).ok());
+  ASSERT_EQ(chosen.size(), batch.logit_rows.size());
+  for (const auto& r : chosen) ASSERT_EQ(r.size(), size);
+  // Forced to what it chose: the same routing back, and the same logits -- compared through
+  // the device's scoring of every row (logprob of a fixed token and the top 20, bitwise).
+  ForwardBatch forced = batch;
+  forced.forced_routing = chosen;
+  std::vector<std::vector<int32_t>> back;
+  ASSERT_TRUE(runner.ForwardWithRouting(forced, nullptr, &back).ok());
+  EXPECT_EQ(back, chosen);
+  SamplingParams scoring;
+  scoring.top_logprobs = 20;
+  std::vector<LogitsRowTask> tasks(batch.logit_rows.size());
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    tasks[i].params = &scoring;
+    tasks[i].position = batch.positions[batch.logit_rows[i]] + 1;
+    tasks[i].score_token = static_cast<int32_t>((i * 37) % vocab);
+  }
+  std::vector<SampleResult> replayed, plain;
+  ASSERT_TRUE(runner.ProcessLogits(tasks, {}, &replayed).ok());
+  ASSERT_TRUE(
+      runner.Forward(MakeBatch(seqs, {{0, 0, len, true}, {1, 0, 40, false}}), nullptr).ok());
+  ASSERT_TRUE(runner.ProcessLogits(tasks, {}, &plain).ok());
+  ASSERT_EQ(replayed.size(), plain.size());
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    EXPECT_EQ(0, std::memcmp(&replayed[i].logprob, &plain[i].logprob, 4)) << "row " << i;
+    ASSERT_EQ(replayed[i].top.size(), plain[i].top.size());
+    for (size_t j = 0; j < plain[i].top.size(); ++j) {
+      EXPECT_EQ(replayed[i].top[j].token, plain[i].top[j].token) << "row " << i << " top " << j;
+      EXPECT_EQ(0, std::memcmp(&replayed[i].top[j].logprob, &plain[i].top[j].logprob, 4))
+          << "row " << i << " top " << j;
+    }
+  }
+
+  // Decode: the last position alone after a prefill of the rest routes as in the prefill.
+  {
+    std::vector<Seq> dseqs = {pool.Make(seqs[0].tokens)};
+    ASSERT_TRUE(runner.Forward(MakeBatch(dseqs, {{0, 0, len - 1, false}}), nullptr).ok());
+    ForwardBatch step = MakeBatch(dseqs, {{0, len - 1, len, true}});
+    step.return_routing = true;
+    std::vector<std::vector<int32_t>> decoded;
+    ASSERT_TRUE(runner.ForwardWithRouting(step, nullptr, &decoded).ok());
+    ASSERT_EQ(decoded.size(), 1u);
+    EXPECT_EQ(decoded[0], chosen[len - 1]) << "the last token's routing, decode vs prefill";
+  }
+
+  // Another routing for the first row comes back as forced; the unforced row chooses as before.
+  {
+    ForwardBatch other = batch;
+    other.forced_routing.assign(batch.logit_rows.size(), {});
+    std::vector<int32_t> ids(size);
+    for (size_t i = 0; i < size; ++i) {
+      // Per layer the experts the row did not choose first (k <= E / 2 for moe-small).
+      const size_t layer = i / config.num_experts_per_tok, j = i % config.num_experts_per_tok;
+      ids[i] = (chosen[0][layer * config.num_experts_per_tok] + 1 + static_cast<int32_t>(j)) %
+               config.num_experts;
+    }
+    other.forced_routing[0] = ids;
+    std::vector<std::vector<int32_t>> routed;
+    ASSERT_TRUE(runner.ForwardWithRouting(other, nullptr, &routed).ok());
+    EXPECT_EQ(routed[0], ids);
+    EXPECT_EQ(routed[1], chosen[1]) << "an unforced row chooses as before";
+  }
+
+  // Refused: wrong size, an id out of range, an id twice in a layer, a count of rows that is
+  // not the batch's.
+  auto refused = [&](std::vector<std::vector<int32_t>> routing, const char* what) {
+    ForwardBatch bad = batch;
+    bad.forced_routing = std::move(routing);
+    std::vector<std::vector<int32_t>> out;
+    const absl::Status s = runner.ForwardWithRouting(bad, nullptr, &out);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what << ": " << s;
+  };
+  std::vector<std::vector<int32_t>> bad = chosen;
+  bad[0].pop_back();
+  refused(bad, "short routing");
+  bad = chosen;
+  bad[0][0] = config.num_experts;
+  refused(bad, "id out of range");
+  bad = chosen;
+  bad[0][1] = bad[0][0];
+  refused(bad, "id twice in a layer");
+  refused({chosen[0]}, "one routing for two rows");
+  // Asking for the routing back through plain Forward is refused, not ignored.
+  EXPECT_EQ(runner.Forward(batch, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace rollout

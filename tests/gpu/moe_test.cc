@@ -106,7 +106,8 @@ struct MoeBuffers {
 
 template <typename T>
 void Put(cuda::DeviceBuffer& d, const std::vector<T>& h) {
-  ASSERT_EQ(cudaSuccess, cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  ASSERT_EQ(cudaSuccess,
+            cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
 }
 
 std::vector<float> RandomLogits(int64_t t_count, int e_count, uint64_t seed) {
@@ -130,9 +131,8 @@ TEST_F(MoeTest, RouteMatchesHostReference) {
         std::vector<int32_t> want_ids;
         std::vector<float> want_w;
         HostRoute(logits, t_count, c.e, c.k, norm, nullptr, nullptr, &want_ids, &want_w);
-        const std::string where = "E " + std::to_string(c.e) + " k " + std::to_string(c.k) +
-                                  " T " + std::to_string(t_count) + " norm " +
-                                  std::to_string(norm);
+        const std::string where = "E " + std::to_string(c.e) + " k " + std::to_string(c.k) + " T " +
+                                  std::to_string(t_count) + " norm " + std::to_string(norm);
         EXPECT_EQ(want_ids, Download<int32_t>(b.ids, t_count * c.k)) << where;
         EXPECT_TRUE(AllClose(Download<float>(b.weights, t_count * c.k), want_w, 1e-7f, 1e-5f))
             << where;
@@ -248,8 +248,8 @@ TEST_F(MoeTest, GroupIsTheStableCountingSortByExpert) {
           slots[a] = fill[ids[a]]++;
           rows[slots[a]] = static_cast<int32_t>(a / k);
         }
-        const std::string where = "E " + std::to_string(e_count) + " T " +
-                                  std::to_string(t_count) + (skewed ? " skewed" : "");
+        const std::string where = "E " + std::to_string(e_count) + " T " + std::to_string(t_count) +
+                                  (skewed ? " skewed" : "");
         EXPECT_EQ(counts, Download<int32_t>(b.counts, e_count)) << where;
         EXPECT_EQ(offsets, Download<int32_t>(b.expert_offsets, e_count + 1)) << where;
         EXPECT_EQ(tiles, Download<int32_t>(b.tile_offsets, e_count + 1)) << where;
@@ -274,7 +274,12 @@ struct Problem {
 };
 
 Problem MakeProblem(int e, int k, int64_t h, int64_t inter, int64_t t, uint64_t seed) {
-  Problem p{e, k, h, inter, t};
+  Problem p;
+  p.e = e;
+  p.k = k;
+  p.h = h;
+  p.inter = inter;
+  p.t = t;
   gpu_test::RandomBf16(t * h, seed, 1.0f, &p.xn, &p.xn_f);
   gpu_test::RandomBf16(e * 2 * inter * h, seed + 1, 1.0f / std::sqrt(float(h)), &p.w_gate_up,
                        &p.w_gate_up_f);
@@ -420,7 +425,8 @@ TEST_F(MoeTest, ExpertGemmMatchesHostReference) {
           const int64_t src = gather ? rows[r] : r;
           for (int64_t c = 0; c < n; ++c) {
             double s = 0.0;
-            for (int64_t i = 0; i < k; ++i) s += double(x_f[src * k + i]) * w_f[(e * n + c) * k + i];
+            for (int64_t i = 0; i < k; ++i)
+              s += double(x_f[src * k + i]) * w_f[(e * n + c) * k + i];
             want[r * n + c] = out == cuda::MoeGemmOutput::kF32 ? float(s) : RoundBf16(float(s));
           }
         }
@@ -453,6 +459,8 @@ TEST_F(MoeTest, ExpertGemmRefusesUnalignedShapes) {
 
 // The whole chain (routing from logits, grouping, experts, combine) for one batch; returns x.
 struct Chain {
+  Chain(int e_count, int top_k, int64_t hidden, int64_t width)
+      : e(e_count), k(top_k), h(hidden), inter(width) {}
   int e, k;
   int64_t h, inter;
   cuda::DeviceBuffer wgu, wd;
@@ -462,9 +470,9 @@ struct Chain {
     Put(b.logits, logits);
     Put(b.xn, xn);
     Put(b.x, x);
-    EXPECT_EQ(cudaSuccess, cuda::MoeRoute(b.logits.get<float>(), t_count, e, k, true, nullptr,
-                                          nullptr, b.ids.get<int32_t>(), b.weights.get<float>(),
-                                          nullptr));
+    EXPECT_EQ(cudaSuccess,
+              cuda::MoeRoute(b.logits.get<float>(), t_count, e, k, true, nullptr, nullptr,
+                             b.ids.get<int32_t>(), b.weights.get<float>(), nullptr));
     cuda::MoeLayerParams mp;
     mp.xn = b.xn.get<bf16>();
     mp.num_tokens = t_count;
@@ -517,7 +525,7 @@ class MoeInvarianceTest : public ::testing::TestWithParam<InvarianceShape> {
 TEST_P(MoeInvarianceTest, EveryRowIsBitwiseIndependentOfTheBatch) {
   const InvarianceShape& s = GetParam();
   const int64_t max_t = *std::max_element(s.counts.begin(), s.counts.end());
-  Chain chain{s.e, s.k, s.h, s.inter};
+  Chain chain(s.e, s.k, s.h, s.inter);
   {
     std::vector<bf16> w;
     std::vector<float> wf;
@@ -569,7 +577,8 @@ TEST_P(MoeInvarianceTest, EveryRowIsBitwiseIndependentOfTheBatch) {
       const int64_t at = positions[p];
       std::copy(probe_logits.begin() + p * s.e, probe_logits.begin() + (p + 1) * s.e,
                 logits.begin() + at * s.e);
-      std::copy(probe_xn.begin() + p * s.h, probe_xn.begin() + (p + 1) * s.h, xn.begin() + at * s.h);
+      std::copy(probe_xn.begin() + p * s.h, probe_xn.begin() + (p + 1) * s.h,
+                xn.begin() + at * s.h);
       std::copy(probe_x.begin() + p * s.h, probe_x.begin() + (p + 1) * s.h, x.begin() + at * s.h);
     }
     const std::vector<float> got = chain.Run(logits, xn, x, t_count);
@@ -603,16 +612,17 @@ INSTANTIATE_TEST_SUITE_P(
         // Few experts: every expert gets large, varied counts.
         InvarianceShape{"e16_k4_h256_i128", 16, 4, 256, 128, OneTo512AndLarger()},
         // Qwen3-30B-A3B's expert shapes.
-        InvarianceShape{"qwen3_30b_a3b", 128, 8, 2048, 768,
-                        {1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129,
-                         255, 256, 257, 511, 512, 1023, 2048, 4097}}),
+        InvarianceShape{
+            "qwen3_30b_a3b", 128, 8, 2048, 768, {1,   2,   3,   4,   5,   7,   8,    15,   16,
+                                                 17,  31,  32,  33,  63,  64,  65,   127,  128,
+                                                 129, 255, 256, 257, 511, 512, 1023, 2048, 4097}}),
     [](const ::testing::TestParamInfo<InvarianceShape>& info) { return info.param.name; });
 
 // Batch order: a step of 300 rows and the same rows permuted give each row the same bits.
 TEST_F(MoeTest, RowsAreBitwiseIndependentOfBatchOrder) {
   const int e = 32, k = 4;
   const int64_t h = 512, inter = 256, t_count = 300;
-  Chain chain{e, k, h, inter};
+  Chain chain(e, k, h, inter);
   std::vector<bf16> w;
   std::vector<float> wf;
   gpu_test::RandomBf16(int64_t{e} * 2 * inter * h, 1, 1.0f / std::sqrt(float(h)), &w, &wf);
