@@ -34,11 +34,13 @@ struct Shape {
   int leaves = 1;
 };
 
-// The shapes and output kinds CudaModelRunner uses for Qwen3-8B.
+// The shapes and output kinds CudaModelRunner uses for Qwen3-8B, and the MoE router GEMM.
 const Shape kQwen3_8bShapes[] = {
     {"qkv", 6144, 4096, GemmOutput::kF32},       {"o", 4096, 4096, GemmOutput::kF32Accumulate},
     {"gate_up", 24576, 4096, GemmOutput::kBf16}, {"down", 4096, 12288, GemmOutput::kF32Accumulate},
     {"lm_head", 151936, 4096, GemmOutput::kF32},
+    // Qwen3-30B-A3B's router (128 experts over hidden 2048): routing reads its fp32 rows.
+    {"moe_router", 128, 2048, GemmOutput::kF32},
 };
 
 // The leaves of o_proj and down_proj under the canonical K tree (the server's default,

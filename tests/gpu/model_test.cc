@@ -536,6 +536,51 @@ TEST_F(ModelTest, Qwen3MoeShapedDecodeGraphsEqualEagerBitwise) {
                         {1, 2, 5, 8, 31, 64, 97, 200, 256});
 }
 
+// The expert and router bindings: a MoE checkpoint loaded from disk equals the synthetic model
+// of its seed bitwise, and a runner of another seed updated with every served tensor of that
+// checkpoint (by name, through UpdateWeights) becomes it, bitwise.
+TEST_F(ModelTest, MoeCheckpointSyntheticAndUpdatedWeightsGiveTheSameBits) {
+  const std::string dir = TempDir("moe_synthetic");
+  RandomModelOptions write;
+  write.preset = "moe-small";
+  write.seed = 5;
+  ASSERT_TRUE(WriteRandomModel(write, dir).ok());
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const ModelConfig config = *PresetConfig("moe-small");
+  auto from_file = CudaModelRunner::Create(**ckpt, SmallOptions());
+  ASSERT_TRUE(from_file.ok()) << from_file.status();
+  auto synthetic = CudaModelRunner::CreateSynthetic(config, 5, SmallOptions());
+  ASSERT_TRUE(synthetic.ok()) << synthetic.status();
+  auto updated = CudaModelRunner::CreateSynthetic(config, 6, SmallOptions());
+  ASSERT_TRUE(updated.ok()) << updated.status();
+
+  const int64_t vocab = config.vocab_size;
+  BlockPool pool((*from_file)->num_kv_blocks(), (*from_file)->kv_block_size());
+  std::vector<Seq> seqs = {pool.Make(RandomTokens(100, static_cast<int>(vocab), 1))};
+  const std::vector<Chunk> chunks = {{0, 0, 100, true}};
+  const std::vector<float> want = RowsOf(from_file->get(), seqs, chunks, 0);
+  EXPECT_TRUE(SameRows(RowsOf(synthetic->get(), seqs, chunks, 0), want, vocab, 0))
+      << "synthetic vs checkpoint";
+  const std::vector<float> before = RowsOf(updated->get(), seqs, chunks, 0);
+  EXPECT_FALSE(SameRows(before, want, vocab, 0)) << "seeds 5 and 6 gave the same logits";
+
+  std::vector<HostTensorView> views;
+  int experts = 0;
+  for (const WeightSpec& spec : (*updated)->weight_specs()) {
+    const TensorView* t = (*ckpt)->Find(spec.name);
+    ASSERT_NE(t, nullptr) << spec.name;
+    views.emplace_back(spec.name, t->dtype, t->shape, t->data, t->nbytes);
+    experts += spec.name.find(".mlp.experts.") != std::string::npos;
+  }
+  EXPECT_EQ(experts, 3 * config.num_experts * config.NumMoeLayers());
+  const absl::Status s = (*updated)->UpdateWeights(views);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(SameRows(RowsOf(updated->get(), seqs, chunks, 0), want, vocab, 0))
+      << "updated by name vs checkpoint";
+  std::filesystem::remove_all(dir);
+}
+
 // Routing replay: the routing a Forward returns, forced back, gives the same logits bitwise and
 // is returned unchanged; a row's routing is the same in prefill and in decode; another forced
 // routing changes the logits; bad routings are refused before anything runs.
