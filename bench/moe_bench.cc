@@ -5,6 +5,7 @@
 //
 //   rollout-moe-bench [--experts=128] [--top_k=8] [--hidden=2048] [--inter=768]
 //                     [--tokens=1,8,64,256,512,2048,8192] [--repeats=20]
+//                     [--tile_rows=0]
 //
 // Weights, norms and router logits are random (FillRandomWeights); routing is what the logits
 // give (close to uniform). Each timing is the median of `repeats` launches (CUDA events), L2 not
@@ -35,6 +36,8 @@ ABSL_FLAG(int64_t, hidden, 2048, "hidden size");
 ABSL_FLAG(int64_t, inter, 768, "moe_intermediate_size");
 ABSL_FLAG(std::string, tokens, "1,8,64,256,512,2048,8192", "token counts to time");
 ABSL_FLAG(int32_t, repeats, 20, "launches per timing (median)");
+ABSL_FLAG(int32_t, tile_rows, 0,
+          "expert GEMM block shape: 32 (decode) or 64 (prefill); 0: MoeTileRowsFor's choice");
 
 namespace rollout {
 namespace {
@@ -150,11 +153,14 @@ int Main() {
   Check(cudaMemset(x.get(), 0, max_t * h * 4), "memset");
   int32_t* g = grouping.get<int32_t>();
 
-  std::printf("\n%7s %8s | %8s %8s %8s %8s %8s %8s | %9s %9s | %7s\n", "tokens", "experts", "route",
-              "group", "gate_up", "silu", "down", "combine", "total ms", "floor ms", "x floor");
+  std::printf("\n%7s %8s %5s | %8s %8s %8s %8s %8s %8s | %9s %9s | %7s\n", "tokens", "experts",
+              "tile", "route", "group", "gate_up", "silu", "down", "combine", "total ms",
+              "floor ms", "x floor");
   for (int64_t t : counts) {
     const int64_t a = t * k;
     const cuda::MoeGrouping gr{g, g + e, g + 2 * e + 1, g + 3 * e + 2, g + 3 * e + 2 + a};
+    const int32_t tile_rows = absl::GetFlag(FLAGS_tile_rows) > 0 ? absl::GetFlag(FLAGS_tile_rows)
+                                                                 : cuda::MoeTileRowsFor(a, e, h);
     cuda::MoeGemmParams up;
     up.x = xn.get<bf16>();
     up.rows = gr.rows;
@@ -168,6 +174,7 @@ int Main() {
     up.num_experts = e;
     up.output = cuda::MoeGemmOutput::kBf16;
     up.y = gate_up.get();
+    up.tile_rows = tile_rows;
     cuda::MoeGemmParams down = up;
     down.x = act.get<bf16>();
     down.rows = nullptr;
@@ -182,7 +189,9 @@ int Main() {
                            weights.get<float>(), nullptr),
             "route");
     };
-    auto group = [&] { Check(cuda::MoeGroup(ids.get<int32_t>(), t, e, k, gr, nullptr), "group"); };
+    auto group = [&] {
+      Check(cuda::MoeGroup(ids.get<int32_t>(), t, e, k, tile_rows, gr, nullptr), "group");
+    };
     auto gemm_up = [&] { Check(cuda::MoeExpertGemm(up, nullptr), "gate_up"); };
     auto silu = [&] {
       for (int64_t r0 = 0; r0 < a; r0 += 65535) {
@@ -220,11 +229,11 @@ int Main() {
     const double expert_flops = 2.0 * 3.0 * a * h * mi;
     const double floor_ms =
         std::max(bytes / read_rate, flops > 0 ? expert_flops / flops : 0.0) * 1e3;
-    std::printf("%7lld %8lld | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %9.3f %9.3f | %7.2f\n",
-                static_cast<long long>(t), static_cast<long long>(touched), ms[0], ms[1], ms[2],
-                ms[3], ms[4], ms[5], total, floor_ms, total / floor_ms);
-    std::printf("%7s %8s   expert GEMMs: %.2f TB/s of touched weights, %.0f TFLOP/s\n", "", "",
-                bytes / ((ms[2] + ms[4]) * 1e-3) / 1e12,
+    std::printf("%7lld %8lld %5d | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %9.3f %9.3f | %7.2f\n",
+                static_cast<long long>(t), static_cast<long long>(touched), tile_rows, ms[0], ms[1],
+                ms[2], ms[3], ms[4], ms[5], total, floor_ms, total / floor_ms);
+    std::printf("%7s %8s %5s   expert GEMMs: %.2f TB/s of touched weights, %.0f TFLOP/s\n", "", "",
+                "", bytes / ((ms[2] + ms[4]) * 1e-3) / 1e12,
                 expert_flops / ((ms[2] + ms[4]) * 1e-3) / 1e12);
   }
   return 0;

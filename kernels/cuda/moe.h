@@ -25,16 +25,28 @@ using bf16 = __nv_bfloat16;
 
 inline constexpr int kMoeMaxExperts = 1024;
 inline constexpr int kMoeMaxTopK = 32;
-// Rows of one expert GEMM tile; an expert's rows are cut into tiles of this many.
+// Rows of one expert GEMM tile (an expert's rows are cut into tiles of this many): the decode
+// block shape's, and the prefill one's.
 inline constexpr int kMoeTileRows = 32;
+inline constexpr int kMoeTileRowsLarge = 64;
 // The expert GEMMs' N and K must be multiples of this (tile width and K step).
 inline constexpr int kMoeGemmAlign = 64;
 
 // Most tiles a grouping of `assignments` rows over `num_experts` experts can produce: the grid of
-// the expert GEMMs (sum over experts of ceil(count / kMoeTileRows) <= assignments / kMoeTileRows
-// + num_experts).
-inline int64_t MoeMaxTiles(int64_t assignments, int32_t num_experts) {
-  return assignments / kMoeTileRows + num_experts;
+// the expert GEMMs (sum over experts of ceil(count / tile_rows) <= assignments / tile_rows +
+// num_experts).
+inline int64_t MoeMaxTiles(int64_t assignments, int32_t num_experts,
+                           int32_t tile_rows = kMoeTileRows) {
+  return assignments / tile_rows + num_experts;
+}
+
+// The tile rows (block shape) of a step: the prefill shape when the experts get 64 rows each on
+// average and hidden is a multiple of 128 (its column blocks), else the decode shape. A function
+// of host-known numbers; the bits do not depend on it (moe_test.cc checks both shapes).
+inline int32_t MoeTileRowsFor(int64_t assignments, int32_t num_experts, int64_t hidden) {
+  return assignments >= int64_t{kMoeTileRowsLarge} * num_experts && hidden % 128 == 0
+             ? kMoeTileRowsLarge
+             : kMoeTileRows;
 }
 
 // Routing, one warp per token t of [0, num_tokens):
@@ -63,11 +75,12 @@ struct MoeGrouping {
   int32_t* slots = nullptr;           // [assignments]: assignment a -> its grouped row
 };
 
-// Fills `grouping` from ids ([num_tokens, top_k], each in [0, num_experts)): two launches of one
-// block per expert (counts; then offsets and the stable scatter by block scans).
+// Fills `grouping` from ids ([num_tokens, top_k], each in [0, num_experts)), tiles of
+// `tile_rows` (kMoeTileRows or kMoeTileRowsLarge: the expert GEMMs' tile_rows): two launches of
+// one block per expert (counts; then offsets and the stable scatter by block scans).
 // REQUIRES: num_experts <= kMoeMaxExperts; the ids of one token distinct.
 cudaError_t MoeGroup(const int32_t* ids, int64_t num_tokens, int32_t num_experts, int32_t top_k,
-                     const MoeGrouping& grouping, cudaStream_t stream);
+                     int32_t tile_rows, const MoeGrouping& grouping, cudaStream_t stream);
 
 enum class MoeGemmOutput {
   kBf16,  // y bf16 = bf16(acc) (round to nearest even), as cuBLAS's bf16 epilogue
@@ -77,10 +90,11 @@ enum class MoeGemmOutput {
 // One grouped GEMM over every expert: for each grouped row r of expert e,
 //   y[r, :] = x[rows ? rows[r] : r, :] . w_e^T,  w_e = w + e * expert_stride ([n, k] bf16),
 // acc per element = a fixed sequence of mma.sync m16n8k16 over K in increasing 16-wide steps
-// from zero (bf16 in, fp32 accumulate). One block per (tile, 64 columns); the grid covers
-// MoeMaxTiles(assignments, num_experts) tiles and blocks past tile_offsets[num_experts] exit.
-// x: [*, k] bf16; rows: [assignments] or nullptr; y: [assignments, n].
-// REQUIRES: n % kMoeGemmAlign == 0, k % kMoeGemmAlign == 0; x, w, y 16-byte aligned
+// from zero (bf16 in, fp32 accumulate), in either block shape. One block per (tile, 64 or 128
+// columns); the grid covers MoeMaxTiles(assignments, num_experts, tile_rows) tiles and blocks
+// past tile_offsets[num_experts] exit. x: [*, k] bf16; rows: [assignments] or nullptr;
+// y: [assignments, n]. REQUIRES: n % kMoeGemmAlign == 0, k % kMoeGemmAlign == 0 (and n % 128 ==
+// 0 for kMoeTileRowsLarge); tile_rows the grouping's; x, w, y 16-byte aligned
 // (cudaErrorInvalidValue otherwise).
 struct MoeGemmParams {
   const bf16* x = nullptr;
@@ -95,6 +109,7 @@ struct MoeGemmParams {
   int32_t num_experts = 0;
   MoeGemmOutput output = MoeGemmOutput::kBf16;
   void* y = nullptr;
+  int32_t tile_rows = kMoeTileRows;  // MoeGroup's: the block shape
 };
 cudaError_t MoeExpertGemm(const MoeGemmParams& params, cudaStream_t stream);
 
@@ -106,9 +121,10 @@ cudaError_t MoeCombine(const float* y, const int32_t* slots, const float* weight
                        int64_t num_tokens, int32_t top_k, int64_t hidden, float* x,
                        cudaStream_t stream);
 
-// The whole expert part of one MoE layer after routing: grouping, gate/up (w_gate_up: [E, 2 I, H],
-// expert e's gate rows then its up rows), SiLU * up (SiluMul's arithmetic, kernels/cuda/ops.h),
-// down (w_down: [E, H, I]) and the combine into x. The buffers are the caller's workspace.
+// The whole expert part of one MoE layer after routing: grouping (tiles of MoeTileRowsFor), gate/up
+// (w_gate_up: [E, 2 I, H], expert e's gate rows then its up rows), SiLU * up (SiluMul's arithmetic,
+// kernels/cuda/ops.h), down (w_down: [E, H, I]) and the combine into x. The buffers are the
+// caller's workspace.
 struct MoeLayerParams {
   const bf16* xn = nullptr;  // [num_tokens, hidden]: the post-attention norm's output
   int64_t num_tokens = 0;

@@ -308,8 +308,11 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeRoute));
   int32_t* g = rk.moe_grouping.get<int32_t>();
   const cuda::MoeGrouping grouping{g, g + e, g + 2 * e + 1, g + 3 * e + 2, g + 3 * e + 2 + a};
+  // The expert GEMMs' block shape for this many assignments (host-known; the bits do not
+  // depend on it).
+  const int32_t tile_rows = cuda::MoeTileRowsFor(a, e, h);
   ROLLOUT_RETURN_IF_ERROR(
-      CudaError(cuda::MoeGroup(ids, n, e, k, grouping, stream), "moe grouping"));
+      CudaError(cuda::MoeGroup(ids, n, e, k, tile_rows, grouping, stream), "moe grouping"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGroup));
   cuda::MoeGemmParams gemm;
   gemm.x = xn;
@@ -324,6 +327,7 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   gemm.num_experts = e;
   gemm.output = cuda::MoeGemmOutput::kBf16;
   gemm.y = rk.moe_gate_up.get();
+  gemm.tile_rows = tile_rows;
   ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeExpertGemm(gemm, stream), "moe gate/up"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGateUp));
   bf16* act = rk.moe_act.get<bf16>();

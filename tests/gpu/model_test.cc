@@ -660,7 +660,9 @@ TEST_F(ModelTest, MoeRoutingReplayGivesBackTheLogitsOfTheRoutingItReturned) {
     std::vector<std::vector<int32_t>> routed;
     ASSERT_TRUE(runner.ForwardWithRouting(other, nullptr, &routed).ok());
     EXPECT_EQ(routed[0], ids);
-    EXPECT_EQ(routed[1], chosen[1]) << "an unforced row chooses as before";
+    // Seq 1's row does not attend to seq 0: it chooses as before (seq 0's later rows see the
+    // forced row's K/V and may route otherwise past the first MoE layer).
+    EXPECT_EQ(routed.back(), chosen.back()) << "an unforced row of another sequence";
   }
 
   // Refused: wrong size, an id out of range, an id twice in a layer, a count of rows that is

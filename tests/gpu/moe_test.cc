@@ -231,16 +231,17 @@ TEST_F(MoeTest, GroupIsTheStableCountingSortByExpert) {
           if (!skewed) std::shuffle(all.begin(), all.end(), rng);
           std::copy(all.begin(), all.begin() + k, ids.begin() + t * k);
         }
+        const int32_t tile_rows = skewed ? cuda::kMoeTileRowsLarge : cuda::kMoeTileRows;
         MoeBuffers b;
         b.Allocate(t_count, e_count, k, 64, 64);
         Put(b.ids, ids);
-        ASSERT_CUDA_OK(
-            cuda::MoeGroup(b.ids.get<int32_t>(), t_count, e_count, k, b.Grouping(), nullptr));
+        ASSERT_CUDA_OK(cuda::MoeGroup(b.ids.get<int32_t>(), t_count, e_count, k, tile_rows,
+                                      b.Grouping(), nullptr));
         std::vector<int32_t> counts(e_count, 0), offsets(e_count + 1, 0), tiles(e_count + 1, 0);
         for (int32_t id : ids) ++counts[id];
         for (int e = 0; e < e_count; ++e) {
           offsets[e + 1] = offsets[e] + counts[e];
-          tiles[e + 1] = tiles[e] + (counts[e] + cuda::kMoeTileRows - 1) / cuda::kMoeTileRows;
+          tiles[e + 1] = tiles[e] + (counts[e] + tile_rows - 1) / tile_rows;
         }
         std::vector<int32_t> rows(ids.size()), slots(ids.size());
         std::vector<int32_t> fill(offsets.begin(), offsets.end() - 1);
@@ -255,7 +256,7 @@ TEST_F(MoeTest, GroupIsTheStableCountingSortByExpert) {
         EXPECT_EQ(tiles, Download<int32_t>(b.tile_offsets, e_count + 1)) << where;
         EXPECT_EQ(rows, Download<int32_t>(b.rows, ids.size())) << where;
         EXPECT_EQ(slots, Download<int32_t>(b.slots, ids.size())) << where;
-        EXPECT_LE(tiles[e_count], cuda::MoeMaxTiles(t_count * k, e_count)) << where;
+        EXPECT_LE(tiles[e_count], cuda::MoeMaxTiles(t_count * k, e_count, tile_rows)) << where;
       }
     }
   }
@@ -377,10 +378,11 @@ TEST_F(MoeTest, ExpertsMatchHostReference) {
   }
 }
 
-// The grouped GEMM alone, both outputs, with and without the row gather, against fp64 sums.
-TEST_F(MoeTest, ExpertGemmMatchesHostReference) {
+// The grouped GEMM alone, both block shapes and outputs, with and without the row gather, against
+// fp64 sums; and the two block shapes give the same bits.
+TEST_F(MoeTest, ExpertGemmMatchesHostReferenceInBothBlockShapes) {
   const int e_count = 6;
-  const int64_t n = 192, k = 320, t_count = 77;
+  const int64_t n = 256, k = 320, t_count = 301;
   std::vector<bf16> x, w;
   std::vector<float> x_f, w_f;
   gpu_test::RandomBf16(t_count * k, 1, 1.0f, &x, &x_f);
@@ -388,51 +390,77 @@ TEST_F(MoeTest, ExpertGemmMatchesHostReference) {
   std::vector<int32_t> ids(t_count);
   for (int64_t t = 0; t < t_count; ++t) ids[t] = static_cast<int32_t>((t * 7 + t / 5) % e_count);
   ids[0] = e_count - 1;
-  MoeBuffers b;
-  b.Allocate(t_count, e_count, 1, k, n);
-  Put(b.ids, ids);
-  ASSERT_CUDA_OK(cuda::MoeGroup(b.ids.get<int32_t>(), t_count, e_count, 1, b.Grouping(), nullptr));
-  const std::vector<int32_t> rows = Download<int32_t>(b.rows, t_count);
   const cuda::DeviceBuffer dx = Upload(x), dw = Upload(w);
   cuda::DeviceBuffer dy;
   ASSERT_CUDA_OK(dy.Allocate(t_count * n * 4));
-  for (bool gather : {true, false}) {
-    for (cuda::MoeGemmOutput out : {cuda::MoeGemmOutput::kF32, cuda::MoeGemmOutput::kBf16}) {
-      cuda::MoeGemmParams gp;
-      gp.x = dx.get<bf16>();
-      gp.rows = gather ? b.rows.get<int32_t>() : nullptr;
-      gp.assignments = t_count;
-      gp.w = dw.get<bf16>();
-      gp.expert_stride = n * k;
-      gp.n = n;
-      gp.k = k;
-      gp.expert_offsets = b.expert_offsets.get<int32_t>();
-      gp.tile_offsets = b.tile_offsets.get<int32_t>();
-      gp.num_experts = e_count;
-      gp.output = out;
-      gp.y = dy.get();
-      ASSERT_CUDA_OK(cuda::MoeExpertGemm(gp, nullptr));
-      std::vector<float> got;
-      if (out == cuda::MoeGemmOutput::kF32) {
-        got = Download<float>(dy, t_count * n);
-      } else {
-        got = gpu_test::Widen(Download<bf16>(dy, t_count * n));
-      }
-      const std::vector<int32_t> offsets = Download<int32_t>(b.expert_offsets, e_count + 1);
-      std::vector<float> want(t_count * n);
-      for (int e = 0; e < e_count; ++e) {
-        for (int32_t r = offsets[e]; r < offsets[e + 1]; ++r) {
-          const int64_t src = gather ? rows[r] : r;
-          for (int64_t c = 0; c < n; ++c) {
-            double s = 0.0;
-            for (int64_t i = 0; i < k; ++i)
-              s += double(x_f[src * k + i]) * w_f[(e * n + c) * k + i];
-            want[r * n + c] = out == cuda::MoeGemmOutput::kF32 ? float(s) : RoundBf16(float(s));
+  std::vector<std::vector<uint8_t>> first_shape_bits;  // [gather x output]
+  for (int32_t tile_rows : {cuda::kMoeTileRows, cuda::kMoeTileRowsLarge}) {
+    MoeBuffers b;
+    b.Allocate(t_count, e_count, 1, k, n);
+    Put(b.ids, ids);
+    ASSERT_CUDA_OK(cuda::MoeGroup(b.ids.get<int32_t>(), t_count, e_count, 1, tile_rows,
+                                  b.Grouping(), nullptr));
+    const std::vector<int32_t> rows = Download<int32_t>(b.rows, t_count);
+    const std::vector<int32_t> offsets = Download<int32_t>(b.expert_offsets, e_count + 1);
+    int variant = 0;
+    for (bool gather : {true, false}) {
+      for (cuda::MoeGemmOutput out : {cuda::MoeGemmOutput::kF32, cuda::MoeGemmOutput::kBf16}) {
+        const std::string where = "tile rows " + std::to_string(tile_rows) + " gather " +
+                                  std::to_string(gather) +
+                                  (out == cuda::MoeGemmOutput::kBf16 ? " bf16" : " f32");
+        ASSERT_CUDA_OK(cudaMemset(dy.get(), 0xff, t_count * n * 4));
+        cuda::MoeGemmParams gp;
+        gp.x = dx.get<bf16>();
+        gp.rows = gather ? b.rows.get<int32_t>() : nullptr;
+        gp.assignments = t_count;
+        gp.w = dw.get<bf16>();
+        gp.expert_stride = n * k;
+        gp.n = n;
+        gp.k = k;
+        gp.expert_offsets = b.expert_offsets.get<int32_t>();
+        gp.tile_offsets = b.tile_offsets.get<int32_t>();
+        gp.num_experts = e_count;
+        gp.output = out;
+        gp.y = dy.get();
+        gp.tile_rows = tile_rows;
+        ASSERT_CUDA_OK(cuda::MoeExpertGemm(gp, nullptr));
+        const size_t bytes = t_count * n * (out == cuda::MoeGemmOutput::kF32 ? 4 : 2);
+        const std::vector<uint8_t> bits = Download<uint8_t>(dy, bytes);
+        if (tile_rows == cuda::kMoeTileRows) {
+          first_shape_bits.push_back(bits);
+        } else {
+          EXPECT_EQ(0, std::memcmp(bits.data(), first_shape_bits[variant].data(), bytes))
+              << where << ": the two block shapes give other bits";
+        }
+        ++variant;
+        std::vector<float> got(t_count * n);
+        for (size_t i = 0; i < got.size(); ++i) {
+          if (out == cuda::MoeGemmOutput::kF32) {
+            std::memcpy(&got[i], &bits[4 * i], 4);
+          } else {
+            bf16 v;
+            std::memcpy(&v, &bits[2 * i], 2);
+            got[i] = __bfloat162float(v);
           }
         }
+        std::vector<float> want(t_count * n);
+        for (int e = 0; e < e_count; ++e) {
+          for (int32_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+            const int64_t src = gather ? rows[r] : r;
+            for (int64_t c = 0; c < n; ++c) {
+              double sum = 0.0;
+              for (int64_t i = 0; i < k; ++i) {
+                sum += double(x_f[src * k + i]) * w_f[(e * n + c) * k + i];
+              }
+              want[r * n + c] =
+                  out == cuda::MoeGemmOutput::kF32 ? float(sum) : RoundBf16(float(sum));
+            }
+          }
+        }
+        EXPECT_TRUE(
+            AllClose(got, want, 1e-4f, out == cuda::MoeGemmOutput::kF32 ? 1e-4f : 1.0f / 128))
+            << where;
       }
-      EXPECT_TRUE(AllClose(got, want, 1e-4f, out == cuda::MoeGemmOutput::kF32 ? 1e-4f : 1.0f / 128))
-          << "gather " << gather << " bf16 " << (out == cuda::MoeGemmOutput::kBf16);
     }
   }
 }

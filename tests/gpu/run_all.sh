@@ -16,6 +16,9 @@
 #   weights: rollout-weight-bench --backend cuda on the same checkpoint (written if missing):
 #         updates of every Qwen3-8B tensor over loopback gRPC, the split and the copy floors
 #         (WEIGHTS_ARGS).
+#   moe:  rollout-moe-bench (one Qwen3-30B-A3B MoE layer, kernel by kernel, beside the floor of
+#         the experts it touches read once; MOE_ARGS), then rollout-bench --preset qwen3-30b-a3b
+#         (the MoE floor, the step shares of routing / grouping / expert GEMMs; MOE_BENCH_ARGS).
 set -uo pipefail
 OUT=${OUT:-/tmp/rollout-gpu}
 STEPS=${STEPS:-"hf test sweep bench"}
@@ -100,4 +103,12 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
   timeout ${BENCH_TIMEOUT:-420} .gpu/bin/rollout-bench $BENCH_ARGS > "$OUT/bench.log" 2>&1
   echo "rollout-bench: rc $?"; grep -E "RESULT|REPLAY|floor|batch-1|TIMEOUT" "$OUT/bench.log"
+fi
+if [[ " $STEPS " == *" moe "* ]]; then
+  timeout ${MOE_TIMEOUT:-300} .gpu/bin/rollout-moe-bench ${MOE_ARGS:-} > "$OUT/moe_bench.log" 2>&1
+  echo "rollout-moe-bench: rc $?"; tail -20 "$OUT/moe_bench.log"
+  timeout ${MOE_BENCH_TIMEOUT:-600} .gpu/bin/rollout-bench --preset qwen3-30b-a3b ${MOE_BENCH_ARGS:-} \
+    > "$OUT/bench_moe.log" 2>&1
+  echo "rollout-bench qwen3-30b-a3b: rc $?"
+  grep -E "RESULT|REPLAY|floor|batch-1|TIMEOUT|MoE|moe " "$OUT/bench_moe.log"
 fi
