@@ -154,7 +154,8 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
   // MoE routing replay (engine/model_runner.h), a MoE model only (tp = 1): forced rows' ids go
   // to the routing kernel (the weights from their probabilities), every logits row's ids come
-  // back from the device after each slice. Runs synchronously, without decode graphs.
+  // back from the device after each slice. Runs synchronously, without decode graphs. The logits
+  // stay on the GPU when `logits` is null, else come to the host as ForwardToHost's.
   // InvalidArgument for a forced routing of the wrong size, an id out of range or twice in a
   // layer, or a dense model.
   bool SupportsRoutingReplay() const override { return config_.is_moe(); }
@@ -281,6 +282,9 @@ class CudaModelRunner final : public ModelRunner {
   // Routing replay around a slice (routing_replay.cc): its forced routings uploaded (returns
   // whether it has any), and after it ran, its logits rows' routings downloaded.
   absl::StatusOr<bool> UploadForcedRouting(const RoutingIo& routing, int64_t begin, int64_t end);
+  // `forward`'s status; when it is OK and `logits` (host rows of it) is set, keeps them for
+  // ProcessLogits as ForwardToHost does.
+  absl::Status FinishHostLogits(absl::Status forward, std::vector<float>* logits);
   absl::Status DownloadRouting(const ForwardBatch& batch, int64_t begin, int64_t end,
                                RoutingIo* routing);
   cuda_runner_internal::SlicePlanOptions PlanOptions() const;

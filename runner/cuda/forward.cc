@@ -32,7 +32,7 @@ absl::Status CudaModelRunner::Forward(const ForwardBatch& batch, std::vector<flo
           "ForwardWithRouting");
     }
     std::vector<std::vector<int32_t>> unused;
-    return ForwardWithRouting(batch, logits, &unused);
+    return ForwardWithRouting(batch, nullptr, &unused);  // logits stay on the GPU
   }
   return ForwardImpl(batch, nullptr);
 }

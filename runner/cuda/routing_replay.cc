@@ -23,9 +23,15 @@ struct CudaModelRunner::RoutingIo {
 absl::Status CudaModelRunner::ForwardWithRouting(const ForwardBatch& batch,
                                                  std::vector<float>* logits,
                                                  std::vector<std::vector<int32_t>>* routing) {
-  if (logits != nullptr) logits->clear();
   routing->clear();
-  if (!batch.asks_routing()) return ForwardImpl(batch, nullptr);
+  // logits: null leaves them on the GPU (ProcessLogits reads them); else they come to the host
+  // as ForwardToHost's do.
+  float* host_logits = nullptr;
+  if (logits != nullptr) {
+    logits->resize(batch.logit_rows.size() * static_cast<size_t>(config_.vocab_size));
+    host_logits = logits->data();
+  }
+  if (!batch.asks_routing()) return FinishHostLogits(ForwardImpl(batch, host_logits), logits);
   const ModelConfig& c = config_;
   if (!c.is_moe()) {
     return absl::InvalidArgumentError(
@@ -73,7 +79,14 @@ absl::Status CudaModelRunner::ForwardWithRouting(const ForwardBatch& batch,
     routing->assign(rows, {});
     io.out = routing;
   }
-  return ForwardImpl(batch, nullptr, /*async=*/false, &io);
+  return FinishHostLogits(ForwardImpl(batch, host_logits, /*async=*/false, &io), logits);
+}
+
+absl::Status CudaModelRunner::FinishHostLogits(absl::Status forward, std::vector<float>* logits) {
+  if (!forward.ok() || logits == nullptr) return forward;
+  // As ForwardToHost: rows that did not stay on the device are read from the host copy.
+  if (!state_->last_on_device) state_->spill = *logits;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<bool> CudaModelRunner::UploadForcedRouting(const RoutingIo& routing, int64_t begin,

@@ -137,6 +137,12 @@ class HfTest : public ::testing::TestWithParam<const char*> {
                     return cuda_->ForwardToHost(b, l);
                   },
                   nullptr, cuda_->kv_block_size(), cuda_->config()};
+      if (cuda_->SupportsRoutingReplay()) {
+        backend_.forward_with_routing = [this](const ForwardBatch& b, std::vector<float>* l,
+                                               std::vector<std::vector<int32_t>>* r) {
+          return cuda_->ForwardWithRouting(b, l, r);
+        };
+      }
     }
   }
 

@@ -671,7 +671,13 @@ TEST_F(ModelTest, MoeRoutingReplayGivesBackTheLogitsOfTheRoutingItReturned) {
   ForwardBatch batch = MakeBatch(seqs, {{0, 0, len, true}, {1, 0, 40, false}});
   batch.return_routing = true;
   std::vector<std::vector<int32_t>> chosen;
-  ASSERT_TRUE(runner.ForwardWithRouting(batch, nullptr, &chosen).ok());
+  std::vector<float> chosen_logits, plain_logits, replayed_logits;
+  ASSERT_TRUE(runner.ForwardWithRouting(batch, &chosen_logits, &chosen).ok());
+  ASSERT_TRUE(
+      runner.ForwardToHost(MakeBatch(seqs, {{0, 0, len, true}, {1, 0, 40, false}}), &plain_logits)
+          .ok());
+  EXPECT_TRUE(SameRows(chosen_logits, plain_logits, vocab, 0))
+      << "returning the routing changed the logits";
   ASSERT_EQ(chosen.size(), batch.logit_rows.size());
   for (const auto& r : chosen) ASSERT_EQ(r.size(), size);
   // Forced to what it chose: the same routing back, and the same logits -- compared through
@@ -679,8 +685,10 @@ TEST_F(ModelTest, MoeRoutingReplayGivesBackTheLogitsOfTheRoutingItReturned) {
   ForwardBatch forced = batch;
   forced.forced_routing = chosen;
   std::vector<std::vector<int32_t>> back;
-  ASSERT_TRUE(runner.ForwardWithRouting(forced, nullptr, &back).ok());
+  ASSERT_TRUE(runner.ForwardWithRouting(forced, &replayed_logits, &back).ok());
   EXPECT_EQ(back, chosen);
+  EXPECT_TRUE(SameRows(replayed_logits, plain_logits, vocab, 0)) << "the replayed routing";
+  ASSERT_TRUE(runner.ForwardWithRouting(forced, nullptr, &back).ok());  // logits on the GPU
   SamplingParams scoring;
   scoring.top_logprobs = 20;
   std::vector<LogitsRowTask> tasks(batch.logit_rows.size());
