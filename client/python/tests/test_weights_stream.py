@@ -263,3 +263,68 @@ class FleetTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class MultiStreamTest(unittest.TestCase):
+    """update_weights(streams=3): one update over three concurrent calls, each on its own
+    connection, gives the digest and bits of one stream; a failing part fails the whole."""
+
+    TENSORS = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight",
+               "model.layers.1.mlp.up_proj.weight", NORM]
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server(cache_dir())
+        cls.client = RolloutClient(cls.server.target, timeout=120)
+        info = cls.client.wait_ready(60)
+        cls.original = read_safetensors(info.model.source, cls.TENSORS)
+        cls.baseline = cls.client.generate(PROMPTS, **ARGS)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def changed(self):
+        out = {}
+        for name, t in self.original.items():
+            f = bf16_bits_to_f32(np.frombuffer(t.data, np.uint16)).reshape(t.shape)
+            out[name] = f * np.float32(1.03)
+        return out
+
+    def test_split_by_bytes_is_balanced_and_deterministic(self):
+        from rollout_client._wire import split_by_bytes
+        self.assertEqual(split_by_bytes([5, 1, 4, 4, 2], 3), [[0], [2, 4], [1, 3]])
+        self.assertEqual(split_by_bytes([7, 7], 5), [[0], [1]])
+        self.assertEqual(split_by_bytes([3], 1), [[0]])
+
+    def test_three_streams_give_the_digest_and_bits_of_one(self):
+        one = self.client.update_weights(self.changed(), version="py-one", chunk_bytes=4096)
+        bits_one = keys(self.client.generate(PROMPTS, **ARGS))
+        self.assertNotEqual(bits_one, keys(self.baseline))
+        self.assertEqual(one.part_count, 1)
+        self.client.update_weights(self.original, version="py-back")
+        self.assertEqual(keys(self.client.generate(PROMPTS, **ARGS)), keys(self.baseline))
+        three = self.client.update_weights(self.changed(), version="py-three", chunk_bytes=4096,
+                                           streams=3)
+        self.assertEqual(three.part_count, 3)
+        self.assertEqual(three.version, "py-three")
+        self.assertEqual(three.tensors_updated, len(self.TENSORS))
+        self.assertEqual(three.bytes_received, one.bytes_received)
+        self.assertEqual(three.weight_digest, one.weight_digest)
+        self.assertEqual(keys(self.client.generate(PROMPTS, **ARGS)), bits_one)
+        self.client.update_weights(self.original, version="py-back-2", streams=2)
+        self.assertEqual(keys(self.client.generate(PROMPTS, **ARGS)), keys(self.baseline))
+
+    def test_a_bad_tensor_in_one_part_fails_the_update(self):
+        before = self.client.server_info()
+        bad = self.changed()
+        bad[NORM] = np.ones(7, np.float32)  # the wrong shape: its part is refused
+        with self.assertRaises(RolloutError) as cm:
+            self.client.update_weights(bad, version="py-bad", streams=3)
+        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+        after = self.client.server_info()
+        self.assertEqual(after.weight_version, before.weight_version)
+        self.assertEqual(after.weight_digest, before.weight_digest)
+        with self.assertRaises(ValueError):
+            self.client.update_weights(self.original, version="x", streams=0)
