@@ -123,7 +123,7 @@ absl::StatusOr<const WeightsArena::Lease*> UpdateAssembly::Join(
   return refused;
 }
 
-void UpdateAssembly::PartReceived(UpdatePart* part, WeightUpdate update, uint64_t bytes_received,
+void UpdateAssembly::PartReceived(WeightUpdate update, uint64_t bytes_received,
                                   double digest_wait_seconds) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -135,7 +135,6 @@ void UpdateAssembly::PartReceived(UpdatePart* part, WeightUpdate update, uint64_
     if (++received_ < part_count_) return;
     state_ = State::kSubmitted;
   }
-  (void)part;
   Submit();
 }
 

@@ -22,8 +22,8 @@ namespace rollout {
 
 class RolloutServiceImpl;
 
-// What an UpdateAssembly asks of one part's call (UpdateWeightsReactor). Each is called at most
-// once per part, from any thread, and never while the assembly's lock is held.
+// What an UpdateAssembly asks of one part's call (UpdateWeightsReactor), from any thread.
+// AbandonStaging and FinishPart are called at most once each, never under the assembly's lock.
 class UpdatePart {
  public:
   virtual ~UpdatePart() = default;
@@ -71,11 +71,10 @@ class UpdateAssembly : public std::enable_shared_from_this<UpdateAssembly> {
                                                   UpdatePart* part,
                                                   std::chrono::steady_clock::time_point start,
                                                   bool* joined);
-  // `part`'s stream ended cleanly and its tensors are staged and hashed (`update`: its tensors
+  // A part's stream ended cleanly and its tensors are staged and hashed (`update`: its tensors
   // and digests; digest_wait_seconds: the hashing it waited for). Once every part arrived the
   // update goes to the engine.
-  void PartReceived(UpdatePart* part, WeightUpdate update, uint64_t bytes_received,
-                    double digest_wait_seconds);
+  void PartReceived(WeightUpdate update, uint64_t bytes_received, double digest_wait_seconds);
   // Fails the whole update with `status` (a message naming the failing part is added for the
   // siblings). A no-op once the update has failed or been handed to the engine (the engine then
   // asks Cancelled() right before the swap).

@@ -133,7 +133,7 @@ void UpdateWeightsReactor::EndOfStream() {
     Fail(part.status());
     return;
   }
-  update->PartReceived(this, *std::move(part), bytes, digest_wait_seconds);
+  update->PartReceived(*std::move(part), bytes, digest_wait_seconds);
 }
 
 void UpdateWeightsReactor::Fail(const absl::Status& status) {
