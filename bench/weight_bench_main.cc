@@ -15,9 +15,9 @@
 // update it checks that the digest the server serves (the response's and GetServerInfo's) is the
 // digest of the bytes it sent (model/weight_digest.h), and exits 1 printing no RESULT
 // otherwise. The first update also allocates the server's staging (staging_setup in its line);
-// each stream count's RESULT is the fastest of its updates after the first. Floors: host memcpy on one thread and on all, loopback
-// TCP on one connection and on four, and on cuda the host-to-device copy from pinned and
-// pageable memory.
+// each stream count's RESULT is the fastest of its updates after the first. Floors: host memcpy
+// on one thread and on all, loopback TCP on one connection and on four, and on cuda the
+// host-to-device copy from pinned and pageable memory.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -308,19 +308,17 @@ int Main() {
       const uint32_t parts = std::min<uint32_t>(stream_count, source.specs.size());
       if (response->weight_digest() != expected || info->weight_digest() != expected ||
           response->bytes_received() != source.total || response->part_count() != parts) {
-        std::fprintf(stderr,
-                     "update %d (%d streams): the server serves %s (GetServerInfo: %s) after %llu "
-                     "bytes in %u parts; the %llu bytes sent in %u give %s\n",
-                     u, stream_count, response->weight_digest().c_str(),
-                     info->weight_digest().c_str(),
-                     static_cast<unsigned long long>(response->bytes_received()),
-                     response->part_count(), static_cast<unsigned long long>(source.total), parts,
-                     expected.c_str());
+        std::fprintf(
+            stderr,
+            "update %d (%d streams): the server serves %s (GetServerInfo: %s) after %llu "
+            "bytes in %u parts; the %llu bytes sent in %u give %s\n",
+            u, stream_count, response->weight_digest().c_str(), info->weight_digest().c_str(),
+            static_cast<unsigned long long>(response->bytes_received()), response->part_count(),
+            static_cast<unsigned long long>(source.total), parts, expected.c_str());
         return 1;
       }
       std::printf("update %d, %d stream%s: %.3f s end to end, %.2f GB/s; %s\n", u, stream_count,
-                  stream_count == 1 ? "" : "s", f.e2e, gb / f.e2e,
-                  Split(f, source.total).c_str());
+                  stream_count == 1 ? "" : "s", f.e2e, gb / f.e2e, Split(f, source.total).c_str());
       figures.push_back(f);
     }
     const UpdateFigures& best = *std::min_element(

@@ -4,8 +4,8 @@
 #include <fstream>
 #include <optional>
 #include <random>
-#include <thread>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -396,8 +396,7 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
   if (progress) progress(0, total);
   std::vector<grpc::ClientContext> contexts(parts);
   for (grpc::ClientContext& context : contexts) PrepareContext(&context);
-  std::vector<absl::StatusOr<UpdateWeightsResponse>> results(parts,
-                                                             absl::UnknownError("not sent"));
+  std::vector<absl::StatusOr<UpdateWeightsResponse>> results(parts, absl::UnknownError("not sent"));
   std::mutex failure_mu;
   std::optional<absl::Status> first_failure;  // guarded by failure_mu
   auto run_part = [&](int p) {

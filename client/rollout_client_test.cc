@@ -16,8 +16,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -831,10 +831,14 @@ TEST_F(RolloutClientTest, UpdateWeightsFromTensorsSpreadsTheTensorsOverStreamsOf
   const std::vector<size_t> sizes = {3000, 100, 2000, 2000, 700};
   std::vector<std::string> bytes;
   std::vector<TensorSource> tensors;
-  for (size_t i = 0; i < sizes.size(); ++i) bytes.emplace_back(sizes[i], static_cast<char>('a' + i));
+  for (size_t i = 0; i < sizes.size(); ++i)
+    bytes.emplace_back(sizes[i], static_cast<char>('a' + i));
   for (size_t i = 0; i < sizes.size(); ++i) {
-    tensors.push_back({"t" + std::to_string(i), "BF16", {sizes[i] / 2},
-                       reinterpret_cast<const uint8_t*>(bytes[i].data()), sizes[i]});
+    tensors.push_back({"t" + std::to_string(i),
+                       "BF16",
+                       {sizes[i] / 2},
+                       reinterpret_cast<const uint8_t*>(bytes[i].data()),
+                       sizes[i]});
   }
   absl::StatusOr<rollout::v1::UpdateWeightsResponse> response = client->UpdateWeightsFromTensors(
       "v7", rollout::v1::IN_FLIGHT_POLICY_ABORT, tensors, 512, nullptr, /*streams=*/3);
@@ -858,8 +862,8 @@ TEST_F(RolloutClientTest, UpdateWeightsFromTensorsSpreadsTheTensorsOverStreamsOf
     EXPECT_EQ(header.update_id(), update_id);
     indices.insert(header.part_index());
     // The part's tensors as SplitByBytes puts them, each byte sent once.
-    const std::vector<size_t> expected = SplitByBytes(
-        std::vector<uint64_t>(sizes.begin(), sizes.end()), 3)[header.part_index()];
+    const std::vector<size_t> expected =
+        SplitByBytes(std::vector<uint64_t>(sizes.begin(), sizes.end()), 3)[header.part_index()];
     ASSERT_EQ(header.tensors_size(), static_cast<int>(expected.size()));
     std::map<std::string, std::string> received;
     for (size_t m = 1; m < call.messages.size(); ++m) {
@@ -878,14 +882,15 @@ TEST_F(RolloutClientTest, UpdateWeightsFromTensorsSpreadsTheTensorsOverStreamsOf
   EXPECT_EQ(indices, (std::set<uint32_t>{0, 1, 2}));
   EXPECT_EQ(declared.size(), sizes.size());
   // A single stream declares no parts.
-  ASSERT_TRUE(client->UpdateWeightsFromTensors("v8", rollout::v1::IN_FLIGHT_POLICY_ABORT, tensors)
-                  .ok());
+  ASSERT_TRUE(
+      client->UpdateWeightsFromTensors("v8", rollout::v1::IN_FLIGHT_POLICY_ABORT, tensors).ok());
   const rollout::v1::WeightsHeader single = service_.update_calls().back().messages[0].header();
   EXPECT_EQ(single.part_count(), 0u);
   EXPECT_EQ(single.update_id(), "");
   EXPECT_EQ(single.tensors_size(), 5);
-  EXPECT_EQ(client->UpdateWeightsFromTensors("v9", rollout::v1::IN_FLIGHT_POLICY_ABORT, tensors,
-                                             512, nullptr, 0)
+  EXPECT_EQ(client
+                ->UpdateWeightsFromTensors("v9", rollout::v1::IN_FLIGHT_POLICY_ABORT, tensors, 512,
+                                           nullptr, 0)
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);

@@ -104,8 +104,8 @@ constexpr size_t kEndedUpdatesKept = 16;
 // The part fields of `header` on their own (the assembly checks them against its siblings).
 absl::Status CheckPartFields(const v1::WeightsHeader& header) {
   if (header.part_count() > kMaxUpdateParts) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "header.part_count is %d; at most %d parts", header.part_count(), kMaxUpdateParts));
+    return absl::InvalidArgumentError(absl::StrFormat("header.part_count is %d; at most %d parts",
+                                                      header.part_count(), kMaxUpdateParts));
   }
   if (header.part_count() <= 1) {
     if (header.part_index() != 0) {
@@ -150,13 +150,11 @@ absl::StatusOr<std::shared_ptr<UpdateAssembly>> RolloutServiceImpl::JoinUpdate(
       if (id != header.update_id()) continue;
       // A late part of a failed update hears why, with the failure's code.
       if (!outcome.ok()) {
-        return absl::Status(outcome.code(),
-                            absl::StrFormat("update '%s' has ended already: %s", id,
-                                            outcome.message()));
+        return absl::Status(outcome.code(), absl::StrFormat("update '%s' has ended already: %s", id,
+                                                            outcome.message()));
       }
       return absl::AbortedError(absl::StrFormat(
-          "update '%s' has ended already (applied); send a new update under a new update_id",
-          id));
+          "update '%s' has ended already (applied); send a new update under a new update_id", id));
     }
   }
   update_in_progress_ = true;
@@ -169,10 +167,9 @@ absl::StatusOr<std::shared_ptr<UpdateAssembly>> RolloutServiceImpl::JoinUpdate(
 void RolloutServiceImpl::FailUpdatePart(const v1::WeightsHeader& header,
                                         const absl::Status& status) {
   if (header.part_count() <= 1 || !CheckPartFields(header).ok()) return;
-  const absl::Status failure(status.code(), absl::StrFormat("part %d of the %d of update '%s': %s",
-                                                            header.part_index(),
-                                                            header.part_count(),
-                                                            header.update_id(), status.message()));
+  const absl::Status failure(
+      status.code(), absl::StrFormat("part %d of the %d of update '%s': %s", header.part_index(),
+                                     header.part_count(), header.update_id(), status.message()));
   std::shared_ptr<UpdateAssembly> assembly;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "glog/logging.h"
 #include "server/rollout_service.h"
@@ -60,10 +60,10 @@ absl::StatusOr<const WeightsArena::Lease*> UpdateAssembly::Join(
     std::lock_guard<std::mutex> lock(mu_);
     if (state_ != State::kAssembling) {
       // A part that comes after its update failed hears why (with the failure's code).
-      return absl::Status(failure_.ok() ? absl::StatusCode::kAborted : failure_.code(),
-                          absl::StrFormat("update '%s' ended before this part joined it: %s",
-                                          update_id_, failure_.ok() ? "it is being applied"
-                                                                    : failure_.message()));
+      return absl::Status(
+          failure_.ok() ? absl::StatusCode::kAborted : failure_.code(),
+          absl::StrFormat("update '%s' ended before this part joined it: %s", update_id_,
+                          failure_.ok() ? "it is being applied" : failure_.message()));
     }
     const uint32_t index = header.part_index();
     parts_.emplace_back(part, index);

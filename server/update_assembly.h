@@ -67,8 +67,7 @@ class UpdateAssembly : public std::enable_shared_from_this<UpdateAssembly> {
   // (every part joined so far, `part` included, is finished with the returned status).
   // *joined says whether the part was taken in (then only the assembly finishes it); it is not
   // once the update has ended.
-  absl::StatusOr<const WeightsArena::Lease*> Join(const v1::WeightsHeader& header,
-                                                  UpdatePart* part,
+  absl::StatusOr<const WeightsArena::Lease*> Join(const v1::WeightsHeader& header, UpdatePart* part,
                                                   std::chrono::steady_clock::time_point start,
                                                   bool* joined);
   // A part's stream ended cleanly and its tensors are staged and hashed (`update`: its tensors
@@ -89,8 +88,8 @@ class UpdateAssembly : public std::enable_shared_from_this<UpdateAssembly> {
   enum class State { kAssembling, kSubmitted, kEnded };
   // Stage 2 of Fail and of the engine's answer: REQUIRES mu_ not held; `parts` taken from
   // parts_ when the state left kAssembling.
-  void End(const std::vector<std::pair<UpdatePart*, uint32_t>>& parts,
-           const grpc::Status& status, const grpc::ByteBuffer* response, bool abandon);
+  void End(const std::vector<std::pair<UpdatePart*, uint32_t>>& parts, const grpc::Status& status,
+           const grpc::ByteBuffer* response, bool abandon);
   void Submit();  // REQUIRES: mu_ not held; every part received
   bool AnyPartCancelled() const;
 
@@ -102,7 +101,7 @@ class UpdateAssembly : public std::enable_shared_from_this<UpdateAssembly> {
 
   mutable std::mutex mu_;
   State state_ = State::kAssembling;  // guarded by mu_
-  absl::Status failure_;               // guarded by mu_: why it failed, once it did
+  absl::Status failure_;              // guarded by mu_: why it failed, once it did
   // Guarded by mu_.
   std::vector<std::pair<UpdatePart*, uint32_t>> parts_;  // joined, with their index
   std::set<uint32_t> indices_;

@@ -145,8 +145,8 @@ void UpdateWeightsReactor::Fail(const absl::Status& status) {
   if (message.find("nothing was applied") == std::string::npos) {
     absl::StrAppend(&message, "; nothing was applied");
   }
-  LOG(WARNING) << "weight update stream failed: " << absl::StatusCodeToString(status.code())
-               << ": " << message;
+  LOG(WARNING) << "weight update stream failed: " << absl::StatusCodeToString(status.code()) << ": "
+               << message;
   FinishOnce(ToGrpcStatus(absl::Status(status.code(), message)));
 }
 

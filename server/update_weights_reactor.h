@@ -82,7 +82,7 @@ class UpdateWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
   v1::WeightsChunk chunk_;
   uint64_t messages_read_ = 0;
 
-  std::mutex stage_mu_;  // held while the staging is written, hashed or given back
+  std::mutex stage_mu_;     // held while the staging is written, hashed or given back
   WeightsStaging staging_;  // guarded by stage_mu_
   bool abandoned_ = false;  // guarded by stage_mu_: the update failed; staging_ is given back
 

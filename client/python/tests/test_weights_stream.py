@@ -179,6 +179,22 @@ class _Rejecting(pb2_grpc.RolloutServiceServicer):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this replica refuses updates")
 
 
+class _RecordingPeers(pb2_grpc.RolloutServiceServicer):
+    """Accepts every update, recording each call's client address and header."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.calls = []  # (peer, header)
+
+    def UpdateWeights(self, request_iterator, context):
+        header = next(request_iterator).header
+        for _ in request_iterator:
+            pass
+        with self.lock:
+            self.calls.append((context.peer(), header))
+        return pb2.UpdateWeightsResponse(version=header.version, part_count=header.part_count)
+
+
 class FleetTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -297,6 +313,29 @@ class MultiStreamTest(unittest.TestCase):
         self.assertEqual(split_by_bytes([5, 1, 4, 4, 2], 3), [[0], [2, 4], [1, 3]])
         self.assertEqual(split_by_bytes([7, 7], 5), [[0], [1]])
         self.assertEqual(split_by_bytes([3], 1), [[0]])
+
+    def test_each_stream_has_a_connection_of_its_own(self):
+        recorder = _RecordingPeers()
+        fake = grpc.server(concurrent.futures.ThreadPoolExecutor(8))
+        pb2_grpc.add_RolloutServiceServicer_to_server(recorder, fake)
+        port = fake.add_insecure_port("127.0.0.1:0")
+        fake.start()
+        try:
+            with RolloutClient(f"127.0.0.1:{port}", timeout=60) as client:
+                r = client.update_weights(self.original, version="peers", streams=3,
+                                          skip_tied=False)
+        finally:
+            fake.stop(None)
+        self.assertEqual(r.part_count, 3)
+        peers = {peer for peer, _ in recorder.calls}
+        self.assertEqual(len(recorder.calls), 3)
+        self.assertEqual(len(peers), 3, f"the streams shared a connection: {peers}")
+        headers = [h for _, h in recorder.calls]
+        self.assertEqual(sorted(h.part_index for h in headers), [0, 1, 2])
+        self.assertEqual(len({h.update_id for h in headers}), 1)
+        self.assertTrue(headers[0].update_id)
+        declared = [t.name for h in headers for t in h.tensors]
+        self.assertEqual(sorted(declared), sorted(self.TENSORS))
 
     def test_three_streams_give_the_digest_and_bits_of_one(self):
         one = self.client.update_weights(self.changed(), version="py-one", chunk_bytes=4096)
