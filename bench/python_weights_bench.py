@@ -2,12 +2,13 @@
 
 Loads the checkpoint the servers were started on (so the digest after the update must equal
 the one they report at start: the bytes arrived whole) into torch tensors on the GPU, then
-pushes them with RolloutClient.update_weights to the first target, and with Fleet to all of
+pushes them with RolloutClient.update_weights to the first target (twice for each --streams
+count: one update over that many connections), and with Fleet to all of
 them when several are given. Prints each call's seconds and GB/s, the servers' receive/swap
 split, and beside it the host's memcpy rate and the pinned device-to-host rate measured in the
 same run. Exits 1 (no RESULT line) when a digest differs or a call fails.
 
-    python3 bench/python_weights_bench.py --model DIR --targets 127.0.0.1:50061[,127.0.0.1:50062]
+    python3 bench/python_weights_bench.py --model DIR --targets 127.0.0.1:50061[,...] --streams 1,4
 
 Needs torch (with CUDA), numpy, grpcio and the installed rollout_client package (or
 PYTHONPATH pointing at a copy of it).
@@ -52,6 +53,8 @@ def main() -> int:
     p.add_argument("--bucket_mb", type=int, default=256)
     p.add_argument("--chunk_mb", type=int, default=4)
     p.add_argument("--token", default=None)
+    p.add_argument("--streams", default="1,4",
+                   help="comma-separated stream counts for RolloutClient.update_weights(streams=)")
     args = p.parse_args()
 
     import torch
@@ -75,15 +78,17 @@ def main() -> int:
     failed = False
     with RolloutClient(targets[0], token=args.token, timeout=600) as client:
         start_digest = client.wait_ready(60).weight_digest
-        for i in range(2):
-            r = client.update_weights(state.items(), version=f"py-bench-{i}",
-                                      bucket_bytes=args.bucket_mb << 20,
-                                      chunk_bytes=args.chunk_mb << 20)
-            ok = r.weight_digest == start_digest and r.bytes_received == total
-            failed |= not ok
-            print(f"RolloutClient run {i}: {r.seconds:.2f} s = {r.bytes_per_second / 1e9:.2f} GB/s"
-                  f" (server receive {r.receive_seconds:.2f} s, swap {r.swap_seconds:.2f} s); "
-                  f"digest {'equal to the start' if ok else 'DIFFERS: ' + r.weight_digest}")
+        for streams in [int(n) for n in args.streams.split(",")]:
+            for i in range(2):
+                r = client.update_weights(state.items(), version=f"py-bench-{streams}x-{i}",
+                                          bucket_bytes=args.bucket_mb << 20,
+                                          chunk_bytes=args.chunk_mb << 20, streams=streams)
+                ok = r.weight_digest == start_digest and r.bytes_received == total
+                failed |= not ok
+                print(f"RolloutClient run {i}, {streams} stream(s): {r.seconds:.2f} s = "
+                      f"{r.bytes_per_second / 1e9:.2f} GB/s (server receive "
+                      f"{r.receive_seconds:.2f} s, swap {r.swap_seconds:.2f} s); digest "
+                      f"{'equal to the start' if ok else 'DIFFERS: ' + r.weight_digest}")
     if len(targets) > 1:
         with Fleet(targets, token=args.token, timeout=600) as fleet:
             digests = [i.weight_digest for i in fleet.wait_ready(60)]

@@ -3,19 +3,21 @@
 // machine beside it.
 //
 //   rollout-weight-bench --backend=cuda --preset=qwen3-8b --model_dir=/tmp/rollout-qwen3-8b
+//   rollout-weight-bench --backend=cuda --preset=qwen3-8b --model_dir=DIR --streams=8
 //   rollout-weight-bench --backend=cpu --preset=tiny                    (the CI smoke)
 //
 // Starts a server in this process (RolloutServer, the real service on a loopback port) on the
 // model in --model_dir (written there from --preset first if it has no config.json; a temporary
 // directory without --model_dir), then pushes --updates updates of every served tensor through
-// the C++ client (RolloutClient::UpdateWeightsFromTensors, --chunk_mb chunks), each with other
+// the C++ client (RolloutClient::UpdateWeightsFromTensors, --chunk_mb chunks) on one stream, then
+// --updates more spread over --streams streams (one connection each), each with other
 // synthetic bytes (bf16 values of magnitude 2^-7..2^-6, so the model stays finite). After each
 // update it checks that the digest the server serves (the response's and GetServerInfo's) is the
 // digest of the bytes it sent (model/weight_digest.h), and exits 1 printing no RESULT
 // otherwise. The first update also allocates the server's staging (staging_setup in its line);
-// RESULT is the fastest of the later ones. Floors: host memcpy on one thread and on all, loopback
-// TCP on one connection and on four, and on cuda the host-to-device copy from pinned and
-// pageable memory.
+// each stream count's RESULT is the fastest of its updates after the first. Floors: host memcpy
+// on one thread and on all, loopback TCP on one connection and on four, and on cuda the
+// host-to-device copy from pinned and pageable memory.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -47,6 +49,9 @@ ABSL_FLAG(std::string, model_dir, "",
           "next run). Empty: a temporary directory, removed at exit");
 ABSL_FLAG(int32_t, updates, 3, "updates to push (>= 2: the first also allocates the staging)");
 ABSL_FLAG(int32_t, chunk_mb, 4, "MiB per TensorData message");
+ABSL_FLAG(int32_t, streams, 4,
+          "concurrent streams (one connection each) one update is spread over; the bench also "
+          "runs one stream, for comparison, unless this is 1");
 ABSL_FLAG(int64_t, kv_cache_mb, 0, "the server's KV cache; 0: 64 MiB on cpu, 2048 MiB on cuda");
 ABSL_FLAG(int32_t, floor_mb, 1024, "MiB copied by each floor measurement");
 ABSL_FLAG(bool, tamper_for_testing, false,
@@ -176,8 +181,9 @@ int Main() {
   const std::string backend = absl::GetFlag(FLAGS_backend);
   const int updates = absl::GetFlag(FLAGS_updates);
   const size_t chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_mb)) << 20;
-  if (updates < 2 || chunk_bytes == 0) {
-    std::fprintf(stderr, "--updates must be >= 2 and --chunk_mb >= 1\n");
+  const int streams = absl::GetFlag(FLAGS_streams);
+  if (updates < 2 || chunk_bytes == 0 || streams < 1 || streams > 64) {
+    std::fprintf(stderr, "--updates must be >= 2, --chunk_mb >= 1 and --streams in [1, 64]\n");
     return 2;
   }
 
@@ -264,56 +270,73 @@ int Main() {
   std::printf("pushing %d updates of %zu tensors, %.3f GB each, in %d MiB chunks\n", updates,
               source.specs.size(), gb, absl::GetFlag(FLAGS_chunk_mb));
 
-  std::vector<UpdateFigures> figures;
-  for (int u = 1; u <= updates; ++u) {
-    source.Fill(static_cast<uint64_t>(u), /*first=*/u == 1);
-    std::string expected = source.Digest();  // hashed here, outside the timed update
-    if (absl::GetFlag(FLAGS_tamper_for_testing)) expected[expected.size() - 1] ^= 1;
-    const std::vector<TensorSource> sources = source.Sources();
-    const Usage before = ProcessUsage();
-    const auto start = Clock::now();
-    absl::StatusOr<v1::UpdateWeightsResponse> response = (*client)->UpdateWeightsFromTensors(
-        absl::StrCat("bench-", u), v1::IN_FLIGHT_POLICY_ABORT, sources, chunk_bytes);
-    UpdateFigures f;
-    f.e2e = Seconds(start);
-    const Usage after = ProcessUsage();
-    f.cpu = after.cpu_seconds - before.cpu_seconds;
-    f.page_faults = after.page_faults - before.page_faults;
-    if (!response.ok()) {
-      std::fprintf(stderr, "update %d failed: %s\n", u, response.status().ToString().c_str());
-      return 1;
+  // One stream first (the first update of all also allocates the server's staging), then
+  // --streams.
+  std::vector<int> stream_counts = {1};
+  if (streams != 1) stream_counts.push_back(streams);
+  uint64_t update_number = 0;  // over all runs: every update has other bytes
+  std::string results;
+  for (int stream_count : stream_counts) {
+    std::vector<UpdateFigures> figures;
+    for (int u = 1; u <= updates; ++u) {
+      ++update_number;
+      source.Fill(update_number, /*first=*/update_number == 1);
+      std::string expected = source.Digest();  // hashed here, outside the timed update
+      if (absl::GetFlag(FLAGS_tamper_for_testing)) expected[expected.size() - 1] ^= 1;
+      const std::vector<TensorSource> sources = source.Sources();
+      const Usage before = ProcessUsage();
+      const auto start = Clock::now();
+      absl::StatusOr<v1::UpdateWeightsResponse> response = (*client)->UpdateWeightsFromTensors(
+          absl::StrCat("bench-", stream_count, "x-", u), v1::IN_FLIGHT_POLICY_ABORT, sources,
+          chunk_bytes, nullptr, stream_count);
+      UpdateFigures f;
+      f.e2e = Seconds(start);
+      const Usage after = ProcessUsage();
+      f.cpu = after.cpu_seconds - before.cpu_seconds;
+      f.page_faults = after.page_faults - before.page_faults;
+      if (!response.ok()) {
+        std::fprintf(stderr, "update %d (%d streams) failed: %s\n", u, stream_count,
+                     response.status().ToString().c_str());
+        return 1;
+      }
+      f.response = *response;
+      absl::StatusOr<v1::ServerInfo> info = (*client)->GetServerInfo();
+      if (!info.ok()) {
+        std::fprintf(stderr, "GetServerInfo: %s\n", info.status().ToString().c_str());
+        return 1;
+      }
+      const uint32_t parts = std::min<uint32_t>(stream_count, source.specs.size());
+      if (response->weight_digest() != expected || info->weight_digest() != expected ||
+          response->bytes_received() != source.total || response->part_count() != parts) {
+        std::fprintf(
+            stderr,
+            "update %d (%d streams): the server serves %s (GetServerInfo: %s) after %llu "
+            "bytes in %u parts; the %llu bytes sent in %u give %s\n",
+            u, stream_count, response->weight_digest().c_str(), info->weight_digest().c_str(),
+            static_cast<unsigned long long>(response->bytes_received()), response->part_count(),
+            static_cast<unsigned long long>(source.total), parts, expected.c_str());
+        return 1;
+      }
+      std::printf("update %d, %d stream%s: %.3f s end to end, %.2f GB/s; %s\n", u, stream_count,
+                  stream_count == 1 ? "" : "s", f.e2e, gb / f.e2e, Split(f, source.total).c_str());
+      figures.push_back(f);
     }
-    f.response = *response;
-    absl::StatusOr<v1::ServerInfo> info = (*client)->GetServerInfo();
-    if (!info.ok()) {
-      std::fprintf(stderr, "GetServerInfo: %s\n", info.status().ToString().c_str());
-      return 1;
-    }
-    if (response->weight_digest() != expected || info->weight_digest() != expected ||
-        response->bytes_received() != source.total) {
-      std::fprintf(stderr,
-                   "update %d: the server serves %s (GetServerInfo: %s) after %llu bytes; the "
-                   "%llu bytes sent give %s\n",
-                   u, response->weight_digest().c_str(), info->weight_digest().c_str(),
-                   static_cast<unsigned long long>(response->bytes_received()),
-                   static_cast<unsigned long long>(source.total), expected.c_str());
-      return 1;
-    }
-    std::printf("update %d: %.3f s end to end, %.2f GB/s; %s\n", u, f.e2e, gb / f.e2e,
-                Split(f, source.total).c_str());
-    figures.push_back(f);
+    const UpdateFigures& best = *std::min_element(
+        figures.begin() + 1, figures.end(),
+        [](const UpdateFigures& a, const UpdateFigures& b) { return a.e2e < b.e2e; });
+    absl::StrAppend(
+        &results,
+        absl::StrFormat(
+            "\nRESULT weight update, %s backend, %s, %d stream%s: %.3f GB of %zu tensors in "
+            "%.3f s end to end = %.2f GB/s (fastest of updates 2..%d; %d MiB chunks, %d "
+            "connection%s, loopback)\n  split: %s\n  served digest = digest of the bytes sent: "
+            "%s\n",
+            backend, absl::GetFlag(FLAGS_preset), stream_count, stream_count == 1 ? "" : "s", gb,
+            source.specs.size(), best.e2e, gb / best.e2e, updates, absl::GetFlag(FLAGS_chunk_mb),
+            stream_count, stream_count == 1 ? "" : "s", Split(best, source.total),
+            best.response.weight_digest()));
   }
-
-  const UpdateFigures& best = *std::min_element(
-      figures.begin() + 1, figures.end(),
-      [](const UpdateFigures& a, const UpdateFigures& b) { return a.e2e < b.e2e; });
-  std::printf(
-      "\nRESULT weight update, %s backend, %s: %.3f GB of %zu tensors in %.3f s end to end = "
-      "%.2f GB/s (fastest of updates 2..%d; %d MiB chunks, one stream, loopback)\n"
-      "  split: %s\n  floors: %s\n  served digest = digest of the bytes sent: %s\n",
-      backend.c_str(), absl::GetFlag(FLAGS_preset).c_str(), gb, source.specs.size(), best.e2e,
-      gb / best.e2e, updates, absl::GetFlag(FLAGS_chunk_mb), Split(best, source.total).c_str(),
-      floors.c_str(), best.response.weight_digest().c_str());
+  std::printf("%s  floors: %s\n", results.c_str(), floors.c_str());
   return 0;
 }
 

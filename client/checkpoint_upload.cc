@@ -10,7 +10,8 @@ namespace rollout {
 
 absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromCheckpoint(
     RolloutClient& client, const std::string& dir, const std::string& version,
-    rollout::v1::InFlightPolicy policy, size_t chunk_bytes, const UploadProgress& progress) {
+    rollout::v1::InFlightPolicy policy, size_t chunk_bytes, const UploadProgress& progress,
+    int streams) {
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(dir);
   if (!checkpoint.ok()) return checkpoint.status();
   std::vector<TensorSource> tensors;
@@ -28,7 +29,7 @@ absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromCheckpoint(
     tensor.nbytes = view->nbytes;
   }
   // The views borrow the mapping, which lives until this returns.
-  return client.UpdateWeightsFromTensors(version, policy, tensors, chunk_bytes, progress);
+  return client.UpdateWeightsFromTensors(version, policy, tensors, chunk_bytes, progress, streams);
 }
 
 }  // namespace rollout

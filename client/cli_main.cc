@@ -6,6 +6,7 @@
 //   rollout-cli flush
 //   rollout-cli --json info
 //   rollout-cli update-weights --from /ckpt/step-100 --version step-100 --policy continue
+//   rollout-cli update-weights --from /ckpt/step-100 --version step-100 --streams 4
 //   rollout-cli update-weights-from-path --path /srv/ckpt/step-100 --version step-100
 //   rollout-cli update-weights-from-ipc --ipc_tensors handles.json --version step-100
 //   rollout-cli pause --abort_in_flight       (then: rollout-cli resume)
@@ -98,6 +99,10 @@ ABSL_FLAG(std::string, policy, "drain",
 ABSL_FLAG(uint32_t, chunk_mb, 4,
           "update-weights: MiB of tensor data per message (the server accepts messages up to "
           "64 MiB).");
+ABSL_FLAG(int32_t, streams, 1,
+          "update-weights: concurrent streams (each on its own connection) the update is spread "
+          "over, its tensors split by bytes; the server swaps once, when all arrived (1 to 64; "
+          "a server predating multi-part updates needs 1).");
 ABSL_FLAG(bool, abort_in_flight, false,
           "pause, release-memory: also end the running samples (FINISH_REASON_ABORT) instead of "
           "holding them.");
@@ -385,7 +390,8 @@ void RunUpdateWeights() {
   ProgressLine progress;
   absl::StatusOr<rollout::v1::UpdateWeightsResponse> response = UpdateWeightsFromCheckpoint(
       *client, dir, version, policy, static_cast<size_t>(chunk_mb) << 20,
-      [&](uint64_t sent, uint64_t total) { progress.Update(sent, total); });
+      [&](uint64_t sent, uint64_t total) { progress.Update(sent, total); },
+      absl::GetFlag(FLAGS_streams));
   progress.Close();
   PrintResponse<rollout::v1::UpdateWeightsResponse>(response, FormatUpdateWeightsResult);
 }
@@ -454,6 +460,7 @@ int main(int argc, char** argv) {
       "  flush     empty the server's prefix cache\n"
       "  info      print the server's model, limits, counters and cache hit rate\n"
       "  update-weights --from DIR --version V [--policy drain|abort|continue] [--chunk_mb N]\n"
+      "                 [--streams N]\n"
       "            stream the checkpoint in the local DIR to the server as weight version V\n"
       "  update-weights-from-path --path DIR --version V [--policy drain|abort|continue]\n"
       "            have the server load the checkpoint in DIR on its own disk\n"

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <fstream>
+#include <optional>
+#include <random>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -98,13 +101,16 @@ absl::StatusOr<std::unique_ptr<RolloutClient>> RolloutClient::Connect(
         absl::StrFormat("could not connect to %s within %g s", target,
                         std::chrono::duration<double>(options.connect_timeout).count()));
   }
-  return std::unique_ptr<RolloutClient>(new RolloutClient(target, options, std::move(channel)));
+  return std::unique_ptr<RolloutClient>(
+      new RolloutClient(target, options, *std::move(credentials), std::move(channel)));
 }
 
 RolloutClient::RolloutClient(std::string target, ClientOptions options,
+                             std::shared_ptr<grpc::ChannelCredentials> credentials,
                              std::shared_ptr<grpc::Channel> channel)
     : target_(std::move(target)),
       options_(std::move(options)),
+      credentials_(std::move(credentials)),
       channel_(std::move(channel)),
       stub_(rollout::v1::RolloutService::NewStub(channel_)) {}
 
@@ -268,43 +274,62 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeights(
   return response;
 }
 
-absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
-    const std::string& version, rollout::v1::InFlightPolicy policy,
-    const std::vector<TensorSource>& tensors, size_t chunk_bytes, const UploadProgress& progress) {
-  if (chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes must be positive");
-  WeightsHeader header;
-  header.set_version(version);
-  header.set_policy(policy);
-  uint64_t total = 0;
-  for (const TensorSource& tensor : tensors) {
-    if (tensor.data == nullptr && tensor.nbytes > 0) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("tensor '%s' has %d bytes but no data", tensor.name, tensor.nbytes));
-    }
-    rollout::v1::TensorDecl* decl = header.add_tensors();
-    decl->set_name(tensor.name);
-    decl->set_dtype(tensor.dtype);
-    decl->mutable_shape()->Add(tensor.shape.begin(), tensor.shape.end());
-    total += tensor.nbytes;
+std::vector<std::vector<size_t>> SplitByBytes(const std::vector<uint64_t>& nbytes, int parts) {
+  const size_t count = std::min<size_t>(std::max(parts, 1), std::max<size_t>(nbytes.size(), 1));
+  std::vector<size_t> order(nbytes.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return nbytes[a] > nbytes[b]; });
+  std::vector<std::vector<size_t>> split(count);
+  std::vector<uint64_t> load(count, 0);
+  for (size_t i : order) {
+    const size_t lightest = std::min_element(load.begin(), load.end()) - load.begin();
+    split[lightest].push_back(i);
+    load[lightest] += nbytes[i];
   }
+  for (std::vector<size_t>& part : split) std::sort(part.begin(), part.end());
+  return split;
+}
 
-  size_t index = 0;     // tensor being sent
+absl::StatusOr<std::shared_ptr<grpc::Channel>> RolloutClient::OwnConnection() const {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options_.max_receive_message_bytes);
+  // Channels with equal arguments share gRPC's global subchannel pool, so one connection; a
+  // local pool gives this channel its own.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target_, credentials_, args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + options_.connect_timeout)) {
+    return absl::UnavailableError(
+        absl::StrFormat("could not open another connection to %s within %g s", target_,
+                        std::chrono::duration<double>(options_.connect_timeout).count()));
+  }
+  return channel;
+}
+
+absl::StatusOr<UpdateWeightsResponse> RolloutClient::StreamTensors(
+    const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context,
+    const WeightsHeader& header, const std::vector<TensorSource>& tensors,
+    const std::vector<size_t>& indices, size_t chunk_bytes, const UploadProgress& progress,
+    uint64_t total, uint64_t* sent, std::mutex* progress_mu) {
+  size_t next = 0;      // into indices: the tensor being sent
   uint64_t offset = 0;  // next byte of it
-  uint64_t sent = 0;    // bytes handed out before this call; written, since we are called again
-  if (progress) progress(0, total);
-  grpc::ClientContext context;
-  PrepareContext(&context);
+  uint64_t handed = 0;  // bytes handed out by the last call; written, since we are called again
   // The chunks' bytes go to gRPC where they are, not copied into messages (weights_stream.h).
   return client_internal::StreamUpdateWeights(
-      channel_, &context, header, [&](client_internal::RawChunk* chunk) {
-        if (progress && sent > 0) progress(sent, total);
+      channel, context, header, [&](client_internal::RawChunk* chunk) {
+        if (handed > 0) {
+          std::lock_guard<std::mutex> lock(*progress_mu);
+          *sent += handed;
+          if (progress) progress(*sent, total);
+          handed = 0;
+        }
         // Tensors of zero bytes are declared but get no chunk: the server refuses empty chunks.
-        while (index < tensors.size() && offset >= tensors[index].nbytes) {
-          ++index;
+        while (next < indices.size() && offset >= tensors[indices[next]].nbytes) {
+          ++next;
           offset = 0;
         }
-        if (index == tensors.size()) return false;
-        const TensorSource& tensor = tensors[index];
+        if (next == indices.size()) return false;
+        const TensorSource& tensor = tensors[indices[next]];
         const size_t n =
             static_cast<size_t>(std::min<uint64_t>(chunk_bytes, tensor.nbytes - offset));
         chunk->name = tensor.name;
@@ -312,9 +337,86 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
         chunk->data = tensor.data + offset;
         chunk->size = n;
         offset += n;
-        sent += n;
+        handed = n;
         return true;
       });
+}
+
+absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
+    const std::string& version, rollout::v1::InFlightPolicy policy,
+    const std::vector<TensorSource>& tensors, size_t chunk_bytes, const UploadProgress& progress,
+    int streams) {
+  if (chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes must be positive");
+  if (streams < 1 || streams > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("streams is %d; give 1 to 64 (the server takes up to 64 parts)", streams));
+  }
+  uint64_t total = 0;
+  std::vector<uint64_t> nbytes;
+  for (const TensorSource& tensor : tensors) {
+    if (tensor.data == nullptr && tensor.nbytes > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor '%s' has %d bytes but no data", tensor.name, tensor.nbytes));
+    }
+    total += tensor.nbytes;
+    nbytes.push_back(tensor.nbytes);
+  }
+  const std::vector<std::vector<size_t>> split = SplitByBytes(nbytes, streams);
+  const int parts = static_cast<int>(split.size());
+  // A new name for every attempt, so that a stray part of an earlier one never joins this one.
+  std::random_device random;
+  const std::string update_id =
+      absl::StrFormat("%s/%08x%08x", version.substr(0, 64), random(), random());
+  std::vector<WeightsHeader> headers(parts);
+  for (int p = 0; p < parts; ++p) {
+    headers[p].set_version(version);
+    headers[p].set_policy(policy);
+    if (parts > 1) {
+      headers[p].set_update_id(update_id);
+      headers[p].set_part_index(p);
+      headers[p].set_part_count(parts);
+    }
+    for (size_t i : split[p]) {
+      rollout::v1::TensorDecl* decl = headers[p].add_tensors();
+      decl->set_name(tensors[i].name);
+      decl->set_dtype(tensors[i].dtype);
+      decl->mutable_shape()->Add(tensors[i].shape.begin(), tensors[i].shape.end());
+    }
+  }
+  // Stream 0 on the client's channel, every other on a connection of its own.
+  std::vector<std::shared_ptr<grpc::Channel>> channels = {channel_};
+  for (int p = 1; p < parts; ++p) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = OwnConnection();
+    if (!channel.ok()) return channel.status();
+    channels.push_back(*std::move(channel));
+  }
+
+  std::mutex progress_mu;
+  uint64_t sent = 0;
+  if (progress) progress(0, total);
+  std::vector<grpc::ClientContext> contexts(parts);
+  for (grpc::ClientContext& context : contexts) PrepareContext(&context);
+  std::vector<absl::StatusOr<UpdateWeightsResponse>> results(parts, absl::UnknownError("not sent"));
+  std::mutex failure_mu;
+  std::optional<absl::Status> first_failure;  // guarded by failure_mu
+  auto run_part = [&](int p) {
+    results[p] = StreamTensors(channels[p], &contexts[p], headers[p], tensors, split[p],
+                               chunk_bytes, progress, total, &sent, &progress_mu);
+    if (results[p].ok()) return;
+    std::lock_guard<std::mutex> lock(failure_mu);
+    if (first_failure.has_value()) return;
+    first_failure = results[p].status();
+    // The server fails every part anyway; the others need not send on.
+    for (int q = 0; q < parts; ++q) {
+      if (q != p) contexts[q].TryCancel();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int p = 1; p < parts; ++p) threads.emplace_back(run_part, p);
+  run_part(0);
+  for (std::thread& t : threads) t.join();
+  if (first_failure.has_value()) return *first_failure;
+  return results[0];
 }
 
 absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromPath(

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -68,6 +69,12 @@ struct GenerateResult {
   std::vector<rollout::v1::TokenChunk> chunks;
 };
 
+// The tensors (indices into `nbytes`) of each of at most `parts` parts of a multi-stream update,
+// balanced by bytes and deterministic: largest first (ties by index), each into the part with the
+// fewest bytes so far (ties: the lowest part), then each part's tensors in index order. Never an
+// empty part: fewer parts than tensors when there are fewer tensors.
+std::vector<std::vector<size_t>> SplitByBytes(const std::vector<uint64_t>& nbytes, int parts);
+
 // Same code, same message: gRPC and Abseil share the canonical status code numbering.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
@@ -118,10 +125,17 @@ class RolloutClient {
   // exactly once, tensor by tensor in the given order, in chunks of at most chunk_bytes (which
   // never span two tensors). INVALID_ARGUMENT, before anything is sent, for chunk_bytes 0 or a
   // tensor without data. progress, when set, is called as documented at UploadProgress.
+  //
+  // streams > 1 spreads the update over that many concurrent calls (docs/api.md, "One update
+  // over several streams"), each on a channel of its own, so on its own TCP connection: one
+  // HTTP/2 connection is what limits one stream. The tensors are split by bytes (SplitByBytes);
+  // the server swaps once, when every part arrived, and every part's answer is the same. When a
+  // part fails the server fails them all; this returns the first failure (the others, cancelled
+  // here, say CANCELLED). progress is then called from the parts' threads, one at a time.
   absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromTensors(
       const std::string& version, rollout::v1::InFlightPolicy policy,
       const std::vector<TensorSource>& tensors, size_t chunk_bytes = kDefaultWeightsChunkBytes,
-      const UploadProgress& progress = nullptr);
+      const UploadProgress& progress = nullptr, int streams = 1);
 
   // The server loads a safetensors checkpoint from its own disk.
   absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromPath(
@@ -149,7 +163,9 @@ class RolloutClient {
   const std::string& target() const { return target_; }
 
  private:
-  RolloutClient(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  RolloutClient(std::string target, ClientOptions options,
+                std::shared_ptr<grpc::ChannelCredentials> credentials,
+                std::shared_ptr<grpc::Channel> channel);
 
   // Applies the per-call deadline and the bearer token.
   void PrepareContext(grpc::ClientContext* context) const;
@@ -161,8 +177,21 @@ class RolloutClient {
                                          grpc::ClientContext*, const Request&, Response*),
                                      const Request& request);
 
+  // One part of UpdateWeightsFromTensors: `header` and the bytes of `tensors[indices]`, on
+  // `channel`, through `context` (prepared); *sent counts the bytes written (guarded by
+  // progress_mu, as the progress calls are).
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> StreamTensors(
+      const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context,
+      const rollout::v1::WeightsHeader& header, const std::vector<TensorSource>& tensors,
+      const std::vector<size_t>& indices, size_t chunk_bytes, const UploadProgress& progress,
+      uint64_t total, uint64_t* sent, std::mutex* progress_mu);
+  // A new channel to the server with a connection of its own; UNAVAILABLE if it does not connect
+  // within the connect timeout.
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> OwnConnection() const;
+
   const std::string target_;
   const ClientOptions options_;
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<rollout::v1::RolloutService::Stub> stub_;
 };

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -183,9 +184,20 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
     if (messages.empty()) Record(context, chunk);
     {
       std::lock_guard<std::mutex> lock(mu_);
+      update_calls_.push_back({context->peer(), messages});
       update_messages_ = std::move(messages);
     }
     return Respond(context, response);
+  }
+
+  // Every UpdateWeights call so far: the client's address and port, and what it sent.
+  struct UpdateCall {
+    std::string peer;
+    std::vector<rollout::v1::WeightsChunk> messages;
+  };
+  std::vector<UpdateCall> update_calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return update_calls_;
   }
 
  private:
@@ -253,6 +265,7 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
   std::unique_ptr<Message> last_request_;
   int update_fail_after_ = -1;
   std::vector<rollout::v1::WeightsChunk> update_messages_;
+  std::vector<UpdateCall> update_calls_;
   int calls_ = 0;
 };
 
@@ -800,6 +813,87 @@ TEST_F(RolloutClientTest, UpdateWeightsSendsTheHeaderFirstThenEveryChunkInOrder)
     EXPECT_TRUE(MessageDifferencer::Equals(seen[1 + i].data(), chunks[i]))
         << i << ": " << seen[1 + i].DebugString();
   }
+}
+
+TEST(SplitByBytesTest, IsBalancedLargestFirstAndNeverEmpty) {
+  using Split = std::vector<std::vector<size_t>>;
+  // Largest first into the lightest part: 5 | 4 | 4, then 2 into the 4 of part 1, 1 into part 2.
+  EXPECT_EQ(SplitByBytes({5, 1, 4, 4, 2}, 3), (Split{{0}, {2, 4}, {1, 3}}));
+  EXPECT_EQ(SplitByBytes({7, 7}, 5), (Split{{0}, {1}}));  // fewer tensors than parts
+  EXPECT_EQ(SplitByBytes({3, 0, 9}, 1), (Split{{0, 1, 2}}));
+  EXPECT_EQ(SplitByBytes({}, 4), (Split{{}}));
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsFromTensorsSpreadsTheTensorsOverStreamsOfTheirOwn) {
+  service_.ScriptUnary(*UnaryCaseNamed("UpdateWeights").response, grpc::Status::OK);
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const std::vector<size_t> sizes = {3000, 100, 2000, 2000, 700};
+  std::vector<std::string> bytes;
+  std::vector<TensorSource> tensors;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    bytes.emplace_back(sizes[i], static_cast<char>('a' + i));
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    tensors.push_back({"t" + std::to_string(i),
+                       "BF16",
+                       {sizes[i] / 2},
+                       reinterpret_cast<const uint8_t*>(bytes[i].data()),
+                       sizes[i]});
+  }
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> response = client->UpdateWeightsFromTensors(
+      "v7", rollout::v1::IN_FLIGHT_POLICY_ABORT, tensors, 512, nullptr, /*streams=*/3);
+  ASSERT_TRUE(response.ok()) << response.status();
+
+  const auto calls = service_.update_calls();
+  ASSERT_EQ(calls.size(), 3u);
+  std::set<std::string> peers, declared;
+  std::set<uint32_t> indices;
+  std::string update_id;
+  for (const auto& call : calls) {
+    peers.insert(call.peer);  // the client's port: one per connection
+    ASSERT_FALSE(call.messages.empty());
+    ASSERT_TRUE(call.messages[0].has_header());
+    const rollout::v1::WeightsHeader& header = call.messages[0].header();
+    EXPECT_EQ(header.version(), "v7");
+    EXPECT_EQ(header.policy(), rollout::v1::IN_FLIGHT_POLICY_ABORT);
+    EXPECT_EQ(header.part_count(), 3u);
+    EXPECT_FALSE(header.update_id().empty());
+    if (update_id.empty()) update_id = header.update_id();
+    EXPECT_EQ(header.update_id(), update_id);
+    indices.insert(header.part_index());
+    // The part's tensors as SplitByBytes puts them, each byte sent once.
+    const std::vector<size_t> expected =
+        SplitByBytes(std::vector<uint64_t>(sizes.begin(), sizes.end()), 3)[header.part_index()];
+    ASSERT_EQ(header.tensors_size(), static_cast<int>(expected.size()));
+    std::map<std::string, std::string> received;
+    for (size_t m = 1; m < call.messages.size(); ++m) {
+      const rollout::v1::TensorData& data = call.messages[m].data();
+      EXPECT_EQ(data.offset(), received[data.name()].size());
+      received[data.name()] += data.data();
+    }
+    for (size_t k = 0; k < expected.size(); ++k) {
+      const std::string name = "t" + std::to_string(expected[k]);
+      EXPECT_EQ(header.tensors(k).name(), name);
+      EXPECT_TRUE(declared.insert(name).second) << name << " in two parts";
+      EXPECT_EQ(received[name], bytes[expected[k]]) << name;
+    }
+  }
+  EXPECT_EQ(peers.size(), 3u) << "the streams shared a connection";
+  EXPECT_EQ(indices, (std::set<uint32_t>{0, 1, 2}));
+  EXPECT_EQ(declared.size(), sizes.size());
+  // A single stream declares no parts.
+  ASSERT_TRUE(
+      client->UpdateWeightsFromTensors("v8", rollout::v1::IN_FLIGHT_POLICY_ABORT, tensors).ok());
+  const rollout::v1::WeightsHeader single = service_.update_calls().back().messages[0].header();
+  EXPECT_EQ(single.part_count(), 0u);
+  EXPECT_EQ(single.update_id(), "");
+  EXPECT_EQ(single.tensors_size(), 5);
+  EXPECT_EQ(client
+                ->UpdateWeightsFromTensors("v9", rollout::v1::IN_FLIGHT_POLICY_ABORT, tensors, 512,
+                                           nullptr, 0)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(RolloutClientTest, UpdateWeightsWithNoChunksSendsOnlyTheHeader) {

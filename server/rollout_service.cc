@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/build_info.h"
+#include "common/status.h"
 #include "glog/logging.h"
 #include "server/generate_reactor.h"
 #include "server/score_reactor.h"
@@ -24,7 +25,7 @@ namespace rollout {
 // checkpoint path every training step keeps one thread, not one per update. Thread-safe.
 RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access,
                                        ServiceMetrics* metrics, int64_t max_unfinished_samples,
-                                       StreamLimits stream_limits)
+                                       StreamLimits stream_limits, UpdateLimits update_limits)
     : engine_(engine),
       model_(std::move(model)),
       access_(std::move(access)),
@@ -33,7 +34,8 @@ RolloutServiceImpl::RolloutServiceImpl(Engine* engine, ServedModel model, Access
       stream_limits_(stream_limits),
       weights_arena_(engine->weight_specs(),
                      [engine](size_t bytes) { return engine->AllocateHostStaging(bytes); }),
-      loader_(std::make_unique<SerialExecutor>()) {}
+      loader_(std::make_unique<SerialExecutor>()),
+      update_limits_(update_limits) {}
 
 void RolloutServiceImpl::StopAdmission() { admitting_ = false; }
 
@@ -95,6 +97,108 @@ void RolloutServiceImpl::ReleaseUpdateSlot() {
 
 namespace {
 
+constexpr uint32_t kMaxUpdateParts = 64;
+constexpr size_t kMaxUpdateIdBytes = 128;
+constexpr size_t kEndedUpdatesKept = 16;
+
+// The part fields of `header` on their own (the assembly checks them against its siblings).
+absl::Status CheckPartFields(const v1::WeightsHeader& header) {
+  if (header.part_count() > kMaxUpdateParts) {
+    return absl::InvalidArgumentError(absl::StrFormat("header.part_count is %d; at most %d parts",
+                                                      header.part_count(), kMaxUpdateParts));
+  }
+  if (header.part_count() <= 1) {
+    if (header.part_index() != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "header.part_index is %d but part_count is %d (a single-stream update); set "
+          "part_count for a multi-part update",
+          header.part_index(), header.part_count()));
+    }
+    return absl::OkStatus();
+  }
+  if (header.update_id().empty() || header.update_id().size() > kMaxUpdateIdBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "header.update_id is %d bytes; a multi-part update needs one of 1 to %d bytes, the same "
+        "in every part and new for each attempt",
+        header.update_id().size(), kMaxUpdateIdBytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<UpdateAssembly>> RolloutServiceImpl::JoinUpdate(
+    const v1::WeightsHeader& header) {
+  ROLLOUT_RETURN_IF_ERROR(CheckPartFields(header));
+  const bool multi_part = header.part_count() > 1;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (multi_part && assembly_ != nullptr && assembly_->update_id() == header.update_id()) {
+    return assembly_;
+  }
+  if (update_in_progress_) {
+    if (assembly_ != nullptr && assembly_->part_count() > 1) {
+      return absl::AbortedError(absl::StrFormat(
+          "another weight update (update_id '%s', %d of %d parts so far) is in progress; one "
+          "update at a time (retry when it ends)",
+          assembly_->update_id(), assembly_->parts_joined(), assembly_->part_count()));
+    }
+    return absl::AbortedError(
+        "another weight update is in progress; one update at a time (retry when it ends)");
+  }
+  if (multi_part) {
+    for (const auto& [id, outcome] : ended_updates_) {
+      if (id != header.update_id()) continue;
+      // A late part of a failed update hears why, with the failure's code.
+      if (!outcome.ok()) {
+        return absl::Status(outcome.code(), absl::StrFormat("update '%s' has ended already: %s", id,
+                                                            outcome.message()));
+      }
+      return absl::AbortedError(absl::StrFormat(
+          "update '%s' has ended already (applied); send a new update under a new update_id", id));
+    }
+  }
+  update_in_progress_ = true;
+  assembly_ = std::make_shared<UpdateAssembly>(this, multi_part ? header.update_id() : "",
+                                               multi_part ? header.part_count() : 1);
+  if (multi_part) assembly_->ArmPartTimeout(update_limits_.part_timeout);
+  return assembly_;
+}
+
+void RolloutServiceImpl::FailUpdatePart(const v1::WeightsHeader& header,
+                                        const absl::Status& status) {
+  if (header.part_count() <= 1 || !CheckPartFields(header).ok()) return;
+  const absl::Status failure(
+      status.code(), absl::StrFormat("part %d of the %d of update '%s': %s", header.part_index(),
+                                     header.part_count(), header.update_id(), status.message()));
+  std::shared_ptr<UpdateAssembly> assembly;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (assembly_ != nullptr && assembly_->update_id() == header.update_id()) {
+      assembly = assembly_;
+    } else {
+      ended_updates_.emplace_back(header.update_id(), failure);
+      if (ended_updates_.size() > kEndedUpdatesKept) ended_updates_.pop_front();
+      return;
+    }
+  }
+  assembly->Fail(nullptr, failure);
+}
+
+void RolloutServiceImpl::EndUpdate(const UpdateAssembly* assembly, absl::StatusCode code,
+                                   const std::string& message) {
+  std::shared_ptr<UpdateAssembly> ended;  // destroyed outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  if (assembly_.get() != assembly) return;
+  ended = std::move(assembly_);
+  update_in_progress_ = false;
+  if (assembly->part_count() > 1) {
+    ended_updates_.emplace_back(assembly->update_id(), absl::Status(code, message));
+    if (ended_updates_.size() > kEndedUpdatesKept) ended_updates_.pop_front();
+  }
+}
+
+namespace {
+
 // A unary reactor finished at once with an access error, or nullptr when access is granted.
 grpc::ServerUnaryReactor* DenyUnless(const absl::Status& access,
                                      grpc::CallbackServerContext* context) {
@@ -108,9 +212,8 @@ grpc::ServerUnaryReactor* DenyUnless(const absl::Status& access,
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* RolloutServiceImpl::UpdateWeights(
     grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
-  absl::Status admission = CheckAccess(context, /*control=*/true);
-  if (admission.ok()) admission = ClaimUpdateSlot();
-  return new UpdateWeightsReactor(this, context, response, admission);
+  // The update slot is claimed by the header (JoinUpdate): the parts of one update share it.
+  return new UpdateWeightsReactor(this, context, response, CheckAccess(context, /*control=*/true));
 }
 
 grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -12,6 +13,7 @@
 #include "engine/engine.h"
 #include "rollout/v1/rollout.grpc.pb.h"
 #include "server/metrics.h"
+#include "server/update_assembly.h"
 #include "server/weights_arena.h"
 
 namespace rollout {
@@ -40,6 +42,13 @@ struct StreamLimits {
   std::chrono::milliseconds max_paused{60'000};
 };
 
+// How long the parts of a multi-part UpdateWeights may take to arrive.
+struct UpdateLimits {
+  // From the first part's header to the last part's: the update fails (DEADLINE_EXCEEDED on
+  // every part's call) unless every part has joined by then.
+  std::chrono::milliseconds part_timeout{60'000};
+};
+
 // Whose request ids a call claims and Abort reaches. With a token and `all_rpcs` off, Generate
 // calls that do not carry the token are kAnonymous: their ids are a namespace apart from those
 // of callers that do (kTrusted), so they can neither probe (ALREADY_EXISTS), take nor have a
@@ -58,7 +67,7 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   // Score answer RESOURCE_EXHAUSTED beyond it. `stream_limits` bound each Generate stream's buffer.
   RolloutServiceImpl(Engine* engine, ServedModel model, AccessPolicy access = {},
                      ServiceMetrics* metrics = nullptr, int64_t max_unfinished_samples = 1 << 20,
-                     StreamLimits stream_limits = {});
+                     StreamLimits stream_limits = {}, UpdateLimits update_limits = {});
   ~RolloutServiceImpl() override;
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
@@ -117,6 +126,17 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   // Takes the single weight-update slot; ABORTED if another update holds it.
   absl::Status ClaimUpdateSlot();
   void ReleaseUpdateSlot();
+  // The UpdateWeights update that `header` starts (claiming the update slot), or the multi-part
+  // one it is a part of (the same update_id as the one assembling). This call alone is refused:
+  // INVALID_ARGUMENT for a bad part_count, part_index or update_id; ABORTED while another update
+  // holds the slot, or for the update_id of one that ended recently.
+  absl::StatusOr<std::shared_ptr<UpdateAssembly>> JoinUpdate(const v1::WeightsHeader& header);
+  // A part whose header was refused before it joined (`status`): fails the multi-part update it
+  // names, now, or when its siblings come.
+  void FailUpdatePart(const v1::WeightsHeader& header, const absl::Status& status);
+  // `assembly` ended with `code` and `message`: the slot is free; its update_id is remembered.
+  void EndUpdate(const UpdateAssembly* assembly, absl::StatusCode code,
+                 const std::string& message);
 
   // Submits a Generate call's samples as one engine job and records its rollouts' request ids
   // in the caller's scope (request_ids[i] belongs to rollout i; empty ids are not tracked).
@@ -165,8 +185,14 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   WeightsArena weights_arena_;
   // Reads UpdateWeightsFromPath checkpoints off gRPC's threads; the destructor joins it first.
   std::unique_ptr<SerialExecutor> loader_;
+  const UpdateLimits update_limits_;
   std::mutex mu_;
   bool update_in_progress_ = false;  // guarded by mu_
+  // Guarded by mu_: the UpdateWeights update holding the slot (if it is one), and the outcome of
+  // the multi-part updates that ended last (by update_id, oldest first), so that a late part of
+  // one is refused instead of starting a new update that waits for siblings in vain.
+  std::shared_ptr<UpdateAssembly> assembly_;
+  std::deque<std::pair<std::string, absl::Status>> ended_updates_;
   // Guarded by mu_.
   std::map<std::pair<CallerScope, std::string>, InFlight> in_flight_ids_;
   std::map<uint64_t, int32_t> in_flight_jobs_;  // job id -> number of rollouts

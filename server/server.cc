@@ -331,7 +331,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   server->service_ = std::make_unique<RolloutServiceImpl>(
       server->engine_.get(), ServedModel{server->model_dir_, options.tensor_parallel},
       AccessPolicy{options.auth_token, options.auth_all_rpcs}, server->metrics_.get(),
-      options.max_queued_samples, options.stream_limits);
+      options.max_queued_samples, options.stream_limits, options.update_limits);
 
   const std::string host = options.address.substr(0, options.address.rfind(':'));
   if (options.metrics_port > 0) {

@@ -68,6 +68,8 @@ struct ServerOptions {
   int64_t max_queued_samples = 65536;
   // Backpressure: what one Generate stream may buffer for a client that does not read.
   StreamLimits stream_limits;
+  // How long the parts of a multi-part weight update may take to arrive (--update_part_timeout_s).
+  UpdateLimits update_limits;
   // Negative control for the determinism suite: makes one reduction (the final RMSNorm's sum)
   // depend on the batch size, so batch invariance breaks. Never set it outside tests.
   bool batch_variant_for_testing = false;

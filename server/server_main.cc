@@ -80,6 +80,9 @@ ABSL_FLAG(int64_t, stream_buffer_mb, 16,
 ABSL_FLAG(int32_t, stream_stall_timeout_s, 60,
           "a Generate stream paused this long (its client reads nothing) ends "
           "RESOURCE_EXHAUSTED, its samples aborted");
+ABSL_FLAG(double, update_part_timeout_s, 60,
+          "a multi-part UpdateWeights (header.part_count > 1) fails, nothing applied, unless "
+          "every part's header arrives within this many seconds of the first's");
 ABSL_FLAG(std::string, tls_cert, "", "TLS certificate chain (PEM); with --tls_key enables TLS");
 ABSL_FLAG(std::string, tls_key, "", "TLS private key (PEM)");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -165,6 +168,13 @@ int main(int argc, char** argv) {
                  "rollout-server: --stream_buffer_mb and --stream_stall_timeout_s must be > 0\n");
     return 1;
   }
+  const double part_timeout_s = absl::GetFlag(FLAGS_update_part_timeout_s);
+  if (!(part_timeout_s > 0 && part_timeout_s <= 86400)) {
+    std::fprintf(stderr, "rollout-server: --update_part_timeout_s must be in (0, 86400]\n");
+    return 1;
+  }
+  options.update_limits.part_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(part_timeout_s * 1000 + 0.5));
   absl::StatusOr<std::unique_ptr<rollout::RolloutServer>> server =
       rollout::RolloutServer::Start(options);
   if (!server.ok()) {

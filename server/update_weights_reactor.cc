@@ -8,13 +8,6 @@
 #include "server/weights_chunk_reader.h"
 
 namespace rollout {
-namespace {
-
-double SecondsSince(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-
-}  // namespace
 
 UpdateWeightsReactor::UpdateWeightsReactor(RolloutServiceImpl* service,
                                            grpc::CallbackServerContext* context,
@@ -22,8 +15,7 @@ UpdateWeightsReactor::UpdateWeightsReactor(RolloutServiceImpl* service,
     : service_(service),
       context_(context),
       response_bytes_(response),
-      staging_(&service->engine()->weight_specs(), service->weights_arena()),
-      holds_slot_(admission.ok()) {
+      staging_(&service->engine()->weight_specs(), service->weights_arena()) {
   if (!admission.ok()) {
     FinishOnce(ToGrpcStatus(admission));
     return;
@@ -32,118 +24,171 @@ UpdateWeightsReactor::UpdateWeightsReactor(RolloutServiceImpl* service,
 }
 
 void UpdateWeightsReactor::OnReadDone(bool ok) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The update failed through another part (or the timeout): this call is finished.
+    if (finished_) return;
+  }
   if (!ok) {
     // The stream ended: by the client's half-close, or because the call failed (cancel,
     // deadline, disconnect). OnCancel or IsCancelled() tells the two apart when the failure is
-    // known by now; one that is reported later is caught by the engine's check before the swap
-    // (the predicate below).
+    // known by now; one that is reported later is caught by the engine's check before the swap.
     if (Cancelled()) {
-      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
-                              "the update stream was cancelled before the client half-closed "
-                              "it; nothing was applied"));
+      Fail(absl::CancelledError(
+          "the update stream was cancelled before the client half-closed it; nothing was "
+          "applied"));
       return;
     }
-    Submit();
+    EndOfStream();
     return;
   }
   ++messages_read_;
-  absl::Status status;
-  TensorDataChunk chunk;
-  slices_.clear();
-  if (message_.Dump(&slices_).ok() && ReadTensorDataChunk(slices_, &chunk) &&
-      staging_.declared(chunk.name)) {
-    status = staging_.AddData(
-        chunk.name, chunk.offset, chunk.data_size, [this, &chunk](uint8_t* destination) {
-          CopyMessageBytes(slices_, chunk.data_begin, chunk.data_size, destination);
-        });
-  } else {
-    // Anything else (a header, an undeclared name, an unusual encoding) as protobuf parses it.
-    status = ParseAndStage();
-  }
+  absl::Status status = HandleMessage();
   slices_.clear();
   message_.Clear();  // gRPC's receive buffers go back before the next read
   if (!status.ok()) {
-    FinishOnce(ToGrpcStatus(
-        absl::Status(status.code(), absl::StrCat(status.message(), "; nothing was applied"))));
+    Fail(status);
     return;
   }
-  StartRead(&message_);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!finished_) StartRead(&message_);
 }
 
-absl::Status UpdateWeightsReactor::ParseAndStage() {
+absl::Status UpdateWeightsReactor::HandleMessage() {
+  {
+    std::lock_guard<std::mutex> lock(stage_mu_);
+    if (abandoned_) return absl::OkStatus();  // the assembly finishes the call
+    TensorDataChunk chunk;
+    slices_.clear();
+    if (message_.Dump(&slices_).ok() && ReadTensorDataChunk(slices_, &chunk) &&
+        staging_.declared(chunk.name)) {
+      return staging_.AddData(
+          chunk.name, chunk.offset, chunk.data_size, [this, &chunk](uint8_t* destination) {
+            CopyMessageBytes(slices_, chunk.data_begin, chunk.data_size, destination);
+          });
+    }
+  }
+  // Anything else (a header, an undeclared name, an unusual encoding) as protobuf parses it.
   if (!grpc::SerializationTraits<v1::WeightsChunk>::Deserialize(&message_, &chunk_).ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("message ", messages_read_,
                      " of the stream is not a valid WeightsChunk (a client bug or "
                      "a corrupted stream)"));
   }
-  if (chunk_.has_header()) return staging_.SetHeader(chunk_.header());
+  if (chunk_.has_header()) return StartPart(chunk_.header());
+  std::lock_guard<std::mutex> lock(stage_mu_);
+  if (abandoned_) return absl::OkStatus();
   if (chunk_.has_data()) return staging_.AddData(chunk_.data());
   return absl::InvalidArgumentError("an empty WeightsChunk: set header or data");
 }
 
-void UpdateWeightsReactor::Submit() {
-  response_.set_receive_seconds(SecondsSince(start_));
-  response_.set_staging_setup_seconds(staging_.setup_seconds());
-  double digest_wait_seconds = 0;
-  absl::StatusOr<WeightUpdate> update = staging_.Finish(&digest_wait_seconds);
-  if (!update.ok()) {
-    FinishOnce(ToGrpcStatus(update.status()));
+absl::Status UpdateWeightsReactor::StartPart(const v1::WeightsHeader& header) {
+  absl::Status checked;
+  {
+    std::lock_guard<std::mutex> lock(stage_mu_);
+    if (abandoned_) return absl::OkStatus();
+    checked = staging_.CheckHeader(header);
+  }
+  if (!checked.ok()) {
+    // A second header fails this part's update (Fail); a first one refused on its own also fails
+    // the multi-part update it names, so that its siblings hear at once.
+    if (assembly() == nullptr) service_->FailUpdatePart(header, checked);
+    return checked;
+  }
+  absl::StatusOr<std::shared_ptr<UpdateAssembly>> assembly = service_->JoinUpdate(header);
+  if (!assembly.ok()) return assembly.status();  // this call only; no update was joined
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    assembly_ = *assembly;
+  }
+  bool joined = false;
+  absl::StatusOr<const WeightsArena::Lease*> lease =
+      (*assembly)->Join(header, this, start_, &joined);
+  if (!joined) {
+    std::lock_guard<std::mutex> lock(mu_);
+    assembly_.reset();  // it ended before this part came: refused on its own
+  }
+  if (!lease.ok()) return lease.status();  // once joined, the failure finished every call
+  std::lock_guard<std::mutex> lock(stage_mu_);
+  if (!abandoned_) staging_.Bind(**lease);
+  return absl::OkStatus();
+}
+
+void UpdateWeightsReactor::EndOfStream() {
+  std::shared_ptr<UpdateAssembly> update = assembly();
+  if (update == nullptr) {
+    Fail(absl::InvalidArgumentError("the stream ended without a WeightsHeader"));
     return;
   }
-  response_.set_digest_wait_seconds(digest_wait_seconds);
-  response_.set_version(update->version);
-  response_.set_tensors_updated(static_cast<uint32_t>(update->tensors.size()));
-  response_.set_bytes_received(staging_.bytes_received());
-  const auto swap_start = std::chrono::steady_clock::now();
-  // The reactor (and so the context) lives until Finish, which only the engine's answer calls
-  // from here on; both callbacks run on the engine thread.
-  service_->engine()->UpdateWeights(
-      *std::move(update),
-      [this, swap_start](UpdateResult r) {
-        response_.set_previous_version(r.previous_version);
-        response_.set_weight_digest(r.digest);
-        response_.set_aborted_samples(static_cast<uint32_t>(r.aborted_samples));
-        response_.set_swap_seconds(SecondsSince(swap_start));
-        response_.set_engine_wait_seconds(r.wait_seconds);
-        response_.set_device_copy_seconds(r.copy_seconds);
-        if (service_->metrics() != nullptr) {
-          service_->metrics()->RecordUpdate(SecondsSince(start_), r.status.ok());
-        }
-        if (r.status.ok()) {
-          grpc::Slice bytes(response_.SerializeAsString());
-          *response_bytes_ = grpc::ByteBuffer(&bytes, 1);
-        }
-        FinishOnce(ToGrpcStatus(r.status));
-      },
-      [this] { return Cancelled(); });
+  double digest_wait_seconds = 0;
+  absl::StatusOr<WeightUpdate> part;
+  uint64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(stage_mu_);
+    if (abandoned_) return;
+    part = staging_.Finish(&digest_wait_seconds);
+    bytes = staging_.bytes_received();
+  }
+  if (!part.ok()) {
+    Fail(part.status());
+    return;
+  }
+  update->PartReceived(*std::move(part), bytes, digest_wait_seconds);
+}
+
+void UpdateWeightsReactor::Fail(const absl::Status& status) {
+  if (std::shared_ptr<UpdateAssembly> update = assembly()) {
+    update->Fail(this, status);  // finishes every part's call, this one's too
+    return;
+  }
+  std::string message(status.message());
+  if (message.find("nothing was applied") == std::string::npos) {
+    absl::StrAppend(&message, "; nothing was applied");
+  }
+  LOG(WARNING) << "weight update stream failed: " << absl::StatusCodeToString(status.code()) << ": "
+               << message;
+  FinishOnce(ToGrpcStatus(absl::Status(status.code(), message)));
+}
+
+void UpdateWeightsReactor::OnCancel() {
+  cancelled_ = true;
+  // A part waiting for its siblings reads nothing more: only this tells it the client left.
+  if (std::shared_ptr<UpdateAssembly> update = assembly()) {
+    update->Fail(this, absl::CancelledError(
+                           "the update stream was cancelled before the update was applied"));
+  }
+}
+
+void UpdateWeightsReactor::AbandonStaging() {
+  std::lock_guard<std::mutex> lock(stage_mu_);
+  abandoned_ = true;
+  staging_.Abandon();
+}
+
+void UpdateWeightsReactor::FinishPart(const grpc::Status& status,
+                                      const grpc::ByteBuffer* response) {
+  if (response != nullptr) *response_bytes_ = *response;
+  FinishOnce(status);
 }
 
 void UpdateWeightsReactor::FinishOnce(const grpc::Status& status) {
+  {
+    // A part that never joined gives its staging back here (it holds no arena): idempotent.
+    std::lock_guard<std::mutex> lock(stage_mu_);
+    abandoned_ = true;
+    staging_.Abandon();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_) return;
   finished_ = true;
-  // The staging arena goes back with the slot (once its hashing stopped): a caller retrying at
-  // once finds both free. After a hand-over to the engine it holds nothing any more.
-  staging_.Abandon();
-  if (!status.ok()) {
-    LOG(WARNING) << "weight update stream failed: "
-                 << absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))
-                 << ": " << status.error_message();
-  }
-  ReleaseSlotLocked();
   Finish(status);
-}
-
-void UpdateWeightsReactor::ReleaseSlotLocked() {
-  if (holds_slot_) service_->ReleaseUpdateSlot();
-  holds_slot_ = false;
 }
 
 void UpdateWeightsReactor::OnDone() {
   {
+    // The assembly (if still alive) no longer calls this part: it finished it.
     std::lock_guard<std::mutex> lock(mu_);
-    ReleaseSlotLocked();
+    assembly_.reset();
   }
   delete this;
 }

@@ -28,6 +28,28 @@ UpdatePolicy FromProto(v1::InFlightPolicy policy) {
 }
 
 absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
+  ROLLOUT_RETURN_IF_ERROR(CheckHeader(header));
+  // A valid header, and only then the arena: no byte of it is written before this update owns it.
+  absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> lease = arena_->Acquire(&setup_seconds_);
+  if (!lease.ok()) {
+    tensors_.clear();
+    has_header_ = false;
+    return lease.status();
+  }
+  lease_ = *std::move(lease);
+  Bind(*lease_);
+  return absl::OkStatus();
+}
+
+void WeightsStaging::Bind(const WeightsArena::Lease& lease) {
+  for (auto& [name, staged] : tensors_) {
+    staged.place = lease.TensorBytes(name);
+    staged.tensor.data = staged.place;
+  }
+  bound_ = true;
+}
+
+absl::Status WeightsStaging::CheckHeader(const v1::WeightsHeader& header) {
   if (has_header_) {
     return absl::InvalidArgumentError("a second WeightsHeader; send exactly one, first");
   }
@@ -64,17 +86,14 @@ absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
     staged.wire_dtype = *dtype;
     staged.wire_bytes = spec.nbytes() / DTypeSize(spec.dtype) * DTypeSize(*dtype);
   }
-  // A valid header, and only then the arena: no byte of it is written before this update owns it.
-  absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> lease = arena_->Acquire(&setup_seconds_);
-  if (!lease.ok()) return lease.status();
-  lease_ = *std::move(lease);
-  for (auto& [name, staged] : tensors) {
-    staged.place = lease_->TensorBytes(name);
-    staged.tensor.data = staged.place;
-  }
   tensors_ = std::move(tensors);
   version_ = header.version();
   policy_ = FromProto(header.policy());
+  // Half the cores hash, shared by the parts of a multi-part update, so that receiving keeps
+  // the others.
+  const int parts = std::max<int>(1, static_cast<int>(header.part_count()));
+  digests_ = std::make_unique<DigestQueue>(
+      std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2 / parts));
   has_header_ = true;
   return absl::OkStatus();
 }
@@ -91,6 +110,7 @@ absl::Status WeightsStaging::AddData(absl::string_view name, uint64_t offset, ui
   if (!has_header_) {
     return absl::InvalidArgumentError("TensorData before the WeightsHeader; send the header first");
   }
+  if (!bound_) return absl::InternalError("weight staging: data before its places were bound");
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
     return absl::InvalidArgumentError(
@@ -157,7 +177,7 @@ absl::Status WeightsStaging::Place(Staged& staged, uint64_t begin, uint64_t size
   }
   std::vector<uint8_t>().swap(staged.unaligned);
   staged.unaligned_ranges.clear();
-  digests_.Add(staged.tensor.name, staged.tensor.data, staged.tensor.nbytes);
+  digests_->Add(staged.tensor.name, staged.tensor.data, staged.tensor.nbytes);
   return absl::OkStatus();
 }
 
@@ -183,7 +203,7 @@ absl::StatusOr<WeightUpdate> WeightsStaging::Finish(double* digest_wait_seconds)
   update.version = version_;
   update.policy = policy_;
   const auto wait_start = std::chrono::steady_clock::now();
-  update.digests = digests_.Finish();
+  update.digests = digests_->Finish();
   if (digest_wait_seconds != nullptr) {
     *digest_wait_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
@@ -195,7 +215,7 @@ absl::StatusOr<WeightUpdate> WeightsStaging::Finish(double* digest_wait_seconds)
 }
 
 void WeightsStaging::Abandon() {
-  digests_.Cancel();
+  if (digests_ != nullptr) digests_->Cancel();
   tensors_.clear();
   lease_.reset();
 }

@@ -34,17 +34,22 @@ class WeightsStaging {
   using CopyTo = std::function<void(uint8_t* destination)>;
 
   // `specs` and `arena` are borrowed. Tensors are hashed on half the cores, so that receiving
-  // keeps the others.
+  // keeps the others (shared by the parts of a multi-part update).
   WeightsStaging(const std::vector<WeightSpec>* specs, WeightsArena* arena)
-      : specs_(specs),
-        arena_(arena),
-        digests_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2)) {}
+      : specs_(specs), arena_(arena) {}
   ~WeightsStaging() { Abandon(); }
   WeightsStaging(const WeightsStaging&) = delete;
   WeightsStaging& operator=(const WeightsStaging&) = delete;
 
   // Checks the header and takes the arena (allocated by the first update: setup_seconds).
   absl::Status SetHeader(const v1::WeightsHeader& header);
+  // The same in two steps, for one part of a multi-part update whose arena lease another owner
+  // (the UpdateAssembly) holds: CheckHeader validates the header against the served model, then
+  // Bind gives the tensors their places in `lease`, which must outlive every AddData and the
+  // hashing (Abandon or Finish ends both). Finish's update then owns no bytes.
+  absl::Status CheckHeader(const v1::WeightsHeader& header);
+  // REQUIRES: CheckHeader passed, not bound yet.
+  void Bind(const WeightsArena::Lease& lease);
   // Checks a chunk of `size` bytes at byte `offset` of tensor `name`, then has `copy` write
   // them to their place.
   absl::Status AddData(absl::string_view name, uint64_t offset, uint64_t size, const CopyTo& copy);
@@ -57,6 +62,7 @@ class WeightsStaging {
   void Abandon();
 
   bool has_header() const { return has_header_; }
+  bool bound() const { return bound_; }
   bool declared(absl::string_view name) const { return tensors_.find(name) != tensors_.end(); }
   uint64_t bytes_received() const { return bytes_received_; }
   size_t num_tensors() const { return tensors_.size(); }
@@ -85,6 +91,7 @@ class WeightsStaging {
   const std::vector<WeightSpec>* const specs_;
   WeightsArena* const arena_;
   bool has_header_ = false;
+  bool bound_ = false;  // places given (Bind, or SetHeader's own lease)
   std::string version_;
   UpdatePolicy policy_ = UpdatePolicy::kDrain;
   std::shared_ptr<WeightsArena::Lease> lease_;  // from SetHeader to Finish or Abandon
@@ -92,7 +99,7 @@ class WeightsStaging {
   std::map<std::string, Staged, std::less<>> tensors_;
   // Hashes the tensors complete so far, reading the arena: Abandon stops it before the lease
   // goes.
-  DigestQueue digests_;
+  std::unique_ptr<DigestQueue> digests_;  // from CheckHeader
   uint64_t bytes_received_ = 0;
   std::vector<uint8_t> chunk_bytes_;  // a cast tensor's chunk before its cast
 };

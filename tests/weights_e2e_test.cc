@@ -224,7 +224,10 @@ TEST_F(WeightsE2eTest, ASecondConcurrentUpdateIsRefusedWhileTheFirstStreams) {
   v1::WeightsChunk first;
   *first.mutable_header() = MakeWeightsHeader("first", v1::IN_FLIGHT_POLICY_DRAIN, changed);
   ASSERT_TRUE(writer->Write(first));
-  // Give the server time to claim the slot for the first stream.
+  // The server claims the slot when it reads the header.
+  while (!reliability::FetchServerInfo(stub()).weight_update_in_progress()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   grpc::Status second;
   for (int i = 0; i < 50; ++i) {
     second = Push(stub(), MakeWeightsHeader("second", v1::IN_FLIGHT_POLICY_DRAIN, changed),
@@ -252,7 +255,11 @@ TEST_F(WeightsE2eTest, APathUpdateIsRefusedWhileAStreamStagesAndChangesNothing) 
   *first.mutable_header() = MakeWeightsHeader("streamed", v1::IN_FLIGHT_POLICY_DRAIN, changed);
   ASSERT_TRUE(writer->Write(first));
   const std::vector<v1::WeightsChunk> data = MakeDataChunks(changed, 1 << 16);
-  ASSERT_TRUE(writer->Write(data[0]));  // the stream surely holds the slot once this is read
+  ASSERT_TRUE(writer->Write(data[0]));
+  // The server claims the slot when it reads the header.
+  while (!FetchServerInfo(stub()).weight_update_in_progress()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   grpc::Status refused;
   for (int i = 0; i < 50; ++i) {
     grpc::ClientContext path_context;

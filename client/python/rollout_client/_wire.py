@@ -5,6 +5,7 @@ No calls are made here."""
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -278,6 +279,54 @@ def weights_stream(named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, 
         header.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape))
     return SharedStream(pb2.WeightsChunk(header=header).SerializeToString(), tensors,
                         consumers=consumers, bucket_bytes=bucket_bytes, chunk_bytes=chunk_bytes)
+
+
+MAX_STREAMS = 64  # the server takes up to 64 parts
+
+
+def split_by_bytes(nbytes: Sequence[int], parts: int) -> List[List[int]]:
+    """The tensors (indices into nbytes) of each part of a multi-stream update, as the C++
+    client splits them (rollout::SplitByBytes): largest first (ties by index), each into the part
+    with the fewest bytes so far (ties: the lowest part), then each part in index order. No part
+    is empty: fewer parts when there are fewer tensors."""
+    count = min(max(parts, 1), max(len(nbytes), 1))
+    split: List[List[int]] = [[] for _ in range(count)]
+    load = [0] * count
+    for i in sorted(range(len(nbytes)), key=lambda i: -nbytes[i]):  # sorted() is stable
+        lightest = load.index(min(load))
+        split[lightest].append(i)
+        load[lightest] += nbytes[i]
+    return [sorted(part) for part in split]
+
+
+def weights_part_streams(named_tensors, version: str, policy_name: Optional[str],
+                         dtype: DTypeSpec, chunk_bytes: int, bucket_bytes: int,
+                         streams: int) -> List[SharedStream]:
+    """The UpdateWeights streams of one update spread over `streams` parts (docs/api.md, "One
+    update over several streams"): each declares its share of the tensors (split_by_bytes) and
+    the same fresh update_id; one stream, as weights_stream, when streams is 1 or there is one
+    tensor."""
+    if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
+        raise ValueError(f"update_weights: streams = {streams!r}; give 1 to {MAX_STREAMS}")
+    stream = weights_stream(named_tensors, version, policy_name, dtype, chunk_bytes, bucket_bytes)
+    tensors = stream._tensors
+    split = split_by_bytes([t.nbytes for t in tensors], streams)
+    if len(split) == 1:
+        return [stream]
+    # A new name per attempt: a stray part of an earlier one never joins this one.
+    update_id = f"{str(version)[:64]}/{os.urandom(8).hex()}"
+    out = []
+    for index, part in enumerate(split):
+        header = pb2.WeightsHeader(version=str(version), policy=policy(policy_name),
+                                   update_id=update_id, part_index=index,
+                                   part_count=len(split))
+        subset = [tensors[i] for i in part]
+        for t in subset:
+            header.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape))
+        out.append(SharedStream(pb2.WeightsChunk(header=header).SerializeToString(), subset,
+                                consumers=1, bucket_bytes=bucket_bytes,
+                                chunk_bytes=chunk_bytes))
+    return out
 
 
 def weights_messages(named_tensors, version, policy_name, dtype, chunk_bytes,

@@ -43,6 +43,8 @@ class RolloutClient:
         self.target = target
         self.timeout = timeout
         self._metadata = _wire.bearer_metadata(token)
+        self._tls_root_cert = tls_root_cert
+        self._options = list(options)
         self._channel = _wire.open_channel(grpc.aio, target, tls_root_cert, options)
         self._stub = pb2_grpc.RolloutServiceStub(self._channel)
 
@@ -168,18 +170,24 @@ class RolloutClient:
                              version: str, policy: Optional[str] = "drain", *,
                              dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
                              bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
-                             skip_tied: bool = True,
+                             skip_tied: bool = True, streams: int = 1,
                              timeout: Optional[float] = None) -> UpdateWeightsResult:
-        """As rollout_client.RolloutClient.update_weights. Tensors are converted on a
-        background thread; the event loop only hands the encoded chunks to gRPC."""
+        """As rollout_client.RolloutClient.update_weights (streams included). Tensors are
+        converted on background threads; the event loop only hands the encoded chunks to
+        gRPC."""
         if skip_tied and (await self.server_info(timeout=timeout)).model.tie_word_embeddings:
             named_tensors = _wire.without_tied_lm_head(named_tensors)
-        stream = _wire.weights_stream(named_tensors, version, policy, dtype, chunk_bytes,
-                                      bucket_bytes)
-        failure: List[BaseException] = []
+        parts = _wire.weights_part_streams(named_tensors, version, policy, dtype, chunk_bytes,
+                                           bucket_bytes, streams)
         loop = asyncio.get_running_loop()
+        # Part 0 on this client's channel, every other on a channel (a connection) of its own.
+        channels = [self._channel] + [
+            _wire.open_channel(grpc.aio, self.target, self._tls_root_cert,
+                               self._options + [("grpc.use_local_subchannel_pool", 1)])
+            for _ in parts[1:]]
+        first: List[BaseException] = []  # the first failure: a conversion error or the server's
 
-        async def recorded():
+        async def recorded(stream):
             it = stream.messages(0)
             try:
                 while True:
@@ -189,7 +197,8 @@ class RolloutClient:
                         return
                     yield m
             except BaseException as e:  # surfaced below instead of gRPC's CANCELLED
-                failure.append(e)
+                if not first:
+                    first.append(e)
                 raise
             finally:
                 try:
@@ -197,17 +206,34 @@ class RolloutClient:
                 except ValueError:  # cancelled while next() ran on the executor
                     pass
 
+        async def send(i):
+            try:
+                return await _wire.update_weights_call(channels[i])(
+                    recorded(parts[i]), timeout=self._timeout(timeout), metadata=self._metadata)
+            except grpc.RpcError as e:
+                if not first:
+                    first.append(RolloutError.from_rpc_error(e))
+                raise
+
         start = loop.time()
+        tasks = [asyncio.ensure_future(send(i)) for i in range(len(parts))]
         try:
-            response = await _wire.update_weights_call(self._channel)(
-                recorded(), timeout=self._timeout(timeout), metadata=self._metadata)
-        except grpc.RpcError as e:
-            if failure:
-                raise failure[0] from None
-            raise RolloutError.from_rpc_error(e) from None
+            # The server fails every part when one fails; the others need not send on.
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in pending:
+                t.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            if first:
+                raise first[0] from None
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            return _wire.update_result(results[0], loop.time() - start)
         finally:
-            stream.stop(0)
-        return _wire.update_result(response, loop.time() - start)
+            for part in parts:
+                part.stop(0)
+            for channel in channels[1:]:
+                await channel.close()
 
     async def update_weights_from_ipc(self,
                                       named_tensors: Union[Iterable[Tuple[str, Any]],

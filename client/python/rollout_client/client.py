@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import (Any, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
 
@@ -42,6 +43,8 @@ class RolloutClient:
         self.target = target
         self.timeout = timeout
         self._metadata = _wire.bearer_metadata(token)
+        self._tls_root_cert = tls_root_cert
+        self._options = list(options)
         self._channel = _wire.open_channel(grpc, target, tls_root_cert, options)
         self._stub = pb2_grpc.RolloutServiceStub(self._channel)
 
@@ -186,7 +189,7 @@ class RolloutClient:
                        version: str, policy: Optional[str] = "drain", *,
                        dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
                        bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
-                       skip_tied: bool = True,
+                       skip_tied: bool = True, streams: int = 1,
                        timeout: Optional[float] = None) -> UpdateWeightsResult:
         """Streams new weights to the server: a WeightsHeader declaring every tensor, then each
         tensor's bytes in TensorData chunks of at most chunk_bytes. Nothing changes on the
@@ -205,12 +208,19 @@ class RolloutClient:
         sent (at most two buckets ahead). skip_tied: when the served model ties lm_head to the
         embedding, a state_dict's lm_head.weight (the same tensor) is left out instead of
         refused (one GetServerInfo call first). The result's seconds and bytes_per_second are
-        the call's wall time and rate as this client saw them.
+        the call's wall time and rate as this client saw them. streams > 1 spreads the update
+        over that many concurrent calls, each on a channel (a connection) of its own, the
+        tensors split by bytes; the server swaps once, when every part arrived (docs/api.md,
+        "One update over several streams"), and a failure of any part fails them all (the
+        first failure is raised). A server predating multi-part updates needs streams=1.
         """
         if skip_tied and self.server_info(timeout=timeout).model.tie_word_embeddings:
             named_tensors = _wire.without_tied_lm_head(named_tensors)
-        stream = _wire.weights_stream(named_tensors, version, policy, dtype, chunk_bytes,
-                                      bucket_bytes)
+        streams_ = _wire.weights_part_streams(named_tensors, version, policy, dtype, chunk_bytes,
+                                              bucket_bytes, streams)
+        if len(streams_) > 1:
+            return self._update_weights_parts(streams_, timeout)
+        stream = streams_[0]
         failure: List[BaseException] = []
 
         def recorded():
@@ -231,6 +241,62 @@ class RolloutClient:
         finally:
             stream.stop(0)
         return _wire.update_result(response, time.monotonic() - start)
+
+    def _update_weights_parts(self, parts, timeout: Optional[float]) -> UpdateWeightsResult:
+        """The parts of one update at once, part 0 on this client's channel and each other on a
+        channel of its own (a local subchannel pool: its own connection)."""
+        channels = [self._channel] + [
+            _wire.open_channel(grpc, self.target, self._tls_root_cert,
+                               self._options + [("grpc.use_local_subchannel_pool", 1)])
+            for _ in parts[1:]]
+        lock = threading.Lock()
+        first: List[BaseException] = []  # the first failure: a conversion error, or the server's
+        futures: List[Any] = []
+
+        def recorded(i):
+            try:
+                yield from parts[i].messages(0)
+            except BaseException as e:  # surfaced below instead of gRPC's CANCELLED
+                with lock:
+                    if not first:
+                        first.append(e)
+                raise
+
+        def on_done(future):
+            error = future.exception() if not future.cancelled() else None
+            if error is None:
+                return
+            with lock:
+                if not first:
+                    first.append(RolloutError.from_rpc_error(error))
+                others = list(futures)
+            for f in others:  # the server fails every part anyway; stop sending the others
+                if f is not future:
+                    f.cancel()
+
+        start = time.monotonic()
+        try:
+            for i, channel in enumerate(channels):
+                future = _wire.update_weights_call(channel).future(
+                    recorded(i), timeout=self._timeout(timeout), metadata=self._metadata)
+                with lock:
+                    futures.append(future)
+                future.add_done_callback(on_done)
+            responses = []
+            for future in futures:
+                try:
+                    responses.append(future.result())
+                except (grpc.RpcError, grpc.FutureCancelledError):
+                    pass
+            with lock:
+                if first:
+                    raise first[0] from None
+            return _wire.update_result(responses[0], time.monotonic() - start)
+        finally:
+            for part in parts:
+                part.stop(0)
+            for channel in channels[1:]:
+                channel.close()
 
     def update_weights_from_ipc(self,
                                 named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],

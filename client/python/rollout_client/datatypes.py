@@ -159,6 +159,7 @@ class UpdateWeightsResult:
     device_copy_seconds: float = 0.0    # in swap: the copy into the served weights
     engine_wait_seconds: float = 0.0    # in swap, before the copy: step in flight, DRAIN, ABORT
     staging_setup_seconds: float = 0.0  # in receive: allocating the staging (first update)
+    part_count: int = 0                 # the streams it came in; 0 from older servers
     # Measured by the client: the call's wall time and bytes_received over it.
     seconds: float = 0.0
     bytes_per_second: float = 0.0

@@ -157,6 +157,33 @@ class AioTest(unittest.TestCase):
         finally:
             server.stop()
 
+    def test_update_weights_over_several_streams(self):
+        # A server of its own: the weights change. Two tensors over two streams, then a part
+        # that the server refuses: every part fails, nothing is applied.
+        from _support import Server, cache_dir
+        import numpy as np
+        server = Server(cache_dir())
+        down = "model.layers.0.mlp.down_proj.weight"
+        try:
+            async def main():
+                async with rollout_client.aio.RolloutClient(server.target, timeout=120) as c:
+                    info = await c.wait_ready(60)
+                    tensors = read_safetensors(info.model.source, [NORM, down])
+                    r = await c.update_weights(tensors, version="aio-2", streams=2)
+                    bad = dict(tensors)
+                    bad[NORM] = np.ones(7, np.float32)
+                    with self.assertRaises(RolloutError) as e:
+                        await c.update_weights(bad, version="aio-bad", streams=2)
+                    return r, e.exception, await c.server_info()
+
+            r, error, info = run(main())
+            self.assertEqual((r.version, r.tensors_updated, r.part_count), ("aio-2", 2, 2))
+            self.assertEqual(error.code, "INVALID_ARGUMENT")
+            self.assertEqual(info.weight_version, "aio-2")
+            self.assertEqual(info.weight_digest, r.weight_digest)
+        finally:
+            server.stop()
+
 
 if __name__ == "__main__":
     unittest.main()

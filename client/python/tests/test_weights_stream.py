@@ -179,6 +179,22 @@ class _Rejecting(pb2_grpc.RolloutServiceServicer):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this replica refuses updates")
 
 
+class _RecordingPeers(pb2_grpc.RolloutServiceServicer):
+    """Accepts every update, recording each call's client address and header."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.calls = []  # (peer, header)
+
+    def UpdateWeights(self, request_iterator, context):
+        header = next(request_iterator).header
+        for _ in request_iterator:
+            pass
+        with self.lock:
+            self.calls.append((context.peer(), header))
+        return pb2.UpdateWeightsResponse(version=header.version, part_count=header.part_count)
+
+
 class FleetTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -263,3 +279,91 @@ class FleetTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class MultiStreamTest(unittest.TestCase):
+    """update_weights(streams=3): one update over three concurrent calls, each on its own
+    connection, gives the digest and bits of one stream; a failing part fails the whole."""
+
+    TENSORS = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight",
+               "model.layers.1.mlp.up_proj.weight", NORM]
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server(cache_dir())
+        cls.client = RolloutClient(cls.server.target, timeout=120)
+        info = cls.client.wait_ready(60)
+        cls.original = read_safetensors(info.model.source, cls.TENSORS)
+        cls.baseline = cls.client.generate(PROMPTS, **ARGS)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def changed(self):
+        out = {}
+        for name, t in self.original.items():
+            f = bf16_bits_to_f32(np.frombuffer(t.data, np.uint16)).reshape(t.shape)
+            out[name] = f * np.float32(1.03)
+        return out
+
+    def test_split_by_bytes_is_balanced_and_deterministic(self):
+        from rollout_client._wire import split_by_bytes
+        self.assertEqual(split_by_bytes([5, 1, 4, 4, 2], 3), [[0], [2, 4], [1, 3]])
+        self.assertEqual(split_by_bytes([7, 7], 5), [[0], [1]])
+        self.assertEqual(split_by_bytes([3], 1), [[0]])
+
+    def test_each_stream_has_a_connection_of_its_own(self):
+        recorder = _RecordingPeers()
+        fake = grpc.server(concurrent.futures.ThreadPoolExecutor(8))
+        pb2_grpc.add_RolloutServiceServicer_to_server(recorder, fake)
+        port = fake.add_insecure_port("127.0.0.1:0")
+        fake.start()
+        try:
+            with RolloutClient(f"127.0.0.1:{port}", timeout=60) as client:
+                r = client.update_weights(self.original, version="peers", streams=3,
+                                          skip_tied=False)
+        finally:
+            fake.stop(None)
+        self.assertEqual(r.part_count, 3)
+        peers = {peer for peer, _ in recorder.calls}
+        self.assertEqual(len(recorder.calls), 3)
+        self.assertEqual(len(peers), 3, f"the streams shared a connection: {peers}")
+        headers = [h for _, h in recorder.calls]
+        self.assertEqual(sorted(h.part_index for h in headers), [0, 1, 2])
+        self.assertEqual(len({h.update_id for h in headers}), 1)
+        self.assertTrue(headers[0].update_id)
+        declared = [t.name for h in headers for t in h.tensors]
+        self.assertEqual(sorted(declared), sorted(self.TENSORS))
+
+    def test_three_streams_give_the_digest_and_bits_of_one(self):
+        one = self.client.update_weights(self.changed(), version="py-one", chunk_bytes=4096)
+        bits_one = keys(self.client.generate(PROMPTS, **ARGS))
+        self.assertNotEqual(bits_one, keys(self.baseline))
+        self.assertEqual(one.part_count, 1)
+        self.client.update_weights(self.original, version="py-back")
+        self.assertEqual(keys(self.client.generate(PROMPTS, **ARGS)), keys(self.baseline))
+        three = self.client.update_weights(self.changed(), version="py-three", chunk_bytes=4096,
+                                           streams=3)
+        self.assertEqual(three.part_count, 3)
+        self.assertEqual(three.version, "py-three")
+        self.assertEqual(three.tensors_updated, len(self.TENSORS))
+        self.assertEqual(three.bytes_received, one.bytes_received)
+        self.assertEqual(three.weight_digest, one.weight_digest)
+        self.assertEqual(keys(self.client.generate(PROMPTS, **ARGS)), bits_one)
+        self.client.update_weights(self.original, version="py-back-2", streams=2)
+        self.assertEqual(keys(self.client.generate(PROMPTS, **ARGS)), keys(self.baseline))
+
+    def test_a_bad_tensor_in_one_part_fails_the_update(self):
+        before = self.client.server_info()
+        bad = self.changed()
+        bad[NORM] = np.ones(7, np.float32)  # the wrong shape: its part is refused
+        with self.assertRaises(RolloutError) as cm:
+            self.client.update_weights(bad, version="py-bad", streams=3)
+        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+        after = self.client.server_info()
+        self.assertEqual(after.weight_version, before.weight_version)
+        self.assertEqual(after.weight_digest, before.weight_digest)
+        with self.assertRaises(ValueError):
+            self.client.update_weights(self.original, version="x", streams=0)
