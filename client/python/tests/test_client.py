@@ -922,5 +922,50 @@ class TiedWeightsTest(unittest.TestCase):
             shutil.rmtree(model, ignore_errors=True)
 
 
+class RoutingReplayTest(unittest.TestCase):
+    """A Qwen3-MoE model (the moe-small preset): generate(return_routing=True) returns each
+    token's experts, and score(routings=...) with them gives generate's logprobs bitwise."""
+
+    def test_generate_routing_replays_through_score(self):
+        from _support import BIN_DIR
+        model = tempfile.mkdtemp(prefix="rollout-py-moe-")
+        try:
+            subprocess.run([os.path.join(BIN_DIR, "rollout-make-model"), "--preset", "moe-small",
+                            "--out", model, "--seed", "5"], check=True, capture_output=True,
+                           timeout=120)
+            server = Server(cache_dir(), "--model", model)
+            try:
+                client = RolloutClient(server.target, timeout=120)
+                info = client.wait_ready(60)
+                self.assertEqual(info.model.architecture, "Qwen3MoeForCausalLM")
+                self.assertEqual(info.model.moe_layers, [0, 2, 3])
+                self.assertTrue(info.model.routing_replay)
+                per_token = len(info.model.moe_layers) * info.model.num_experts_per_tok
+                prompt = [5, 17, 301, 4000, 12, 9]
+                c = client.generate([prompt], max_new_tokens=8, temperature=0.7, seed=3,
+                                    ignore_eos=True, return_routing=True)[0][0]
+                self.assertEqual(len(c.routing), len(c.token_ids) * per_token)
+                self.assertTrue(all(0 <= e < info.model.num_experts for e in c.routing))
+                plain = client.generate([prompt], max_new_tokens=8, temperature=0.7, seed=3,
+                                        ignore_eos=True)[0][0]
+                self.assertEqual(plain.routing, [])
+                self.assertEqual(plain.token_ids, c.token_ids)
+                r = client.score([prompt + c.token_ids], len(prompt), temperature=0.7,
+                                 routings=[c.routing], return_routing=True, details=True)[0]
+                self.assertEqual(r.logprobs_array().tobytes(), c.logprobs_array().tobytes())
+                self.assertEqual(r.routing, c.routing)
+                bad = list(c.routing)
+                bad[0] = info.model.num_experts
+                with self.assertRaises(RolloutError) as refused:
+                    client.score([prompt + c.token_ids], len(prompt), routings=[bad])
+                self.assertEqual(refused.exception.code, "INVALID_ARGUMENT")
+                self.assertIn("is outside the experts", str(refused.exception))
+                client.close()
+            finally:
+                server.stop()
+        finally:
+            shutil.rmtree(model, ignore_errors=True)
+
+
 if __name__ == "__main__":
     unittest.main()
