@@ -139,6 +139,16 @@ TEST_F(RoutingReplayTest, ScoreWithGeneratesRoutingGivesGeneratesLogprobsBitwise
     EXPECT_EQ(std::vector<uint32_t>(got.routing().begin(), got.routing().end()),
               std::vector<uint32_t>(c.routing().begin(), c.routing().end()));
     EXPECT_EQ(call.response.results(1).routing_size(), 0);  // not asked
+    // Every row's routing, the prompt's too: Score from start 1; its tail is Generate's.
+    v1::ScoreSequence all = ScoreOf(prompt, c, temperature);
+    all.set_start(1);
+    all.set_return_routing(true);
+    const ScoreCall whole = Score(stub(), {all});
+    ASSERT_TRUE(whole.status.ok()) << whole.status.error_message();
+    const auto& r = whole.response.results(0).routing();
+    ASSERT_EQ(r.size(), static_cast<int>(prompt.size() + c.token_ids_size() - 1) * kRouting);
+    EXPECT_EQ(std::vector<uint32_t>(r.end() - c.routing_size(), r.end()),
+              std::vector<uint32_t>(c.routing().begin(), c.routing().end()));
   }
 }
 
