@@ -960,6 +960,27 @@ class RoutingReplayTest(unittest.TestCase):
                     client.score([prompt + c.token_ids], len(prompt), routings=[bad])
                 self.assertEqual(refused.exception.code, "INVALID_ARGUMENT")
                 self.assertIn("is outside the experts", str(refused.exception))
+                # A transformers 5 state_dict holds experts fused: update_weights sends them as
+                # the per-expert tensors the server serves -- the same bytes, the same digest.
+                state = read_safetensors(model)
+
+                def f32(name):
+                    t = state[name]
+                    bits = np.frombuffer(bytes(t.data), dtype=np.uint16).reshape(t.shape)
+                    return bf16_bits_to_f32(bits)
+                fused = {}
+                for layer in info.model.moe_layers:
+                    p = f"model.layers.{layer}.mlp.experts."
+                    experts = range(info.model.num_experts)
+                    fused[p + "gate_up_proj"] = np.stack([np.concatenate(
+                        [f32(f"{p}{e}.gate_proj.weight"), f32(f"{p}{e}.up_proj.weight")])
+                        for e in experts])
+                    fused[p + "down_proj"] = np.stack([f32(f"{p}{e}.down_proj.weight")
+                                                       for e in experts])
+                r = client.update_weights(fused, version="fused-1")
+                self.assertEqual(r.tensors_updated, len(info.model.moe_layers) *
+                                 info.model.num_experts * 3)
+                self.assertEqual(r.weight_digest, info.weight_digest, "the same bytes")
                 client.close()
             finally:
                 server.stop()
