@@ -13,7 +13,8 @@
 #include "model/random_model.h"
 
 ABSL_FLAG(std::string, preset, "small",
-          "model shape: tiny, small, medium, qwen3-8b, llama3-small or yarn-small");
+          "model shape: tiny, small, medium, qwen3-8b, moe-small, qwen3-30b-a3b, llama3-small or "
+          "yarn-small");
 ABSL_FLAG(std::string, out, "", "output directory (required; created if needed)");
 ABSL_FLAG(uint64_t, seed, 0, "weights seed; the same seed writes the same bytes");
 ABSL_FLAG(std::string, dtype, "bf16", "weight dtype: bf16, f16 or f32");

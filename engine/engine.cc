@@ -51,6 +51,7 @@ Engine::Engine(std::unique_ptr<ModelRunner> runner,
     : options_(options),
       config_(runner->config()),
       backend_name_(runner->backend_name()),
+      routing_replay_(runner->SupportsRoutingReplay()),
       kv_block_size_(runner->kv_block_size()),
       split_size_(runner->attention_split_size()),
       num_kv_blocks_(runner->num_kv_blocks()),
@@ -129,6 +130,51 @@ absl::Status Engine::Validate(const SampleSpec& spec) const {
   if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "sampling.top_logprobs = %d; at most %d are returned", p.top_logprobs, kMaxTopLogprobs));
+  }
+  return ValidateRouting(spec);
+}
+
+absl::Status Engine::ValidateRouting(const SampleSpec& spec) const {
+  if (!spec.return_routing && spec.forced_routing.empty()) return absl::OkStatus();
+  const char* field = spec.forced_routing.empty() ? "return_routing" : "routing";
+  if (!config_.is_moe()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: routing replay needs a mixture-of-experts model; the served %s has no experts",
+        field, config_.architecture));
+  }
+  if (!routing_replay_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: the %s backend does not implement MoE routing replay; serve with --backend cpu",
+        field, backend_name_));
+  }
+  if (spec.forced_routing.empty()) return absl::OkStatus();
+  if (spec.score_start == 0) {
+    return absl::InvalidArgumentError("routing: only Score replays a routing");
+  }
+  const int64_t per_token = config_.RoutingSize(), k = config_.num_experts_per_tok;
+  const int64_t scored = static_cast<int64_t>(spec.prompt.size()) - spec.score_start;
+  if (static_cast<int64_t>(spec.forced_routing.size()) != scored * per_token) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "routing has %d expert ids; expected %d: %d scored tokens x %d MoE layers x %d experts "
+        "per token",
+        spec.forced_routing.size(), scored * per_token, scored, config_.NumMoeLayers(), k));
+  }
+  for (size_t i = 0; i < spec.forced_routing.size(); ++i) {
+    const int32_t id = spec.forced_routing[i];
+    const int64_t token = static_cast<int64_t>(i) / per_token;
+    const int64_t layer = static_cast<int64_t>(i) % per_token / k;
+    if (id < 0 || id >= config_.num_experts) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "routing[%d] = %d (scored token %d, MoE layer %d) is outside the experts [0, %d)", i,
+          id, token, layer, config_.num_experts));
+    }
+    for (size_t j = i - i % k; j < i; ++j) {
+      if (spec.forced_routing[j] == id) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "routing[%d] = %d: expert %d is given twice for scored token %d at MoE layer %d", i,
+            id, id, token, layer));
+      }
+    }
   }
   return absl::OkStatus();
 }

@@ -58,6 +58,13 @@ struct SampleSpec {
   // the logprobs of prompt[score_start..] at params.temperature (0 means 1) with
   // params.top_logprobs; nothing is generated and max_new_tokens is ignored.
   int32_t score_start = 0;
+  // MoE routing replay (ModelConfig::RoutingSize() = R ids per token, engine/model_runner.h).
+  // return_routing: the completion carries the routing of every generated (or scored) token --
+  // the experts chosen at every MoE layer by the row whose logits gave it.
+  bool return_routing = false;
+  // Scoring jobs only: empty (the rows choose), or the routing each scored token's row uses
+  // instead, [(prompt.size() - score_start) * R], in token order.
+  std::vector<int32_t> forced_routing;
 };
 
 // The end of a sample: everything it generated.
@@ -66,6 +73,8 @@ struct SampleCompletion {
   std::vector<int32_t> token_ids;
   std::vector<float> logprobs;
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // empty unless asked
+  // SampleSpec::return_routing: [token_ids.size() (scored tokens for a scoring job) * R].
+  std::vector<int32_t> routing;
   uint64_t sample_seed = 0;
   int32_t cached_prompt_tokens = 0;
   std::string weight_version;  // the version when the sample ended
@@ -281,6 +290,8 @@ class Engine {
   // Checks one sample against the model and limits; the message names the field and the
   // bound, for the caller to prefix with where the sample came from.
   absl::Status Validate(const SampleSpec& spec) const;
+  // Whether this engine's runner implements MoE routing replay (ModelRunner).
+  bool routing_replay() const { return routing_replay_; }
 
   // Validates every sample, then queues them all (in order) as one job. Returns the job id;
   // INVALID_ARGUMENT for no samples or an invalid one (Validate's message), UNAVAILABLE once the
@@ -395,11 +406,16 @@ class Engine {
  private:
   Engine(std::unique_ptr<ModelRunner> runner, absl::StatusOr<std::unique_ptr<WeightSyncPort>> port,
          const EngineOptions& options);
+  // Validate's part for return_routing and forced_routing: a MoE model on a runner that
+  // replays, a forced routing only for scoring, of the right length, ids in range, none twice
+  // in one layer.
+  absl::Status ValidateRouting(const SampleSpec& spec) const;
 
   // Constant after construction.
   const EngineOptions options_;
   const ModelConfig config_;
   const char* const backend_name_;
+  const bool routing_replay_;  // the runner's SupportsRoutingReplay()
   const int32_t kv_block_size_;
   const int32_t split_size_;
   const int32_t num_kv_blocks_;

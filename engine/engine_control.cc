@@ -271,6 +271,8 @@ void EngineCore::Accept(Submission submission) {
     seq->prompt_len = static_cast<int64_t>(spec.prompt.size());
     seq->tokens = std::move(spec.prompt);
     seq->score_start = spec.score_start;
+    seq->return_routing = spec.return_routing;
+    seq->forced_routing = std::move(spec.forced_routing);
     job.sequences.push_back(std::move(seq));
   }
   job.num_unfinished = job.sequences.size();

@@ -109,6 +109,14 @@ void EngineCore::BuildBatch(LaunchedStep* step) {
   batch.token_seq.clear();
   batch.logit_rows.clear();
   batch.fed_tokens.clear();
+  batch.forced_routing.clear();
+  batch.return_routing = false;
+  bool any_forced = false;
+  for (const LaunchedStep::Chunk& chunk : step->chunks) {
+    any_forced = any_forced || !chunk.seq->forced_routing.empty();
+    batch.return_routing = batch.return_routing || chunk.seq->return_routing;
+  }
+  const int64_t routing_size = config_.RoutingSize();
   // One block table per chunk (each chunk is a distinct sequence), assigned in place.
   batch.block_tables.resize(step->chunks.size());
   int64_t num_rows = 0;
@@ -136,6 +144,14 @@ void EngineCore::BuildBatch(LaunchedStep* step) {
     }
     for (int64_t pos = chunk.first_position; pos < chunk.first_position + chunk.num_rows; ++pos) {
       batch.logit_rows.push_back(static_cast<int32_t>(first_token + pos - chunk.begin));
+      if (!any_forced) continue;
+      // The row at `pos` predicts token pos + 1: scored token pos + 1 - score_start.
+      std::vector<int32_t>& forced = batch.forced_routing.emplace_back();
+      if (!seq->forced_routing.empty()) {
+        const int64_t scored = pos + 1 - seq->score_start;
+        forced.assign(seq->forced_routing.begin() + scored * routing_size,
+                      seq->forced_routing.begin() + (scored + 1) * routing_size);
+      }
     }
     AppendRowTasks(chunk, &step->tasks);
   }
@@ -234,6 +250,9 @@ void EngineCore::ApplyScores(Sequence* seq, SampleResult* rows, int64_t num_rows
   for (int64_t r = 0; r < num_rows; ++r) {
     seq->logprobs.push_back(rows[r].logprob);
     if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(rows[r].top));
+    if (seq->return_routing) {
+      seq->routing.insert(seq->routing.end(), rows[r].routing.begin(), rows[r].routing.end());
+    }
     ++scored_tokens_;
   }
   if (seq->num_computed == seq->num_tokens()) Report(seq, FinishReason::kLength, events);
@@ -243,6 +262,9 @@ void EngineCore::ApplyToken(Sequence* seq, SampleResult* result, StepEvents* eve
   seq->tokens.push_back(result->token);
   seq->logprobs.push_back(result->logprob);
   if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result->top));
+  if (seq->return_routing) {
+    seq->routing.insert(seq->routing.end(), result->routing.begin(), result->routing.end());
+  }
   const int32_t index = static_cast<int32_t>(seq->num_generated() - 1);
   if (seq->version_spans.empty() || seq->version_spans.back().version != version_) {
     seq->version_spans.push_back(VersionSpan{version_, index, index});
@@ -327,6 +349,7 @@ SampleCompletion EngineCore::Finish(Sequence* seq, FinishReason reason) {
   c.token_ids.assign(seq->tokens.begin() + seq->prompt_len, seq->tokens.end());
   c.logprobs = std::move(seq->logprobs);
   c.top_logprobs = std::move(seq->top_logprobs);
+  c.routing = std::move(seq->routing);
   c.sample_seed = seq->sample_seed;
   c.cached_prompt_tokens = static_cast<int32_t>(seq->cached_prompt_tokens.value_or(0));
   c.weight_version = version_;

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 
 namespace rollout {
 namespace {
@@ -93,12 +94,26 @@ absl::Status ModelRunner::ResolveFedTokens(const std::vector<SampleResult>& fed_
   return absl::OkStatus();
 }
 
+absl::Status ModelRunner::RefuseRouting(const ForwardBatch& batch, const char* backend) {
+  if (!batch.asks_routing()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrFormat(
+      "the %s backend does not implement MoE routing replay (return_routing, routing)", backend));
+}
+
+absl::Status ModelRunner::ForwardWithRouting(const ForwardBatch& batch, std::vector<float>* logits,
+                                             std::vector<std::vector<int32_t>>* routing) {
+  ROLLOUT_RETURN_IF_ERROR(RefuseRouting(batch, backend_name()));
+  routing->clear();
+  return Forward(batch, logits);
+}
+
 absl::Status ModelRunner::LaunchStep(const ForwardBatch& batch,
                                      const std::vector<LogitsRowTask>& tasks) {
   if (launched_results_.size() >= 2) {
     return absl::FailedPreconditionError("two launched steps are not collected yet");
   }
   std::vector<float> logits;
+  std::vector<std::vector<int32_t>> routing;
   std::vector<SampleResult> results;
   if (HasFedTokens(batch)) {
     if (launched_results_.empty()) {
@@ -106,11 +121,14 @@ absl::Status ModelRunner::LaunchStep(const ForwardBatch& batch,
     }
     ForwardBatch resolved = batch;
     if (absl::Status s = ResolveFedTokens(launched_results_.back(), &resolved); !s.ok()) return s;
-    if (absl::Status s = Forward(resolved, &logits); !s.ok()) return s;
+    if (absl::Status s = ForwardWithRouting(resolved, &logits, &routing); !s.ok()) return s;
   } else {
-    if (absl::Status s = Forward(batch, &logits); !s.ok()) return s;
+    if (absl::Status s = ForwardWithRouting(batch, &logits, &routing); !s.ok()) return s;
   }
   if (absl::Status s = ProcessLogits(tasks, logits, &results); !s.ok()) return s;
+  for (size_t i = 0; i < routing.size() && i < results.size(); ++i) {
+    results[i].routing = std::move(routing[i]);
+  }
   launched_results_.push_back(std::move(results));
   return absl::OkStatus();
 }

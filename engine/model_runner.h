@@ -35,6 +35,19 @@ struct ForwardBatch {
   std::vector<int32_t> logit_rows;   // tokens whose next-token logits are wanted, ascending
   std::vector<FedToken> fed_tokens;  // ascending token_index; only in launched batches
 
+  // MoE routing replay (ModelRunner::SupportsRoutingReplay). A token's routing is the experts it
+  // uses at every MoE layer: ModelConfig::RoutingSize() ids, MoE layers ascending, each layer's
+  // num_experts_per_tok ids in rank order (router probability descending, ties to the lower id).
+  // forced_routing: empty (every token chooses), or one entry per logits row (parallel to
+  // logit_rows), each empty (the row's token chooses) or the routing its token uses instead of
+  // choosing -- the weights are then the router probabilities at those ids, renormalised as
+  // chosen ones are (docs/determinism.md). REQUIRES: each forced id in [0, num_experts), no id
+  // twice in one layer. Only logits rows can be forced; the other tokens choose.
+  std::vector<std::vector<int32_t>> forced_routing;
+  // Return every logits row's routing (the forced one where forced) in SampleResult::routing.
+  bool return_routing = false;
+
+  bool asks_routing() const { return return_routing || !forced_routing.empty(); }
   int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
 };
 
@@ -90,6 +103,17 @@ class ModelRunner {
   // batch.logit_rows: [logit_rows.size(), vocab_size] in `logits`.
   // REQUIRES: every block table covers its tokens' positions.
   virtual absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) = 0;
+
+  // MoE routing replay: whether this runner honours ForwardBatch::forced_routing and
+  // return_routing (a MoE model on a backend that implements it). The engine refuses requests
+  // that ask for routing otherwise; a runner given such a batch anyway refuses it
+  // (RefuseRouting), never ignores it.
+  virtual bool SupportsRoutingReplay() const { return false; }
+  // Forward, and (batch.return_routing) each logits row's routing in `routing`
+  // ([logit_rows.size()], each RoutingSize() ids). The default: Forward for a batch that asks
+  // no routing, else RefuseRouting.
+  virtual absl::Status ForwardWithRouting(const ForwardBatch& batch, std::vector<float>* logits,
+                                          std::vector<std::vector<int32_t>>* routing);
 
   // Samples or scores every row of the last Forward's logits: tasks[i] for row i, results[i]
   // its token (the scored token for scoring rows), logprob and top-N. `logits` is what Forward
@@ -182,6 +206,9 @@ class ModelRunner {
   // and clears batch->fed_tokens; InvalidArgument for a row or place it does not have.
   static absl::Status ResolveFedTokens(const std::vector<SampleResult>& fed_from,
                                        ForwardBatch* batch);
+  // UNIMPLEMENTED naming the backend when `batch` asks for routing (ForwardBatch::asks_routing);
+  // else OK. For runners that do not implement routing replay.
+  static absl::Status RefuseRouting(const ForwardBatch& batch, const char* backend);
   // `batch` has a fed token.
   static bool HasFedTokens(const ForwardBatch& batch) { return !batch.fed_tokens.empty(); }
 

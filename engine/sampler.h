@@ -37,6 +37,9 @@ struct SampleResult {
   int32_t token = 0;
   float logprob = 0.0f;           // log_softmax(logits / T)[token], T = 1 when greedy
   std::vector<TokenLogprob> top;  // top-N by logprob, ties by lower id; N = top_logprobs
+  // The MoE routing of the row whose logits gave this result (ModelConfig::RoutingSize() ids,
+  // engine/model_runner.h) when its batch asked (ForwardBatch::return_routing); else empty.
+  std::vector<int32_t> routing;
 };
 
 // Picks the token at absolute `position` from one row of fp32 logits [vocab]:

@@ -77,7 +77,12 @@ bool Scheduler::Reserve(int64_t num_tokens, Sequence* seq) {
 void Scheduler::CachePages(Sequence* seq) {
   if (seq->kv_version != cache_version_) return;
   const int64_t page = blocks_->block_size();
-  while (static_cast<int64_t>(seq->cache_path.size() + 1) * page <= seq->num_computed) {
+  // A replayed routing (forced from the row at score_start - 1 on) makes KV that the tokens
+  // alone do not determine: only the pages before it may be shared.
+  const int64_t cacheable = seq->forced_routing.empty()
+                                ? seq->num_computed
+                                : std::min(seq->num_computed, seq->score_start - 1);
+  while (static_cast<int64_t>(seq->cache_path.size() + 1) * page <= cacheable) {
     const size_t before = seq->cache_path.size();
     cache_->Extend(cache_version_, seq->tokens, seq->block_table[before], &seq->cache_path);
     if (seq->cache_path.size() == before) break;  // cache off, or the path was flushed

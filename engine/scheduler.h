@@ -50,7 +50,8 @@ class Scheduler {
   int32_t RequeueRunning();
 
   // Adds the sequence's newly computed whole pages to the prefix cache (after a step), unless
-  // its KV was computed by other weights than the current ones.
+  // its KV was computed by other weights than the current ones. A scoring sequence replaying a
+  // routing adds only the pages before its first forced row.
   void CachePages(Sequence* seq);
 
   // The weight version new KV is computed with from now on (the prefix cache's key).

@@ -52,6 +52,12 @@ struct Sequence {
   // Score jobs: > 0 means teacher-forced scoring of tokens[score_start..]; nothing is sampled.
   int64_t score_start = 0;
   std::vector<VersionSpan> version_spans;  // one per run of generated tokens of one version
+  // MoE routing replay (SampleSpec): return each generated / scored token's routing, appended
+  // to `routing` ([tokens so far * R]) as its row is applied; a scoring sequence's forced
+  // routing of its scored tokens ([(num_tokens - score_start) * R]), or empty.
+  bool return_routing = false;
+  std::vector<int32_t> routing;
+  std::vector<int32_t> forced_routing;
   // Weight version that computed the KV of tokens [0, num_computed); only pages of the current
   // version may enter the prefix cache.
   std::string kv_version;

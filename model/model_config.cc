@@ -22,16 +22,19 @@ namespace {
 using json = nlohmann::json;
 
 constexpr char kSupported[] =
-    "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM";
+    "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, "
+    "MistralForCausalLM";
 
 struct ArchitectureInfo {
   const char* architecture;
   const char* model_type;
   ModelFamily family;
+  bool moe = false;
 };
 
 constexpr ArchitectureInfo kArchitectures[] = {
     {"Qwen3ForCausalLM", "qwen3", ModelFamily::kQwen3},
+    {"Qwen3MoeForCausalLM", "qwen3_moe", ModelFamily::kQwen3, /*moe=*/true},
     {"Qwen2ForCausalLM", "qwen2", ModelFamily::kQwen2},
     {"LlamaForCausalLM", "llama", ModelFamily::kLlama},
     {"MistralForCausalLM", "mistral", ModelFamily::kLlama},
@@ -270,6 +273,59 @@ absl::Status SetFamilyFlags(const json& j, ModelConfig* c) {
   return absl::OkStatus();
 }
 
+// The MoE fields of a Qwen3MoeForCausalLM config, with transformers' Qwen3MoeConfig defaults
+// for absent ones (128 experts, 8 per token, width 768, no renormalisation, every layer sparse).
+// What the forward pass does not model is refused by name: shared experts (Qwen2-MoE's
+// shared_expert_intermediate_size), sizes that are not positive, more experts per token than
+// there are, layers outside the model in mlp_only_layers.
+absl::Status ReadMoe(const json& j, ModelConfig* c) {
+  absl::Status s;
+  auto check = [&](absl::Status status) {
+    if (s.ok()) s = std::move(status);
+  };
+  check(GetInt(j, "num_experts", 128, &c->num_experts));
+  check(GetInt(j, "num_experts_per_tok", 8, &c->num_experts_per_tok));
+  check(GetInt(j, "moe_intermediate_size", 768, &c->moe_intermediate_size));
+  check(GetBool(j, "norm_topk_prob", false, &c->norm_topk_prob));
+  check(GetInt(j, "decoder_sparse_step", 1, &c->decoder_sparse_step));
+  ROLLOUT_RETURN_IF_ERROR(s);
+  struct Positive {
+    const char* field;
+    int32_t value;
+  };
+  for (const Positive& p : {Positive{"num_experts", c->num_experts},
+                            Positive{"num_experts_per_tok", c->num_experts_per_tok},
+                            Positive{"moe_intermediate_size", c->moe_intermediate_size},
+                            Positive{"decoder_sparse_step", c->decoder_sparse_step}}) {
+    if (p.value <= 0) return FieldError(p.field, absl::StrCat("must be positive, got ", p.value));
+  }
+  if (c->num_experts_per_tok > c->num_experts) {
+    return FieldError("num_experts_per_tok",
+                      absl::StrCat("(", c->num_experts_per_tok, ") must not exceed num_experts (",
+                                   c->num_experts, ")"));
+  }
+  c->mlp_only_layers.clear();
+  if (!IsNull(j, "mlp_only_layers")) {
+    const json& v = j["mlp_only_layers"];
+    if (!v.is_array()) return FieldError("mlp_only_layers", "must be a list of layer indices");
+    for (const json& layer : v) {
+      if (!layer.is_number_integer() || layer.get<int64_t>() < 0 ||
+          layer.get<int64_t>() >= c->num_layers) {
+        return FieldError("mlp_only_layers", absl::StrCat("must hold layer indices in [0, ",
+                                                          c->num_layers, "), got ", v.dump()));
+      }
+      c->mlp_only_layers.push_back(static_cast<int32_t>(layer.get<int64_t>()));
+    }
+  }
+  int32_t shared = 0;
+  ROLLOUT_RETURN_IF_ERROR(GetInt(j, "shared_expert_intermediate_size", 0, &shared));
+  if (shared != 0) {
+    return FieldError("shared_expert_intermediate_size",
+                      "(shared experts, as in Qwen2-MoE) is not supported");
+  }
+  return absl::OkStatus();
+}
+
 // "torch_dtype", or "dtype", its newer name in transformers: the dtype the weights are served
 // in (tensors of another float dtype are cast to it on load).
 absl::Status ReadDtype(const json& j, ModelConfig* c) {
@@ -303,10 +359,25 @@ absl::StatusOr<ModelConfig> Parse(const json& j) {
   ROLLOUT_RETURN_IF_ERROR(RefuseUnsupportedFeatures(j));
   ROLLOUT_RETURN_IF_ERROR(SetFamilyFlags(j, &c));
   ROLLOUT_RETURN_IF_ERROR(ReadDtype(j, &c));
+  if ((*info)->moe) ROLLOUT_RETURN_IF_ERROR(ReadMoe(j, &c));
   return c;
 }
 
 }  // namespace
+
+bool ModelConfig::IsMoeLayer(int32_t layer) const {
+  if (num_experts <= 0 || decoder_sparse_step <= 0) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) {
+    return false;
+  }
+  return (layer + 1) % decoder_sparse_step == 0;
+}
+
+int32_t ModelConfig::NumMoeLayers() const {
+  int32_t n = 0;
+  for (int32_t i = 0; i < num_layers; ++i) n += IsMoeLayer(i) ? 1 : 0;
+  return n;
+}
 
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text) {
   try {
@@ -352,13 +423,14 @@ absl::StatusOr<ModelConfig> ReadModelConfig(const Checkpoint& checkpoint) {
 }
 
 std::string ModelConfigToJson(const ModelConfig& config) {
-  // A hand-built config may leave `architecture` empty: fall back to the family's first name.
+  // A hand-built config may leave `architecture` empty: fall back to the family's first name
+  // (the MoE one when it has experts).
   const ArchitectureInfo* info = nullptr;
   for (const ArchitectureInfo& a : kArchitectures) {
     if (config.architecture == a.architecture) info = &a;
   }
   for (const ArchitectureInfo& a : kArchitectures) {
-    if (info == nullptr && a.family == config.family) info = &a;
+    if (info == nullptr && a.family == config.family && a.moe == config.is_moe()) info = &a;
   }
   nlohmann::ordered_json j;
   j["architectures"] = nlohmann::ordered_json::array({info->architecture});
@@ -385,6 +457,14 @@ std::string ModelConfigToJson(const ModelConfig& config) {
     j["eos_token_id"] = config.eos_token_ids;
   }
   j["torch_dtype"] = config.torch_dtype;
+  if (info->moe) {
+    j["num_experts"] = config.num_experts;
+    j["num_experts_per_tok"] = config.num_experts_per_tok;
+    j["moe_intermediate_size"] = config.moe_intermediate_size;
+    j["norm_topk_prob"] = config.norm_topk_prob;
+    j["decoder_sparse_step"] = config.decoder_sparse_step;
+    j["mlp_only_layers"] = config.mlp_only_layers;
+  }
   return j.dump(2) + "\n";
 }
 
@@ -412,9 +492,20 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
       specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
     }
     specs.push_back({p + "post_attention_layernorm.weight", {h}});
-    specs.push_back({p + "mlp.gate_proj.weight", {inter, h}});
-    specs.push_back({p + "mlp.up_proj.weight", {inter, h}});
-    specs.push_back({p + "mlp.down_proj.weight", {h, inter}});
+    if (c.IsMoeLayer(i)) {
+      const int64_t moe_inter = c.moe_intermediate_size;
+      specs.push_back({p + "mlp.gate.weight", {c.num_experts, h}});
+      for (int32_t e = 0; e < c.num_experts; ++e) {
+        const std::string x = absl::StrCat(p, "mlp.experts.", e, ".");
+        specs.push_back({x + "gate_proj.weight", {moe_inter, h}});
+        specs.push_back({x + "up_proj.weight", {moe_inter, h}});
+        specs.push_back({x + "down_proj.weight", {h, moe_inter}});
+      }
+    } else {
+      specs.push_back({p + "mlp.gate_proj.weight", {inter, h}});
+      specs.push_back({p + "mlp.up_proj.weight", {inter, h}});
+      specs.push_back({p + "mlp.down_proj.weight", {h, inter}});
+    }
   }
   specs.push_back({"model.norm.weight", {h}});
   if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, h}});

@@ -10,7 +10,8 @@
 
 namespace rollout {
 
-// The dense decoder families the engine runs. They share one forward pass and differ in flags.
+// The decoder families the engine runs. They share one forward pass and differ in flags.
+// Qwen3-MoE (Qwen3MoeForCausalLM) is kQwen3 attention with MoE MLPs (ModelConfig::num_experts).
 enum class ModelFamily {
   kQwen3,  // q/k RMSNorm per head, no qkv bias
   kQwen2,  // qkv bias, no q/k norm
@@ -41,13 +42,33 @@ struct ModelConfig {
   // "torch_dtype" (or "dtype"): bfloat16, float16 or float32; absent means bfloat16. The dtype
   // every weight is served in (ServedDType, model/dtype_cast.h).
   std::string torch_dtype = "bfloat16";
+
+  // Mixture of experts (Qwen3MoeForCausalLM only; num_experts = 0: every layer is dense). A MoE
+  // layer's MLP is a router ("mlp.gate", [num_experts, hidden]) choosing num_experts_per_tok of
+  // num_experts SwiGLU experts of width moe_intermediate_size; dense layers of a MoE model use
+  // intermediate_size (docs/determinism.md: how a MoE layer computes a row).
+  int32_t num_experts = 0;
+  int32_t num_experts_per_tok = 0;
+  int32_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;  // renormalise the chosen experts' probabilities to sum 1
+  int32_t decoder_sparse_step = 1;
+  std::vector<int32_t> mlp_only_layers;  // dense layers, whatever decoder_sparse_step says
+
+  bool is_moe() const { return num_experts > 0; }
+  // Transformers' rule: num_experts > 0, layer not in mlp_only_layers and
+  // (layer + 1) % decoder_sparse_step == 0.
+  bool IsMoeLayer(int32_t layer) const;
+  int32_t NumMoeLayers() const;
+  // The ids of one token's routing (engine/model_runner.h): at every MoE layer (ascending), its
+  // num_experts_per_tok experts in rank order. 0 for a dense model.
+  int32_t RoutingSize() const { return NumMoeLayers() * num_experts_per_tok; }
 };
 
 // Parses config.json text. Unknown architectures, missing or non-positive sizes, inconsistent
 // head counts (heads not divisible by kv heads) and features the forward pass does not
 // implement (RoPE variants other than those of model/rope.h, partial rotary, sliding windows,
-// MLP or o_proj biases, dtypes other than bfloat16/float16/float32) are INVALID_ARGUMENT with
-// a message naming the field.
+// MLP or o_proj biases, dtypes other than bfloat16/float16/float32, shared experts) are
+// INVALID_ARGUMENT with a message naming the field.
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text);
 
 // Adds generation_config.json's "eos_token_id" (int or list) to config->eos_token_ids: those
@@ -69,7 +90,12 @@ struct TensorSpec {
   std::vector<int64_t> shape;  // e.g. {num_heads * head_dim, hidden_size}
 };
 
-// Every tensor the checkpoint of `config` must hold (lm_head.weight only when not tied).
+// Every tensor the checkpoint of `config` must hold (lm_head.weight only when not tied). A MoE
+// layer holds, instead of mlp.{gate,up,down}_proj, the Hub's per-expert layout:
+//   mlp.gate.weight [num_experts, hidden] (the router),
+//   mlp.experts.E.{gate,up}_proj.weight [moe_intermediate_size, hidden],
+//   mlp.experts.E.down_proj.weight [hidden, moe_intermediate_size].
+// These are the served names (weight updates use them).
 std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config);
 
 }  // namespace rollout

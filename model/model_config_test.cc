@@ -13,6 +13,7 @@ namespace rollout {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using json = nlohmann::json;
 
 // Qwen/Qwen3-8B's config.json (abridged to the fields that matter, plus some it ignores).
@@ -445,6 +446,206 @@ TEST(ModelConfigTest, FloatsBeyondFloatRangeAreRejectedNotLoadedAsInfinity) {
     EXPECT_NE(status.message().find(field), std::string::npos) << status;
     EXPECT_NE(status.message().find("finite"), std::string::npos) << status;
   }
+}
+
+// Qwen/Qwen3-30B-A3B's config.json (abridged).
+constexpr char kQwen3MoeConfig[] = R"({
+  "architectures": ["Qwen3MoeForCausalLM"],
+  "attention_bias": false,
+  "bos_token_id": 151643,
+  "decoder_sparse_step": 1,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "intermediate_size": 6144,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 48,
+  "mlp_only_layers": [],
+  "model_type": "qwen3_moe",
+  "moe_intermediate_size": 768,
+  "norm_topk_prob": true,
+  "num_attention_heads": 32,
+  "num_experts": 128,
+  "num_experts_per_tok": 8,
+  "num_hidden_layers": 48,
+  "num_key_value_heads": 4,
+  "output_router_logits": false,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 1000000.0,
+  "router_aux_loss_coef": 0.001,
+  "sliding_window": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})";
+
+json SmallMoe() {
+  return json::parse(R"({
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 512,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32
+  })");
+}
+
+TEST(ModelConfigTest, ParsesQwen3MoeConfig) {
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(kQwen3MoeConfig);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture, "Qwen3MoeForCausalLM");
+  EXPECT_EQ(c->family, ModelFamily::kQwen3);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->qkv_bias);
+  EXPECT_TRUE(c->is_moe());
+  EXPECT_EQ(c->num_experts, 128);
+  EXPECT_EQ(c->num_experts_per_tok, 8);
+  EXPECT_EQ(c->moe_intermediate_size, 768);
+  EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_EQ(c->decoder_sparse_step, 1);
+  EXPECT_TRUE(c->mlp_only_layers.empty());
+  EXPECT_EQ(c->NumMoeLayers(), 48);
+  EXPECT_EQ(c->RoutingSize(), 48 * 8);
+  EXPECT_EQ(c->num_key_value_heads, 4);
+}
+
+TEST(ModelConfigTest, DenseConfigsHaveNoExperts) {
+  for (const char* text : {kQwen3Config, kQwen2Config, kLlamaConfig}) {
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(text);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_FALSE(c->is_moe());
+    EXPECT_EQ(c->NumMoeLayers(), 0);
+    EXPECT_EQ(c->RoutingSize(), 0);
+  }
+  // Experts in a dense architecture's config are not read: Qwen3ForCausalLM has none.
+  json j = json::parse(kQwen3Config);
+  j["num_experts"] = 8;
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->is_moe());
+}
+
+TEST(ModelConfigTest, MoeFieldsTakeTransformersDefaults) {
+  json j = SmallMoe();
+  j.erase("num_experts");
+  j.erase("num_experts_per_tok");
+  j.erase("moe_intermediate_size");
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_experts, 128);
+  EXPECT_EQ(c->num_experts_per_tok, 8);
+  EXPECT_EQ(c->moe_intermediate_size, 768);
+  EXPECT_FALSE(c->norm_topk_prob);
+  EXPECT_EQ(c->decoder_sparse_step, 1);
+  EXPECT_TRUE(c->mlp_only_layers.empty());
+  // By model_type alone.
+  j = SmallMoe();
+  j.erase("architectures");
+  j["model_type"] = "qwen3_moe";
+  c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture, "Qwen3MoeForCausalLM");
+  EXPECT_TRUE(c->is_moe());
+}
+
+TEST(ModelConfigTest, IsMoeLayerFollowsSparseStepAndMlpOnlyLayers) {
+  json j = SmallMoe();
+  j["num_hidden_layers"] = 6;
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {3};
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  // (layer + 1) % 2 == 0: layers 1, 3, 5; layer 3 is dense by mlp_only_layers.
+  std::vector<bool> moe;
+  for (int i = 0; i < 6; ++i) moe.push_back(c->IsMoeLayer(i));
+  EXPECT_EQ(moe, std::vector<bool>({false, true, false, false, false, true}));
+  EXPECT_EQ(c->NumMoeLayers(), 2);
+  EXPECT_EQ(c->RoutingSize(), 4);
+}
+
+TEST(ModelConfigTest, BadOrUnsupportedMoeFieldsAreNamed) {
+  struct Case {
+    const char* field;
+    json value;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"num_experts", 0, "'num_experts' must be positive"},
+      {"num_experts_per_tok", -1, "'num_experts_per_tok' must be positive"},
+      {"num_experts_per_tok", 9, "'num_experts_per_tok' (9) must not exceed num_experts (8)"},
+      {"moe_intermediate_size", 0, "'moe_intermediate_size' must be positive"},
+      {"decoder_sparse_step", 0, "'decoder_sparse_step' must be positive"},
+      {"norm_topk_prob", 1, "'norm_topk_prob' must be true or false"},
+      {"mlp_only_layers", 2, "'mlp_only_layers' must be a list"},
+      {"mlp_only_layers", json::array({0, 4}), "'mlp_only_layers' must hold layer indices in [0, 4)"},
+      {"mlp_only_layers", json::array({"0"}), "'mlp_only_layers' must hold layer indices"},
+      {"shared_expert_intermediate_size", 64,
+       "'shared_expert_intermediate_size' (shared experts, as in Qwen2-MoE) is not supported"},
+  };
+  for (const Case& k : cases) {
+    json j = SmallMoe();
+    j[k.field] = k.value;
+    absl::Status s = ParseStatus(j);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k.field;
+    EXPECT_THAT(s.message(), HasSubstr(k.message)) << k.field << ": " << s.message();
+  }
+  // Zero shared experts is the no-op a Qwen3-MoE config may carry.
+  json j = SmallMoe();
+  j["shared_expert_intermediate_size"] = 0;
+  EXPECT_TRUE(ParseStatus(j).ok());
+  // Qwen2-MoE itself is not a supported architecture.
+  j["architectures"] = {"Qwen2MoeForCausalLM"};
+  EXPECT_THAT(ParseStatus(j).message(), HasSubstr("unsupported architecture 'Qwen2MoeForCausalLM'"));
+}
+
+TEST(ModelConfigTest, MoeToJsonRoundTrips) {
+  json j = SmallMoe();
+  j["norm_topk_prob"] = true;
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {1};
+  absl::StatusOr<ModelConfig> a = ParseModelConfig(j.dump());
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<ModelConfig> b = ParseModelConfig(ModelConfigToJson(*a));
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->architecture, "Qwen3MoeForCausalLM");
+  EXPECT_EQ(b->num_experts, a->num_experts);
+  EXPECT_EQ(b->num_experts_per_tok, a->num_experts_per_tok);
+  EXPECT_EQ(b->moe_intermediate_size, a->moe_intermediate_size);
+  EXPECT_EQ(b->norm_topk_prob, a->norm_topk_prob);
+  EXPECT_EQ(b->decoder_sparse_step, a->decoder_sparse_step);
+  EXPECT_EQ(b->mlp_only_layers, a->mlp_only_layers);
+  // A hand-built MoE config without an architecture is written as Qwen3-MoE.
+  ModelConfig hand = *a;
+  hand.architecture.clear();
+  EXPECT_THAT(ModelConfigToJson(hand), HasSubstr("Qwen3MoeForCausalLM"));
+  hand.num_experts = 0;
+  EXPECT_THAT(ModelConfigToJson(hand), Not(HasSubstr("Moe")));
+}
+
+TEST(ModelConfigTest, ExpectedTensorsOfMoeLayersAreThePerExpertHubLayout) {
+  json j = SmallMoe();
+  j["mlp_only_layers"] = {0};
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const TensorSpec& t : ExpectedTensors(*c)) shapes[t.name] = t.shape;
+  // Layer 0 is dense.
+  EXPECT_EQ(shapes["model.layers.0.mlp.gate_proj.weight"], std::vector<int64_t>({128, 64}));
+  EXPECT_EQ(shapes.count("model.layers.0.mlp.gate.weight"), 0u);
+  // Layer 1 is MoE: router and 8 experts, no dense MLP.
+  EXPECT_EQ(shapes.count("model.layers.1.mlp.gate_proj.weight"), 0u);
+  EXPECT_EQ(shapes["model.layers.1.mlp.gate.weight"], std::vector<int64_t>({8, 64}));
+  for (int e = 0; e < 8; ++e) {
+    const std::string p = "model.layers.1.mlp.experts." + std::to_string(e) + ".";
+    EXPECT_EQ(shapes[p + "gate_proj.weight"], std::vector<int64_t>({32, 64})) << e;
+    EXPECT_EQ(shapes[p + "up_proj.weight"], std::vector<int64_t>({32, 64})) << e;
+    EXPECT_EQ(shapes[p + "down_proj.weight"], std::vector<int64_t>({64, 32})) << e;
+  }
+  EXPECT_EQ(shapes.count("model.layers.1.mlp.experts.8.gate_proj.weight"), 0u);
+  // 3 MoE layers x (1 + 3 * 8) + 1 dense x 3, 4 x 8 attention and norms, embed, norm, lm_head.
+  EXPECT_EQ(shapes.size(), 3u * 25 + 3 + 4 * 8 + 3);
 }
 
 }  // namespace

@@ -202,14 +202,57 @@ ModelConfig SmallWithScaledRope(const std::string& preset) {
   return c;
 }
 
+// Qwen3-MoE: "qwen3-30b-a3b" is Qwen/Qwen3-30B-A3B's config.json; "moe-small" is "small"'s
+// attention with 8 experts of width 128, 2 per token, and layer 1 dense (mlp_only_layers), so
+// that a test model has both kinds of layer.
+ModelConfig Qwen3Moe(const std::string& preset) {
+  ModelConfig c = Qwen3Base();
+  c.architecture = "Qwen3MoeForCausalLM";
+  c.norm_topk_prob = true;
+  c.decoder_sparse_step = 1;
+  c.rope_theta = 1000000.0f;
+  c.tie_word_embeddings = false;
+  if (preset == "qwen3-30b-a3b") {
+    c.num_layers = 48;
+    c.hidden_size = 2048;
+    c.intermediate_size = 6144;  // in the config, though no layer is dense
+    c.num_attention_heads = 32;
+    c.num_key_value_heads = 4;
+    c.head_dim = 128;
+    c.vocab_size = 151936;
+    c.max_position_embeddings = 40960;
+    c.eos_token_ids = {151645};
+    c.num_experts = 128;
+    c.num_experts_per_tok = 8;
+    c.moe_intermediate_size = 768;
+  } else {
+    c.num_layers = 4;
+    c.hidden_size = 256;
+    c.intermediate_size = 768;
+    c.num_attention_heads = 8;
+    c.num_key_value_heads = 2;
+    c.head_dim = 32;
+    c.vocab_size = 4096;
+    c.max_position_embeddings = 4096;
+    c.eos_token_ids = {2};
+    c.num_experts = 8;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 128;
+    c.mlp_only_layers = {1};
+  }
+  return c;
+}
+
 }  // namespace
 
 std::vector<std::string> PresetNames() {
-  return {"tiny", "small", "medium", "qwen3-8b", "llama3-small", "yarn-small"};
+  return {"tiny",     "small",        "medium",     "qwen3-8b",
+          "moe-small", "qwen3-30b-a3b", "llama3-small", "yarn-small"};
 }
 
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
   if (preset == "llama3-small" || preset == "yarn-small") return SmallWithScaledRope(preset);
+  if (preset == "moe-small" || preset == "qwen3-30b-a3b") return Qwen3Moe(preset);
   ModelConfig c = Qwen3Base();
   if (preset == "tiny") {
     c.num_layers = 2;

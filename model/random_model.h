@@ -18,7 +18,11 @@ namespace rollout {
 // bf16) measures weight updates on the CPU, "qwen3-8b" is the real 8B shape (weights are
 // ~16 GB; for speed work). With scaled RoPE, "small"'s shape and a 4096 context pre-trained at
 // 1024: "llama3-small" (LlamaForCausalLM, Llama 3.1's rope_scaling: llama3, factor 8, low 1,
-// high 4, theta 500000) and "yarn-small" (Qwen3, yarn factor 4, theta 1e6).
+// high 4, theta 500000) and "yarn-small" (Qwen3, yarn factor 4, theta 1e6). Of
+// Qwen3MoeForCausalLM: "moe-small" ("small"'s attention, 8 experts of width 128, 2 per token,
+// norm_topk_prob, layer 1 dense by mlp_only_layers) for tests, and "qwen3-30b-a3b" (the real
+// Qwen3-30B-A3B shape: 48 layers, hidden 2048, 32 / 4 heads x 128, 128 experts of width 768,
+// 8 per token; ~61 GB in bf16 -- for the GPU benchmarks, never written in CI).
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset);
 std::vector<std::string> PresetNames();
 

@@ -284,6 +284,24 @@ TEST(RandomModelTest, Qwen2ConfigGetsBiasesThatLoad) {
   EXPECT_EQ(c->Find("model.layers.0.self_attn.q_norm.weight"), nullptr);
 }
 
+TEST(RandomModelTest, MoeSmallWritesRouterAndExpertsThatLoad) {
+  const std::string dir = TestDir();
+  RandomModelOptions options;
+  options.preset = "moe-small";
+  ASSERT_TRUE(WriteRandomModel(options, dir).ok());
+  std::unique_ptr<Checkpoint> c = OpenOrDie(dir);
+  absl::StatusOr<ModelConfig> config = ReadModelConfig(*c);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->mlp_only_layers, std::vector<int32_t>({1}));
+  EXPECT_EQ(c->TensorNames().size(), ExpectedTensors(*config).size());
+  absl::StatusOr<std::vector<float>> router = c->ReadF32("model.layers.0.mlp.gate.weight", {8, 256});
+  ASSERT_TRUE(router.ok()) << router.status();
+  EXPECT_GT(Std(*router), 0.03);  // 1 / sqrt(256) = 0.0625
+  EXPECT_LT(Std(*router), 0.1);
+  EXPECT_NE(c->Find("model.layers.1.mlp.gate_proj.weight"), nullptr);
+  EXPECT_NE(c->Find("model.layers.3.mlp.experts.7.down_proj.weight"), nullptr);
+}
+
 TEST(RandomModelTest, UnknownPresetListsTheKnownNames) {
   RandomModelOptions options;
   options.preset = "huge";
@@ -312,6 +330,17 @@ TEST(RandomModelTest, PresetsHaveTheDocumentedShapes) {
   EXPECT_FALSE(small.tie_word_embeddings);
   const ModelConfig big = *PresetConfig("qwen3-8b");
   EXPECT_EQ(ParameterCount(big), 8190735360);  // Qwen3-8B's published safetensors total
+  const ModelConfig moe = *PresetConfig("qwen3-30b-a3b");
+  // Qwen3-30B-A3B's safetensors total: 61064245248 bytes of bf16.
+  EXPECT_EQ(ParameterCount(moe), 30532122624);
+  EXPECT_EQ(moe.NumMoeLayers(), 48);
+  EXPECT_EQ(moe.num_experts, 128);
+  EXPECT_EQ(moe.num_experts_per_tok, 8);
+  EXPECT_EQ(moe.moe_intermediate_size, 768);
+  EXPECT_TRUE(moe.norm_topk_prob);
+  const ModelConfig moe_small = *PresetConfig("moe-small");
+  EXPECT_EQ(moe_small.NumMoeLayers(), 3);
+  EXPECT_FALSE(moe_small.IsMoeLayer(1));
   for (const std::string& name : PresetNames()) {
     absl::StatusOr<ModelConfig> preset = PresetConfig(name);
     ASSERT_TRUE(preset.ok()) << name;

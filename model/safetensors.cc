@@ -12,9 +12,11 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/regular_file.h"
+#include "common/status.h"
 #include "nlohmann/json.hpp"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -348,7 +350,60 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
                                                      ", which does not contain it"));
     }
   }
+  ROLLOUT_RETURN_IF_ERROR(checkpoint->SplitFusedExperts());
   return checkpoint;
+}
+
+absl::Status Checkpoint::SplitFusedExperts() {
+  const absl::string_view kGateUp = "mlp.experts.gate_up_proj";
+  const absl::string_view kDown = "mlp.experts.down_proj";
+  std::vector<std::string> fused;
+  for (const auto& [name, entry] : tensors_) {
+    if (absl::EndsWith(name, kGateUp) || absl::EndsWith(name, kDown)) fused.push_back(name);
+  }
+  for (const std::string& name : fused) {
+    const Entry entry = tensors_.at(name);
+    const std::vector<int64_t>& shape = entry.view.shape;
+    const bool gate_up = absl::EndsWith(name, kGateUp);
+    if (shape.size() != 3 || (gate_up && shape[1] % 2 != 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir_, ": fused expert tensor '", name, "' has shape ", ShapeToString(shape),
+          gate_up ? ", expected [experts, 2 * moe_intermediate_size, hidden]"
+                  : ", expected [experts, hidden, moe_intermediate_size]"));
+    }
+    const std::string prefix =
+        name.substr(0, name.size() - (gate_up ? kGateUp.size() : kDown.size())) + "mlp.experts.";
+    // Expert e's slice of [E, rows, cols] is contiguous; gate_up's rows are its gate rows,
+    // then its up rows (transformers 5 concatenates them in that order).
+    const int64_t rows = gate_up ? shape[1] / 2 : shape[1], cols = shape[2];
+    const size_t part_bytes = static_cast<size_t>(rows * cols) * DTypeSize(entry.view.dtype);
+    std::vector<std::pair<std::string, size_t>> parts;  // name, byte offset in the fused tensor
+    for (int64_t e = 0; e < shape[0]; ++e) {
+      const std::string expert = absl::StrCat(prefix, e, ".");
+      if (gate_up) {
+        parts.emplace_back(expert + "gate_proj.weight", (2 * e) * part_bytes);
+        parts.emplace_back(expert + "up_proj.weight", (2 * e + 1) * part_bytes);
+      } else {
+        parts.emplace_back(expert + "down_proj.weight", e * part_bytes);
+      }
+    }
+    for (const auto& [part, offset] : parts) {
+      if (tensors_.count(part) != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(dir_, ": tensor '", part,
+                                                       "' is given twice: on its own and in the "
+                                                       "fused expert tensor '",
+                                                       name, "'"));
+      }
+      Entry split = entry;
+      split.view.shape = {rows, cols};
+      split.view.data = entry.view.data == nullptr ? nullptr : entry.view.data + offset;
+      split.view.nbytes = part_bytes;
+      split.file_offset = entry.file_offset + offset;
+      tensors_.emplace(part, std::move(split));
+    }
+    tensors_.erase(name);
+  }
+  return absl::OkStatus();
 }
 
 const TensorView* Checkpoint::Find(const std::string& name) const {

@@ -47,6 +47,12 @@ class Checkpoint {
   // file belongs, corrupt headers, offsets outside the file, overlapping tensors, unknown
   // dtypes, byte counts that disagree with shape x dtype, a missing shard, or a tensor named in
   // the index but absent from its shard are errors naming the file and tensor.
+  // MoE experts fused as transformers 5 holds them in memory (and saves them with
+  // save_original_format=False) -- "P.mlp.experts.gate_up_proj" [E, 2 * I, H] (each expert's
+  // gate rows, then its up rows) and "P.mlp.experts.down_proj" [E, H, I] -- are listed and read
+  // as the Hub's per-expert tensors they hold, "P.mlp.experts.e.{gate,up,down}_proj.weight"
+  // (each a contiguous slice of its file), the names the engine serves. A fused tensor of
+  // another rank, or a per-expert tensor also given on its own, is INVALID_ARGUMENT.
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
 
   ~Checkpoint();
@@ -84,6 +90,8 @@ class Checkpoint {
     uint64_t file_offset;  // of its first byte
   };
   Checkpoint() = default;
+  // Replaces fused expert tensors with their per-expert slices (see Open).
+  absl::Status SplitFusedExperts();
 
   std::string dir_;
   std::string config_json_;

@@ -159,6 +159,94 @@ TEST(SafetensorsTest, ShardedCheckpointReadsTheSameTensorsAsSingleFile) {
   ExpectSampleValues(**checkpoint);
 }
 
+// transformers 5's fused experts of one layer: E = 2, I = 2, H = 3; element value = its index
+// in the fused tensor (gate_up [2, 4, 3]: 0..23; down [2, 3, 2]: 100..111).
+TEST(SafetensorsTest, FusedExpertsOfTransformers5ReadAsThePerExpertTensors) {
+  const std::string dir = TestDir();
+  std::vector<float> gate_up(24), down(12);
+  for (int i = 0; i < 24; ++i) gate_up[i] = static_cast<float>(i);
+  for (int i = 0; i < 12; ++i) down[i] = 100.0f + static_cast<float>(i);
+  WriteText(dir + "/config.json", "{}");
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors",
+                               {F32Tensor("model.layers.1.mlp.experts.gate_up_proj", {2, 4, 3},
+                                          gate_up),
+                                F32Tensor("model.layers.1.mlp.experts.down_proj", {2, 3, 2}, down),
+                                F32Tensor("model.layers.1.mlp.gate.weight", {2, 3}, {0, 1, 2, 3,
+                                                                                      4, 5})})
+                  .ok());
+  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(dir);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  const std::string p = "model.layers.1.mlp.";
+  EXPECT_EQ((*checkpoint)->TensorNames(),
+            std::vector<std::string>({p + "experts.0.down_proj.weight",
+                                      p + "experts.0.gate_proj.weight",
+                                      p + "experts.0.up_proj.weight",
+                                      p + "experts.1.down_proj.weight",
+                                      p + "experts.1.gate_proj.weight",
+                                      p + "experts.1.up_proj.weight", p + "gate.weight"}));
+  auto read = [&](const std::string& name, std::vector<int64_t> shape) {
+    absl::StatusOr<std::vector<float>> v = (*checkpoint)->ReadF32(p + name, shape);
+    EXPECT_TRUE(v.ok()) << v.status();
+    return v.ok() ? *v : std::vector<float>();
+  };
+  // Expert e's gate is rows [e * 4, e * 4 + 2) of the fused [8, 3], its up the next two.
+  EXPECT_EQ(read("experts.0.gate_proj.weight", {2, 3}), std::vector<float>({0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(read("experts.0.up_proj.weight", {2, 3}), std::vector<float>({6, 7, 8, 9, 10, 11}));
+  EXPECT_EQ(read("experts.1.gate_proj.weight", {2, 3}),
+            std::vector<float>({12, 13, 14, 15, 16, 17}));
+  EXPECT_EQ(read("experts.1.up_proj.weight", {2, 3}),
+            std::vector<float>({18, 19, 20, 21, 22, 23}));
+  EXPECT_EQ(read("experts.0.down_proj.weight", {3, 2}),
+            std::vector<float>({100, 101, 102, 103, 104, 105}));
+  EXPECT_EQ(read("experts.1.down_proj.weight", {3, 2}),
+            std::vector<float>({106, 107, 108, 109, 110, 111}));
+  // The mapped view points at the same bytes.
+  const TensorView* view = (*checkpoint)->Find(p + "experts.1.up_proj.weight");
+  ASSERT_NE(view, nullptr);
+  float first;
+  std::memcpy(&first, view->data, 4);
+  EXPECT_EQ(first, 18.0f);
+  EXPECT_EQ(view->nbytes, 24u);
+}
+
+TEST(SafetensorsTest, MalformedOrDuplicatedFusedExpertsAreInvalidArgument) {
+  {
+    const std::string dir = TestDir();
+    WriteText(dir + "/config.json", "{}");
+    ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors",
+                                 {F32Tensor("m.mlp.experts.gate_up_proj", {3, 3},
+                                            std::vector<float>(9))})
+                    .ok());
+    absl::Status s = OpenError(dir);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("fused expert tensor 'm.mlp.experts.gate_up_proj' has "
+                                       "shape [3, 3], expected [experts, 2 * "
+                                       "moe_intermediate_size, hidden]"));
+  }
+  {
+    const std::string dir = TestDir() + "_odd";
+    fs::create_directories(dir);
+    WriteText(dir + "/config.json", "{}");
+    ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors",
+                                 {F32Tensor("m.mlp.experts.gate_up_proj", {1, 3, 1},
+                                            std::vector<float>(3))})
+                    .ok());
+    EXPECT_THAT(OpenError(dir).message(), HasSubstr("has shape [1, 3, 1]"));
+  }
+  {
+    const std::string dir = TestDir() + "_dup";
+    fs::create_directories(dir);
+    WriteText(dir + "/config.json", "{}");
+    ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors",
+                                 {F32Tensor("m.mlp.experts.down_proj", {1, 1, 1}, {1.0f}),
+                                  F32Tensor("m.mlp.experts.0.down_proj.weight", {1, 1}, {1.0f})})
+                    .ok());
+    absl::Status s = OpenError(dir);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("tensor 'm.mlp.experts.0.down_proj.weight' is given twice"));
+  }
+}
+
 TEST(SafetensorsTest, ReadF32ReportsWrongShapeAndMissingTensorByName) {
   const std::string dir = TestDir();
   SingleFileCheckpoint(dir);

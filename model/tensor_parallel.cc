@@ -11,6 +11,7 @@ RankShard ShardOf(const ModelConfig& c, int32_t tp, int32_t rank, int64_t vocab_
   const int64_t nkv = c.num_key_value_heads;
   shard.heads = c.num_attention_heads / tp;
   shard.inter = c.intermediate_size / tp;
+  shard.moe_inter = c.moe_intermediate_size / tp;
   if (nkv >= tp) {
     shard.kv_heads = nkv / tp;
     shard.kv_head_begin = rank * shard.kv_heads;
@@ -41,6 +42,12 @@ absl::Status CheckTensorParallel(const ModelConfig& c, int32_t tp) {
         "tensor-parallel degree %d: the model's %d KV heads neither split evenly over %d ranks "
         "nor replicate evenly across them",
         tp, c.num_key_value_heads, tp));
+  }
+  if (c.moe_intermediate_size % tp != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tensor-parallel degree %d: the model's expert width (moe_intermediate_size) %d does not "
+        "split evenly over %d ranks",
+        tp, c.moe_intermediate_size, tp));
   }
   if (c.intermediate_size % tp != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(

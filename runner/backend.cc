@@ -45,6 +45,13 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(const Checkpoint& 
   // A model whose dimensions cannot take the tree cannot be split at any degree either, so
   // at tp = 1 there is no other degree to agree with: the fused GEMM serves it.
   absl::StatusOr<ModelConfig> config = ReadModelConfig(checkpoint);
+  // Until the cuda runner has MoE layers (issue 19), a MoE model is refused by name rather than
+  // failing on its first expert tensor.
+  if (config.ok() && config->is_moe()) {
+    return absl::UnimplementedError(
+        "the cuda backend does not serve mixture-of-experts models (Qwen3MoeForCausalLM) yet; "
+        "serve it with --backend cpu");
+  }
   if (config.ok() && options.tensor_parallel == 1 && options.tp_invariant &&
       ((config->num_attention_heads * config->head_dim) % 64 != 0 ||
        config->intermediate_size % 64 != 0)) {

@@ -100,6 +100,7 @@ absl::StatusOr<std::vector<SampleSpec>> ToSampleSpecs(const v1::GenerateRequest&
     p.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
     p.ignore_eos = s.ignore_eos();
     p.top_logprobs = static_cast<int32_t>(s.top_logprobs());
+    spec.return_routing = request.return_routing();
     if (absl::Status st = engine.Validate(spec); !st.ok()) {
       // Engine messages name fields relative to the rollout ("sampling.top_p ...").
       return RolloutError(i, st);
@@ -158,6 +159,16 @@ absl::StatusOr<std::vector<SampleSpec>> ToScoreSpecs(const v1::ScoreRequest& req
     spec.score_start = static_cast<int32_t>(seq.start());
     spec.params.temperature = seq.has_temperature() ? seq.temperature() : 1.0f;
     spec.params.top_logprobs = static_cast<int32_t>(seq.top_logprobs());
+    spec.return_routing = seq.return_routing();
+    // Range-checked on the wire values, so none wraps when narrowed; Validate does the rest.
+    for (int t = 0; t < seq.routing_size(); ++t) {
+      if (seq.routing(t) > static_cast<uint32_t>(std::numeric_limits<int32_t>::max())) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "sequences[%d].routing[%d] = %d is outside the experts [0, %d)", i, t, seq.routing(t),
+            engine.model_config().num_experts));
+      }
+    }
+    spec.forced_routing.assign(seq.routing().begin(), seq.routing().end());
     if (absl::Status st = engine.Validate(spec); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat("sequences[", i, "].", st.message()));
     }
@@ -205,6 +216,7 @@ void AppendCompletion(const SampleEvent& event, std::vector<v1::GenerateResponse
     done->set_cached_prompt_tokens(static_cast<uint32_t>(c.cached_prompt_tokens));
     done->set_sample_seed(c.sample_seed);
     for (const auto& top : c.top_logprobs) ToProto(top, done->add_top_logprobs());
+    done->mutable_routing()->Add(c.routing.begin(), c.routing.end());
     for (const VersionSpan& span : c.version_spans) {
       v1::VersionSpan* out = done->add_version_spans();
       out->set_version(span.version);

@@ -59,6 +59,7 @@ void ScoreReactor::OnEvents(std::vector<SampleEvent> events) {
     out->set_weight_version(c.weight_version);
     out->set_weight_digest(c.weight_digest);
     out->set_cached_tokens(static_cast<uint32_t>(c.cached_prompt_tokens));
+    out->mutable_routing()->Add(c.routing.begin(), c.routing.end());
     --s.left;
   }
   if (s.left == 0) FinishLocked(grpc::Status::OK);

@@ -74,10 +74,13 @@ std::vector<v1::Completion> Rollouts(v1::RolloutService::Stub* stub, uint32_t ma
   return out;
 }
 
-// The CPU backend's logprobs equal a double-precision forward with the same RoPE (tests/
-// naive_model.cc) within fp32 error, on a model whose RoPE is scaled; and the scaling matters:
-// the same weights with plain RoPE give other logprobs.
-void CheckAgainstNaive(const std::string& preset) {
+// The CPU backend's logprobs equal a double-precision forward (tests/naive_model.cc) within
+// fp32 error, on a model whose RoPE is scaled (or that has MoE layers); and what is tested
+// matters: the same weights with `other` applied to config.json (plain RoPE; no renormalised
+// expert weights) give other logprobs.
+void CheckAgainstNaive(const std::string& preset,
+                       const std::function<void(nlohmann::json*)>& other =
+                           [](nlohmann::json* j) { (*j)["rope_scaling"] = nullptr; }) {
   const std::string dir = WriteModel(preset, preset, 3);
   std::unique_ptr<TestServer> server = Serve(dir);
   ASSERT_NE(server, nullptr);
@@ -105,8 +108,8 @@ void CheckAgainstNaive(const std::string& preset) {
     }
   }
 
-  // Plain RoPE on the same weights: another model.
-  EditConfig(dir, [](nlohmann::json* j) { (*j)["rope_scaling"] = nullptr; });
+  // Plain RoPE (or the other change) on the same weights: another model.
+  EditConfig(dir, other);
   std::unique_ptr<TestServer> plain = Serve(dir);
   ASSERT_NE(plain, nullptr);
   const std::vector<v1::Completion> unscaled = Rollouts(plain->stub.get(), 16);
@@ -119,6 +122,11 @@ TEST(ModelsE2eTest, Llama31StyleRopeScalingMatchesTheNaiveForward) {
 }
 
 TEST(ModelsE2eTest, YarnRopeScalingMatchesTheNaiveForward) { CheckAgainstNaive("yarn-small"); }
+
+// Qwen3-MoE: router, top-2 of 8 experts renormalised, a dense layer among the MoE ones.
+TEST(ModelsE2eTest, Qwen3MoeMatchesTheNaiveForward) {
+  CheckAgainstNaive("moe-small", [](nlohmann::json* j) { (*j)["norm_topk_prob"] = false; });
+}
 
 // Qwen3-Instruct names a second EOS only in generation_config.json: a rollout must stop on it,
 // and ServerInfo lists it.

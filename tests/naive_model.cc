@@ -87,9 +87,21 @@ absl::StatusOr<NaiveModel> NaiveModel::Load(const std::string& dir) {
     }
     l.o = read(p + "self_attn.o_proj.weight", {h, nh * hd});
     l.post_norm = read(p + "post_attention_layernorm.weight", {h});
-    l.gate = read(p + "mlp.gate_proj.weight", {in, h});
-    l.up = read(p + "mlp.up_proj.weight", {in, h});
-    l.down = read(p + "mlp.down_proj.weight", {h, in});
+    if (c.IsMoeLayer(i)) {
+      const int64_t mi = c.moe_intermediate_size;
+      l.moe = true;
+      l.router = read(p + "mlp.gate.weight", {c.num_experts, h});
+      for (int e = 0; e < c.num_experts; ++e) {
+        const std::string x = absl::StrCat(p, "mlp.experts.", e, ".");
+        l.expert_gate.push_back(read(x + "gate_proj.weight", {mi, h}));
+        l.expert_up.push_back(read(x + "up_proj.weight", {mi, h}));
+        l.expert_down.push_back(read(x + "down_proj.weight", {h, mi}));
+      }
+    } else {
+      l.gate = read(p + "mlp.gate_proj.weight", {in, h});
+      l.up = read(p + "mlp.up_proj.weight", {in, h});
+      l.down = read(p + "mlp.down_proj.weight", {h, in});
+    }
     m.layers_.push_back(std::move(l));
   }
   if (!status.ok()) return status;
@@ -144,10 +156,7 @@ std::vector<std::vector<double>> NaiveModel::Logits(const std::vector<int32_t>& 
       for (size_t i = 0; i < h; ++i) x[t][i] += o[i];
       Vec xn = x[t];
       RmsNormInPlace(xn.data(), h, l.post_norm, c.rms_norm_eps);
-      Vec g = MatVec(l.gate, xn, c.intermediate_size, {});
-      Vec u = MatVec(l.up, xn, c.intermediate_size, {});
-      for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.0 + std::exp(-g[i])) * u[i];
-      Vec d = MatVec(l.down, g, h, {});
+      const Vec d = l.moe ? Moe(l, xn) : Mlp(l.gate, l.up, l.down, c.intermediate_size, xn);
       for (size_t i = 0; i < h; ++i) x[t][i] += d[i];
     }
   }
@@ -158,6 +167,37 @@ std::vector<std::vector<double>> NaiveModel::Logits(const std::vector<int32_t>& 
     logits[t] = MatVec(lm_head_, xn, c.vocab_size, {});
   }
   return logits;
+}
+
+std::vector<double> NaiveModel::Mlp(const Matrix& gate, const Matrix& up, const Matrix& down,
+                                    size_t inter, const std::vector<double>& xn) {
+  Vec g = MatVec(gate, xn, inter, {});
+  Vec u = MatVec(up, xn, inter, {});
+  for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.0 + std::exp(-g[i])) * u[i];
+  return MatVec(down, g, xn.size(), {});
+}
+
+std::vector<double> NaiveModel::Moe(const Layer& l, const std::vector<double>& xn) const {
+  const ModelConfig& c = config_;
+  Vec p = MatVec(l.router, xn, c.num_experts, {});
+  const double m = *std::max_element(p.begin(), p.end());
+  double sum = 0;
+  for (double& v : p) sum += (v = std::exp(v - m));
+  for (double& v : p) v /= sum;
+  std::vector<int> order(c.num_experts);
+  for (int e = 0; e < c.num_experts; ++e) order[e] = e;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
+  double chosen = 0;
+  for (int j = 0; j < c.num_experts_per_tok; ++j) chosen += p[order[j]];
+  Vec out(xn.size(), 0.0);
+  for (int j = 0; j < c.num_experts_per_tok; ++j) {
+    const int e = order[j];
+    const double w = c.norm_topk_prob ? p[e] / chosen : p[e];
+    const Vec y = Mlp(l.expert_gate[e], l.expert_up[e], l.expert_down[e],
+                      c.moe_intermediate_size, xn);
+    for (size_t i = 0; i < out.size(); ++i) out[i] += w * y[i];
+  }
+  return out;
 }
 
 double NaiveLogprob(const std::vector<double>& logits, double temperature, int32_t token) {

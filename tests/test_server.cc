@@ -2,12 +2,28 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "model/random_model.h"
 
 namespace rollout::testing {
+
+absl::StatusOr<std::string> TestPresetDir(const std::string& preset) {
+  static std::mutex mu;
+  static std::map<std::string, std::string>* written = new std::map<std::string, std::string>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = written->find(preset); it != written->end()) return it->second;
+  const std::string dir = ::testing::TempDir() + "rollout-test-preset-" + preset;
+  RandomModelOptions options;
+  options.preset = preset;
+  if (absl::Status s = WriteRandomModel(options, dir); !s.ok()) return s;
+  (*written)[preset] = dir;
+  return dir;
+}
 
 std::unique_ptr<TestServer> StartTestServer(ServerOptions options) {
   // One model cache per test binary, so tests never depend on the user's cache.
@@ -17,6 +33,15 @@ std::unique_ptr<TestServer> StartTestServer(ServerOptions options) {
   }();
   (void)cache_set;
   if (options.address == ServerOptions().address) options.address = "127.0.0.1:0";
+  // ROLLOUT_TEST_PRESET=<preset> serves that preset (seed 0) instead of the embedded default
+  // model wherever a test leaves model_dir empty: the determinism suite runs on moe-small so.
+  if (const char* preset = std::getenv("ROLLOUT_TEST_PRESET");
+      preset != nullptr && *preset && options.model_dir.empty()) {
+    absl::StatusOr<std::string> dir = TestPresetDir(preset);
+    EXPECT_TRUE(dir.ok()) << dir.status();
+    if (!dir.ok()) return nullptr;
+    options.model_dir = *dir;
+  }
   // ROLLOUT_TEST_BACKEND=cuda runs the suites against the CUDA backend (on a GPU host), with the
   // limits a test did not set at the CPU backend's small defaults on either backend: the suites
   // start several servers at once, and their expectations are sized for those limits.

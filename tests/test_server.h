@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 #include "rollout/v1/rollout.grpc.pb.h"
 #include "server/server.h"
@@ -20,8 +21,11 @@ struct TestServer {
   std::string address() const { return "127.0.0.1:" + std::to_string(server->port()); }
 };
 
+// A directory holding `preset` (model/random_model.h) with seed 0, written once per test binary.
+absl::StatusOr<std::string> TestPresetDir(const std::string& preset);
+
 // Starts a server with `options` (address and model default to loopback:0 and the default
-// model). Fails the calling test on error.
+// model, or ROLLOUT_TEST_PRESET's preset when that is set). Fails the calling test on error.
 std::unique_ptr<TestServer> StartTestServer(ServerOptions options = {});
 
 // A fixture whose tests share one server started with the default options (per test binary

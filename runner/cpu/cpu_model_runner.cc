@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "glog/logging.h"
+#include "kernels/cpu/moe.h"
 #include "model/dtype_cast.h"
 #include "model/random_model.h"
 
@@ -137,8 +138,15 @@ MemoryPlan PlanHostMemory(const ModelConfig& c, const CpuRunnerOptions& options)
                            static_cast<int64_t>(sizeof(float));
   // One Forward's activations on every rank (CpuModelRunner::Activations) and its logits.
   const RankShard shard = ShardOf(c, static_cast<int32_t>(tp), 0, (c.vocab_size + tp - 1) / tp);
-  const int64_t per_token = 3 * h + 2 * shard.heads * hd + 2 * shard.kv_heads * hd +
-                            3 * shard.inter + (tp > 1 ? tp * h : 0);
+  int64_t per_token = 3 * h + 2 * shard.heads * hd + 2 * shard.kv_heads * hd +
+                      3 * shard.inter + (tp > 1 ? tp * h : 0);
+  if (c.is_moe()) {
+    // MoeBlock's buffers: router logits, per (token, rank) its expert's output (and the
+    // gathered partials), one expert's rows at a time, and the routing.
+    const int64_t k = c.num_experts_per_tok;
+    per_token += c.num_experts + k * h * (1 + (tp > 1 ? tp : 0)) + 2 * h + 3 * shard.moe_inter +
+                 2 * k + c.RoutingSize();
+  }
   const int64_t workspace = (tp * t * per_token + t * c.vocab_size * (tp > 1 ? 2 : 1)) *
                             static_cast<int64_t>(sizeof(float));
   MemoryPlan plan;
@@ -202,6 +210,11 @@ absl::Status CpuModelRunner::Load(const Checkpoint& checkpoint) {
   for (Rank& rk : ranks_) {
     static_cast<RankShard&>(rk) = ShardOf(config_, tp, rk.index, vocab_per_rank_);
     rk.layers.resize(config_.num_layers);
+    int32_t moe_index = 0;
+    for (int32_t i = 0; i < config_.num_layers; ++i) {
+      rk.layers[i].moe = config_.IsMoeLayer(i);
+      if (rk.layers[i].moe) rk.layers[i].moe_index = moe_index++;
+    }
   }
   BindWeights(checkpoint);
   ROLLOUT_RETURN_IF_ERROR(ReadWeights(checkpoint));
@@ -278,15 +291,20 @@ void CpuModelRunner::BindLayer(const Checkpoint& checkpoint, int i) {
   bind("self_attn.v_proj.weight", {nkv * hd, h}, heads(&Layer::v, true));
   bind("self_attn.o_proj.weight", {h, nh * hd}, k_slice(&Layer::o, true));
   bind("post_attention_layernorm.weight", {h}, whole(&Layer::post_norm));
-  // One [2 * inter, hidden] matrix per rank: the MLP's two input projections in one pass over
-  // x -- the rank's gate rows, then its up rows.
-  bind("mlp.gate_proj.weight", {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
-    return Piece{&rk.layers[i].gate_up, 0, rk.index * rk.inter, rk.inter, 0, cols};
-  });
-  bind("mlp.up_proj.weight", {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
-    return Piece{&rk.layers[i].gate_up, rk.inter * cols, rk.index * rk.inter, rk.inter, 0, cols};
-  });
-  bind("mlp.down_proj.weight", {h, inter}, k_slice(&Layer::down, false));
+  if (c.IsMoeLayer(i)) {
+    BindMoeLayer(checkpoint, i);
+  } else {
+    // One [2 * inter, hidden] matrix per rank: the MLP's two input projections in one pass
+    // over x -- the rank's gate rows, then its up rows.
+    bind("mlp.gate_proj.weight", {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
+      return Piece{&rk.layers[i].gate_up, 0, rk.index * rk.inter, rk.inter, 0, cols};
+    });
+    bind("mlp.up_proj.weight", {inter, h}, [i](Rank& rk, int64_t, int64_t cols) {
+      return Piece{&rk.layers[i].gate_up, rk.inter * cols, rk.index * rk.inter, rk.inter, 0,
+                   cols};
+    });
+    bind("mlp.down_proj.weight", {h, inter}, k_slice(&Layer::down, false));
+  }
   if (c.qkv_bias) {
     bind("self_attn.q_proj.bias", {nh * hd}, heads(&Layer::q_bias, false));
     bind("self_attn.k_proj.bias", {nkv * hd}, heads(&Layer::k_bias, true));
@@ -295,6 +313,36 @@ void CpuModelRunner::BindLayer(const Checkpoint& checkpoint, int i) {
   if (c.qk_norm) {
     bind("self_attn.q_norm.weight", {hd}, whole(&Layer::q_norm));
     bind("self_attn.k_norm.weight", {hd}, whole(&Layer::k_norm));
+  }
+}
+
+void CpuModelRunner::BindMoeLayer(const Checkpoint& checkpoint, int i) {
+  const ModelConfig& c = config_;
+  const int64_t h = c.hidden_size, mi = c.moe_intermediate_size;
+  Bind(checkpoint, LayerName(i, "mlp.gate.weight"), {c.num_experts, h},
+       [i](Rank& rk, int64_t rows, int64_t cols) {
+         return Piece{&rk.layers[i].router, 0, 0, rows, 0, cols};
+       });
+  // Expert e as a dense MLP shards: its [2 * moe_inter, hidden] block of experts_gate_up holds
+  // the rank's gate rows then its up rows; its [hidden, moe_inter] block of experts_down the
+  // rank's K slice.
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    const std::string x = absl::StrCat("mlp.experts.", e, ".");
+    Bind(checkpoint, LayerName(i, (x + "gate_proj.weight").c_str()), {mi, h},
+         [i, e](Rank& rk, int64_t, int64_t cols) {
+           return Piece{&rk.layers[i].experts_gate_up, e * 2 * rk.moe_inter * cols,
+                        rk.index * rk.moe_inter, rk.moe_inter, 0, cols};
+         });
+    Bind(checkpoint, LayerName(i, (x + "up_proj.weight").c_str()), {mi, h},
+         [i, e](Rank& rk, int64_t, int64_t cols) {
+           return Piece{&rk.layers[i].experts_gate_up, (e * 2 + 1) * rk.moe_inter * cols,
+                        rk.index * rk.moe_inter, rk.moe_inter, 0, cols};
+         });
+    Bind(checkpoint, LayerName(i, (x + "down_proj.weight").c_str()), {h, mi},
+         [i, e](Rank& rk, int64_t rows, int64_t) {
+           return Piece{&rk.layers[i].experts_down, e * rows * rk.moe_inter, 0, rows,
+                        rk.index * rk.moe_inter, rk.moe_inter};
+         });
   }
 }
 
@@ -444,6 +492,53 @@ absl::Status CpuModelRunner::UpdateWeights(const std::vector<HostTensorView>& te
 }
 
 absl::Status CpuModelRunner::Forward(const ForwardBatch& batch, std::vector<float>* logits) {
+  std::vector<std::vector<int32_t>> routing;
+  return ForwardWithRouting(batch, logits, &routing);
+}
+
+absl::Status CpuModelRunner::CheckRouting(const ForwardBatch& batch) const {
+  const ModelConfig& c = config_;
+  if (!batch.asks_routing()) return absl::OkStatus();
+  if (!c.is_moe()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "routing replay needs a mixture-of-experts model; %s has no experts", c.architecture));
+  }
+  if (batch.forced_routing.empty()) return absl::OkStatus();
+  if (batch.forced_routing.size() != batch.logit_rows.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("forced routing for %d logits rows, the batch has %d",
+                        batch.forced_routing.size(), batch.logit_rows.size()));
+  }
+  const int32_t k = c.num_experts_per_tok;
+  for (size_t r = 0; r < batch.forced_routing.size(); ++r) {
+    const std::vector<int32_t>& ids = batch.forced_routing[r];
+    if (ids.empty()) continue;
+    if (static_cast<int64_t>(ids.size()) != c.RoutingSize()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "forced routing of logits row %d: %d expert ids, expected %d (%d MoE layers x %d)", r,
+          ids.size(), c.RoutingSize(), c.NumMoeLayers(), k));
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0 || ids[i] >= c.num_experts) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("forced routing of logits row %d: expert id %d outside [0, %d)", r,
+                            ids[i], c.num_experts));
+      }
+      for (size_t j = i - i % k; j < i; ++j) {
+        if (ids[j] == ids[i]) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "forced routing of logits row %d: expert %d twice in MoE layer %d", r, ids[i],
+              static_cast<int64_t>(i) / k));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuModelRunner::ForwardWithRouting(const ForwardBatch& batch,
+                                                std::vector<float>* logits,
+                                                std::vector<std::vector<int32_t>>* routing) {
   const ModelConfig& c = config_;
   const int64_t t = batch.num_tokens();
   const int64_t vocab = c.vocab_size;
@@ -471,14 +566,32 @@ absl::Status CpuModelRunner::Forward(const ForwardBatch& batch, std::vector<floa
   for (int32_t row : batch.logit_rows) {
     if (row < 0 || row >= t) return absl::InternalError(absl::StrCat("logit row ", row));
   }
+  ROLLOUT_RETURN_IF_ERROR(CheckRouting(batch));
+  StepRouting step_routing;
+  step_routing.forced.assign(t, nullptr);
+  for (size_t r = 0; r < batch.forced_routing.size(); ++r) {
+    if (!batch.forced_routing[r].empty()) {
+      step_routing.forced[batch.logit_rows[r]] = batch.forced_routing[r].data();
+    }
+  }
+  step_routing.used.resize(t * c.RoutingSize());
 
   std::vector<const int32_t*> tables(t);
   for (int64_t i = 0; i < t; ++i) tables[i] = batch.block_tables[batch.token_seq[i]].data();
   const cpu::TokenSlots slots{batch.positions.data(), tables.data(), t};
   std::vector<absl::Status> status(ranks_.size());
-  threads_->Run([&](int r) { status[r] = RankForward(ranks_[r], batch, slots, logits); });
+  threads_->Run(
+      [&](int r) { status[r] = RankForward(ranks_[r], batch, slots, &step_routing, logits); });
   for (const absl::Status& s : status) {
     if (!s.ok()) return s;
+  }
+  routing->clear();
+  if (batch.return_routing) {
+    const int64_t size = c.RoutingSize();
+    for (int32_t row : batch.logit_rows) {
+      routing->emplace_back(step_routing.used.begin() + row * size,
+                            step_routing.used.begin() + (row + 1) * size);
+    }
   }
   return absl::OkStatus();
 }
@@ -513,7 +626,8 @@ struct CpuModelRunner::Activations {
 };
 
 absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
-                                         const cpu::TokenSlots& slots, std::vector<float>* logits) {
+                                         const cpu::TokenSlots& slots, StepRouting* routing,
+                                         std::vector<float>* logits) {
   Activations a(batch.num_tokens(), config_, rk, options_.tensor_parallel);
   const int64_t half = config_.head_dim / 2;
   for (int64_t i = 0; i < a.t; ++i) {
@@ -522,7 +636,7 @@ absl::Status CpuModelRunner::RankForward(Rank& rk, const ForwardBatch& batch,
   ROLLOUT_RETURN_IF_ERROR(EmbedTokens(rk, batch, &a));
   for (Layer& l : rk.layers) {
     ROLLOUT_RETURN_IF_ERROR(AttentionBlock(rk, l, batch, slots, &a));
-    ROLLOUT_RETURN_IF_ERROR(MlpBlock(rk, l, &a));
+    ROLLOUT_RETURN_IF_ERROR(l.moe ? MoeBlock(rk, l, routing, &a) : MlpBlock(rk, l, &a));
   }
   return ComputeLogits(rk, batch, a.x, logits);
 }
@@ -610,6 +724,83 @@ absl::Status CpuModelRunner::MlpBlock(Rank& rk, const Layer& l, Activations* a) 
   cpu::SiluMul(gate_up, t, inter, act);
   ROLLOUT_RETURN_IF_ERROR(RowParallel(rk, act, c.intermediate_size, l.down.data(), a));
   cpu::Add(x, a->proj.data(), t * h);
+  return absl::OkStatus();
+}
+
+absl::Status CpuModelRunner::MoeBlock(Rank& rk, const Layer& l, StepRouting* routing,
+                                      Activations* a) const {
+  const ModelConfig& c = config_;
+  const int tp = options_.tensor_parallel;
+  const int64_t t = a->t, h = c.hidden_size, num_experts = c.num_experts;
+  const int32_t k = c.num_experts_per_tok;
+  const int64_t mi = rk.moe_inter, routing_size = c.RoutingSize();
+  cpu::ThreadPool* pool = rk.pool.get();
+  float *x = a->x.data(), *xn = a->xn.data();
+  cpu::RmsNorm(x, l.post_norm.data(), t, h, c.rms_norm_eps, xn);
+  // Router logits [t, num_experts], each a Dot over hidden; then each token's routing. Every
+  // rank computes the same (replicated) routing.
+  std::vector<float> router_logits(t * num_experts);
+  cpu::MatMul(pool, xn, t, h, l.router.data(), num_experts, nullptr, router_logits.data());
+  std::vector<int32_t> ids(t * k);
+  std::vector<float> weights(t * k);
+  for (int64_t i = 0; i < t; ++i) {
+    const int32_t* forced = routing->forced[i];
+    cpu::RouteToken(&router_logits[i * num_experts], static_cast<int32_t>(num_experts), k,
+                    c.norm_topk_prob, forced == nullptr ? nullptr : forced + l.moe_index * k,
+                    &ids[i * k], &weights[i * k]);
+  }
+  if (rk.index == 0) {
+    for (int64_t i = 0; i < t; ++i) {
+      std::copy(&ids[i * k], &ids[i * k] + k, &routing->used[i * routing_size + l.moe_index * k]);
+    }
+  }
+  // Each expert on the rows routed to it: y[i * k + j] = expert ids[i * k + j] on token i (the
+  // rank's node of the canonical K tree at tp > 1). Every row is its own Dots, so how many rows
+  // an expert gets changes no bit of any of them.
+  std::vector<float> y(t * k * h);
+  std::vector<int64_t> rows;
+  std::vector<float> xe, gate_up, act, ye;
+  const int seg_begin = rk.index * cpu::kNumKSegments / tp;
+  const int seg_end = (rk.index + 1) * cpu::kNumKSegments / tp;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    rows.clear();
+    for (int64_t p = 0; p < t * k; ++p) {
+      if (ids[p] == e) rows.push_back(p);
+    }
+    if (rows.empty()) continue;
+    const int64_t n = static_cast<int64_t>(rows.size());
+    xe.resize(n * h);
+    gate_up.resize(n * 2 * mi);
+    act.resize(n * mi);
+    ye.resize(n * h);
+    for (int64_t r = 0; r < n; ++r) {
+      std::copy(xn + (rows[r] / k) * h, xn + (rows[r] / k + 1) * h, &xe[r * h]);
+    }
+    const float* w_gate_up = l.experts_gate_up.data() + e * 2 * mi * h;
+    const float* w_down = l.experts_down.data() + e * h * mi;
+    cpu::MatMul(pool, xe.data(), n, h, w_gate_up, 2 * mi, nullptr, gate_up.data());
+    cpu::SiluMul(gate_up.data(), n, mi, act.data());
+    if (tp == 1) {
+      cpu::SegmentedMatMul(pool, act.data(), n, mi, w_down, h, nullptr, ye.data());
+    } else {
+      cpu::SegmentedPartialMatMul(pool, act.data(), n, w_down, h, c.moe_intermediate_size,
+                                  seg_begin, seg_end, ye.data());
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      std::copy(&ye[r * h], &ye[(r + 1) * h], &y[rows[r] * h]);
+    }
+  }
+  if (tp > 1) {
+    std::vector<float> gathered(tp * t * k * h);
+    ROLLOUT_RETURN_IF_ERROR(rk.comm->AllGather(y.data(), t * k * h, gathered.data()));
+    cpu::CombinePartials(gathered.data(), tp, t * k * h, y.data());
+  }
+  // Each token's experts combined in rank order, then added to the residual.
+  float* out = a->proj.data();
+  for (int64_t i = 0; i < t; ++i) {
+    cpu::CombineExperts(&y[i * k * h], &weights[i * k], k, h, out + i * h);
+  }
+  cpu::Add(x, out, t * h);
   return absl::OkStatus();
 }
 

@@ -75,6 +75,10 @@ class CpuModelRunner final : public ModelRunner {
   int32_t attention_split_size() const override { return options_.attention_split_size; }
 
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
+  // MoE models: routing replay (engine/model_runner.h) is implemented.
+  bool SupportsRoutingReplay() const override { return config_.is_moe(); }
+  absl::Status ForwardWithRouting(const ForwardBatch& batch, std::vector<float>* logits,
+                                  std::vector<std::vector<int32_t>>* routing) override;
   absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
                              const std::vector<float>& logits,
                              std::vector<SampleResult>* results) override {
@@ -105,6 +109,13 @@ class CpuModelRunner final : public ModelRunner {
     std::vector<float> post_norm;               // [hidden]
     std::vector<float> gate_up;           // [2 * inter, hidden]: its gate rows then its up rows
     std::vector<float> down;              // [hidden, inter]: its K slice
+    // A MoE layer (ModelConfig::IsMoeLayer) holds these instead of gate_up and down: the
+    // router, replicated, and every expert sharded as a dense MLP is (moe_inter features).
+    bool moe = false;
+    int32_t moe_index = 0;                 // among the MoE layers: its place in a routing
+    std::vector<float> router;             // [num_experts, hidden]
+    std::vector<float> experts_gate_up;    // [num_experts][2 * moe_inter, hidden]
+    std::vector<float> experts_down;       // [num_experts][hidden, moe_inter]: K slices
     // [num_blocks, block_size, kv_heads, head_dim], in Rank::kv.
     float* k_cache = nullptr;
     float* v_cache = nullptr;
@@ -125,6 +136,12 @@ class CpuModelRunner final : public ModelRunner {
 
   class RankThreads;
   struct Activations;  // one rank's buffers for one Forward (cpu_model_runner.cc)
+  // One Forward's MoE routing: per token, nullptr (it chooses) or its forced routing
+  // (RoutingSize() ids); and every token's routing as used, [t, RoutingSize()] (rank 0's).
+  struct StepRouting {
+    std::vector<const int32_t*> forced;
+    std::vector<int32_t> used;
+  };
 
   CpuModelRunner(ModelConfig config, CpuRunnerOptions options);
 
@@ -154,13 +171,14 @@ class CpuModelRunner final : public ModelRunner {
             const PieceOf& piece);
   void BindWeights(const Checkpoint& checkpoint);
   void BindLayer(const Checkpoint& checkpoint, int layer);
+  void BindMoeLayer(const Checkpoint& checkpoint, int layer);
   absl::Status ReadWeights(const Checkpoint& checkpoint);
   absl::Status ReserveKvCache();
 
   // Rank `rank`'s part of Forward; all ranks run it at once and meet in its collectives, so
   // every rank takes the same steps below. Rank 0 writes `logits`.
   absl::Status RankForward(Rank& rank, const ForwardBatch& batch, const cpu::TokenSlots& slots,
-                           std::vector<float>* logits);
+                           StepRouting* routing, std::vector<float>* logits);
   // Writes the batch's embedding rows into a->x.
   absl::Status EmbedTokens(Rank& rank, const ForwardBatch& batch, Activations* a) const;
   // a->x += o_proj(attention(a->x)), writing the batch's K and V into the layer's cache.
@@ -168,6 +186,13 @@ class CpuModelRunner final : public ModelRunner {
                               const cpu::TokenSlots& slots, Activations* a) const;
   // a->x += down_proj(silu(gate) * up) of the normed a->x.
   absl::Status MlpBlock(Rank& rank, const Layer& layer, Activations* a) const;
+  // a->x += the MoE layer's output for the normed a->x (docs/determinism.md): each token routed
+  // (or forced), each expert run on the rows routed to it, the rows' outputs combined in rank
+  // order. Rank 0 records the routing used in routing->used.
+  absl::Status MoeBlock(Rank& rank, const Layer& layer, StepRouting* routing,
+                        Activations* a) const;
+  // OK, or INVALID_ARGUMENT for a batch whose routing request does not fit this model.
+  absl::Status CheckRouting(const ForwardBatch& batch) const;
   // A row-parallel projection of `in` ([t, k_local], the rank's K slice of a reduction of
   // length k_full) into a->proj: the rank's node of the canonical K tree, gathered, combined by
   // the tree's top.

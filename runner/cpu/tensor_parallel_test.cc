@@ -36,6 +36,11 @@ const std::string& SmallDir() {  // 8 heads, 2 KV heads (replicated at TP 4 and 
   static const std::string dir = ModelDir("small", *PresetConfig("small"), 6);
   return dir;
 }
+// Qwen3-MoE: 8 experts of width 128 (16 per rank at TP 8), a dense layer among MoE ones.
+const std::string& MoeSmallDir() {
+  static const std::string dir = ModelDir("moe-small", *PresetConfig("moe-small"), 8);
+  return dir;
+}
 // Qwen2-style: qkv biases, no q/k norm, untied lm_head, 4 KV heads, and a vocabulary (250)
 // that no degree divides, so the vocab shards are uneven.
 const std::string& Qwen2Dir() {
@@ -117,7 +122,8 @@ TEST(TensorParallelRunnerTest, LogitsAreBitwiseEqualAtEveryDegree) {
   };
   const std::vector<Model> models = {{"tiny", TinyDir(), {1, 2, 4}},
                                      {"small", SmallDir(), {1, 2, 4, 8}},
-                                     {"qwen2-uneven-vocab", Qwen2Dir(), {1, 2, 4, 8}}};
+                                     {"qwen2-uneven-vocab", Qwen2Dir(), {1, 2, 4, 8}},
+                                     {"moe-small", MoeSmallDir(), {1, 2, 4, 8}}};
   for (const Model& m : models) {
     std::unique_ptr<CpuModelRunner> tp1 = MakeRunner(m.dir, 1);
     ASSERT_NE(tp1, nullptr);
@@ -212,6 +218,35 @@ TEST(TensorParallelRunnerTest, WeightUpdatesSliceIntoTheRankShards) {
   ASSERT_TRUE(f32_tp1->UpdateWeights({t}).ok());
   ASSERT_TRUE(f32_tp8->UpdateWeights({t}).ok());
   EXPECT_EQ(RunSteps(f32_tp8.get()), RunSteps(f32_tp1.get()));
+}
+
+TEST(TensorParallelRunnerTest, MoeWeightUpdatesSliceEveryExpertIntoTheRankShards) {
+  // The router (replicated) and an expert's gate and up rows and down K slice.
+  const std::vector<std::string> names = {"model.layers.0.mlp.gate.weight",
+                                          "model.layers.2.mlp.experts.3.gate_proj.weight",
+                                          "model.layers.2.mlp.experts.3.up_proj.weight",
+                                          "model.layers.3.mlp.experts.7.down_proj.weight",
+                                          "model.layers.1.mlp.down_proj.weight"};
+  std::unique_ptr<CpuModelRunner> tp1 = MakeRunner(MoeSmallDir(), 1);
+  ASSERT_NE(tp1, nullptr);
+  std::vector<HostTensor> update;
+  uint32_t seed = 300;
+  for (const std::string& name : names) {
+    const WeightSpec* spec = FindWeightSpec(tp1->weight_specs(), name);
+    ASSERT_NE(spec, nullptr) << name;
+    update.push_back(RandomTensor(*spec, seed++, 0.2f));
+  }
+  const std::vector<std::string> before = RunSteps(MakeRunner(MoeSmallDir(), 1).get());
+  ASSERT_TRUE(tp1->UpdateWeights(ViewsOf(update)).ok());
+  const std::vector<std::string> want = RunSteps(tp1.get());
+  EXPECT_NE(want, before) << "the update changed nothing";
+  for (int tp : {2, 4, 8}) {
+    std::unique_ptr<CpuModelRunner> runner = MakeRunner(MoeSmallDir(), tp);
+    ASSERT_NE(runner, nullptr);
+    absl::Status s = runner->UpdateWeights(ViewsOf(update));
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(RunSteps(runner.get()), want) << "TP " << tp;
+  }
 }
 
 TEST(TensorParallelRunnerTest, DegreesThatDoNotSplitTheModelAreRefusedClearly) {

@@ -210,6 +210,15 @@ int FuzzModelConfig(const uint8_t* data, size_t size) {
   FUZZ_CHECK(std::isfinite(c.rope_theta) && c.rope_theta > 0,
              "accepted rope_theta = " + std::to_string(c.rope_theta));
   for (int32_t eos : c.eos_token_ids) FUZZ_CHECK(eos >= 0, "negative eos id");
+  if (c.is_moe()) {
+    FUZZ_CHECK(c.num_experts_per_tok > 0 && c.num_experts_per_tok <= c.num_experts &&
+                   c.moe_intermediate_size > 0 && c.decoder_sparse_step > 0,
+               "accepted a MoE size out of range");
+    for (int32_t layer : c.mlp_only_layers) {
+      FUZZ_CHECK(layer >= 0 && layer < c.num_layers, "mlp_only_layers outside the model");
+    }
+    FUZZ_CHECK(c.RoutingSize() == c.NumMoeLayers() * c.num_experts_per_tok, "routing size");
+  }
   // What we write, we read back identically.
   const std::string written = ModelConfigToJson(c);
   absl::StatusOr<ModelConfig> again = ParseModelConfig(written);
@@ -224,7 +233,11 @@ int FuzzModelConfig(const uint8_t* data, size_t size) {
           d.rms_norm_eps == c.rms_norm_eps && d.rope_theta == c.rope_theta &&
           d.tie_word_embeddings == c.tie_word_embeddings && d.qk_norm == c.qk_norm &&
           d.qkv_bias == c.qkv_bias && d.eos_token_ids == c.eos_token_ids &&
-          d.torch_dtype == c.torch_dtype && d.rope_scaling == c.rope_scaling,
+          d.torch_dtype == c.torch_dtype && d.rope_scaling == c.rope_scaling &&
+          d.num_experts == c.num_experts && d.num_experts_per_tok == c.num_experts_per_tok &&
+          d.moe_intermediate_size == c.moe_intermediate_size &&
+          d.norm_topk_prob == c.norm_topk_prob && d.decoder_sparse_step == c.decoder_sparse_step &&
+          d.mlp_only_layers == c.mlp_only_layers,
       "ModelConfigToJson does not round-trip:\n" + written);
   return 0;
 }

@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
   Write(out / "checkpoint_index", "one-shard", R"({"weight_map": {"z": "b.safetensors"}})");
 
   // model_config: presets and the other families.
-  for (const char* preset : {"tiny", "small", "llama3-small", "yarn-small"}) {
+  for (const char* preset : {"tiny", "small", "llama3-small", "yarn-small", "moe-small"}) {
     Write(out / "model_config", preset, ModelConfigToJson(*PresetConfig(preset)));
   }
   {

@@ -15,9 +15,18 @@ Architectures (the second argument):
           high 4, original_max_position_embeddings 1024), theta 500000.
   yarn    Qwen3ForCausalLM with Qwen's long-context recipe: rope_scaling yarn (factor 4,
           original_max_position_embeddings 1024), theta 1e6.
+  qwen3moe  Qwen3MoeForCausalLM: the same attention, 8 experts of width 128, 2 per token,
+          norm_topk_prob, layer 1 dense (mlp_only_layers), plain RoPE. The reference also holds
+          the routing transformers chose at every position and MoE layer (the top-k expert ids
+          by router probability, from the router's input and weight recomputed in fp32) and the
+          gap between the k-th and the (k+1)-th probability (a near-tie where it is small).
+          Besides model/ (what save_pretrained writes by default), model_fused/ holds the same
+          weights in the layout the transformers version keeps its experts in memory
+          (transformers 5: mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj
+          [E, H, I]; absent when that is the per-expert layout already).
 The config.json of the scaled ones is left exactly as transformers wrote it.
 
-Usage: make_hf_reference.py OUT_DIR [qwen3|llama3|yarn]
+Usage: make_hf_reference.py OUT_DIR [qwen3|llama3|yarn|qwen3moe]
   (writes OUT_DIR/model/, OUT_DIR/reference.json, OUT_DIR/logits_*.f32)
 """
 import inspect
@@ -37,6 +46,7 @@ SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden
              num_attention_heads=8, num_key_value_heads=2, head_dim=32,
              max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False,
              eos_token_id=2, bos_token_id=1)
+MOE = dict(num_experts=8, top_k=2, mlp_only_layers=[1])
 
 
 def make_config(cls, theta, scaling, **kwargs):
@@ -61,7 +71,65 @@ def build(arch):
         scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
         return Qwen3ForCausalLM(make_config(Qwen3Config, 1000000.0, scaling, rms_norm_eps=1e-6,
                                             **SHAPE)), "yarn"
-    sys.exit(f"unknown architecture {arch!r} (qwen3, llama3 or yarn)")
+    if arch == "qwen3moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        return Qwen3MoeForCausalLM(make_config(
+            Qwen3MoeConfig, 1000000.0, None, rms_norm_eps=1e-6, num_experts=MOE["num_experts"],
+            num_experts_per_tok=MOE["top_k"], moe_intermediate_size=128, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=MOE["mlp_only_layers"],
+            **SHAPE)), "default"
+    sys.exit(f"unknown architecture {arch!r} (qwen3, llama3, yarn or qwen3moe)")
+
+
+class RouterProbe:
+    """Records each MoE layer's router input on every forward (a pre-hook on mlp.gate, whatever
+    module class the version uses), and recomputes the routing from it in fp32."""
+
+    def __init__(self, model):
+        self.inputs = {}
+        self.layers = []
+        for i, layer in enumerate(model.model.layers):
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None or not hasattr(gate, "weight") or gate.weight.dim() != 2:
+                continue  # a dense layer: its mlp.gate_proj is no router
+            self.layers.append((i, gate))
+            gate.register_forward_pre_hook(self._hook(i))
+
+    def _hook(self, i):
+        def hook(module, args):
+            self.inputs[i] = args[0].detach()
+        return hook
+
+    def routing(self):
+        """[rows][moe layer][k] expert ids and [rows][moe layer] gaps of the last forward."""
+        ids, gaps = [], []
+        for i, gate in self.layers:
+            x = self.inputs[i].reshape(-1, gate.weight.shape[1]).float()
+            p = torch.softmax(x @ gate.weight.float().t(), dim=-1)
+            top = torch.topk(p, MOE["top_k"] + 1, dim=-1)
+            ids.append(top.indices[:, :MOE["top_k"]])
+            gaps.append(top.values[:, MOE["top_k"] - 1] - top.values[:, MOE["top_k"]])
+        return (torch.stack(ids, 1).cpu().tolist(), torch.stack(gaps, 1).cpu().tolist())
+
+
+def save_fused(model, model_dir, fused_dir):
+    """The experts as this transformers version holds them (its state_dict), when that is not
+    the per-expert layout save_pretrained wrote; returns the fused tensor names written."""
+    from safetensors.torch import save_file
+    state = model.state_dict()
+    fused = [k for k in state if k.endswith("mlp.experts.gate_up_proj") or
+             k.endswith("mlp.experts.down_proj")]
+    if not fused:
+        return []
+    os.makedirs(fused_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight" or
+               not model.config.tie_word_embeddings}, os.path.join(fused_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = f.read()
+    with open(os.path.join(fused_dir, "config.json"), "w") as f:
+        f.write(config)
+    return fused
 
 
 def main():
@@ -107,7 +175,7 @@ def main():
     model.save_pretrained(model_dir, safe_serialization=True)
 
     config_path = os.path.join(model_dir, "config.json")
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         # transformers >= 5 may write the RoPE base under rope_parameters / rope_scaling with
         # rope_type "default"; this reference has always served the classic top-level
         # rope_theta (the engine reads both).
@@ -122,6 +190,19 @@ def main():
             json.dump(config, f, indent=2)
     with open(config_path) as f:
         saved = json.load(f)
+    fused = save_fused(model, model_dir, os.path.join(out, "model_fused")) if arch == "qwen3moe" \
+        else []
+    if arch == "qwen3moe":
+        from safetensors import safe_open
+        names = set()
+        for file in os.listdir(model_dir):
+            if file.endswith(".safetensors"):
+                with safe_open(os.path.join(model_dir, file), "pt") as f:
+                    names.update(f.keys())
+        expert_names = sorted(n for n in names if ".mlp.experts." in n)
+        print(f"save_pretrained wrote {len(expert_names)} expert tensors, e.g. "
+              f"{expert_names[:2]}; in memory (model_fused/): {fused[:2] or 'per expert'}",
+              flush=True)
 
     model = model.float().cuda().eval()
     rotary = model.model.rotary_emb
@@ -129,9 +210,11 @@ def main():
         rotary.inv_freq.copy_(inv_freq32.to(rotary.inv_freq.device))
         if original_inv_freq32 is not None and hasattr(rotary, "original_inv_freq"):
             rotary.original_inv_freq = original_inv_freq32.to(rotary.inv_freq.device)
+    probe = RouterProbe(model) if arch == "qwen3moe" else None
     gen = torch.Generator().manual_seed(1)
     ref = {"arch": arch, "vocab": SHAPE["vocab_size"], "prompts": [], "greedy": [],
-           "margins": [], "logits_files": [], "rope_type": rope_type,
+           "margins": [], "logits_files": [], "rope_type": rope_type, "routing": [],
+           "routing_gaps": [], "fused_model": bool(fused),
            "inv_freq": [float(x) for x in inv_freq32.cpu()],
            "attention_scaling": attention_scaling,
            "transformers": transformers.__version__, "torch": torch.__version__}
@@ -146,6 +229,10 @@ def main():
                 margins.append(float(top.values[0] - top.values[1]))
                 ids.append(int(torch.argmax(logits)))  # first maximum: lowest index on ties
             full = model(torch.tensor([ids], device="cuda"), use_cache=False).logits[0]
+            if probe is not None:
+                routing, gaps = probe.routing()
+                ref["routing"].append(routing)
+                ref["routing_gaps"].append(gaps)
             name = f"logits_{i}.f32"
             full.float().cpu().numpy().astype("<f4").tofile(os.path.join(out, name))
             ref["prompts"].append(prompt)

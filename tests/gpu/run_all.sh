@@ -25,11 +25,13 @@ source .gpu/env.sh .gpu/lib
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 date -u +%Y-%m-%dT%H:%MZ >> "$OUT/gpu.txt"
 
-# transformers references: plain Qwen3, Llama 3.1-style (llama3 RoPE scaling), Qwen3 + YaRN.
-HF_REFERENCES=/tmp/hf-ref:/tmp/hf-ref-llama3:/tmp/hf-ref-yarn
+# transformers references: plain Qwen3, Llama 3.1-style (llama3 RoPE scaling), Qwen3 + YaRN,
+# Qwen3-MoE (/tmp/hf-ref-moe).
+HF_REFERENCES=/tmp/hf-ref:/tmp/hf-ref-llama3:/tmp/hf-ref-yarn:/tmp/hf-ref-moe
 if [[ " $STEPS " == *" hf "* ]]; then
-  for arch in qwen3 llama3 yarn; do
+  for arch in qwen3 llama3 yarn qwen3moe; do
     dir=/tmp/hf-ref; [[ $arch == qwen3 ]] || dir=/tmp/hf-ref-$arch
+    [[ $arch == qwen3moe ]] && dir=/tmp/hf-ref-moe
     timeout 300 python3 tests/gpu/make_hf_reference.py $dir $arch > "$OUT/hf_reference_$arch.log" 2>&1
     echo "make_hf_reference $arch: rc $?"; tail -1 "$OUT/hf_reference_$arch.log"
   done

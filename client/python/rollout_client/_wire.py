@@ -111,7 +111,7 @@ def _top(entries) -> List[TopLogprobs]:
 def generate_request(prompts, num_samples, seed, temperature, top_k, top_p, min_p,
                      max_new_tokens, stop_token_ids, ignore_eos, top_logprobs, request_ids,
                      completions_only: bool = False, chunk_tokens: int = 0,
-                     chunk_interval_ms: int = 0):
+                     chunk_interval_ms: int = 0, return_routing: bool = False):
     """The GenerateRequest, and the request id of each rollout ("" when none)."""
     if max_new_tokens is None:
         raise TypeError("generate: max_new_tokens is required")
@@ -129,6 +129,7 @@ def generate_request(prompts, num_samples, seed, temperature, top_k, top_p, min_
     request.stream.completions_only = bool(completions_only)
     request.stream.chunk_tokens = int(chunk_tokens)
     request.stream.chunk_interval_ms = int(chunk_interval_ms)
+    request.return_routing = bool(return_routing)
     for i, prompt in enumerate(prompts):
         r = request.rollouts.add()
         if ids[i] is not None:
@@ -167,6 +168,7 @@ def completion(c, request_ids: List[str]) -> Completion:
         top_logprobs=_top(c.top_logprobs),
         request_id=request_ids[c.rollout_index] if c.rollout_index < len(request_ids) else "",
         weight_digest=c.weight_digest,
+        routing=list(c.routing),
     )
 
 
@@ -206,18 +208,26 @@ class CompletionTable:
 # -- Score ------------------------------------------------------------------------------------
 
 
-def score_request(sequences_, starts, temperature, top_logprobs):
+def score_request(sequences_, starts, temperature, top_logprobs, routings=None,
+                  return_routing: bool = False):
     seqs = sequences(sequences_, "sequences")
     starts_list = per_item(starts, len(seqs), "starts")
     temps = per_item(temperature, len(seqs), "temperature")
+    if routings is None:
+        routings = [None] * len(seqs)
+    elif len(routings) != len(seqs):
+        raise ValueError(f"score: routings has {len(routings)} entries for {len(seqs)} sequences")
     request = pb2.ScoreRequest()
-    for ids, start, t in zip(seqs, starts_list, temps):
+    for ids, start, t, routing in zip(seqs, starts_list, temps, routings):
         s = request.sequences.add()
         s.token_ids.extend(ids)
         s.start = int(start)
         if t is not None:
             s.temperature = float(t)
         s.top_logprobs = int(top_logprobs)
+        if routing is not None:
+            s.routing.extend(int(e) for e in routing)
+        s.return_routing = bool(return_routing)
     return request
 
 
@@ -225,7 +235,8 @@ def score_results(response, details: bool):
     if not details:
         return [list(r.logprobs) for r in response.results]
     return [ScoreResult(list(r.logprobs), _top(r.top_logprobs), r.weight_version,
-                        r.cached_tokens, r.weight_digest) for r in response.results]
+                        r.cached_tokens, r.weight_digest, list(r.routing))
+            for r in response.results]
 
 
 # -- weights ----------------------------------------------------------------------------------

@@ -132,7 +132,8 @@ class RolloutClient:
                  stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                  top_logprobs: int = 0, request_ids: Optional[Sequence[str]] = None,
                  stream: bool = False, chunk_tokens: int = 0, chunk_interval_ms: int = 0,
-                 completions_only: Optional[bool] = None, timeout: Optional[float] = None):
+                 completions_only: Optional[bool] = None, timeout: Optional[float] = None,
+                 return_routing: bool = False):
         """As rollout_client.RolloutClient.generate. Without stream: a coroutine returning
         completions[prompt][sample]. With stream=True: an async iterator of TokenChunk and
         Completion (`async for`); leaving it early (break, aclose(), a cancelled task) cancels
@@ -143,7 +144,7 @@ class RolloutClient:
         request, ids = _wire.generate_request(
             prompts, num_samples, seed, temperature, top_k, top_p, min_p, max_new_tokens,
             stop_token_ids, ignore_eos, top_logprobs, request_ids, completions_only,
-            chunk_tokens, chunk_interval_ms)
+            chunk_tokens, chunk_interval_ms, return_routing)
         if stream:
             return self._stream(request, ids, timeout)
         return self._collect(request, ids, timeout)
@@ -153,9 +154,12 @@ class RolloutClient:
     async def score(self, sequences: Sequence[Sequence[int]], starts: IntOrList,
                     temperature: Union[None, float, Sequence[Optional[float]]] = None,
                     top_logprobs: int = 0, *, details: bool = False,
-                    timeout: Optional[float] = None):
+                    timeout: Optional[float] = None,
+                    routings: Optional[Sequence[Optional[Sequence[int]]]] = None,
+                    return_routing: bool = False):
         """As rollout_client.RolloutClient.score."""
-        request = _wire.score_request(sequences, starts, temperature, top_logprobs)
+        request = _wire.score_request(sequences, starts, temperature, top_logprobs, routings,
+                                      return_routing)
         return _wire.score_results(await self._unary(self._stub.Score, request, timeout),
                                    details)
 

@@ -124,7 +124,8 @@ class RolloutClient:
                  stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                  top_logprobs: int = 0, request_ids: Optional[Sequence[str]] = None,
                  stream: bool = False, chunk_tokens: int = 0, chunk_interval_ms: int = 0,
-                 completions_only: Optional[bool] = None, timeout: Optional[float] = None):
+                 completions_only: Optional[bool] = None, timeout: Optional[float] = None,
+                 return_routing: bool = False):
         """Samples completions of token-id prompts.
 
         prompts: a list of prompts, each a sequence of token ids (lists, numpy arrays, torch
@@ -143,13 +144,15 @@ class RolloutClient:
         chunk_interval_ms=M coalesce each sample's chunks (one every N tokens or M ms,
         whichever first), completions_only=True sends none. The tokens and logprob bits are
         the same in every case.
+        return_routing=True (MoE models): each Completion.routing holds the experts chosen for
+        every generated token at every MoE layer (docs/api.md, routing replay).
         """
         if completions_only is None:
             completions_only = not stream and not chunk_tokens and not chunk_interval_ms
         request, ids = _wire.generate_request(
             prompts, num_samples, seed, temperature, top_k, top_p, min_p, max_new_tokens,
             stop_token_ids, ignore_eos, top_logprobs, request_ids, completions_only,
-            chunk_tokens, chunk_interval_ms)
+            chunk_tokens, chunk_interval_ms, return_routing)
         if stream:
             return self._stream(request, ids, timeout)
         table = _wire.CompletionTable(request)
@@ -163,15 +166,21 @@ class RolloutClient:
     def score(self, sequences: Sequence[Sequence[int]], starts: IntOrList,
               temperature: Union[None, float, Sequence[Optional[float]]] = None,
               top_logprobs: int = 0, *, details: bool = False,
-              timeout: Optional[float] = None):
+              timeout: Optional[float] = None,
+              routings: Optional[Sequence[Optional[Sequence[int]]]] = None,
+              return_routing: bool = False):
         """Teacher-forced logprobs of token_ids[start:] of each sequence (prompt + completion
         with start = len(prompt) gives exactly the logprobs Generate returned, bitwise, at the
         same temperature and weights).
 
         Returns a list (per sequence) of logprob lists; with details=True a list of
-        ScoreResult (logprobs, top_logprobs, weight_version, cached_tokens).
+        ScoreResult (logprobs, top_logprobs, weight_version, cached_tokens, routing).
+        routings (MoE models): per sequence None or the routing its scored tokens' rows use
+        instead of choosing -- a Completion.routing for start = len(prompt) -- so the logprobs
+        are those of that routing; return_routing=True fills ScoreResult.routing (details).
         """
-        request = _wire.score_request(sequences, starts, temperature, top_logprobs)
+        request = _wire.score_request(sequences, starts, temperature, top_logprobs, routings,
+                                      return_routing)
         return _wire.score_results(self._unary(self._stub.Score, request, timeout), details)
 
     # -- weights ------------------------------------------------------------------------------

@@ -102,6 +102,9 @@ class Completion:
     top_logprobs: List[TopLogprobs] = field(default_factory=list)
     request_id: str = ""
     weight_digest: str = ""          # "sha256:<hex>" of the weights named weight_version
+    # generate(return_routing=True) on a MoE model: per token the experts of every MoE layer,
+    # flattened [token][MoE layer][num_experts_per_tok] (docs/api.md, routing replay).
+    routing: List[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,6 +125,7 @@ class ScoreResult:
     weight_version: str
     cached_tokens: int
     weight_digest: str = ""
+    routing: List[int] = field(default_factory=list)  # score(return_routing=True): as Completion
 
     def logprobs_array(self) -> "numpy.ndarray":
         """logprobs as a float32 numpy array, bit for bit what the server sent."""
@@ -217,6 +221,11 @@ class ModelInfo:
     eos_token_ids: List[int]
     source: str
     tie_word_embeddings: bool = False  # lm_head is the embedding: no lm_head.weight is served
+    num_experts: int = 0             # mixture of experts; 0: dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: List[int] = field(default_factory=list)  # a routing's MoE layers
+    routing_replay: bool = False     # return_routing / routings are served
 
 
 @dataclass

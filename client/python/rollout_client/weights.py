@@ -245,12 +245,15 @@ def _expected_dtype_shape(name: str, value: Any, target: Optional[str]):
     return dtype, shape
 
 
-def prepare(named_tensors, dtype: DTypeSpec) -> Sequence[PreparedTensor]:
-    """Checks every (name, value) and works out its declared dtype, shape and size."""
-    if isinstance(named_tensors, Mapping):
-        named_tensors = named_tensors.items()
-    out = []
-    seen = set()
+_FUSED_GATE_UP = "mlp.experts.gate_up_proj"
+_FUSED_DOWN = "mlp.experts.down_proj"
+
+
+def split_fused_experts(named_tensors):
+    """(name, tensor) pairs with MoE experts fused as transformers 5 holds them in a state_dict
+    ("P.mlp.experts.gate_up_proj" [E, 2I, H]: each expert's gate rows, then its up rows;
+    "P.mlp.experts.down_proj" [E, H, I]) replaced by the per-expert tensors the server serves,
+    "P.mlp.experts.e.{gate,up,down}_proj.weight" (views, no copy). Others pass unchanged."""
     for item in named_tensors:
         try:
             name, value = item
@@ -258,6 +261,33 @@ def prepare(named_tensors, dtype: DTypeSpec) -> Sequence[PreparedTensor]:
             raise TypeError("update_weights expects (name, tensor) pairs, e.g. "
                             "model.state_dict().items()") from None
         name = str(name)
+        gate_up = name.endswith(_FUSED_GATE_UP)
+        if not (gate_up or name.endswith(_FUSED_DOWN)):
+            yield name, value
+            continue
+        shape = tuple(int(d) for d in getattr(value, "shape", ()))
+        if len(shape) != 3 or (gate_up and shape[1] % 2 != 0):
+            raise ValueError(f"fused expert tensor '{name}' has shape {list(shape)}, expected "
+                             + ("[experts, 2 * moe_intermediate_size, hidden]" if gate_up else
+                                "[experts, hidden, moe_intermediate_size]"))
+        prefix = name[:-len(_FUSED_GATE_UP if gate_up else _FUSED_DOWN)] + "mlp.experts."
+        for e in range(shape[0]):
+            if gate_up:
+                i = shape[1] // 2
+                yield f"{prefix}{e}.gate_proj.weight", value[e, :i]
+                yield f"{prefix}{e}.up_proj.weight", value[e, i:]
+            else:
+                yield f"{prefix}{e}.down_proj.weight", value[e]
+
+
+def prepare(named_tensors, dtype: DTypeSpec) -> Sequence[PreparedTensor]:
+    """Checks every (name, value) and works out its declared dtype, shape and size. Fused MoE
+    experts (transformers 5's state_dict) are sent as the per-expert tensors they hold."""
+    if isinstance(named_tensors, Mapping):
+        named_tensors = named_tensors.items()
+    out = []
+    seen = set()
+    for name, value in split_fused_experts(named_tensors):
         if name in seen:
             raise ValueError(f"tensor '{name}' given twice")
         seen.add(name)

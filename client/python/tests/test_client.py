@@ -922,5 +922,71 @@ class TiedWeightsTest(unittest.TestCase):
             shutil.rmtree(model, ignore_errors=True)
 
 
+class RoutingReplayTest(unittest.TestCase):
+    """A Qwen3-MoE model (the moe-small preset): generate(return_routing=True) returns each
+    token's experts, and score(routings=...) with them gives generate's logprobs bitwise."""
+
+    def test_generate_routing_replays_through_score(self):
+        from _support import BIN_DIR
+        model = tempfile.mkdtemp(prefix="rollout-py-moe-")
+        try:
+            subprocess.run([os.path.join(BIN_DIR, "rollout-make-model"), "--preset", "moe-small",
+                            "--out", model, "--seed", "5"], check=True, capture_output=True,
+                           timeout=120)
+            server = Server(cache_dir(), "--model", model)
+            try:
+                client = RolloutClient(server.target, timeout=120)
+                info = client.wait_ready(60)
+                self.assertEqual(info.model.architecture, "Qwen3MoeForCausalLM")
+                self.assertEqual(info.model.moe_layers, [0, 2, 3])
+                self.assertTrue(info.model.routing_replay)
+                per_token = len(info.model.moe_layers) * info.model.num_experts_per_tok
+                prompt = [5, 17, 301, 4000, 12, 9]
+                c = client.generate([prompt], max_new_tokens=8, temperature=0.7, seed=3,
+                                    ignore_eos=True, return_routing=True)[0][0]
+                self.assertEqual(len(c.routing), len(c.token_ids) * per_token)
+                self.assertTrue(all(0 <= e < info.model.num_experts for e in c.routing))
+                plain = client.generate([prompt], max_new_tokens=8, temperature=0.7, seed=3,
+                                        ignore_eos=True)[0][0]
+                self.assertEqual(plain.routing, [])
+                self.assertEqual(plain.token_ids, c.token_ids)
+                r = client.score([prompt + c.token_ids], len(prompt), temperature=0.7,
+                                 routings=[c.routing], return_routing=True, details=True)[0]
+                self.assertEqual(r.logprobs_array().tobytes(), c.logprobs_array().tobytes())
+                self.assertEqual(r.routing, c.routing)
+                bad = list(c.routing)
+                bad[0] = info.model.num_experts
+                with self.assertRaises(RolloutError) as refused:
+                    client.score([prompt + c.token_ids], len(prompt), routings=[bad])
+                self.assertEqual(refused.exception.code, "INVALID_ARGUMENT")
+                self.assertIn("is outside the experts", str(refused.exception))
+                # A transformers 5 state_dict holds experts fused: update_weights sends them as
+                # the per-expert tensors the server serves -- the same bytes, the same digest.
+                state = read_safetensors(model)
+
+                def f32(name):
+                    t = state[name]
+                    bits = np.frombuffer(bytes(t.data), dtype=np.uint16).reshape(t.shape)
+                    return bf16_bits_to_f32(bits)
+                fused = {}
+                for layer in info.model.moe_layers:
+                    p = f"model.layers.{layer}.mlp.experts."
+                    experts = range(info.model.num_experts)
+                    fused[p + "gate_up_proj"] = np.stack([np.concatenate(
+                        [f32(f"{p}{e}.gate_proj.weight"), f32(f"{p}{e}.up_proj.weight")])
+                        for e in experts])
+                    fused[p + "down_proj"] = np.stack([f32(f"{p}{e}.down_proj.weight")
+                                                       for e in experts])
+                r = client.update_weights(fused, version="fused-1")
+                self.assertEqual(r.tensors_updated, len(info.model.moe_layers) *
+                                 info.model.num_experts * 3)
+                self.assertEqual(r.weight_digest, info.weight_digest, "the same bytes")
+                client.close()
+            finally:
+                server.stop()
+        finally:
+            shutil.rmtree(model, ignore_errors=True)
+
+
 if __name__ == "__main__":
     unittest.main()
