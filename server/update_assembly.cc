@@ -217,12 +217,11 @@ void UpdateAssembly::Fail(UpdatePart* part, const absl::Status& status) {
         }
       }
     }
-  }
-  if (!absl::StrContains(message, "nothing was applied")) {
-    absl::StrAppend(&message, "; nothing was applied");
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
+    if (!absl::StrContains(message, "nothing was applied")) {
+      absl::StrAppend(&message, "; nothing was applied");
+    }
+    // Under the same lock as the state: a part joining now hears this failure, never an
+    // ended update without a reason (which reads as "being applied").
     failure_ = absl::Status(status.code(), message);
   }
   LOG(WARNING) << "weight update" << (part_count_ > 1 ? " '" + update_id_ + "'" : "")
