@@ -273,7 +273,8 @@ absl::Status SetFamilyFlags(const json& j, ModelConfig* c) {
   return absl::OkStatus();
 }
 
-// The MoE fields of a Qwen3MoeForCausalLM config, with transformers' Qwen3MoeConfig defaults
+// The MoE fields of a Qwen3MoeForCausalLM config (num_experts or transformers 5's
+// num_local_experts), with transformers' Qwen3MoeConfig defaults
 // for absent ones (128 experts, 8 per token, width 768, no renormalisation, every layer sparse).
 // What the forward pass does not model is refused by name: shared experts (Qwen2-MoE's
 // shared_expert_intermediate_size), sizes that are not positive, more experts per token than
@@ -283,7 +284,16 @@ absl::Status ReadMoe(const json& j, ModelConfig* c) {
   auto check = [&](absl::Status status) {
     if (s.ok()) s = std::move(status);
   };
-  check(GetInt(j, "num_experts", 128, &c->num_experts));
+  // transformers 5 writes the expert count as num_local_experts (its Qwen3MoeConfig maps
+  // num_experts onto it); the Hub's configs say num_experts. Either, not two different counts.
+  int32_t local_experts = 0;
+  check(GetInt(j, "num_local_experts", 0, &local_experts));
+  check(GetInt(j, "num_experts", local_experts > 0 ? local_experts : 128, &c->num_experts));
+  if (s.ok() && local_experts > 0 && local_experts != c->num_experts) {
+    return FieldError("num_local_experts",
+                      absl::StrCat("(", local_experts, ") differs from num_experts (",
+                                   c->num_experts, "); they name the same count"));
+  }
   check(GetInt(j, "num_experts_per_tok", 8, &c->num_experts_per_tok));
   check(GetInt(j, "moe_intermediate_size", 768, &c->moe_intermediate_size));
   check(GetBool(j, "norm_topk_prob", false, &c->norm_topk_prob));

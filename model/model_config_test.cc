@@ -550,6 +550,26 @@ TEST(ModelConfigTest, MoeFieldsTakeTransformersDefaults) {
   EXPECT_TRUE(c->is_moe());
 }
 
+// transformers 5.17's save_pretrained writes num_local_experts, not num_experts (found on the
+// H200: its reference model of 8 experts was read as the default 128).
+TEST(ModelConfigTest, TransformersFivesNumLocalExpertsIsTheExpertCount) {
+  json j = SmallMoe();
+  j.erase("num_experts");
+  j["num_local_experts"] = 8;
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_experts, 8);
+  j["num_experts"] = 8;  // both, agreeing
+  c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_experts, 8);
+  j["num_experts"] = 16;  // both, disagreeing
+  c = ParseModelConfig(j.dump());
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("num_local_experts"), std::string::npos) << c.status();
+}
+
 TEST(ModelConfigTest, IsMoeLayerFollowsSparseStepAndMlpOnlyLayers) {
   json j = SmallMoe();
   j["num_hidden_layers"] = 6;

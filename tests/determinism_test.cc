@@ -11,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -757,6 +758,14 @@ TEST_F(DeterminismTest, PartialRolloutAfterClientCancelContinuesBitwise) {
 // one GPU). Each mode must pass at each degree, and every rollout must give the same bits at every
 // degree: the counts are merged over the degrees and the only passing count is still 1.
 TEST_F(DeterminismTest, TensorParallelDegrees2And4PassTheKeyModesWithTheBitsOfTp1) {
+  const char* backend = std::getenv("ROLLOUT_TEST_BACKEND");
+  const char* preset = std::getenv("ROLLOUT_TEST_PRESET");
+  if (backend != nullptr && std::string(backend) == "cuda" && preset != nullptr &&
+      absl::StrContains(preset, "moe")) {
+    GTEST_SKIP() << "the cuda backend refuses TP > 1 for mixture-of-experts models by name "
+                    "(UNIMPLEMENTED, docs/cuda.md); MoE's TP invariance is this test on the CPU "
+                    "backend (moe.DeterminismTest in CI)";
+  }
   std::map<std::string, UniqueOutputs> merged;  // mode -> outputs at every degree
   for (int32_t tp : {1, 2, 4}) {
     const std::string at = absl::StrCat(" at TP ", tp);
