@@ -19,8 +19,8 @@ namespace {
 // One pool for every call (threads split output columns or rows, never a reduction: the count
 // cannot change a bit). Created on first use.
 rollout::cpu::ThreadPool* Pool() {
-  static rollout::cpu::ThreadPool* pool =
-      new rollout::cpu::ThreadPool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  static rollout::cpu::ThreadPool* pool = new rollout::cpu::ThreadPool(
+      static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   return pool;
 }
 
@@ -51,12 +51,13 @@ void rt_rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim,
 
 // cos, sin: [n, head_dim / 2] of each position, default RoPE with base theta (given as the
 // float config.json's rope_theta becomes, widened to double as ModelConfig's is).
-void rt_rope_cos_sin(float theta, int64_t head_dim, const int32_t* positions, int64_t n,
-                     float* cos, float* sin) {
+void rt_rope_cos_sin(float theta, int64_t head_dim, const int32_t* positions, int64_t n, float* cos,
+                     float* sin) {
   const rollout::RopeFrequencies f =
       rollout::ComputeRopeFrequencies(rollout::RopeScaling{}, theta, head_dim);
   const int64_t half = head_dim / 2;
-  for (int64_t i = 0; i < n; ++i) rollout::RopeCosSin(f, positions[i], cos + i * half, sin + i * half);
+  for (int64_t i = 0; i < n; ++i)
+    rollout::RopeCosSin(f, positions[i], cos + i * half, sin + i * half);
 }
 
 // In place on x [t, heads, head_dim].
