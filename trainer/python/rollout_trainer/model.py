@@ -108,6 +108,11 @@ class Qwen3Model(torch.nn.Module):
                     raise ContractError(field, theirs, mine)
         return model
 
+    def named_weights(self):
+        """(Hugging Face name, parameter) pairs: what RolloutClient.update_weights takes."""
+        for name, key in self._names.items():
+            yield name, self.params[key]
+
     def weight(self, name: str) -> torch.Tensor:
         return self.params[self._names[name]]
 

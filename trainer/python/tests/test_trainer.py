@@ -140,6 +140,47 @@ class TensorParallelTest(unittest.TestCase):
             self.assertTrue(np.array_equal(bits(mine), bits(theirs)), f"tp {tp}")
 
 
+class TrainingLoopTest(unittest.TestCase):
+    def test_rollout_step_push_rollout_keeps_the_bits(self):
+        # A GRPO-shaped loop: rollouts, the trainer's logprobs (with autograd) equal to them,
+        # a step, the new weights pushed to the server, rollouts of the new weights equal to the
+        # trainer's logprobs again. Its own server and model: the update changes both.
+        server = _support.Server(_support.cache_dir())
+        try:
+            with RolloutClient(server.target) as client:
+                info = client.server_info(timeout=60)
+                model = Qwen3Model.from_pretrained(info.model.source, contract=info.numerics)
+                opt = torch.optim.SGD(model.parameters(), lr=0.5)
+                rng = random.Random(4)
+                prompts = [[rng.randrange(3, model.vocab) for _ in range(n)] for n in (4, 9, 23)]
+                for step in range(2):
+                    per_prompt = client.generate(prompts, num_samples=2, seed=step,
+                                                 temperature=1.0, max_new_tokens=24,
+                                                 ignore_eos=True)
+                    comps = [c for samples in per_prompt for c in samples]
+                    seqs = [prompts[c.prompt_index] + list(c.token_ids) for c in comps]
+                    tokens, cu = pack(seqs)
+                    lp = model.logprobs(tokens, cu, 1.0)
+                    mine = np.concatenate([
+                        lp.detach().numpy()[int(cu[i]) + len(prompts[c.prompt_index]):
+                                            int(cu[i + 1])] for i, c in enumerate(comps)])
+                    theirs = np.concatenate([np.float32(c.logprobs) for c in comps])
+                    self.assertTrue(np.array_equal(bits(mine), bits(theirs)), f"step {step}")
+                    adv = torch.tensor(rng.choices([-1.0, 1.0], k=tokens.numel()))
+                    opt.zero_grad()
+                    (-(lp * adv).mean()).backward()
+                    opt.step()
+                    # The served weights are the step's cast to bfloat16: the trainer's too.
+                    model.load_weights([(n, p.detach()) for n, p in model.named_weights()])
+                    before = client.server_info().weight_digest
+                    client.update_weights(list(model.named_weights()), f"step-{step + 1}")
+                    after = client.server_info()
+                    self.assertEqual(after.weight_version, f"step-{step + 1}")
+                    self.assertNotEqual(after.weight_digest, before, "the step changed no bit")
+        finally:
+            server.stop()
+
+
 class GradientTest(unittest.TestCase):
     def test_gradients_match_autograd_of_a_float64_forward(self):
         rng = random.Random(7)
