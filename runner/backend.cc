@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_format.h"
 #include "glog/logging.h"
+#include "kernels/cpu/ops.h"
 #include "model/model_config.h"
 #include "runner/cpu/cpu_model_runner.h"
 #include "runner/cuda/cuda_backend.h"
@@ -57,6 +58,19 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(const Checkpoint& 
 }
 
 }  // namespace
+
+BackendNumerics DescribeNumerics(const BackendOptions& options) {
+  BackendNumerics n;
+  if (options.backend == "cpu") {
+    n.compute_dtype = "float32";
+    n.row_parallel_reduction = "canonical_k_tree_8";  // at every degree, TP 1 included
+    n.kernels = cpu::kKernelsVersion;
+  } else if (options.backend == "cuda") {
+    n.row_parallel_reduction =
+        options.tp_invariant || options.tensor_parallel > 1 ? "canonical_k_tree_8" : "fused";
+  }
+  return n;
+}
 
 absl::Status CheckBackend(const BackendOptions& options) {
   if (options.backend == "cpu") return absl::OkStatus();

@@ -32,6 +32,16 @@ struct BackendOptions {
   std::function<int64_t()> available_host_memory_for_testing;
 };
 
+// What a trainer-side forward needs to know about the backend's arithmetic to reproduce its
+// bits (ServerInfo.numerics; docs/api.md, "Numerics contract"). Empty strings: not reported
+// (the CUDA backend's fields are not filled yet).
+struct BackendNumerics {
+  std::string compute_dtype;           // "float32" on the CPU
+  std::string row_parallel_reduction;  // "canonical_k_tree_8" or "fused"
+  std::string kernels;                 // e.g. cpu::kKernelsVersion
+};
+BackendNumerics DescribeNumerics(const BackendOptions& options);
+
 // OK when `options.backend` names a backend this build can run, checked before any model is
 // read: INVALID_ARGUMENT for an unknown name, and LoadCudaBackend's errors for "cuda" (no GPU is
 // touched yet).

@@ -403,6 +403,17 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
     response->mutable_weight_sync_group()->set_rank(static_cast<uint32_t>(group->rank));
     response->mutable_weight_sync_group()->set_world_size(static_cast<uint32_t>(group->world_size));
   }
+  {
+    v1::NumericsContract* n = response->mutable_numerics();
+    n->set_backend(engine_->backend_name());
+    n->set_architecture(c.architecture);
+    n->set_compute_dtype(model_.numerics.compute_dtype);
+    n->set_served_dtype(c.torch_dtype);
+    n->set_tensor_parallel(static_cast<uint32_t>(model_.tensor_parallel));
+    n->set_row_parallel_reduction(model_.numerics.row_parallel_reduction);
+    n->set_kernels(model_.numerics.kernels);
+    n->set_rope_type(RopeTypeName(c.rope_scaling.type));
+  }
   v1::EngineLimits* l = response->mutable_limits();
   l->set_max_running_samples(engine_->options().max_running_samples);
   l->set_max_batch_tokens(engine_->options().max_batch_tokens);

@@ -12,6 +12,7 @@
 #include "common/serial_executor.h"
 #include "engine/engine.h"
 #include "rollout/v1/rollout.grpc.pb.h"
+#include "runner/backend.h"
 #include "server/metrics.h"
 #include "server/update_assembly.h"
 #include "server/weights_arena.h"
@@ -22,6 +23,7 @@ namespace rollout {
 struct ServedModel {
   std::string source;           // checkpoint directory
   int32_t tensor_parallel = 1;  // ranks the runner splits the model over (ServerInfo reports it)
+  BackendNumerics numerics;     // the backend's part of ServerInfo.numerics
 };
 
 // Who may call what. With a token, control RPCs (UpdateWeights*, Pause, Resume, Abort,

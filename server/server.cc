@@ -329,7 +329,8 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   server->engine_ = *std::move(engine);
   server->metrics_ = std::make_unique<ServiceMetrics>();
   server->service_ = std::make_unique<RolloutServiceImpl>(
-      server->engine_.get(), ServedModel{server->model_dir_, options.tensor_parallel},
+      server->engine_.get(),
+      ServedModel{server->model_dir_, options.tensor_parallel, DescribeNumerics(backend)},
       AccessPolicy{options.auth_token, options.auth_all_rpcs}, server->metrics_.get(),
       options.max_queued_samples, options.stream_limits, options.update_limits);
 

@@ -279,6 +279,20 @@ TEST_F(GenerateE2eTest, ServerInfoReportsModelLimitsAndCounters) {
   EXPECT_EQ(info.limits().max_batch_tokens(), 512u);
   EXPECT_EQ(info.limits().kv_block_size(), 16u);
   EXPECT_EQ(info.limits().attention_split_size(), 64u);
+  // The numerics contract (docs/api.md): what a trainer-side forward must compute.
+  const v1::NumericsContract& n = info.numerics();
+  EXPECT_EQ(n.backend(), info.backend());
+  EXPECT_EQ(n.architecture(), "Qwen3ForCausalLM");
+  EXPECT_EQ(n.served_dtype(), "bfloat16");
+  EXPECT_EQ(n.tensor_parallel(), 1u);
+  EXPECT_EQ(n.rope_type(), "default");
+  EXPECT_EQ(n.row_parallel_reduction(), "canonical_k_tree_8");  // --tp_invariant on cuda
+  if (info.backend() == "cpu") {
+    EXPECT_EQ(n.compute_dtype(), "float32");
+    EXPECT_EQ(n.kernels(), "rollout-cpu-ref/1");
+    EXPECT_EQ(n.gpu_model(), "");
+    EXPECT_EQ(n.gemm_algorithms_size(), 0);
+  }
 }
 
 // Engine limits left at 0 take their backend's defaults; limits that were set are kept.

@@ -7,6 +7,7 @@
 #   runner  -> runner, engine, model, kernels, common
 #   server  -> server, runner, engine, model, common, proto/gRPC
 #   client  -> client, model, common, proto/gRPC         (clients know the proto, the CLI model/)
+#   trainer -> trainer, engine, model, kernels, common   (the kernels behind a C ABI; no runner)
 #   proto   -> proto
 # bench/ and tests/ may use everything. Unit tests (*_test.cc, *_test_util.h) may use the layers
 # above their own to drive them (the engine's tests run it on the CPU runner).
@@ -46,6 +47,7 @@ declare -A allowed=(
   [runner]="runner engine model kernels common"
   [server]="server runner engine model common proto rpc"
   [client]="client model common proto rpc"
+  [trainer]="trainer engine model kernels common"
   [proto]="proto rpc"
 )
 # What an include names: one of our folders, or "proto"/"rpc" for generated and gRPC headers.
@@ -53,7 +55,7 @@ layer_of_include() {
   case "$1" in
     rollout/v1/*|grpc/health/*|google/protobuf/*) echo proto ;;
     grpcpp/*|grpc/*) echo rpc ;;
-    common/*|model/*|kernels/*|engine/*|runner/*|server/*|client/*|bench/*|tests/*)
+    common/*|model/*|kernels/*|engine/*|runner/*|server/*|client/*|trainer/*|bench/*|tests/*)
       echo "${1%%/*}" ;;
     *) echo "" ;;  # the standard library and third-party headers
   esac
@@ -74,7 +76,7 @@ while IFS= read -r file; do
       violations=$((violations + 1))
     fi
   done < <(grep -E '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$file" || true)
-done < <(find common model kernels engine runner server client proto -type f \
+done < <(find common model kernels engine runner server client trainer proto -type f \
            \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null | sort)
 if [ "$checked" -eq 0 ]; then echo "layering: no source files under $root"; exit 1; fi
 if [ "$violations" -gt 0 ]; then

@@ -11,6 +11,12 @@
 // where noted.
 namespace rollout::cpu {
 
+// The build id and version of these kernels' arithmetic, reported in ServerInfo.numerics.kernels
+// and by the trainer library's shared object (trainer/): a forward that reproduces the server's
+// bits must run these same definitions. Bump the number whenever any function below changes a
+// bit of its output.
+inline constexpr char kKernelsVersion[] = "rollout-cpu-ref/1";
+
 // Dot product of two fp32 vectors of length n in a fixed lane order (16 partial sums, combined
 // by a fixed tree). Every reduction over a hidden dimension goes through this. Exactly:
 // acc[0..16) = +0; for i in increasing order acc[i % 16] = fma(a[i], b[i], acc[i % 16]) (one

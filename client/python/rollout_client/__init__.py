@@ -10,7 +10,7 @@ from .client import RolloutClient
 from .broadcast import BroadcastError, WeightBroadcaster
 from .fleet import Fleet, FleetError
 from .datatypes import (AbortResult, Completion, EngineCounters, EngineLimits, FlushCacheResult,
-                        ModelInfo, ReleasedMemory, ReleaseMemoryResult, ResumeMemoryResult,
+                        ModelInfo, NumericsContract, ReleasedMemory, ReleaseMemoryResult, ResumeMemoryResult,
                         RolloutError, ScoreResult, ServerInfo, TokenChunk, UpdateWeightsResult,
                         VersionSpan, WeightSyncGroup, WeightSyncGroupInfo)
 from .ipc import IpcTensor
@@ -39,5 +39,5 @@ __all__ = [
     "EngineLimits", "EngineCounters", "ReleasedMemory", "ReleaseMemoryResult",
     "ResumeMemoryResult", "RawTensor", "read_safetensors", "write_safetensors",
     "f32_to_bf16_bits", "bf16_bits_to_f32", "sample_seed", "IpcTensor", "WeightBroadcaster",
-    "BroadcastError", "WeightSyncGroup", "WeightSyncGroupInfo",
+    "BroadcastError", "WeightSyncGroup", "WeightSyncGroupInfo", "NumericsContract",
 ]

@@ -201,6 +201,26 @@ class WeightSyncGroup:
 
 
 @dataclass
+class NumericsContract:
+    """ServerInfo.numerics: what a forward needs to reproduce the server's bits (docs/api.md,
+    "Numerics contract"); rollout_trainer checks it. Fields that do not apply are ""/0/[]."""
+    backend: str
+    architecture: str
+    compute_dtype: str
+    served_dtype: str
+    tensor_parallel: int
+    row_parallel_reduction: str
+    kernels: str
+    rope_type: str
+    gpu_model: str
+    cuda_runtime: str
+    cublaslt_version: str
+    gemm_algorithms: List[str]
+    attention_split_size: int
+    attention_tile: int
+
+
+@dataclass
 class WeightSyncGroupInfo:
     """ServerInfo.weight_sync_group: the group a server is a member of."""
     rank: int
@@ -271,6 +291,8 @@ class ServerInfo:
     memory_released: Optional[ReleasedMemory] = None
     # Set while the server is a member of an NCCL weight-sync group (JoinWeightSyncGroup).
     weight_sync_group: Optional[WeightSyncGroupInfo] = None
+    # The numerics contract; None from a server that predates it.
+    numerics: Optional[NumericsContract] = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,8 +13,8 @@ import tempfile
 import unittest
 
 import rollout_client
-from rollout_client import (EngineCounters, EngineLimits, IpcTensor, ModelInfo, ServerInfo,
-                            UpdateWeightsResult, WeightSyncGroup, WeightSyncGroupInfo)
+from rollout_client import (EngineCounters, EngineLimits, IpcTensor, ModelInfo, NumericsContract,
+                            ServerInfo, UpdateWeightsResult, WeightSyncGroup, WeightSyncGroupInfo)
 from rollout_client.broadcast_plan import TensorSpec
 from rollout_client.client import pb2
 
@@ -79,6 +79,7 @@ class InstalledPackageTest(unittest.TestCase):
                              (IpcTensor, pb2.IpcTensor),
                              (WeightSyncGroup, pb2.JoinWeightSyncGroupResponse),
                              (WeightSyncGroupInfo, pb2.WeightSyncGroupInfo),
+                             (NumericsContract, pb2.NumericsContract),
                              (TensorSpec, pb2.BroadcastTensor)):
             client_side = CLIENT_MEASURED.get(cls, set())
             self.assertEqual({f.name for f in dataclasses.fields(cls)} - client_side,

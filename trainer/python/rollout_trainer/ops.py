@@ -1,0 +1,246 @@
+"""The CPU backend's kernels as torch ops, with plain-torch backwards.
+
+Each op's forward runs the server's kernel (librollout_trainer_ops.so) on float32 CPU tensors, so
+its bits are the server's by construction. Its backward is the gradient of the same function
+written in plain torch (`reference_*`, any float dtype): the reference is recomputed from the
+saved inputs under autograd and differentiated (activation recompute of the op's forward), so
+gradients are correct, not bitwise. The reference functions are also the float64 model the
+tests check gradients against.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from . import _lib
+
+
+def _f32(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise TypeError(f"{name}: float32 CPU tensor expected, got {t.dtype} on {t.device}")
+    return t.detach().contiguous()
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+# --- plain-torch references (the backwards differentiate these) ---
+
+def reference_matmul(x, w, bias=None):
+    y = x @ w.t()
+    return y if bias is None else y + bias
+
+
+def reference_rms_norm(x, w, eps: float):
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_rope(x, cos, sin):
+    """x [t, heads, head_dim], cos/sin [t, head_dim / 2], rotate_half layout."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def reference_silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def reference_add(x, y):
+    return x + y
+
+
+def reference_attention(q, k, v, cu_seqlens, scale: float):
+    """Causal attention per packed sequence; q [t, h, d], k/v [t, kv, d]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    outs = []
+    for b in range(len(cu_seqlens) - 1):
+        s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+        qs = q[s:e]
+        ks = k[s:e].repeat_interleave(group, dim=1)
+        vs = v[s:e].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        n = e - s
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+    return torch.cat(outs, dim=0)
+
+
+def reference_log_softmax(logits, temperature: float):
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / t, dim=-1)
+
+
+# --- kernels (forward only, no autograd) ---
+
+def _k_matmul(x, w, bias=None, *, segmented=False):
+    x, w = _f32(x, "x"), _f32(w, "w")
+    bias = None if bias is None else _f32(bias, "bias")
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"matmul shapes x {tuple(x.shape)} w {tuple(w.shape)}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    fn = _lib.lib().rt_segmented_matmul if segmented else _lib.lib().rt_matmul
+    fn(_ptr(x), m, k, _ptr(w), n, _ptr(bias), _ptr(y))
+    return y
+
+
+def _k_rms_norm(x, w, *, eps):
+    x, w = _f32(x, "x"), _f32(w, "weight")
+    dim = x.shape[-1]
+    if w.shape != (dim,):
+        raise ValueError(f"rms_norm weight {tuple(w.shape)} for rows of {dim}")
+    y = torch.empty_like(x)
+    _lib.lib().rt_rms_norm(_ptr(x), _ptr(w), x.numel() // dim, dim, eps, _ptr(y))
+    return y
+
+
+def _k_rope(x, cos, sin):
+    y = _f32(x, "x").clone()
+    cos, sin = _f32(cos, "cos"), _f32(sin, "sin")
+    t, heads, hd = y.shape
+    _lib.lib().rt_apply_rope(_ptr(y), _ptr(cos), _ptr(sin), t, heads, hd)
+    return y
+
+
+def _k_silu_mul(gate_up):
+    gate_up = _f32(gate_up, "gate_up")
+    rows, two_dim = gate_up.shape
+    out = torch.empty(rows, two_dim // 2, dtype=torch.float32)
+    _lib.lib().rt_silu_mul(_ptr(gate_up), rows, two_dim // 2, _ptr(out))
+    return out
+
+
+def _k_add(x, y):
+    out = _f32(x, "x").clone()
+    y = _f32(y, "y")
+    if y.shape != out.shape:
+        raise ValueError(f"add shapes {tuple(out.shape)} and {tuple(y.shape)}")
+    _lib.lib().rt_add(_ptr(out), _ptr(y), out.numel())
+    return out
+
+
+def _k_attention(q, k, v, positions, starts, *, scale):
+    q, k, v = _f32(q, "q"), _f32(k, "k"), _f32(v, "v")
+    positions = positions.to(torch.int32).contiguous()
+    starts = starts.to(torch.int32).contiguous()
+    t, heads, hd = q.shape
+    kv_heads = k.shape[1]
+    if heads % kv_heads != 0 or k.shape != (t, kv_heads, hd) or v.shape != k.shape:
+        raise ValueError(f"attention shapes q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"v {tuple(v.shape)}")
+    out = torch.empty_like(q)
+    _lib.lib().rt_attention(_ptr(q), _ptr(k), _ptr(v), _ptr(positions), _ptr(starts), t, heads,
+                            kv_heads, hd, scale, _ptr(out))
+    return out
+
+
+def _k_log_softmax(logits, *, temperature):
+    logits = _f32(logits, "logits")
+    rows, vocab = logits.shape
+    out = torch.empty_like(logits)
+    _lib.lib().rt_log_softmax(_ptr(logits), rows, vocab, temperature, _ptr(out))
+    return out
+
+
+class _KernelOp(torch.autograd.Function):
+    """forward: kernel(*tensors, **kw); backward: autograd of reference(*tensors, **ref_kw)."""
+
+    @staticmethod
+    def forward(ctx, kernel: Callable, reference: Callable, kw: dict, ref_kw: dict, *tensors):
+        ctx.reference, ctx.ref_kw = reference, ref_kw
+        ctx.save_for_backward(*tensors)
+        return kernel(*tensors, **kw)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[4:]
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(True) if need else t
+                      for t, need in zip(saved, needs)]
+            out = ctx.reference(*inputs, **ctx.ref_kw)
+            wanted = [i for i, need in enumerate(needs) if need]
+            grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad)
+        result = [None] * len(saved)
+        for i, g in zip(wanted, grads):
+            result[i] = g
+        return (None, None, None, None, *result)
+
+
+def _apply(kernel, reference, kw, ref_kw, *tensors):
+    return _KernelOp.apply(kernel, reference, kw, ref_kw, *tensors)
+
+
+# --- the ops ---
+
+def matmul(x, w, bias=None):
+    """y = x @ w.T (+ bias): the CPU's Dot order (q/k/v, gate/up, lm_head)."""
+    return _apply(_k_matmul, reference_matmul, {}, {}, x, w, bias)
+
+
+def row_parallel_matmul(x, w, bias=None):
+    """y = x @ w.T (+ bias) through the canonical K tree of eight segments (o_proj, down_proj),
+    the server's reduction at every tensor-parallel degree."""
+    return _apply(lambda a, b, c: _k_matmul(a, b, c, segmented=True), reference_matmul, {}, {},
+                  x, w, bias)
+
+
+def rms_norm(x, w, eps: float):
+    """Per row of the last dimension: x / sqrt(mean(x^2) + eps) * w."""
+    return _apply(_k_rms_norm, reference_rms_norm, {"eps": eps}, {"eps": eps}, x, w)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos, sin [t, head_dim / 2] of default RoPE at `positions` (model/rope.h's RopeCosSin)."""
+    positions = positions.to(torch.int32).contiguous()
+    n = positions.numel()
+    cos = torch.empty(n, head_dim // 2, dtype=torch.float32)
+    sin = torch.empty_like(cos)
+    _lib.lib().rt_rope_cos_sin(theta, head_dim, _ptr(positions), n, _ptr(cos), _ptr(sin))
+    return cos, sin
+
+
+def rope(x, cos, sin):
+    """Rotary embedding of x [t, heads, head_dim] (rotate_half layout)."""
+    return _apply(_k_rope, reference_rope, {}, {}, x, cos, sin)
+
+
+def silu_mul(gate_up):
+    """silu(gate) * up for gate_up [rows, 2 * dim] holding gate then up."""
+    return _apply(_k_silu_mul, reference_silu_mul, {}, {}, gate_up)
+
+
+def add(x, y):
+    """The residual add, in float32 as the server's."""
+    return _apply(_k_add, reference_add, {}, {}, x, y)
+
+
+def packed_positions(cu_seqlens: torch.Tensor):
+    """(positions, starts) [t] of packed sequences bounded by cu_seqlens [b + 1]."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), lens)
+    positions = torch.arange(int(cu_seqlens[-1]), dtype=torch.int64) - starts
+    return positions, starts
+
+
+def attention(q, k, v, cu_seqlens, scale: float):
+    """Causal attention over packed variable-length sequences (cu_seqlens [b + 1], from 0):
+    q [t, heads, head_dim], k/v [t, kv_heads, head_dim]; the server's per-row arithmetic."""
+    positions, starts = packed_positions(cu_seqlens)
+    return _apply(lambda a, b, c: _k_attention(a, b, c, positions, starts, scale=scale),
+                  reference_attention, {}, {"cu_seqlens": cu_seqlens, "scale": scale}, q, k, v)
+
+
+def log_softmax(logits, temperature: float):
+    """log_softmax(logits / T) per row, the sampler's definition (T <= 0 means 1)."""
+    return _apply(_k_log_softmax, reference_log_softmax, {"temperature": temperature},
+                  {"temperature": temperature}, logits)

@@ -1,0 +1,106 @@
+// librollout_trainer_ops.so: the CPU backend's kernels behind a C ABI, for the trainer library
+// (trainer/python/rollout_trainer, through ctypes). Each entry point calls the very function
+// the CPU runner calls (kernels/cpu/ops.h, model/rope.h, engine/sampler.h), compiled from the
+// same sources with the same flags, so a forward built from them has the server's bits by
+// construction. Pointers are borrowed, fp32 and contiguous; nothing is checked here (the Python
+// side checks shapes, dtypes and contiguity before calling).
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "engine/sampler.h"
+#include "kernels/cpu/ops.h"
+#include "model/rope.h"
+
+namespace {
+
+// One pool for every call (threads split output columns or rows, never a reduction: the count
+// cannot change a bit). Created on first use.
+rollout::cpu::ThreadPool* Pool() {
+  static rollout::cpu::ThreadPool* pool = new rollout::cpu::ThreadPool(
+      static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  return pool;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The kernels' build id and version (ServerInfo.numerics.kernels of a server built from the
+// same sources).
+const char* rt_kernels_version() { return rollout::cpu::kKernelsVersion; }
+
+// y[m, n] = x[m, k] . w[n, k]^T (+ bias[n]): cpu::MatMul (q/k/v, gate/up, lm_head).
+void rt_matmul(const float* x, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
+               float* y) {
+  rollout::cpu::MatMul(Pool(), x, m, k, w, n, bias, y);
+}
+
+// The same product through the canonical K tree: cpu::SegmentedMatMul (o_proj, down_proj).
+void rt_segmented_matmul(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
+                         const float* bias, float* y) {
+  rollout::cpu::SegmentedMatMul(Pool(), x, m, k, w, n, bias, y);
+}
+
+void rt_rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
+                 float* y) {
+  rollout::cpu::RmsNorm(x, weight, rows, dim, eps, y);
+}
+
+// cos, sin: [n, head_dim / 2] of each position, default RoPE with base theta (given as the
+// float config.json's rope_theta becomes, widened to double as ModelConfig's is).
+void rt_rope_cos_sin(float theta, int64_t head_dim, const int32_t* positions, int64_t n, float* cos,
+                     float* sin) {
+  const rollout::RopeFrequencies f =
+      rollout::ComputeRopeFrequencies(rollout::RopeScaling{}, theta, head_dim);
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < n; ++i)
+    rollout::RopeCosSin(f, positions[i], cos + i * half, sin + i * half);
+}
+
+// In place on x [t, heads, head_dim].
+void rt_apply_rope(float* x, const float* cos, const float* sin, int64_t t, int64_t heads,
+                   int64_t head_dim) {
+  rollout::cpu::ApplyRope(x, cos, sin, t, heads, head_dim);
+}
+
+void rt_silu_mul(const float* gate_up, int64_t rows, int64_t dim, float* out) {
+  rollout::cpu::SiluMul(gate_up, rows, dim, out);
+}
+
+// x[i] += y[i] (the residual).
+void rt_add(float* x, const float* y, int64_t n) { rollout::cpu::Add(x, y, n); }
+
+// Causal attention over packed sequences: q [t, heads, head_dim], k and v [t, kv_heads,
+// head_dim] (already normed and rotated), token i at `positions[i]` of the sequence that
+// starts at packed row `starts[i]` (so its keys are rows starts[i] .. starts[i] + positions[i]).
+// cpu::PagedAttention over a cache of blocks of one token whose block ids are the packed rows:
+// the server's per-row arithmetic exactly, whichever blocks held its KV there.
+void rt_attention(const float* q, const float* k, const float* v, const int32_t* positions,
+                  const int32_t* starts, int64_t t, int64_t heads, int64_t kv_heads,
+                  int64_t head_dim, float scale, float* out) {
+  std::vector<int32_t> rows(t);
+  for (int64_t i = 0; i < t; ++i) rows[i] = static_cast<int32_t>(i);
+  std::vector<const int32_t*> tables(t);
+  for (int64_t i = 0; i < t; ++i) tables[i] = rows.data() + starts[i];
+  const rollout::cpu::TokenSlots slots{positions, tables.data(), t};
+  // The kernel reads the cache only; the packed k and v are that cache.
+  rollout::cpu::KvCacheLayer cache{const_cast<float*>(k), const_cast<float*>(v), 1, kv_heads,
+                                   head_dim};
+  rollout::cpu::PagedAttention(Pool(), q, slots, heads, cache, scale, out);
+}
+
+// out[r, :] = log_softmax(logits[r, :] / T) with the sampler's definition (LogSoftmax): what
+// Generate streams and Score returns. T <= 0 means 1.
+void rt_log_softmax(const float* logits, int64_t rows, int32_t vocab, float temperature,
+                    float* out) {
+  Pool()->ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      rollout::LogSoftmax(logits + r * vocab, vocab, temperature, out + r * vocab);
+    }
+  });
+}
+
+}  // extern "C"
