@@ -171,8 +171,9 @@ const char* TorchDtype(DType dtype) {
 
 // "small"'s shape as a Llama (no q/k norm) or Qwen3 with a scaled RoPE whose frequencies fall
 // in every band of the scaling: the pre-training context 1024 of a 4096 context.
-ModelConfig SmallWithScaledRope(const std::string& preset) {
-  ModelConfig c = Qwen3Base();
+// "small"'s shape, which the small presets of other kinds (scaled RoPE, MoE) share.
+void SmallShape(ModelConfig* m) {
+  ModelConfig& c = *m;
   c.num_layers = 4;
   c.hidden_size = 256;
   c.intermediate_size = 768;
@@ -182,6 +183,11 @@ ModelConfig SmallWithScaledRope(const std::string& preset) {
   c.vocab_size = 4096;
   c.max_position_embeddings = 4096;
   c.eos_token_ids = {2};
+}
+
+ModelConfig SmallWithScaledRope(const std::string& preset) {
+  ModelConfig c = Qwen3Base();
+  SmallShape(&c);
   c.tie_word_embeddings = false;
   c.rope_scaling.original_max_position_embeddings = 1024;
   if (preset == "llama3-small") {
@@ -226,15 +232,7 @@ ModelConfig Qwen3Moe(const std::string& preset) {
     c.num_experts_per_tok = 8;
     c.moe_intermediate_size = 768;
   } else {
-    c.num_layers = 4;
-    c.hidden_size = 256;
-    c.intermediate_size = 768;
-    c.num_attention_heads = 8;
-    c.num_key_value_heads = 2;
-    c.head_dim = 32;
-    c.vocab_size = 4096;
-    c.max_position_embeddings = 4096;
-    c.eos_token_ids = {2};
+    SmallShape(&c);
     c.num_experts = 8;
     c.num_experts_per_tok = 2;
     c.moe_intermediate_size = 128;
@@ -267,15 +265,7 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
     c.rope_theta = 10000.0f;
     c.tie_word_embeddings = true;
   } else if (preset == "small") {
-    c.num_layers = 4;
-    c.hidden_size = 256;
-    c.intermediate_size = 768;
-    c.num_attention_heads = 8;
-    c.num_key_value_heads = 2;
-    c.head_dim = 32;
-    c.vocab_size = 4096;
-    c.max_position_embeddings = 4096;
-    c.eos_token_ids = {2};
+    SmallShape(&c);
     c.rope_theta = 1000000.0f;
     c.tie_word_embeddings = false;
   } else if (preset == "medium") {
