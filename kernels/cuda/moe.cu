@@ -14,6 +14,7 @@
 #include <climits>
 #include <cmath>
 
+#include "kernels/cuda/mma_ptx.cuh"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
 
@@ -173,27 +174,10 @@ __global__ void MoeScatterKernel(const int32_t* ids, int64_t assignments, int32_
 // acc = mma(acc, ...) over K's 16-wide steps in increasing order from zero, whatever the block,
 // warp or fragment position its row and column land in): which one runs changes speed only.
 
-__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
-__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+using ptx::CpAsync16;
+using ptx::CpAsyncCommit;
+using ptx::CpAsyncWait;
+using ptx::Mma16816;
 
 // A block of kWarpsM x kWarpsN warps, each 32 rows x 8 kNi columns (2 x kNi m16n8 tiles); K
 // staged kBk at a time through a 3-deep cp.async ring, rows padded by 8 bf16 (bank spread).
