@@ -135,7 +135,7 @@ class CpuModelRunner final : public ModelRunner {
   };
 
   class RankThreads;
-  struct Activations;  // one rank's buffers for one Forward (cpu_model_runner.cc)
+  struct Activations;  // one rank's buffers for one Forward (cpu_runner_internal.h)
   // One Forward's MoE routing: per token, nullptr (it chooses) or its forced routing
   // (RoutingSize() ids); and every token's routing as used, [t, RoutingSize()] (rank 0's).
   struct StepRouting {
