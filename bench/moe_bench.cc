@@ -137,7 +137,7 @@ int Main() {
   Check(x.Allocate(max_t * h * 4), "alloc");
   Check(ids.Allocate(max_a * 4), "alloc");
   Check(weights.Allocate(max_a * 4), "alloc");
-  Check(grouping.Allocate((3 * e + 2 + 2 * max_a) * 4), "alloc");
+  Check(grouping.Allocate(cuda::MoeGroupingInts(e, max_a) * sizeof(int32_t)), "alloc");
   Check(gate_up.Allocate(max_a * 2 * mi * 2), "alloc");
   Check(act.Allocate(max_a * mi * 2), "alloc");
   Check(y.Allocate(max_a * h * 4), "alloc");
@@ -158,7 +158,7 @@ int Main() {
               "floor ms", "x floor");
   for (int64_t t : counts) {
     const int64_t a = t * k;
-    const cuda::MoeGrouping gr{g, g + e, g + 2 * e + 1, g + 3 * e + 2, g + 3 * e + 2 + a};
+    const cuda::MoeGrouping gr = cuda::MoeGroupingIn(g, e, a);
     const int32_t tile_rows = absl::GetFlag(FLAGS_tile_rows) > 0 ? absl::GetFlag(FLAGS_tile_rows)
                                                                  : cuda::MoeTileRowsFor(a, e, h);
     cuda::MoeGemmParams up;

@@ -75,6 +75,17 @@ struct MoeGrouping {
   int32_t* slots = nullptr;           // [assignments]: assignment a -> its grouped row
 };
 
+// A grouping laid out in one int32 buffer, in the order above: how many int32 it takes, and
+// its arrays at their places in `buffer`.
+inline int64_t MoeGroupingInts(int64_t num_experts, int64_t assignments) {
+  return 3 * num_experts + 2 + 2 * assignments;
+}
+inline MoeGrouping MoeGroupingIn(int32_t* buffer, int64_t num_experts, int64_t assignments) {
+  const int64_t e = num_experts;
+  return {buffer, buffer + e, buffer + 2 * e + 1, buffer + 3 * e + 2,
+          buffer + 3 * e + 2 + assignments};
+}
+
 // Fills `grouping` from ids ([num_tokens, top_k], each in [0, num_experts)), tiles of
 // `tile_rows` (kMoeTileRows or kMoeTileRowsLarge: the expert GEMMs' tile_rows): two launches of
 // one block per expert (counts; then offsets and the stable scatter by block scans).

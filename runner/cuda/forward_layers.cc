@@ -306,8 +306,7 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
                                                    forced_rows, ids, weights, stream),
                                     "moe routing"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeRoute));
-  int32_t* g = rk.moe_grouping.get<int32_t>();
-  const cuda::MoeGrouping grouping{g, g + e, g + 2 * e + 1, g + 3 * e + 2, g + 3 * e + 2 + a};
+  const cuda::MoeGrouping grouping = cuda::MoeGroupingIn(rk.moe_grouping.get<int32_t>(), e, a);
   // The expert GEMMs' block shape for this many assignments (host-known; the bits do not
   // depend on it).
   const int32_t tile_rows = cuda::MoeTileRowsFor(a, e, h);

@@ -17,6 +17,7 @@
 #include "common/status.h"
 #include "engine/broadcast_plan.h"
 #include "glog/logging.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/sampling.h"
 #include "kernels/cuda/tensor_parallel.h"
 #include "model/rope.h"
@@ -156,7 +157,7 @@ absl::Status CudaModelRunner::AllocateWorkspace() {
              {&rk.moe_weights, a * 4},
              {&rk.moe_forced_ids, moe_layers * a * 4},
              {&rk.moe_forced_rows, moe_layers > 0 ? t * 4 : 0},
-             {&rk.moe_grouping, moe_layers > 0 ? (3 * e + 2 + 2 * a) * 4 : 0},
+             {&rk.moe_grouping, moe_layers > 0 ? cuda::MoeGroupingInts(e, a) * 4 : 0},
              {&rk.moe_gate_up, a * 2 * mi * 2},
              {&rk.moe_act, a * mi * 2},
              {&rk.moe_y, a * h * 4},
