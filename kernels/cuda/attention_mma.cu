@@ -44,7 +44,11 @@
 // between the tile loops of two splits (inside the tile loop ptxas spilled). Items go in reverse
 // order so that a prefill's longest walks start first. H200, one layer of the 8 x 1024 prefill:
 // kernel + merge 0.754 + 0.154 -> 0.547 ms. Decode keeps split-parallel blocks (a token's splits
-// are its only parallelism) and the merge.
+// are its only parallelism) and the merge. Measured and not kept (session 11): the merge in the
+// last split block of each (item, kv head) (a counter per pair, the partials read back through
+// L2 by MergeStoredSplits: the same bits, 369 of 369 bench checks) -- one warp folding its rows'
+// splits serially at the kernel's end was slower than the merge launch at every decode shape
+// (95 x 4K..8K: 0.597 ms/layer against 0.568 + 0.018).
 #include <climits>
 #include <cmath>
 #include <cstdint>
