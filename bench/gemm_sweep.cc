@@ -349,6 +349,12 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
       "in all)\n",
       copy_ms, copy_read_tbs, 2 * copy_read_tbs);
   const std::vector<cuda::SmallMGemmConfig>& configs = cuda::SmallMGemmConfigs();
+  for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
+    if (cuda::PrepareSmallMGemm(c) != cudaSuccess) {
+      std::printf("%s: shared memory refused\n", configs[c].Name().c_str());
+      return 1;
+    }
+  }
   int differing = 0;
   for (const SmallShape& s : shapes) {
     if (only != nullptr && std::strcmp(only, s.name) != 0) continue;

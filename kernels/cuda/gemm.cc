@@ -417,6 +417,11 @@ cublasStatus_t PinnedGemm::AdmitHand(int64_t min_m, int64_t end_m, int64_t repre
   if (end_m == INT64_MAX || end_m - 1 > c.max_m)
     return refuse("serves m <= " + std::to_string(c.max_m));
   if (k_ % 16 != 0) return refuse("k is not a multiple of 16");
+  // This gemm's device (a rank's slice is admitted on its own): the rung's launches need it.
+  if (PrepareSmallMGemm(config) != cudaSuccess) {
+    cudaGetLastError();
+    return refuse("its shared memory (" + std::to_string(c.SharedBytes()) + " bytes) refused");
+  }
   GemmProbe::Runner hand = [&](int64_t m, void* y) {
     return RunHand(config, probe.x.get<bf16>(), probe.batch * k_, k_, m, probe.w.get<bf16>(),
                    n_ * k_, y, m * n_, probe.batch, nullptr);

@@ -168,15 +168,22 @@ struct Launch {
 };
 
 template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages>
+constexpr size_t kSmemBytes = size_t{kStages} * (16 * kMTiles + kNTile) * kBk * sizeof(bf16);
+
+// The kernel's opt-in to more than 48 KB of dynamic shared memory. Once per device, at load:
+// cudaFuncSetAttribute waits for the runtime's pending copies, so it stays out of the step.
+template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages>
+cudaError_t PrepareConfig() {
+  constexpr size_t kSmem = kSmemBytes<kNTile, kMTiles, kWarpsM, kWarpsN, kStages>;
+  if (kSmem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(&SmallMGemmKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+}
+
+template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages>
 cudaError_t LaunchConfig(const Launch& l) {
-  constexpr size_t kSmem = size_t{kStages} * (16 * kMTiles + kNTile) * kBk * sizeof(bf16);
+  constexpr size_t kSmem = kSmemBytes<kNTile, kMTiles, kWarpsM, kWarpsN, kStages>;
   auto* kernel = &SmallMGemmKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages>;
-  if (kSmem > 48 * 1024) {
-    // Not a stream operation: legal (and cheap) while a graph is being captured.
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err != cudaSuccess) return err;
-  }
   const dim3 grid((l.n + kNTile - 1) / kNTile, l.batch);
   kernel<<<grid, 32 * kWarpsM * kWarpsN, kSmem, l.stream>>>(
       l.x, l.ldx, l.x_step, l.m, l.w, l.w_step, l.n, l.k, l.y, l.y_step, l.output);
@@ -186,10 +193,14 @@ cudaError_t LaunchConfig(const Launch& l) {
 struct Entry {
   SmallMGemmConfig config;
   cudaError_t (*launch)(const Launch&);
+  cudaError_t (*prepare)();
 };
 
-#define ROLLOUT_SMALL_M_CONFIG(nt, mt, wm, wn, st) \
-  Entry { SmallMGemmConfig{nt, 16 * mt, wm, wn, st}, &LaunchConfig<nt, mt, wm, wn, st> }
+#define ROLLOUT_SMALL_M_CONFIG(nt, mt, wm, wn, st)                                \
+  Entry {                                                                         \
+    SmallMGemmConfig{nt, 16 * mt, wm, wn, st}, &LaunchConfig<nt, mt, wm, wn, st>, \
+        &PrepareConfig<nt, mt, wm, wn, st>                                        \
+  }
 
 // The tilings the ladder may choose from, by the m they serve. Small n tiles give many CTAs
 // (qkv's 6144 columns make 384 CTAs of 16); large ones read each x tile for more columns (every
@@ -232,6 +243,12 @@ const std::vector<SmallMGemmConfig>& SmallMGemmConfigs() {
     return c;
   }();
   return configs;
+}
+
+cudaError_t PrepareSmallMGemm(int config) {
+  const std::vector<Entry>& entries = Entries();
+  if (config < 0 || config >= static_cast<int>(entries.size())) return cudaErrorInvalidValue;
+  return entries[config].prepare();
 }
 
 cudaError_t SmallMGemm(int config, const bf16* x, int64_t ldx, int64_t x_step, int64_t m,

@@ -27,7 +27,7 @@
 // ladder admits a configuration only when its probe finds the pin's bits, and times it against
 // the cuBLASLt rungs (gemm.h). tests/gpu/small_m_gemm_test.cc is the proof over m = 1 .. 256.
 //
-// Allocates nothing and never synchronises: capturable in a CUDA graph.
+// SmallMGemm allocates nothing and never synchronises: capturable in a CUDA graph.
 namespace rollout::cuda {
 
 // One compiled tiling. max_m = 16 * (m tiles); warps_m x warps_n warps per CTA, each owning
@@ -45,6 +45,12 @@ struct SmallMGemmConfig {
 
 // Every compiled configuration; SmallMGemm's `config` indexes this.
 const std::vector<SmallMGemmConfig>& SmallMGemmConfigs();
+
+// Opts configuration `config`'s kernel into its shared memory (SharedBytes()) on the current
+// device. REQUIRES: called once per device before that device's first SmallMGemm of the
+// configuration, outside graph capture (it waits for the runtime's pending copies); without it a
+// configuration over 48 KB fails to launch (cudaErrorInvalidValue).
+cudaError_t PrepareSmallMGemm(int config);
 
 // `batch` products y_b = x_b . w_b^T, b = 0 .. batch - 1 (PinnedGemm::RunBatched's layout):
 // x_b = x + b * x_step: [m, k] bf16, rows ldx elements apart; w_b = w + b * w_step: [n, k] bf16;

@@ -86,6 +86,9 @@ TEST_P(SmallMGemmTest, EveryConfigurationGivesThePinsBitsForEveryM) {
                : cudaMemset(dst, 0, s.leaves * m * s.n * out_bytes);
   };
   const std::vector<cuda::SmallMGemmConfig>& configs = cuda::SmallMGemmConfigs();
+  for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
+    ASSERT_EQ(cudaSuccess, cuda::PrepareSmallMGemm(c)) << configs[c].Name();
+  }
   std::vector<std::string> bad;
   int64_t checked = 0;
   for (int64_t m = 1; m <= kMaxM; ++m) {
@@ -153,6 +156,8 @@ TEST(SmallMGemmRefusalTest, UnsupportedShapesAndLayoutsLaunchNothing) {
   const bf16* xp = x.get<bf16>();
   const bf16* wp = w.get<bf16>();
   const int configs = static_cast<int>(cuda::SmallMGemmConfigs().size());
+  ASSERT_CUDA_OK(cuda::PrepareSmallMGemm(0));
+  EXPECT_EQ(cudaErrorInvalidValue, cuda::PrepareSmallMGemm(configs));
   struct Case {
     const char* what;
     int config;
