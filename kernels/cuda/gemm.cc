@@ -335,13 +335,18 @@ std::string RangeText(int64_t min_m, int64_t end_m) {
 constexpr int kLadderCandidates = 16;
 
 const std::vector<PinnedGemm::LadderRange>& PinnedGemm::Ladder() {
-  // Below 257, ranges of whole m16 tiles with the decode batches of docs/benchmarks.md (47, 95)
-  // among the representatives: the hand kernel serves a range with the configurations of its
-  // largest m, and a rung timed at 16 is a poor choice at 47.
-  static const std::vector<LadderRange> ladder = {
-      {1, 1},    {8, 16},    {17, 32},   {33, 47},   {49, 64},    {65, 95},
-      {97, 128}, {129, 192}, {193, 256}, {257, 384}, {640, 1024}, {2560, 4096}};
+  static const std::vector<LadderRange> ladder = {{1, 1},     {8, 16},     {48, 64},
+                                                  {160, 256}, {640, 1024}, {2560, 4096}};
   return ladder;
+}
+
+const std::vector<PinnedGemm::HandRange>& PinnedGemm::HandLadder() {
+  // Whole m16 tiles, with the decode batches of docs/benchmarks.md (47, 95) among the
+  // representatives: the cuBLASLt rung of [8, 48) is timed at 16 and is a poor choice at 47.
+  static const std::vector<HandRange> ranges = {{1, 8, 1},      {8, 17, 16},     {17, 33, 32},
+                                                {33, 49, 47},   {49, 65, 64},    {65, 97, 95},
+                                                {97, 129, 128}, {129, 193, 192}, {193, 257, 256}};
+  return ranges;
 }
 
 const PinnedGemm::Rung* PinnedGemm::For(int64_t m) const {
@@ -453,7 +458,6 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kerne
   GemmProbe probe;
   if (!InitProbe(probe)) return CUBLAS_STATUS_SUCCESS;
   const std::vector<LadderRange>& ladder = Ladder();
-  const std::vector<SmallMGemmConfig>& configs = SmallMGemmConfigs();
   for (size_t i = 0; i < ladder.size(); ++i) {
     const int64_t min_m = ladder[i].min_m;
     const int64_t end_m = i + 1 < ladder.size() ? ladder[i + 1].min_m : INT64_MAX;
@@ -466,7 +470,7 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kerne
     // candidate gives the pin's bits.
     const int64_t timed_m = std::min(rep, probe.max_m);
     double best_us = 0.97 * probe.Microseconds(probe.Of(*this), timed_m);
-    Rung best{min_m, end_m, rep, nullptr, std::nullopt};
+    std::unique_ptr<PinnedGemm> best;
     std::string why;
     for (const cublasLtMatmulAlgo_t& algo : algos) {
       if (std::memcmp(&algo, &algo_, sizeof(algo)) == 0) continue;  // the pin itself
@@ -475,17 +479,44 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kerne
       if (status == CUBLAS_STATUS_NOT_SUPPORTED) continue;
       ROLLOUT_RETURN_IF_FAILED(status, CUBLAS_STATUS_SUCCESS);
       const double us = probe.Microseconds(probe.Of(*candidate), timed_m);
-      if (us < best_us) best_us = us, best.gemm = std::move(candidate), best.hand.reset();
+      if (us < best_us) best_us = us, best = std::move(candidate);
     }
-    // The hand kernel: the configurations of the smallest max_m that covers the range (a larger
-    // one only stages more rows).
+    const bool admitted = best != nullptr;
+    if (admitted) rungs_.push_back(Rung{min_m, end_m, rep, std::move(best), std::nullopt});
+    if (diagnostics != nullptr) {
+      *diagnostics +=
+          "  m in " + RangeText(min_m, end_m) + ": " +
+          (admitted ? DescribeAlgo(rungs_.back().gemm->algo_).ToString() : std::string("the pin")) +
+          "\n" + why;
+    }
+  }
+  if (!hand_kernels) return CUBLAS_STATUS_SUCCESS;
+  return BuildHandRungs(probe, diagnostics);
+}
+
+cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnostics) {
+  const std::vector<SmallMGemmConfig>& configs = SmallMGemmConfigs();
+  std::vector<Rung> hand_rungs;
+  for (const HandRange& range : HandLadder()) {
+    // What serves the range's representative m without a hand rung (a cuBLASLt rung or the pin)
+    // is the time to beat by 3%.
+    const int64_t rep = std::min(range.representative_m, probe.max_m);
+    const Rung* serving = For(rep);
+    const std::string serving_name = serving == nullptr ? "the pin" : serving->Describe();
+    double best_us =
+        0.97 * probe.Microseconds(probe.Of(serving == nullptr ? *this : *serving->gemm), rep);
+    std::optional<int> best;
+    std::string why;
+    // The configurations of the smallest max_m that covers the range (a larger one only stages
+    // more rows).
     int cover = INT_MAX;
     for (const SmallMGemmConfig& c : configs) {
-      if (end_m != INT64_MAX && c.max_m >= end_m - 1) cover = std::min(cover, c.max_m);
+      if (c.max_m >= range.end_m - 1) cover = std::min(cover, c.max_m);
     }
-    for (int c = 0; hand_kernels && c < static_cast<int>(configs.size()); ++c) {
+    for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
       if (configs[c].max_m != cover) continue;
-      const cublasStatus_t status = AdmitHand(min_m, end_m, rep, c, probe, &why);
+      const cublasStatus_t status =
+          AdmitHand(range.min_m, range.end_m, range.representative_m, c, probe, &why);
       if (status == CUBLAS_STATUS_NOT_SUPPORTED) continue;
       ROLLOUT_RETURN_IF_FAILED(status, CUBLAS_STATUS_SUCCESS);
       const double us = probe.Microseconds(
@@ -493,16 +524,22 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kerne
             return RunHand(c, probe.x.get<bf16>(), probe.batch * k_, k_, m, probe.w.get<bf16>(),
                            n_ * k_, y, m * n_, probe.batch, nullptr);
           },
-          timed_m);
-      if (us < best_us) best_us = us, best.gemm.reset(), best.hand = c;
+          rep);
+      if (us < best_us) best_us = us, best = c;
     }
-    const bool admitted = best.gemm != nullptr || best.hand.has_value();
     if (diagnostics != nullptr) {
-      *diagnostics += "  m in " + RangeText(min_m, end_m) + ": " +
-                      (admitted ? best.Describe() : std::string("the pin")) + "\n" + why;
+      *diagnostics += "  m in " + RangeText(range.min_m, range.end_m) + ": " +
+                      (best ? configs[*best].Name() + " (over " + serving_name + ")"
+                            : serving_name + " (no hand configuration beats it by 3%)") +
+                      "\n" + why;
     }
-    if (admitted) rungs_.push_back(std::move(best));
+    if (best) {
+      hand_rungs.push_back(Rung{range.min_m, range.end_m, range.representative_m, nullptr, best});
+    }
   }
+  // Hand rungs first: For() takes the first rung whose range holds m.
+  rungs_.insert(rungs_.begin(), std::make_move_iterator(hand_rungs.begin()),
+                std::make_move_iterator(hand_rungs.end()));
   return CUBLAS_STATUS_SUCCESS;
 }
 

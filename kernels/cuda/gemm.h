@@ -94,15 +94,18 @@ class PinnedGemm {
                                        std::unique_ptr<PinnedGemm>* gemm,
                                        std::string* diagnostics = nullptr, int max_batch = 1);
   // Builds the ladder (see the top of this file) for a kPinned gemm: for each range of m in
-  // Ladder(), the candidates are the heuristic's first 16 split-K-free algorithms for the range's
-  // representative m that pass CreateWithAlgo's checks at the range's ends and representative m
-  // (with this gemm's max_batch; a rung serves its range only) and, when hand_kernels, the hand
-  // kernel's configurations of the smallest max_m that covers the range (small_m_gemm.h; k a
-  // multiple of 16). Those that give this gemm's bits on the probe (RunBatched over max_batch
-  // products, random inputs, m at the range's ends and middle) are timed at that m; the fastest
-  // becomes the range's rung if it beats the pin by 3%. Ranges without one keep the pin.
-  // Allocates (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the memory, no
-  // ladder (Describe says so). `diagnostics` receives one line per range.
+  // Ladder(), of the heuristic's first 16 split-K-free algorithms for the range's representative
+  // m, those that pass CreateWithAlgo's checks at the range's ends and representative m (with
+  // this gemm's max_batch; a rung serves its range only) and give this gemm's bits on the probe
+  // (RunBatched over max_batch products, random inputs, m at the range's ends and middle) are timed
+  // at that m; the fastest becomes the range's rung if it beats the pin by 3%. Ranges without one
+  // keep the pin. Then, when hand_kernels, for each finer range of HandLadder() (m <= 256) the
+  // hand kernel's configurations of the smallest max_m that covers it (small_m_gemm.h; k a
+  // multiple of 16) that give this gemm's bits on the same probe are timed at its representative
+  // m against what serves that m so far (a cuBLASLt rung or the pin); the fastest becomes a hand
+  // rung over the range if it beats that by 3%. Without hand rungs the ladder is the cuBLASLt one
+  // alone. Allocates (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the memory,
+  // no ladder (Describe says so). `diagnostics` receives one line per range.
   cublasStatus_t BuildLadder(std::string* diagnostics = nullptr, bool hand_kernels = true);
   // The same rungs as `from`'s (a gemm of another n with the same k and pin: a rank's slice of a
   // column-parallel weight), each admitted again by the probe on this gemm's shape.
@@ -114,6 +117,13 @@ class PinnedGemm {
     int64_t representative_m;
   };
   static const std::vector<LadderRange>& Ladder();
+  // The ranges [min_m, end_m) BuildLadder offers the hand kernel, timed at representative_m.
+  struct HandRange {
+    int64_t min_m;
+    int64_t end_m;
+    int64_t representative_m;
+  };
+  static const std::vector<HandRange>& HandLadder();
 
   // The kHeuristicNoWorkspace fallback.
   static cublasStatus_t CreateHeuristic(cublasLtHandle_t handle, int64_t n, int64_t k,
@@ -171,8 +181,9 @@ class PinnedGemm {
   DeviceBuffer workspace_;  // kPinned: what the algorithm asks for at the largest m checked
   std::map<int64_t, cublasLtMatmulAlgo_t> per_m_;  // kHeuristicNoWorkspace: m -> its algorithm
 
-  // The ladder: rungs_[i] serves m in [min_m, end_m); increasing min_m. Empty: the pin serves
-  // every m. A rung runs either a cuBLASLt gemm or a hand-kernel configuration.
+  // The ladder: a rung serves m in [min_m, end_m); the hand rungs first (increasing min_m), then
+  // the cuBLASLt rungs (increasing min_m), whose ranges may hold a hand rung's: the first rung
+  // that holds m serves it. Empty: the pin serves every m.
   struct Rung {
     int64_t min_m;
     int64_t end_m;                     // exclusive; INT64_MAX for the last range
@@ -203,6 +214,8 @@ class PinnedGemm {
   cublasStatus_t Admit(int64_t min_m, int64_t end_m, int64_t representative_m,
                        const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,
                        std::unique_ptr<PinnedGemm>* admitted, std::string* diagnostics);
+  // BuildLadder's second part: hand rungs over HandLadder()'s ranges, before the cuBLASLt rungs.
+  cublasStatus_t BuildHandRungs(GemmProbe& probe, std::string* diagnostics);
   // Whether hand-kernel configuration `config` serves [min_m, end_m) with this gemm's bits on the
   // probe (CUBLAS_STATUS_NOT_SUPPORTED when not).
   cublasStatus_t AdmitHand(int64_t min_m, int64_t end_m, int64_t representative_m, int config,
