@@ -419,9 +419,13 @@ cublasStatus_t PinnedGemm::AdmitHand(int64_t min_m, int64_t end_m, int64_t repre
     if (diagnostics != nullptr) *diagnostics += "    " + c.Name() + ": " + why + "\n";
     return CUBLAS_STATUS_NOT_SUPPORTED;
   };
-  if (end_m == INT64_MAX || end_m - 1 > c.max_m)
+  if (end_m == INT64_MAX || end_m - 1 > c.max_m) {
     return refuse("serves m <= " + std::to_string(c.max_m));
+  }
   if (k_ % 16 != 0) return refuse("k is not a multiple of 16");
+  if (end_m - 1 > probe.max_m) {
+    return refuse("the probe holds " + std::to_string(probe.max_m) + " rows only");
+  }
   // This gemm's device (a rank's slice is admitted on its own): the rung's launches need it.
   if (PrepareSmallMGemm(config) != cudaSuccess) {
     cudaGetLastError();
