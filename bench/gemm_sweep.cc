@@ -3,11 +3,15 @@
 // best for each m (its heuristic's first pick with a 64 MiB workspace, split-K allowed).
 // Informs CudaRunnerOptions::gemm_pin_m. `--equivalence`: instead, for every shape, every
 // single-split candidate cuBLASLt offers (at any m) is run against the m = 256 pin and timed:
-// which algorithms give the pin's bits, and how fast each is per m.
+// which algorithms give the pin's bits, and how fast each is per m. `--small-m`: decode-sized m
+// (1 .. 256) per shape: the pin, the ladder's rung, and the hand-written kernel's best
+// configuration (kernels/cuda/small_m_gemm.h), with the TB/s of weights read beside the
+// device's copy rate; exits 1 if any hand configuration's bits differ from the pin's.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -20,6 +24,7 @@
 #include "kernels/cuda/event_timer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/small_m_gemm.h"
 
 namespace rollout {
 namespace {
@@ -284,6 +289,164 @@ int SplitK(cublasLtHandle_t lt, const Shape* shapes, size_t num_shapes, cuda::De
   return 0;
 }
 
+// Mean milliseconds of `run` with L2 flushed before each call (the leaves' weights fit in L2):
+// each call timed alone between events.
+template <typename F>
+double FlushedMs(F run, cuda::DeviceBuffer& flush, int reps = 5) {
+  run();  // warm-up
+  cudaEvent_t begin, end;
+  cudaEventCreate(&begin);
+  cudaEventCreate(&end);
+  double total = 0.0;
+  for (int i = 0; i < reps; ++i) {
+    cudaMemsetAsync(flush.get(), i, flush.bytes(), nullptr);
+    cudaEventRecord(begin, nullptr);
+    run();
+    cudaEventRecord(end, nullptr);
+    cudaEventSynchronize(end);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, begin, end);
+    total += ms;
+  }
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
+  return total / reps;
+}
+
+// Decode-sized m: pin, ladder rung, best hand configuration (bits checked against the pin).
+int SmallM(cublasLtHandle_t lt, const char* only) {
+  struct SmallShape {
+    const char* name;
+    int64_t n, k;
+    GemmOutput output;
+    int batch;  // products per call (the canonical K tree's leaves: 8)
+  };
+  const SmallShape shapes[] = {
+      {"qkv", 6144, 4096, GemmOutput::kF32, 1},
+      {"o", 4096, 4096, GemmOutput::kF32Accumulate, 1},
+      {"gate_up", 24576, 4096, GemmOutput::kBf16, 1},
+      {"down", 4096, 12288, GemmOutput::kF32Accumulate, 1},
+      {"lm_head", 151936, 4096, GemmOutput::kF32, 1},
+      {"o_leaf", 4096, 512, GemmOutput::kF32, 8},
+      {"down_leaf", 4096, 1536, GemmOutput::kF32, 8},
+      {"moe_router", 128, 2048, GemmOutput::kF32, 1},
+      {"moe_qkv", 5120, 2048, GemmOutput::kF32, 1},
+  };
+  constexpr int64_t kSmallMs[] = {1, 8, 16, 32, 47, 64, 95, 128, 192, 256};
+  constexpr int64_t kMaxM = 256;
+  cuda::DeviceBuffer flush, copy_a, copy_b;
+  flush.Allocate(size_t{256} << 20);
+  // The copy rate: a 1 GiB device-to-device copy reads and writes 1 GiB each.
+  const size_t copy_bytes = size_t{1} << 30;
+  copy_a.Allocate(copy_bytes);
+  copy_b.Allocate(copy_bytes);
+  const double copy_ms = FlushedMs(
+      [&] { cudaMemcpyAsync(copy_b.get(), copy_a.get(), copy_bytes, cudaMemcpyDeviceToDevice); },
+      flush);
+  const double copy_read_tbs = copy_bytes / (copy_ms * 1e-3) / 1e12;
+  std::printf(
+      "device copy (1 GiB D2D): %.3f ms = %.2f TB/s read (+ as much written, %.2f TB/s "
+      "in all)\n",
+      copy_ms, copy_read_tbs, 2 * copy_read_tbs);
+  const std::vector<cuda::SmallMGemmConfig>& configs = cuda::SmallMGemmConfigs();
+  for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
+    if (cuda::PrepareSmallMGemm(c) != cudaSuccess) {
+      std::printf("%s: shared memory refused\n", configs[c].Name().c_str());
+      return 1;
+    }
+  }
+  int differing = 0;
+  for (const SmallShape& s : shapes) {
+    if (only != nullptr && std::strcmp(only, s.name) != 0) continue;
+    const int64_t out_bytes = s.output == GemmOutput::kBf16 ? 2 : 4;
+    const int64_t k_in = s.batch * s.k;
+    const int64_t out_count = s.batch * kMaxM * s.n;
+    cuda::DeviceBuffer x, w, y_ref, y, y_init;
+    x.Allocate(kMaxM * k_in * 2);
+    w.Allocate(s.batch * s.n * s.k * 2);
+    y_ref.Allocate(out_count * out_bytes);
+    y.Allocate(out_count * out_bytes);
+    FillNormal(&y_init, out_count);
+    cuda::FillRandomWeights(1, 1.0, 0, kMaxM * k_in, x.get<cuda::bf16>(), nullptr, 0);
+    cuda::FillRandomWeights(2, 0.02, 0, s.batch * s.n * s.k, w.get<cuda::bf16>(), nullptr, 0);
+    std::unique_ptr<cuda::PinnedGemm> pin, ladder;
+    std::string why;
+    if (cuda::PinnedGemm::Create(lt, s.n, s.k, s.output, 256, &pin, &why, s.batch) !=
+            CUBLAS_STATUS_SUCCESS ||
+        cuda::PinnedGemm::Create(lt, s.n, s.k, s.output, 256, &ladder, &why, s.batch) !=
+            CUBLAS_STATUS_SUCCESS) {
+      std::printf("%s: no pin:\n%s", s.name, why.c_str());
+      return 1;
+    }
+    std::string ladder_why;
+    const auto t0 = std::chrono::steady_clock::now();
+    ladder->BuildLadder(&ladder_why);
+    const double ladder_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double weight_bytes = double(s.batch) * s.n * s.k * 2;
+    std::printf("\n%s [n %ld, k %ld] x %d, %.1f MB of weights; ladder built in %.2f s:\n%s", s.name,
+                static_cast<long>(s.n), static_cast<long>(s.k), s.batch, weight_bytes / 1e6,
+                ladder_s, ladder_why.c_str());
+    std::printf("  %-5s %18s %18s %18s  %-26s %s\n", "m", "pin us (TB/s)", "ladder us (TB/s)",
+                "hand us (TB/s)", "best hand", "ladder rung");
+    auto reset = [&](void* out, int64_t m) {
+      const size_t bytes = s.batch * m * s.n * out_bytes;
+      if (s.output == GemmOutput::kF32Accumulate) {
+        cudaMemcpyAsync(out, y_init.get(), bytes, cudaMemcpyDeviceToDevice);
+      } else {
+        cudaMemsetAsync(out, 0, bytes);
+      }
+    };
+    auto run_gemm = [&](cuda::PinnedGemm& g, int64_t m, void* out) {
+      return g.RunBatched(x.get<cuda::bf16>(), k_in, s.k, m, w.get<cuda::bf16>(), s.n * s.k, out,
+                          m * s.n, s.batch, nullptr);
+    };
+    auto run_hand = [&](int c, int64_t m, void* out) {
+      return cuda::SmallMGemm(c, x.get<cuda::bf16>(), k_in, s.k, m, w.get<cuda::bf16>(), s.n * s.k,
+                              s.n, s.k, out, m * s.n, s.batch, s.output, nullptr);
+    };
+    auto tbs = [&](double ms) { return weight_bytes / (ms * 1e-3) / 1e12; };
+    for (int64_t m : kSmallMs) {
+      reset(y_ref.get(), m);
+      run_gemm(*pin, m, y_ref.get());
+      const size_t bytes = s.batch * m * s.n * out_bytes;
+      // The ladder's bits, then every hand configuration's.
+      std::string differs;
+      reset(y.get(), m);
+      run_gemm(*ladder, m, y.get());
+      if (DifferentWords(y_ref.get(), y.get(), bytes) != 0) differs += " LADDER DIFFERS";
+      const double pin_ms = FlushedMs([&] { run_gemm(*pin, m, y.get()); }, flush);
+      const double ladder_ms = FlushedMs([&] { run_gemm(*ladder, m, y.get()); }, flush);
+      double best_ms = 0.0;
+      std::string best = "none";
+      for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
+        if (configs[c].max_m < m) continue;
+        reset(y.get(), m);
+        if (run_hand(c, m, y.get()) != cudaSuccess) {
+          differs += " " + configs[c].Name() + ":launch failed";
+          continue;
+        }
+        const unsigned long long n_diff = DifferentWords(y_ref.get(), y.get(), bytes);
+        if (n_diff != 0) {
+          differs += " " + configs[c].Name() + ":" + std::to_string(n_diff) + " differ";
+          continue;
+        }
+        const double ms = FlushedMs([&] { run_hand(c, m, y.get()); }, flush);
+        if (best_ms == 0.0 || ms < best_ms) best_ms = ms, best = configs[c].Name();
+      }
+      if (!differs.empty()) ++differing;
+      std::printf("  %-5ld %9.1f (%5.2f) %9.1f (%5.2f) %9.1f (%5.2f)  %-26s %s%s\n",
+                  static_cast<long>(m), pin_ms * 1e3, tbs(pin_ms), ladder_ms * 1e3, tbs(ladder_ms),
+                  best_ms * 1e3, best_ms > 0 ? tbs(best_ms) : 0.0, best.c_str(),
+                  ladder->DescribeFor(m).c_str(), differs.c_str());
+      std::fflush(stdout);
+    }
+  }
+  std::printf("\n%s\n", differing == 0 ? "every hand configuration and the ladder: the pin's bits"
+                                       : "BITS DIFFER from the pin (see the rows above)");
+  return differing == 0 ? 0 : 1;
+}
+
 int Main(bool equivalence, const char* only, bool splitk = false) {
   const Shape shapes[] = {
       {"qkv", 6144, 4096, GemmOutput::kF32},
@@ -379,6 +542,14 @@ int main(int argc, char** argv) {
   // --equivalence [shape name]: all shapes, or only that one. --splitk [shape name]: split-K
   // candidates at m = 256, their speed and row invariance.
   const bool splitk = argc > 1 && std::strcmp(argv[1], "--splitk") == 0;
+  if (argc > 1 && std::strcmp(argv[1], "--small-m") == 0) {
+    // --small-m [shape name]: decode-sized m, pin / ladder / hand kernel; exit 1 on other bits.
+    cublasLtHandle_t lt;
+    cublasLtCreate(&lt);
+    const int rc = rollout::SmallM(lt, argc > 2 ? argv[2] : nullptr);
+    cublasLtDestroy(lt);
+    return rc;
+  }
   return rollout::Main(argc > 1 && std::strcmp(argv[1], "--equivalence") == 0,
                        argc > 2 ? argv[2] : nullptr, splitk);
 }

@@ -60,6 +60,9 @@ ABSL_FLAG(int64_t, gemm_pin_m, 256,
           "per m)");
 ABSL_FLAG(bool, gemm_ladder, true,
           "pinned GEMMs also run faster algorithms admitted for ranges of m by a same-bits probe");
+ABSL_FLAG(bool, gemm_hand_kernels, true,
+          "the GEMM ladder also offers the hand-written small-m kernel (m <= 256), admitted by the "
+          "same probe");
 ABSL_FLAG(int32_t, attention_split_size, 256,
           "attention split size in tokens (part of a row's arithmetic: other values, other bits)");
 ABSL_FLAG(std::string, attention, "mma", "attention kernel: mma (tensor cores) or simt");
@@ -349,6 +352,7 @@ absl::StatusOr<Setup> MakeSetup() {
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.gemm_pin_m = absl::GetFlag(FLAGS_gemm_pin_m);
   options.gemm_ladder = absl::GetFlag(FLAGS_gemm_ladder);
+  options.gemm_hand_kernels = absl::GetFlag(FLAGS_gemm_hand_kernels);
   options.attention_split_size = absl::GetFlag(FLAGS_attention_split_size);
   options.attention_kernel = absl::GetFlag(FLAGS_attention) == "simt"
                                  ? CudaAttentionKernel::kSimt

@@ -4,12 +4,14 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <utility>
 
 #include "common/status.h"
 #include "kernels/cuda/compare.h"
 #include "kernels/cuda/event_timer.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/small_m_gemm.h"
 
 namespace rollout::cuda {
 namespace {
@@ -282,28 +284,27 @@ struct GemmProbe {
     }
     return err;
   }
-  // Mean microseconds of `gemm` at m (one warm-up, then three runs).
-  double Microseconds(PinnedGemm& gemm, int64_t m) {
-    return 1e3 * MeanMilliseconds(
-                     [&] {
-                       gemm.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(), n * k,
-                                       a.get(), m * n, batch, nullptr);
-                     },
-                     /*reps=*/3);
+  // One run of a candidate (or the reference) at m into y: RunBatched's layout over `batch`
+  // products of this probe's x and w.
+  using Runner = std::function<cublasStatus_t(int64_t m, void* y)>;
+  Runner Of(PinnedGemm& gemm) {
+    return [this, &gemm](int64_t m, void* y) {
+      return gemm.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(), n * k, y, m * n, batch,
+                             nullptr);
+    };
+  }
+  // Mean microseconds of `run` at m (one warm-up, then three runs).
+  double Microseconds(const Runner& run, int64_t m) {
+    return 1e3 * MeanMilliseconds([&] { run(m, a.get()); }, /*reps=*/3);
   }
   // Whether `candidate` gives `reference`'s bits at m. A fixed nonzero start for accumulating
   // outputs, so that the residual epilogue is compared too.
-  cublasStatus_t SameBits(PinnedGemm& reference, PinnedGemm& candidate, int64_t m, bool* same) {
+  cublasStatus_t SameBits(const Runner& reference, const Runner& candidate, int64_t m, bool* same) {
     const size_t bytes = OutBytes(m);
     cudaMemsetAsync(a.get(), 0x3c, bytes, nullptr);
     cudaMemsetAsync(b.get(), 0x3c, bytes, nullptr);
-    const int64_t y_step = m * n;
-    ROLLOUT_RETURN_IF_FAILED(reference.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
-                                                  n * k, a.get(), y_step, batch, nullptr),
-                             CUBLAS_STATUS_SUCCESS);
-    ROLLOUT_RETURN_IF_FAILED(candidate.RunBatched(x.get<bf16>(), batch * k, k, m, w.get<bf16>(),
-                                                  n * k, b.get(), y_step, batch, nullptr),
-                             CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(reference(m, a.get()), CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(candidate(m, b.get()), CUBLAS_STATUS_SUCCESS);
     unsigned long long differ = 1;
     if (CountDifferentWords(a.get(), b.get(), static_cast<int64_t>(bytes),
                             count.get<unsigned long long>(), nullptr) != cudaSuccess ||
@@ -315,6 +316,21 @@ struct GemmProbe {
   }
 };
 
+namespace {
+
+cublasStatus_t HandStatus(cudaError_t err) {
+  if (err == cudaSuccess) return CUBLAS_STATUS_SUCCESS;
+  return err == cudaErrorInvalidValue ? CUBLAS_STATUS_INVALID_VALUE
+                                      : CUBLAS_STATUS_EXECUTION_FAILED;
+}
+
+std::string RangeText(int64_t min_m, int64_t end_m) {
+  return "[" + std::to_string(min_m) + ", " +
+         (end_m == INT64_MAX ? std::string("inf") : std::to_string(end_m)) + ")";
+}
+
+}  // namespace
+
 // How many of the heuristic's split-K-free algorithms BuildLadder times per range.
 constexpr int kLadderCandidates = 16;
 
@@ -324,11 +340,44 @@ const std::vector<PinnedGemm::LadderRange>& PinnedGemm::Ladder() {
   return ladder;
 }
 
-PinnedGemm* PinnedGemm::For(int64_t m) {
-  for (Rung& rung : rungs_) {
-    if (m >= rung.min_m && m < rung.end_m) return rung.gemm.get();
+const std::vector<PinnedGemm::HandRange>& PinnedGemm::HandLadder() {
+  // Whole m16 tiles, with the decode batches of docs/benchmarks.md (47, 95) among the
+  // representatives: the cuBLASLt rung of [8, 48) is timed at 16 and is a poor choice at 47.
+  static const std::vector<HandRange> ranges = {{1, 8, 1},      {8, 17, 16},     {17, 33, 32},
+                                                {33, 49, 47},   {49, 65, 64},    {65, 97, 95},
+                                                {97, 129, 128}, {129, 193, 192}, {193, 257, 256}};
+  return ranges;
+}
+
+const PinnedGemm::Rung* PinnedGemm::For(int64_t m) const {
+  for (const Rung& rung : rungs_) {
+    if (m >= rung.min_m && m < rung.end_m) return &rung;
   }
-  return this;
+  return nullptr;
+}
+
+std::string PinnedGemm::Rung::Describe() const {
+  if (hand) return SmallMGemmConfigs()[*hand].Name();
+  const GemmAlgoInfo info = DescribeAlgo(gemm->algo_);
+  return "algo tile " + std::to_string(info.tile) + " custom " + std::to_string(info.custom) +
+         " cluster " + std::to_string(info.cluster);
+}
+
+int PinnedGemm::hand_rungs() const {
+  return static_cast<int>(std::count_if(rungs_.begin(), rungs_.end(),
+                                        [](const Rung& r) { return r.hand.has_value(); }));
+}
+
+std::string PinnedGemm::DescribeFor(int64_t m) const {
+  const Rung* rung = For(m);
+  return rung == nullptr ? std::string("pin") : rung->Describe();
+}
+
+cublasStatus_t PinnedGemm::RunHand(int config, const __nv_bfloat16* x, int64_t ldx, int64_t x_step,
+                                   int64_t m, const __nv_bfloat16* w, int64_t w_step, void* y,
+                                   int64_t y_step, int batch, cudaStream_t stream) const {
+  return HandStatus(
+      SmallMGemm(config, x, ldx, x_step, m, w, w_step, n_, k_, y, y_step, batch, output_, stream));
 }
 
 cublasStatus_t PinnedGemm::Admit(int64_t min_m, int64_t end_m, int64_t representative_m,
@@ -349,7 +398,8 @@ cublasStatus_t PinnedGemm::Admit(int64_t min_m, int64_t end_m, int64_t represent
   for (int64_t& m : ms) m = std::min(m, probe.max_m);
   for (int64_t m : ms) {
     bool same = false;
-    ROLLOUT_RETURN_IF_FAILED(probe.SameBits(*this, *rung, m, &same), CUBLAS_STATUS_SUCCESS);
+    ROLLOUT_RETURN_IF_FAILED(probe.SameBits(probe.Of(*this), probe.Of(*rung), m, &same),
+                             CUBLAS_STATUS_SUCCESS);
     if (!same) {
       if (diagnostics != nullptr) {
         *diagnostics += "    " + DescribeAlgo(algo).ToString() +
@@ -362,6 +412,42 @@ cublasStatus_t PinnedGemm::Admit(int64_t min_m, int64_t end_m, int64_t represent
   return CUBLAS_STATUS_SUCCESS;
 }
 
+cublasStatus_t PinnedGemm::AdmitHand(int64_t min_m, int64_t end_m, int64_t representative_m,
+                                     int config, GemmProbe& probe, std::string* diagnostics) {
+  const SmallMGemmConfig& c = SmallMGemmConfigs()[config];
+  auto refuse = [&](const std::string& why) {
+    if (diagnostics != nullptr) *diagnostics += "    " + c.Name() + ": " + why + "\n";
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  };
+  if (end_m == INT64_MAX || end_m - 1 > c.max_m) {
+    return refuse("serves m <= " + std::to_string(c.max_m));
+  }
+  if (k_ % 16 != 0) return refuse("k is not a multiple of 16");
+  if (end_m - 1 > probe.max_m) {
+    return refuse("the probe holds " + std::to_string(probe.max_m) + " rows only");
+  }
+  // This gemm's device (a rank's slice is admitted on its own): the rung's launches need it.
+  if (PrepareSmallMGemm(config) != cudaSuccess) {
+    cudaGetLastError();
+    return refuse("its shared memory (" + std::to_string(c.SharedBytes()) + " bytes) refused");
+  }
+  GemmProbe::Runner hand = [&](int64_t m, void* y) {
+    return RunHand(config, probe.x.get<bf16>(), probe.batch * k_, k_, m, probe.w.get<bf16>(),
+                   n_ * k_, y, m * n_, probe.batch, nullptr);
+  };
+  for (int64_t m : {min_m, representative_m, end_m - 1}) {
+    bool same = false;
+    const cublasStatus_t status = probe.SameBits(probe.Of(*this), hand, m, &same);
+    if (status == CUBLAS_STATUS_INVALID_VALUE) {
+      cudaGetLastError();
+      return refuse("refused by the launcher at m=" + std::to_string(m));
+    }
+    ROLLOUT_RETURN_IF_FAILED(status, CUBLAS_STATUS_SUCCESS);
+    if (!same) return refuse("other bits at m=" + std::to_string(m));
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 bool PinnedGemm::InitProbe(GemmProbe& probe) {
   const cudaError_t err = probe.Init(n_, k_, max_batch_, output_);
   if (err == cudaSuccess) return true;
@@ -370,7 +456,7 @@ bool PinnedGemm::InitProbe(GemmProbe& probe) {
   return false;
 }
 
-cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
+cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kernels) {
   if (mode_ != Mode::kPinned) return CUBLAS_STATUS_INVALID_VALUE;
   rungs_.clear();
   GemmProbe probe;
@@ -387,7 +473,7 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
     // if it beats the pin there by 3%: which one wins is a matter of speed only, every
     // candidate gives the pin's bits.
     const int64_t timed_m = std::min(rep, probe.max_m);
-    double best_us = 0.97 * probe.Microseconds(*this, timed_m);
+    double best_us = 0.97 * probe.Microseconds(probe.Of(*this), timed_m);
     std::unique_ptr<PinnedGemm> best;
     std::string why;
     for (const cublasLtMatmulAlgo_t& algo : algos) {
@@ -396,19 +482,68 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics) {
       const cublasStatus_t status = Admit(min_m, end_m, rep, algo, probe, &candidate, &why);
       if (status == CUBLAS_STATUS_NOT_SUPPORTED) continue;
       ROLLOUT_RETURN_IF_FAILED(status, CUBLAS_STATUS_SUCCESS);
-      const double us = probe.Microseconds(*candidate, timed_m);
+      const double us = probe.Microseconds(probe.Of(*candidate), timed_m);
       if (us < best_us) best_us = us, best = std::move(candidate);
     }
     const bool admitted = best != nullptr;
-    if (admitted) rungs_.push_back(Rung{min_m, end_m, rep, std::move(best)});
+    if (admitted) rungs_.push_back(Rung{min_m, end_m, rep, std::move(best), std::nullopt});
     if (diagnostics != nullptr) {
       *diagnostics +=
-          "  m in [" + std::to_string(min_m) + ", " +
-          (end_m == INT64_MAX ? std::string("inf") : std::to_string(end_m)) + "): " +
+          "  m in " + RangeText(min_m, end_m) + ": " +
           (admitted ? DescribeAlgo(rungs_.back().gemm->algo_).ToString() : std::string("the pin")) +
           "\n" + why;
     }
   }
+  if (!hand_kernels) return CUBLAS_STATUS_SUCCESS;
+  return BuildHandRungs(probe, diagnostics);
+}
+
+cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnostics) {
+  const std::vector<SmallMGemmConfig>& configs = SmallMGemmConfigs();
+  std::vector<Rung> hand_rungs;
+  for (const HandRange& range : HandLadder()) {
+    // What serves the range's representative m without a hand rung (a cuBLASLt rung or the pin)
+    // is the time to beat by 3%.
+    const int64_t rep = std::min(range.representative_m, probe.max_m);
+    const Rung* serving = For(rep);
+    const std::string serving_name = serving == nullptr ? "the pin" : serving->Describe();
+    double best_us =
+        0.97 * probe.Microseconds(probe.Of(serving == nullptr ? *this : *serving->gemm), rep);
+    std::optional<int> best;
+    std::string why;
+    // The configurations of the smallest max_m that covers the range (a larger one only stages
+    // more rows).
+    int cover = INT_MAX;
+    for (const SmallMGemmConfig& c : configs) {
+      if (c.max_m >= range.end_m - 1) cover = std::min(cover, c.max_m);
+    }
+    for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
+      if (configs[c].max_m != cover) continue;
+      const cublasStatus_t status =
+          AdmitHand(range.min_m, range.end_m, range.representative_m, c, probe, &why);
+      if (status == CUBLAS_STATUS_NOT_SUPPORTED) continue;
+      ROLLOUT_RETURN_IF_FAILED(status, CUBLAS_STATUS_SUCCESS);
+      const double us = probe.Microseconds(
+          [&](int64_t m, void* y) {
+            return RunHand(c, probe.x.get<bf16>(), probe.batch * k_, k_, m, probe.w.get<bf16>(),
+                           n_ * k_, y, m * n_, probe.batch, nullptr);
+          },
+          rep);
+      if (us < best_us) best_us = us, best = c;
+    }
+    if (diagnostics != nullptr) {
+      *diagnostics += "  m in " + RangeText(range.min_m, range.end_m) + ": " +
+                      (best ? configs[*best].Name() + " (over " + serving_name + ")"
+                            : serving_name + " (no hand configuration beats it by 3%)") +
+                      "\n" + why;
+    }
+    if (best) {
+      hand_rungs.push_back(Rung{range.min_m, range.end_m, range.representative_m, nullptr, best});
+    }
+  }
+  // Hand rungs first: For() takes the first rung whose range holds m.
+  rungs_.insert(rungs_.begin(), std::make_move_iterator(hand_rungs.begin()),
+                std::make_move_iterator(hand_rungs.end()));
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -419,11 +554,14 @@ cublasStatus_t PinnedGemm::CopyLadder(const PinnedGemm& from, std::string* diagn
   GemmProbe probe;
   if (!InitProbe(probe)) return CUBLAS_STATUS_SUCCESS;
   for (const Rung& rung : from.rungs_) {
-    std::unique_ptr<PinnedGemm> admitted;
-    const cublasStatus_t status = Admit(rung.min_m, rung.end_m, rung.representative_m,
-                                        rung.gemm->algo_, probe, &admitted, diagnostics);
+    Rung copy{rung.min_m, rung.end_m, rung.representative_m, nullptr, rung.hand};
+    const cublasStatus_t status = rung.hand
+                                      ? AdmitHand(rung.min_m, rung.end_m, rung.representative_m,
+                                                  *rung.hand, probe, diagnostics)
+                                      : Admit(rung.min_m, rung.end_m, rung.representative_m,
+                                              rung.gemm->algo_, probe, &copy.gemm, diagnostics);
     if (status == CUBLAS_STATUS_SUCCESS) {
-      rungs_.push_back(Rung{rung.min_m, rung.end_m, rung.representative_m, std::move(admitted)});
+      rungs_.push_back(std::move(copy));
     } else if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
       return status;
     }
@@ -449,11 +587,7 @@ std::string PinnedGemm::Describe() const {
     }
     std::string ladder;
     for (const Rung& rung : rungs_) {
-      ladder += "; m in [" + std::to_string(rung.min_m) + ", " +
-                (rung.end_m == INT64_MAX ? std::string("inf") : std::to_string(rung.end_m)) +
-                "): algo tile " + std::to_string(DescribeAlgo(rung.gemm->algo_).tile) + " custom " +
-                std::to_string(DescribeAlgo(rung.gemm->algo_).custom) + " cluster " +
-                std::to_string(DescribeAlgo(rung.gemm->algo_).cluster);
+      ladder += "; m in " + RangeText(rung.min_m, rung.end_m) + ": " + rung.Describe();
     }
     return "pinned " + DescribeAlgo(algo_).ToString() + " workspace " +
            std::to_string(workspace_.bytes()) + batching +
@@ -469,7 +603,10 @@ PinnedGemm::~PinnedGemm() {
 cublasStatus_t PinnedGemm::Run(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, void* y,
                                cudaStream_t stream) {
   if (m == 0) return CUBLAS_STATUS_SUCCESS;
-  if (PinnedGemm* rung = For(m); rung != this) return rung->Run(x, m, w, y, stream);
+  if (const Rung* rung = For(m); rung != nullptr) {
+    if (rung->hand) return RunHand(*rung->hand, x, k_, 0, m, w, 0, y, 0, 1, stream);
+    return rung->gemm->Run(x, m, w, y, stream);
+  }
   Layouts layouts;
   ROLLOUT_RETURN_IF_FAILED(layouts.Init(m, n_, k_, output_), CUBLAS_STATUS_SUCCESS);
   const float alpha = 1.0f;
@@ -497,8 +634,12 @@ cublasStatus_t PinnedGemm::RunBatched(const __nv_bfloat16* x, int64_t ldx, int64
     return CUBLAS_STATUS_INVALID_VALUE;
   }
   if (m == 0) return CUBLAS_STATUS_SUCCESS;
-  if (PinnedGemm* rung = For(m); rung != this) {
-    return rung->RunBatched(x, ldx, x_step, m, w, w_step, y, y_step, batch, stream);
+  if (const Rung* rung = For(m); rung != nullptr) {
+    // A hand rung runs every product in one launch, batched or not at creation: a product's
+    // bits do not depend on the launch.
+    if (rung->hand)
+      return RunHand(*rung->hand, x, ldx, x_step, m, w, w_step, y, y_step, batch, stream);
+    return rung->gemm->RunBatched(x, ldx, x_step, m, w, w_step, y, y_step, batch, stream);
   }
   const float alpha = 1.0f;
   const float beta = output_ == GemmOutput::kF32Accumulate ? 1.0f : 0.0f;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,11 +25,14 @@
 //
 // The ladder: the pin's bits, faster. Other split-K-free algorithms may walk K in the same order
 // with other tiles (on the H200 with CUDA 13, every Hopper kernel cuBLASLt offers for these
-// shapes does: `rollout-gemm-sweep --equivalence`). BuildLadder picks, for a few ranges of m,
-// the fastest of the heuristic's algorithms for that range that gives the pin's bits on a random
-// probe at the range's ends and middle (timed at load; the pin when none beats it); Run then
-// uses the rung of m's range.
-// The bits stay the pin's -- the probe is the admission test, gemm_test the proof over m.
+// shapes does: `rollout-gemm-sweep --equivalence`), and so does a hand-written mma.sync kernel
+// that adds the k16 chunks of K in increasing order into one accumulator per element
+// (small_m_gemm.h: full K per CTA, many CTAs at small m). BuildLadder picks, for ranges of m, the
+// fastest of the heuristic's algorithms for that range and of the hand kernel's configurations
+// that serve it, among those that give the pin's bits on a random probe at the range's ends and
+// middle (timed at load; the pin when none beats it); Run then uses the rung of m's range.
+// The bits stay the pin's -- the probe is the admission test, gemm_test and small_m_gemm_test
+// the proof over m.
 namespace rollout::cuda {
 
 inline constexpr size_t kMaxPinnedWorkspace = 1 << 20;
@@ -95,9 +99,14 @@ class PinnedGemm {
   // this gemm's max_batch; a rung serves its range only) and give this gemm's bits on the probe
   // (RunBatched over max_batch products, random inputs, m at the range's ends and middle) are timed
   // at that m; the fastest becomes the range's rung if it beats the pin by 3%. Ranges without one
-  // keep the pin. Allocates (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the
-  // memory, no ladder (Describe says so). `diagnostics` receives one line per range.
-  cublasStatus_t BuildLadder(std::string* diagnostics = nullptr);
+  // keep the pin. Then, when hand_kernels, for each finer range of HandLadder() (m <= 256) the
+  // hand kernel's configurations of the smallest max_m that covers it (small_m_gemm.h; k a
+  // multiple of 16) that give this gemm's bits on the same probe are timed at its representative
+  // m against what serves that m so far (a cuBLASLt rung or the pin); the fastest becomes a hand
+  // rung over the range if it beats that by 3%. Without hand rungs the ladder is the cuBLASLt one
+  // alone. Allocates (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the memory,
+  // no ladder (Describe says so). `diagnostics` receives one line per range.
+  cublasStatus_t BuildLadder(std::string* diagnostics = nullptr, bool hand_kernels = true);
   // The same rungs as `from`'s (a gemm of another n with the same k and pin: a rank's slice of a
   // column-parallel weight), each admitted again by the probe on this gemm's shape.
   cublasStatus_t CopyLadder(const PinnedGemm& from, std::string* diagnostics = nullptr);
@@ -108,6 +117,13 @@ class PinnedGemm {
     int64_t representative_m;
   };
   static const std::vector<LadderRange>& Ladder();
+  // The ranges [min_m, end_m) BuildLadder offers the hand kernel, timed at representative_m.
+  struct HandRange {
+    int64_t min_m;
+    int64_t end_m;
+    int64_t representative_m;
+  };
+  static const std::vector<HandRange>& HandLadder();
 
   // The kHeuristicNoWorkspace fallback.
   static cublasStatus_t CreateHeuristic(cublasLtHandle_t handle, int64_t n, int64_t k,
@@ -143,8 +159,11 @@ class PinnedGemm {
   // Whether RunBatched runs its products in one call (see CreateWithAlgo).
   bool batched() const { return max_batch_ > 1 && batched_; }
   std::string Describe() const;
-  // Number of rungs admitted (0 without a ladder).
+  // What serves m: "pin", a cuBLASLt rung's "algo ..." or a hand rung's "hand n32 m16 ...".
+  std::string DescribeFor(int64_t m) const;
+  // Number of rungs admitted (0 without a ladder), and of those the hand kernel's.
   int rungs() const { return static_cast<int>(rungs_.size()); }
+  int hand_rungs() const;
 
  private:
   PinnedGemm(cublasLtHandle_t handle, int64_t n, int64_t k, GemmOutput output)
@@ -162,17 +181,25 @@ class PinnedGemm {
   DeviceBuffer workspace_;  // kPinned: what the algorithm asks for at the largest m checked
   std::map<int64_t, cublasLtMatmulAlgo_t> per_m_;  // kHeuristicNoWorkspace: m -> its algorithm
 
-  // The ladder: rungs_[i] serves m in [rungs_[i].first, the next rung's first or the next pin
-  // range); increasing first. Empty: the pin serves every m.
+  // The ladder: a rung serves m in [min_m, end_m); the hand rungs first (increasing min_m), then
+  // the cuBLASLt rungs (increasing min_m), whose ranges may hold a hand rung's: the first rung
+  // that holds m serves it. Empty: the pin serves every m.
   struct Rung {
     int64_t min_m;
-    int64_t end_m;             // exclusive; INT64_MAX for the last range
-    int64_t representative_m;  // where the range's candidates were timed
-    std::unique_ptr<PinnedGemm> gemm;
+    int64_t end_m;                     // exclusive; INT64_MAX for the last range
+    int64_t representative_m;          // where the range's candidates were timed
+    std::unique_ptr<PinnedGemm> gemm;  // a cuBLASLt rung; null for a hand rung
+    std::optional<int> hand;           // a hand rung: its index in SmallMGemmConfigs()
+    std::string Describe() const;
   };
   std::vector<Rung> rungs_;
   std::string ladder_note_;  // why there is no ladder, when the probe could not run
-  PinnedGemm* For(int64_t m);
+  // The rung serving m, or nullptr (the pin).
+  const Rung* For(int64_t m) const;
+  // The hand kernel of configuration `config` on this gemm's shape and output.
+  cublasStatus_t RunHand(int config, const __nv_bfloat16* x, int64_t ldx, int64_t x_step, int64_t m,
+                         const __nv_bfloat16* w, int64_t w_step, void* y, int64_t y_step, int batch,
+                         cudaStream_t stream) const;
   // Allocates the probe; on failure (no memory) notes it and returns false: no ladder.
   bool InitProbe(GemmProbe& probe);
   // CreateWithAlgo with cublasLtMatmulAlgoCheck asked at the m of check_ms only (batched: those
@@ -187,6 +214,12 @@ class PinnedGemm {
   cublasStatus_t Admit(int64_t min_m, int64_t end_m, int64_t representative_m,
                        const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,
                        std::unique_ptr<PinnedGemm>* admitted, std::string* diagnostics);
+  // BuildLadder's second part: hand rungs over HandLadder()'s ranges, before the cuBLASLt rungs.
+  cublasStatus_t BuildHandRungs(GemmProbe& probe, std::string* diagnostics);
+  // Whether hand-kernel configuration `config` serves [min_m, end_m) with this gemm's bits on the
+  // probe (CUBLAS_STATUS_NOT_SUPPORTED when not).
+  cublasStatus_t AdmitHand(int64_t min_m, int64_t end_m, int64_t representative_m, int config,
+                           GemmProbe& probe, std::string* diagnostics);
 };
 
 const char* CublasStatusName(cublasStatus_t status);

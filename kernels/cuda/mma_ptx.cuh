@@ -6,8 +6,9 @@
 #include <cstdint>
 
 // The tensor-core and asynchronous-copy instructions the hand-written kernels (attention_mma.cu,
-// moe.cu) issue, one definition each. m16n8k16 MMA: bf16 in, fp32 accumulated in place, one
-// fixed instruction whatever the caller's tiling (the per-element order is the caller's K loop).
+// moe.cu, small_m_gemm.cu) issue, one definition each. m16n8k16 MMA: bf16 in, fp32 accumulated
+// in place, one fixed instruction whatever the caller's tiling (the per-element order is the
+// caller's K loop).
 namespace rollout::cuda::ptx {
 
 __device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -21,9 +22,20 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], 
 
 // Two 8x8 bf16 matrices, transposed into the B fragment of m16n8k16: lanes 0-15 give the row
 // addresses (rows 0-7 of matrix 0, then of matrix 1).
-__device__ __forceinline__ void LdMatrixX2Trans(uint32_t* r0, uint32_t* r1, const __nv_bfloat16* row) {
+__device__ __forceinline__ void LdMatrixX2Trans(uint32_t* r0, uint32_t* r1,
+                                                const __nv_bfloat16* row) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(*r0), "=r"(*r1)
+               : "r"(addr));
+}
+
+// Two 8x8 bf16 matrices (lanes 0-7 give matrix 0's row addresses, lanes 8-15 matrix 1's; the
+// other lanes' are ignored); lane l receives row l / 4, columns 2 (l % 4) + {0, 1} of each: the B
+// fragment (b0, b1) of m16n8k16 when the rows are n and the columns k (w[n, k] row-major).
+__device__ __forceinline__ void LdMatrixX2(uint32_t* r0, uint32_t* r1, const __nv_bfloat16* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(*r0), "=r"(*r1)
                : "r"(addr));
 }

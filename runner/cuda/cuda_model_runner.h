@@ -71,6 +71,9 @@ struct CudaRunnerOptions {
   // admitted only after it gives the pin's bits on a probe. Same bits, faster at small m (decode
   // of few sequences) and large m (prefill).
   bool gemm_ladder = true;
+  // The ladder's candidates include the hand-written small-m kernel's configurations
+  // (kernels/cuda/small_m_gemm.h) for the ranges of m <= 256, admitted by the same probe.
+  bool gemm_hand_kernels = true;
   CudaAttentionKernel attention_kernel = CudaAttentionKernel::kTensorCore;
   // kSimt only: decode tokens' attention as one block per (token, kv head, split) and an ordered
   // merge, instead of one block walking all splits. Same bits, more parallelism.

@@ -53,7 +53,8 @@ absl::Status CudaModelRunner::PinGemms() {
                       absl::StrCat("creating the GEMM for ", g.name)));
     } else if (options_.gemm_ladder) {
       ROLLOUT_RETURN_IF_ERROR(
-          CublasError((*g.gemm)->BuildLadder(), absl::StrCat("the GEMM ladder for ", g.name)));
+          CublasError((*g.gemm)->BuildLadder(nullptr, options_.gemm_hand_kernels),
+                      absl::StrCat("the GEMM ladder for ", g.name)));
     }
     s.gemm_descriptions.push_back(
         absl::StrFormat("%-8s n=%-6d k=%-6d %s", g.name, g.n, g.k, (*g.gemm)->Describe()));
@@ -105,8 +106,8 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
           g.name, g.n, g.k, why));
     }
     if (options_.gemm_ladder) {
-      ROLLOUT_RETURN_IF_ERROR(
-          CublasError(full->BuildLadder(), absl::StrCat("the GEMM ladder for ", g.name)));
+      ROLLOUT_RETURN_IF_ERROR(CublasError(full->BuildLadder(nullptr, options_.gemm_hand_kernels),
+                                          absl::StrCat("the GEMM ladder for ", g.name)));
     }
     for (RankState& rk : s.ranks) {
       const int64_t n = g.rank_n(rk);
@@ -157,7 +158,8 @@ absl::Status CudaModelRunner::PinMoeGemms() {
                     "creating the GEMM for router"));
   } else if (options_.gemm_ladder) {
     ROLLOUT_RETURN_IF_ERROR(
-        CublasError(rk.gemm_router->BuildLadder(), "the GEMM ladder for router"));
+        CublasError(rk.gemm_router->BuildLadder(nullptr, options_.gemm_hand_kernels),
+                    "the GEMM ladder for router"));
   }
   s.gemm_descriptions.push_back(
       absl::StrFormat("%-8s n=%-6d k=%-6d %s", "router", n, k, rk.gemm_router->Describe()));
