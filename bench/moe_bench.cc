@@ -178,14 +178,16 @@ int Main() {
   // bits.
   struct GemmShape {
     const char* name;
-    int32_t tile_rows;
+    int32_t tile_rows, tile_columns;
     bool version1;
   };
-  const GemmShape shapes[] = {{"v1 32x64", cuda::kMoeTileRows, true},
-                              {"v1 64x128", cuda::kMoeTileRowsLarge, true},
-                              {"v2 32x64", cuda::kMoeTileRows, false},
-                              {"v2 64x128", cuda::kMoeTileRowsLarge, false},
-                              {"v2 128x128", cuda::kMoeTileRowsXLarge, false}};
+  const GemmShape shapes[] = {
+      {"v1 32x64", cuda::kMoeTileRows, 0, true},
+      {"v1 64x128", cuda::kMoeTileRowsLarge, 0, true},
+      {"v2 32x64", cuda::kMoeTileRows, 0, false},
+      {"v2 64x128", cuda::kMoeTileRowsLarge, 0, false},
+      {"v2 128x128", cuda::kMoeTileRowsXLarge, 0, false},
+      {"v2 128x256", cuda::kMoeTileRowsXLarge, cuda::kMoeTileColumnsWide, false}};
   int differing_runs = 0;
   for (int64_t t : counts) {
     const int64_t a = t * k;
@@ -193,6 +195,7 @@ int Main() {
     const int32_t step_tile_rows = absl::GetFlag(FLAGS_tile_rows) > 0
                                        ? absl::GetFlag(FLAGS_tile_rows)
                                        : cuda::MoeTileRowsFor(a, e, h);
+    const int32_t step_columns = cuda::MoeTileColumnsFor(step_tile_rows, h, mi);
     cuda::MoeGemmParams up;
     up.x = xn.get<bf16>();
     up.rows = gr.rows;
@@ -224,9 +227,10 @@ int Main() {
       Check(cuda::MoeGroup(ids.get<int32_t>(), t, e, k, tile_rows, gr, nullptr), "group");
     };
     auto gemm = [&](const cuda::MoeGemmParams& p, bool version1, int32_t tile_rows,
-                    const char* what) {
+                    int32_t tile_columns, const char* what) {
       cuda::MoeGemmParams q = p;
       q.tile_rows = tile_rows;
+      q.tile_columns = tile_columns;
       Check(version1 ? cuda::MoeExpertGemmV1(q, nullptr) : cuda::MoeExpertGemm(q, nullptr), what);
     };
     auto silu = [&] {
@@ -258,16 +262,16 @@ int Main() {
     const double ms[6] = {
         MedianMs(repeats, route),
         MedianMs(repeats, [&] { group(step_tile_rows); }),
-        MedianMs(repeats, [&] { gemm(up, false, step_tile_rows, "gate_up"); }),
+        MedianMs(repeats, [&] { gemm(up, false, step_tile_rows, step_columns, "gate_up"); }),
         MedianMs(repeats, silu),
-        MedianMs(repeats, [&] { gemm(down, false, step_tile_rows, "down"); }),
+        MedianMs(repeats, [&] { gemm(down, false, step_tile_rows, step_columns, "down"); }),
         MedianMs(repeats, combine)};
     const double total = MedianMs(repeats, [&] {
       route();
       group(step_tile_rows);
-      gemm(up, false, step_tile_rows, "gate_up");
+      gemm(up, false, step_tile_rows, step_columns, "gate_up");
       silu();
-      gemm(down, false, step_tile_rows, "down");
+      gemm(down, false, step_tile_rows, step_columns, "down");
       combine();
     });
     std::printf("\n%7s %8s %5s | %8s %8s %8s %8s %8s %8s | %9s %9s | %7s\n", "tokens", "experts",
@@ -281,7 +285,10 @@ int Main() {
     // act, each output against version 1's decode shape bit for bit.
     const int64_t gate_up_bytes = a * 2 * mi * 2, y_bytes = a * h * 4;
     for (const GemmShape& shape : shapes) {
-      if (shape.tile_rows != cuda::kMoeTileRows && (h % 128 != 0 || (2 * mi) % 128 != 0)) continue;
+      const int64_t columns = shape.tile_columns != 0                 ? shape.tile_columns
+                              : shape.tile_rows == cuda::kMoeTileRows ? 64
+                                                                      : 128;
+      if (h % columns != 0 || (2 * mi) % columns != 0) continue;
       group(shape.tile_rows);
       const bool reference = &shape == &shapes[0];
       cuda::MoeGemmParams up_shape = up, down_shape = down;
@@ -289,7 +296,7 @@ int Main() {
       down_shape.y = reference ? y_reference.get() : y.get();
       Check(cudaMemset(up_shape.y, 0xff, gate_up_bytes), "memset");
       Check(cudaMemset(down_shape.y, 0xff, y_bytes), "memset");
-      gemm(up_shape, shape.version1, shape.tile_rows, "gate_up");
+      gemm(up_shape, shape.version1, shape.tile_rows, shape.tile_columns, "gate_up");
       if (reference) {
         // act from the reference gate/up: the down GEMM's input for every shape.
         for (int64_t r0 = 0; r0 < a; r0 += 65535) {
@@ -299,7 +306,7 @@ int Main() {
                 "silu");
         }
       }
-      gemm(down_shape, shape.version1, shape.tile_rows, "down");
+      gemm(down_shape, shape.version1, shape.tile_rows, shape.tile_columns, "down");
       unsigned long long up_differing = 0, down_differing = 0;
       if (!reference) {
         Check(cuda::CountDifferentWordsOnHost(gate_up_reference.get(), up_shape.y, gate_up_bytes,
@@ -309,10 +316,13 @@ int Main() {
                                               &down_differing),
               "compare");
       }
-      const double up_ms = MedianMs(
-          repeats, [&] { gemm(up_shape, shape.version1, shape.tile_rows, "gate_up"); });
-      const double down_ms = MedianMs(
-          repeats, [&] { gemm(down_shape, shape.version1, shape.tile_rows, "down"); });
+      auto run_up = [&] {
+        gemm(up_shape, shape.version1, shape.tile_rows, shape.tile_columns, "gate_up");
+      };
+      auto run_down = [&] {
+        gemm(down_shape, shape.version1, shape.tile_rows, shape.tile_columns, "down");
+      };
+      const double up_ms = MedianMs(repeats, run_up), down_ms = MedianMs(repeats, run_down);
       const double both_s = (up_ms + down_ms) * 1e-3;
       const bool same = up_differing == 0 && down_differing == 0;
       if (!same) ++differing_runs;
@@ -320,7 +330,9 @@ int Main() {
           "%7s %-10s gate_up %7.3f ms  down %7.3f ms  | %5.2f TB/s of touched weights, %4.0f "
           "TFLOP/s | %s\n",
           "", shape.name, up_ms, down_ms, bytes / both_s / 1e12, expert_flops / both_s / 1e12,
-          reference ? "reference" : same ? "bits equal" : "BITS DIFFER");
+          reference ? "reference"
+          : same    ? "bits equal"
+                    : "BITS DIFFER");
       if (!same) {
         std::printf("%7s %-10s %llu gate_up and %llu down words differ from %s\n", "", "",
                     up_differing, down_differing, shapes[0].name);

@@ -247,6 +247,7 @@ cudaError_t MoeExperts(const MoeLayerParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   MoeGemmParams gemm;
   gemm.tile_rows = tile_rows;
+  gemm.tile_columns = MoeTileColumnsFor(tile_rows, p.hidden, p.inter);
   gemm.x = p.xn;
   gemm.rows = p.grouping.rows;
   gemm.assignments = assignments;

@@ -33,6 +33,8 @@ inline constexpr int kMoeTileRowsLarge = 64;
 inline constexpr int kMoeTileRowsXLarge = 128;
 // The expert GEMMs' N and K must be multiples of this (tile width and K step).
 inline constexpr int kMoeGemmAlign = 64;
+// Columns of the widest block shape (128-row tiles x 256 columns; MoeGemmParams::tile_columns).
+inline constexpr int kMoeTileColumnsWide = 256;
 
 // Most tiles a grouping of `assignments` rows over `num_experts` experts can produce: the grid of
 // the expert GEMMs. Only touched experts have tiles, at most min(num_experts, assignments) of
@@ -52,6 +54,16 @@ inline int32_t MoeTileRowsFor(int64_t assignments, int32_t num_experts, int64_t 
   if (assignments >= int64_t{256} * num_experts) return kMoeTileRowsXLarge;
   if (assignments >= int64_t{kMoeTileRowsLarge} * num_experts) return kMoeTileRowsLarge;
   return kMoeTileRows;
+}
+
+// The block columns of a step's expert GEMMs (MoeGemmParams::tile_columns) for its tile rows:
+// 256 with 128-row tiles when both projections' N (2 inter, hidden) are multiples of 256 -- a
+// third fewer staged bytes per MMA than 128 x 128 -- else 0 (the tile rows' own shape).
+inline int32_t MoeTileColumnsFor(int32_t tile_rows, int64_t hidden, int64_t inter) {
+  return tile_rows == kMoeTileRowsXLarge && hidden % kMoeTileColumnsWide == 0 &&
+                 (2 * inter) % kMoeTileColumnsWide == 0
+             ? kMoeTileColumnsWide
+             : 0;
 }
 
 // Routing, one warp per token t of [0, num_tokens):
@@ -108,12 +120,12 @@ enum class MoeGemmOutput {
 //   y[r, :] = x[rows ? rows[r] : r, :] . w_e^T,  w_e = w + e * expert_stride ([n, k] bf16),
 // acc per element = a fixed sequence of mma.sync m16n8k16 over K in increasing 16-wide steps
 // from zero (bf16 in, fp32 accumulate), in every block shape and version (moe_gemm.cu). Block
-// shapes by tile_rows: 32 rows x 64 columns (decode), 64 x 128 and 128 x 128 (prefill); the grid
-// covers MoeMaxTiles(assignments, num_experts, tile_rows) tiles and blocks past
-// tile_offsets[num_experts] exit. x: [*, k] bf16; rows: [assignments] or nullptr; y:
-// [assignments, n]. REQUIRES: n % kMoeGemmAlign == 0, k % kMoeGemmAlign == 0 (and n % 128 == 0
-// for tile rows 64 and 128); tile_rows the grouping's; x, w, y 16-byte aligned
-// (cudaErrorInvalidValue otherwise).
+// shapes by tile_rows: 32 rows x 64 columns (decode), 64 x 128 and 128 x 128 (prefill), 128 x 256
+// with tile_columns kMoeTileColumnsWide; the grid covers MoeMaxTiles(assignments, num_experts,
+// tile_rows) tiles and blocks past tile_offsets[num_experts] exit. x: [*, k] bf16; rows:
+// [assignments] or nullptr; y: [assignments, n]. REQUIRES: n % kMoeGemmAlign == 0, k %
+// kMoeGemmAlign == 0 (and n a multiple of the block's columns); tile_rows the grouping's; x, w, y
+// 16-byte aligned (cudaErrorInvalidValue otherwise).
 struct MoeGemmParams {
   const bf16* x = nullptr;
   const int32_t* rows = nullptr;
@@ -128,12 +140,14 @@ struct MoeGemmParams {
   MoeGemmOutput output = MoeGemmOutput::kBf16;
   void* y = nullptr;
   int32_t tile_rows = kMoeTileRows;  // MoeGroup's: the block shape
+  int32_t tile_columns = 0;  // 0: tile_rows' shape; kMoeTileColumnsWide (tile_rows 128): 128 x 256
 };
 cudaError_t MoeExpertGemm(const MoeGemmParams& params, cudaStream_t stream);
 
 // Version 1 of the grouped GEMM (padded shared-memory rows, 32-bit fragment loads; block shapes
 // 32 x 64 and 64 x 128), the reference the current version must equal bitwise (moe_test.cc,
-// rollout-moe-bench). The same contract; REQUIRES: tile_rows kMoeTileRows or kMoeTileRowsLarge.
+// rollout-moe-bench). The same contract; REQUIRES: tile_rows kMoeTileRows or kMoeTileRowsLarge,
+// tile_columns 0.
 cudaError_t MoeExpertGemmV1(const MoeGemmParams& params, cudaStream_t stream);
 
 // x[t, :] += sum_{j = 0..top_k-1} weights[t, j] * y[slots[t * top_k + j], :], per element

@@ -15,11 +15,13 @@
 // distinct bank groups, and the fragments come by ldmatrix.x4 (A: rows x K; B: w's [n, k] rows,
 // already the col-major B operand, so no .trans). Deeper rings in dynamic shared memory: decode
 // 32 x 64 with 6 stages (more weight bytes in flight per SM at a few rows per expert); prefill 64
-// x 128 (warps of 32 x 64) and 128 x 128 (warps of 64 x 64), 3 stages each. The grid is one dimension, column blocks
-// of a tile adjacent, so a tile's rows are read from memory once and from L2 by its other column
-// blocks; the owning expert is found by all threads at once, not a serial search; m16 row groups
-// wholly past the expert's rows skip their ldmatrix and MMAs (a 1-row decode tile does a quarter
-// of the 32-row work; a prefill tile's tail less). Not timed on a GPU yet (rollout-moe-bench).
+// x 128 (warps of 32 x 64) and 128 x 128 (warps of 64 x 64), 3 stages each, and 128 x 256 (8
+// warps of 64 x 64, 4 stages), the one MoeTileColumnsFor gives 128-row tiles on Qwen3's shapes. The
+// grid is one dimension, column blocks of a tile adjacent, so a tile's rows are read from memory
+// once and from L2 by its other column blocks; the owning expert is found by all threads at once,
+// not a serial search; m16 row groups wholly past the expert's rows skip their ldmatrix and MMAs (a
+// 1-row decode tile does a quarter of the 32-row work; a prefill tile's tail less). Not timed on a
+// GPU yet (rollout-moe-bench).
 #include <climits>
 #include <cstdint>
 
@@ -241,8 +243,13 @@ using PrefillGemm = SwizzledShape<2, 2, 2, 8, 3, 3>;
 // tile: 8 ldmatrix.x4 per 32 MMAs, a third fewer shared-memory reads per MMA than 32 x 64), 3
 // stages (96 KiB, 2 an SM).
 using PrefillLargeGemm = SwizzledShape<2, 2, 4, 8, 3, 2>;
+// The widest: 128 x 256, 2 x 4 warps of 64 x 64 (half the A bytes per MMA of 128 x 128), 4
+// stages (192 KiB, 1 an SM) -- CUTLASS's usual large Ampere tile.
+using PrefillWideGemm = SwizzledShape<2, 4, 4, 8, 4, 1>;
 static_assert(DecodeGemm::kBm == kMoeTileRows && PrefillGemm::kBm == kMoeTileRowsLarge &&
-                  PrefillLargeGemm::kBm == kMoeTileRowsXLarge,
+                  PrefillLargeGemm::kBm == kMoeTileRowsXLarge &&
+                  PrefillWideGemm::kBm == kMoeTileRowsXLarge &&
+                  PrefillWideGemm::kBn == kMoeTileColumnsWide,
               "moe.h states the tile rows");
 static_assert(DecodeGemm::kBn == kMoeGemmAlign && DecodeGemm::kBk == kMoeGemmAlign,
               "moe.h states the alignment");
@@ -259,7 +266,7 @@ __global__ void __launch_bounds__(G::kThreads, G::kBlocksPerSm)
   constexpr int kMi = G::kRowTiles, kNi = G::kColumnTiles;
   extern __shared__ uint4 moe_gemm_smem[];
   bf16* staged = reinterpret_cast<bf16*>(moe_gemm_smem);  // [kStages][kBm + kBn rows][kBk]
-  __shared__ int32_t tile_rows[kBm];               // x row of each tile row (valid rows only)
+  __shared__ int32_t tile_rows[kBm];  // x row of each tile row (valid rows only)
   __shared__ int32_t expert_slot;
   const int32_t tile = static_cast<int32_t>(blockIdx.x / column_blocks);
   const int32_t column_block = static_cast<int32_t>(blockIdx.x % column_blocks);
@@ -383,8 +390,8 @@ template <class G>
 cudaError_t LaunchExpertGemm(const MoeGemmParams& params, cudaStream_t stream) {
   if (params.n % G::kBn != 0 || params.k % G::kBk != 0) return cudaErrorInvalidValue;
   const int64_t column_blocks = params.n / G::kBn;
-  const int64_t blocks = MoeMaxTiles(params.assignments, params.num_experts, G::kBm) *
-                         column_blocks;
+  const int64_t blocks =
+      MoeMaxTiles(params.assignments, params.num_experts, G::kBm) * column_blocks;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   auto kernel = MoeExpertGemmKernel<G>;
   // kBlocksPerSm blocks' rings need the most shared memory an SM can carve out.
@@ -411,6 +418,13 @@ bool ValidGemmParams(const MoeGemmParams& params) {
 
 cudaError_t MoeExpertGemm(const MoeGemmParams& params, cudaStream_t stream) {
   if (!ValidGemmParams(params)) return cudaErrorInvalidValue;
+  if (params.tile_columns != 0) {
+    if (params.tile_rows != kMoeTileRowsXLarge || params.tile_columns != kMoeTileColumnsWide) {
+      return cudaErrorInvalidValue;
+    }
+    return params.assignments == 0 ? cudaSuccess
+                                   : LaunchExpertGemm<PrefillWideGemm>(params, stream);
+  }
   if (params.assignments == 0) return cudaSuccess;
   switch (params.tile_rows) {
     case kMoeTileRows:
@@ -425,7 +439,7 @@ cudaError_t MoeExpertGemm(const MoeGemmParams& params, cudaStream_t stream) {
 }
 
 cudaError_t MoeExpertGemmV1(const MoeGemmParams& params, cudaStream_t stream) {
-  if (!ValidGemmParams(params)) return cudaErrorInvalidValue;
+  if (!ValidGemmParams(params) || params.tile_columns != 0) return cudaErrorInvalidValue;
   if (params.assignments == 0) return cudaSuccess;
   if (params.tile_rows == SmallGemm::kBm) return LaunchExpertGemmV1<SmallGemm>(params, stream);
   if (params.tile_rows == LargeGemm::kBm) return LaunchExpertGemmV1<LargeGemm>(params, stream);

@@ -31,6 +31,15 @@ class MoeGemmVersionsTest : public ::testing::Test {
   }
 };
 
+// Every block shape of MoeExpertGemm: (tile rows, tile columns).
+struct BlockShape {
+  int32_t tile_rows, tile_columns;
+};
+constexpr BlockShape kBlockShapes[] = {{cuda::kMoeTileRows, 0},
+                                       {cuda::kMoeTileRowsLarge, 0},
+                                       {cuda::kMoeTileRowsXLarge, 0},
+                                       {cuda::kMoeTileRowsXLarge, cuda::kMoeTileColumnsWide}};
+
 // ids [t_count, k]: distinct experts per token, uniform; when concentrated, tokens t % 3 == 0
 // take experts 0..k-1 (in a shuffled order) instead.
 std::vector<int32_t> Routing(int64_t t_count, int e_count, int k, bool concentrated,
@@ -52,11 +61,10 @@ std::vector<int32_t> Routing(int64_t t_count, int e_count, int k, bool concentra
 TEST_F(MoeGemmVersionsTest, EveryBlockShapeEqualsVersion1BitwiseOnQwen3MoeShapes) {
   constexpr int kExperts = 128, kTopK = 8;
   constexpr int64_t kHidden = 2048, kInter = 768;
-  const std::vector<int64_t> counts = {1,   2,   3,   5,   8,    13,   31,   64,   100,  257,
+  const std::vector<int64_t> counts = {1,   2,   3,    5,    8,    13,   31,   64,   100, 257,
                                        512, 777, 1024, 1500, 2048, 3001, 4096, 6007, 8192};
   const int64_t max_t = 8192, max_a = max_t * kTopK;
-  cuda::DeviceBuffer xn, act, w_gate_up, w_down, ids, reference_ints, grouping_ints, y_reference,
-      y;
+  cuda::DeviceBuffer xn, act, w_gate_up, w_down, ids, reference_ints, grouping_ints, y_reference, y;
   ASSERT_CUDA_OK(xn.Allocate(max_t * kHidden * 2));
   ASSERT_CUDA_OK(act.Allocate(max_a * kInter * 2));
   ASSERT_CUDA_OK(w_gate_up.Allocate(int64_t{kExperts} * 2 * kInter * kHidden * 2));
@@ -86,7 +94,8 @@ TEST_F(MoeGemmVersionsTest, EveryBlockShapeEqualsVersion1BitwiseOnQwen3MoeShapes
       ASSERT_EQ(cudaSuccess, cudaMemcpy(ids.get(), host_ids.data(), a * 4, cudaMemcpyHostToDevice));
       const cuda::MoeGrouping reference =
           cuda::MoeGroupingIn(reference_ints.get<int32_t>(), kExperts, a);
-      const cuda::MoeGrouping grouping = cuda::MoeGroupingIn(grouping_ints.get<int32_t>(), kExperts, a);
+      const cuda::MoeGrouping grouping =
+          cuda::MoeGroupingIn(grouping_ints.get<int32_t>(), kExperts, a);
       ASSERT_CUDA_OK(cuda::MoeGroup(ids.get<int32_t>(), t_count, kExperts, kTopK,
                                     cuda::kMoeTileRows, reference, nullptr));
       for (bool gate_up : {true, false}) {
@@ -107,8 +116,8 @@ TEST_F(MoeGemmVersionsTest, EveryBlockShapeEqualsVersion1BitwiseOnQwen3MoeShapes
         ASSERT_CUDA_OK(cudaMemset(y_reference.get(), 0xff, bytes));
         p.y = y_reference.get();
         ASSERT_CUDA_OK(cuda::MoeExpertGemmV1(p, nullptr));
-        for (int32_t tile_rows :
-             {cuda::kMoeTileRows, cuda::kMoeTileRowsLarge, cuda::kMoeTileRowsXLarge}) {
+        for (const BlockShape shape : kBlockShapes) {
+          const int32_t tile_rows = shape.tile_rows;
           ASSERT_CUDA_OK(cuda::MoeGroup(ids.get<int32_t>(), t_count, kExperts, kTopK, tile_rows,
                                         grouping, nullptr));
           cuda::MoeGemmParams q = p;
@@ -116,6 +125,7 @@ TEST_F(MoeGemmVersionsTest, EveryBlockShapeEqualsVersion1BitwiseOnQwen3MoeShapes
           q.expert_offsets = grouping.expert_offsets;
           q.tile_offsets = grouping.tile_offsets;
           q.tile_rows = tile_rows;
+          q.tile_columns = shape.tile_columns;
           q.y = y.get();
           ASSERT_CUDA_OK(cudaMemset(y.get(), 0xff, bytes));
           ASSERT_CUDA_OK(cuda::MoeExpertGemm(q, nullptr));
@@ -125,7 +135,7 @@ TEST_F(MoeGemmVersionsTest, EveryBlockShapeEqualsVersion1BitwiseOnQwen3MoeShapes
           EXPECT_EQ(0u, differing)
               << (gate_up ? "gate_up" : "down") << " T " << t_count
               << (concentrated ? " concentrated" : " uniform") << " tile rows " << tile_rows
-              << ": words differing from version 1";
+              << " columns " << shape.tile_columns << ": words differing from version 1";
           ++compared;
         }
       }
@@ -135,11 +145,12 @@ TEST_F(MoeGemmVersionsTest, EveryBlockShapeEqualsVersion1BitwiseOnQwen3MoeShapes
               compared);
 }
 
-// Shapes other than Qwen3's (few experts, K a multiple of 64 but not of 128, one expert taking
-// most rows): every block shape equals version 1 in both outputs, with and without the gather.
+// Shapes other than Qwen3's (few experts, K a multiple of 64 but not of 128, N an odd multiple
+// of 256, one expert taking most rows): every block shape equals version 1 in both outputs, with
+// and without the gather.
 TEST_F(MoeGemmVersionsTest, EveryBlockShapeEqualsVersion1BitwiseOnOddShapes) {
   constexpr int kExperts = 5;
-  constexpr int64_t kN = 384, kK = 448;
+  constexpr int64_t kN = 768, kK = 448;
   for (int64_t t_count : {1, 7, 16, 17, 129, 700}) {
     std::vector<int32_t> host_ids(t_count);
     for (int64_t t = 0; t < t_count; ++t) {
@@ -181,8 +192,8 @@ TEST_F(MoeGemmVersionsTest, EveryBlockShapeEqualsVersion1BitwiseOnOddShapes) {
         const int64_t bytes = t_count * kN * (out == cuda::MoeGemmOutput::kBf16 ? 2 : 4);
         ASSERT_CUDA_OK(cudaMemset(y_reference.get(), 0xff, bytes));
         ASSERT_CUDA_OK(cuda::MoeExpertGemmV1(p, nullptr));
-        for (int32_t tile_rows :
-             {cuda::kMoeTileRows, cuda::kMoeTileRowsLarge, cuda::kMoeTileRowsXLarge}) {
+        for (const BlockShape shape : kBlockShapes) {
+          const int32_t tile_rows = shape.tile_rows;
           ASSERT_CUDA_OK(cuda::MoeGroup(ids.get<int32_t>(), t_count, kExperts, 1, tile_rows,
                                         grouping, nullptr));
           cuda::MoeGemmParams q = p;
@@ -190,23 +201,25 @@ TEST_F(MoeGemmVersionsTest, EveryBlockShapeEqualsVersion1BitwiseOnOddShapes) {
           q.expert_offsets = grouping.expert_offsets;
           q.tile_offsets = grouping.tile_offsets;
           q.tile_rows = tile_rows;
+          q.tile_columns = shape.tile_columns;
           q.y = y.get();
           ASSERT_CUDA_OK(cudaMemset(y.get(), 0xff, bytes));
           ASSERT_CUDA_OK(cuda::MoeExpertGemm(q, nullptr));
           unsigned long long differing = 0;
           ASSERT_CUDA_OK(
               cuda::CountDifferentWordsOnHost(y_reference.get(), y.get(), bytes, &differing));
-          EXPECT_EQ(0u, differing) << "T " << t_count << " gather " << gather
-                                   << (out == cuda::MoeGemmOutput::kBf16 ? " bf16" : " f32")
-                                   << " tile rows " << tile_rows;
+          EXPECT_EQ(0u, differing)
+              << "T " << t_count << " gather " << gather
+              << (out == cuda::MoeGemmOutput::kBf16 ? " bf16" : " f32") << " tile rows "
+              << tile_rows << " columns " << shape.tile_columns;
         }
       }
     }
   }
 }
 
-// The block shapes' launch limits: a prefill shape refuses N not a multiple of its 128 columns;
-// version 1 refuses the 128-row tiles it does not have.
+// The block shapes' launch limits: a prefill shape refuses N not a multiple of its columns, the
+// wide shape other tile rows; version 1 refuses the shapes it does not have.
 TEST_F(MoeGemmVersionsTest, ShapesRefuseWhatTheyCannotTile) {
   cuda::DeviceBuffer buf;
   ASSERT_CUDA_OK(buf.Allocate(1 << 20));
@@ -224,8 +237,20 @@ TEST_F(MoeGemmVersionsTest, ShapesRefuseWhatTheyCannotTile) {
     gp.tile_rows = tile_rows;
     EXPECT_EQ(cudaErrorInvalidValue, cuda::MoeExpertGemm(gp, nullptr)) << tile_rows;
   }
-  gp.n = 256;
+  gp.n = 384;  // a multiple of 128, not of 256
   gp.tile_rows = cuda::kMoeTileRowsXLarge;
+  gp.tile_columns = cuda::kMoeTileColumnsWide;
+  EXPECT_EQ(cudaErrorInvalidValue, cuda::MoeExpertGemm(gp, nullptr));
+  gp.n = 256;
+  gp.tile_rows = cuda::kMoeTileRowsLarge;  // the wide shape has 128-row tiles only
+  EXPECT_EQ(cudaErrorInvalidValue, cuda::MoeExpertGemm(gp, nullptr));
+  gp.tile_columns = 128;
+  EXPECT_EQ(cudaErrorInvalidValue, cuda::MoeExpertGemm(gp, nullptr));
+  gp.tile_columns = 0;
+  gp.tile_rows = cuda::kMoeTileRowsXLarge;
+  EXPECT_EQ(cudaErrorInvalidValue, cuda::MoeExpertGemmV1(gp, nullptr));
+  gp.tile_rows = cuda::kMoeTileRows;
+  gp.tile_columns = cuda::kMoeTileColumnsWide;
   EXPECT_EQ(cudaErrorInvalidValue, cuda::MoeExpertGemmV1(gp, nullptr));
   cudaGetLastError();
 }
