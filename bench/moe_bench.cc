@@ -1,11 +1,17 @@
 // rollout-moe-bench: one MoE layer of Qwen3-30B-A3B's shape (kernels/cuda/moe.h) timed kernel by
-// kernel for decode and prefill token counts, beside its floor: the experts the step touches
-// read once at the measured device copy rate, and its expert FLOPs at the measured bf16 GEMM
-// rate (cuBLASLt, 8192^3).
+// kernel for decode and prefill token counts, beside its floor, and the grouped expert GEMM in
+// every block shape and version (kernels/cuda/moe_gemm.cu), each checked bitwise against version
+// 1's decode shape first (exit status 1 when any bit differs).
 //
 //   rollout-moe-bench [--experts=128] [--top_k=8] [--hidden=2048] [--inter=768]
 //                     [--tokens=1,8,64,256,512,2048,8192] [--repeats=20]
 //                     [--tile_rows=0]
+//
+// The floor of a step is a lower bound: the larger of the bytes of the experts it touches (each
+// read once) at the device's memory rate -- the faster of a device copy's bytes moved (read plus
+// written) and a read-only compare's bytes read, per second -- and its expert FLOPs at the
+// measured bf16 GEMM rate (cuBLASLt, 8192^3). (Until this version the copy's read rate alone,
+// half its traffic, so the floor overcounted and rows showed under 1x.)
 //
 // Weights, norms and router logits are random (FillRandomWeights); routing is what the logits
 // give (close to uniform). Each timing is the median of `repeats` launches (CUDA events), L2 not
@@ -25,6 +31,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
+#include "kernels/cuda/compare.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
@@ -37,7 +44,8 @@ ABSL_FLAG(int64_t, inter, 768, "moe_intermediate_size");
 ABSL_FLAG(std::string, tokens, "1,8,64,256,512,2048,8192", "token counts to time");
 ABSL_FLAG(int32_t, repeats, 20, "launches per timing (median)");
 ABSL_FLAG(int32_t, tile_rows, 0,
-          "expert GEMM block shape: 32 (decode) or 64 (prefill); 0: MoeTileRowsFor's choice");
+          "the step's expert GEMM block shape: 32 (decode), 64 or 128 (prefill); 0: "
+          "MoeTileRowsFor's choice");
 
 namespace rollout {
 namespace {
@@ -72,16 +80,26 @@ double MedianMs(int repeats, const std::function<void()>& fn) {
   return ms[repeats / 2];
 }
 
-// Bytes read per second by a device-to-device copy of 1 GiB (each byte is also written).
-double CopyReadRate() {
+// Bytes moved per second by the device's memory: the faster of a device-to-device copy of 1 GiB
+// (each byte read and written: 2 GiB moved) and CountDifferentWords over two 1 GiB buffers (read
+// only: 2 GiB read).
+double MemoryRate() {
   const size_t bytes = size_t{1} << 30;
-  DeviceBuffer src, dst;
+  DeviceBuffer src, dst, count;
   Check(src.Allocate(bytes), "alloc");
   Check(dst.Allocate(bytes), "alloc");
-  const double ms = MedianMs(10, [&] {
+  Check(count.Allocate(sizeof(unsigned long long)), "alloc");
+  Check(cudaMemset(src.get(), 1, bytes), "memset");
+  Check(cudaMemset(dst.get(), 2, bytes), "memset");
+  const double copy_ms = MedianMs(10, [&] {
     Check(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, nullptr), "copy");
   });
-  return bytes / (ms * 1e-3);
+  const double read_ms = MedianMs(10, [&] {
+    Check(cuda::CountDifferentWords(src.get(), dst.get(), bytes, count.get<unsigned long long>(),
+                                    nullptr),
+          "compare");
+  });
+  return 2.0 * bytes / (std::min(copy_ms, read_ms) * 1e-3);
 }
 
 // bf16 GEMM rate of cuBLASLt's pinned algorithm at 8192^3, FLOP/s.
@@ -122,14 +140,15 @@ int Main() {
 
   cudaDeviceProp prop;
   Check(cudaGetDeviceProperties(&prop, 0), "device");
-  const double read_rate = CopyReadRate(), flops = GemmRate();
-  std::printf("device: %s; copy %.2f TB/s read (+ as much written), bf16 GEMM %.0f TFLOP/s\n",
-              prop.name, read_rate / 1e12, flops / 1e12);
+  const double memory_rate = MemoryRate(), flops = GemmRate();
+  std::printf("device: %s; memory %.2f TB/s (bytes moved), bf16 GEMM %.0f TFLOP/s\n", prop.name,
+              memory_rate / 1e12, flops / 1e12);
   std::printf(
       "layer: %d experts, %d per token, hidden %lld, expert width %lld (%.2f GB of experts)\n", e,
       k, static_cast<long long>(h), static_cast<long long>(mi), 3.0 * e * h * mi * 2 / 1e9);
 
-  DeviceBuffer w_gate_up, w_down, logits, xn, x, ids, weights, grouping, gate_up, act, y;
+  DeviceBuffer w_gate_up, w_down, logits, xn, x, ids, weights, grouping, gate_up, act, y,
+      gate_up_reference, y_reference;
   Check(w_gate_up.Allocate(int64_t{e} * 2 * mi * h * 2), "alloc");
   Check(w_down.Allocate(int64_t{e} * h * mi * 2), "alloc");
   Check(logits.Allocate(max_t * e * 4), "alloc");
@@ -141,6 +160,8 @@ int Main() {
   Check(gate_up.Allocate(max_a * 2 * mi * 2), "alloc");
   Check(act.Allocate(max_a * mi * 2), "alloc");
   Check(y.Allocate(max_a * h * 4), "alloc");
+  Check(gate_up_reference.Allocate(max_a * 2 * mi * 2), "alloc");
+  Check(y_reference.Allocate(max_a * h * 4), "alloc");
   Check(cuda::FillRandomWeights(3, 0.02, 0, int64_t{e} * 2 * mi * h, w_gate_up.get<bf16>(), nullptr,
                                 nullptr),
         "fill");
@@ -153,14 +174,28 @@ int Main() {
   Check(cudaMemset(x.get(), 0, max_t * h * 4), "memset");
   int32_t* g = grouping.get<int32_t>();
 
-  std::printf("\n%7s %8s %5s | %8s %8s %8s %8s %8s %8s | %9s %9s | %7s\n", "tokens", "experts",
-              "tile", "route", "group", "gate_up", "silu", "down", "combine", "total ms",
-              "floor ms", "x floor");
+  // The expert GEMM's block shapes, version 1's decode shape first: the reference of the others'
+  // bits.
+  struct GemmShape {
+    const char* name;
+    int32_t tile_rows, tile_columns;
+    bool version1;
+  };
+  const GemmShape shapes[] = {
+      {"v1 32x64", cuda::kMoeTileRows, 0, true},
+      {"v1 64x128", cuda::kMoeTileRowsLarge, 0, true},
+      {"v2 32x64", cuda::kMoeTileRows, 0, false},
+      {"v2 64x128", cuda::kMoeTileRowsLarge, 0, false},
+      {"v2 128x128", cuda::kMoeTileRowsXLarge, 0, false},
+      {"v2 128x256", cuda::kMoeTileRowsXLarge, cuda::kMoeTileColumnsWide, false}};
+  int differing_runs = 0;
   for (int64_t t : counts) {
     const int64_t a = t * k;
     const cuda::MoeGrouping gr = cuda::MoeGroupingIn(g, e, a);
-    const int32_t tile_rows = absl::GetFlag(FLAGS_tile_rows) > 0 ? absl::GetFlag(FLAGS_tile_rows)
-                                                                 : cuda::MoeTileRowsFor(a, e, h);
+    const int32_t step_tile_rows = absl::GetFlag(FLAGS_tile_rows) > 0
+                                       ? absl::GetFlag(FLAGS_tile_rows)
+                                       : cuda::MoeTileRowsFor(a, e, h);
+    const int32_t step_columns = cuda::MoeTileColumnsFor(step_tile_rows, h, mi);
     cuda::MoeGemmParams up;
     up.x = xn.get<bf16>();
     up.rows = gr.rows;
@@ -174,7 +209,6 @@ int Main() {
     up.num_experts = e;
     up.output = cuda::MoeGemmOutput::kBf16;
     up.y = gate_up.get();
-    up.tile_rows = tile_rows;
     cuda::MoeGemmParams down = up;
     down.x = act.get<bf16>();
     down.rows = nullptr;
@@ -189,10 +223,16 @@ int Main() {
                            weights.get<float>(), nullptr),
             "route");
     };
-    auto group = [&] {
+    auto group = [&](int32_t tile_rows) {
       Check(cuda::MoeGroup(ids.get<int32_t>(), t, e, k, tile_rows, gr, nullptr), "group");
     };
-    auto gemm_up = [&] { Check(cuda::MoeExpertGemm(up, nullptr), "gate_up"); };
+    auto gemm = [&](const cuda::MoeGemmParams& p, bool version1, int32_t tile_rows,
+                    int32_t tile_columns, const char* what) {
+      cuda::MoeGemmParams q = p;
+      q.tile_rows = tile_rows;
+      q.tile_columns = tile_columns;
+      Check(version1 ? cuda::MoeExpertGemmV1(q, nullptr) : cuda::MoeExpertGemm(q, nullptr), what);
+    };
     auto silu = [&] {
       for (int64_t r0 = 0; r0 < a; r0 += 65535) {
         const int64_t rn = std::min<int64_t>(65535, a - r0);
@@ -201,40 +241,107 @@ int Main() {
               "silu");
       }
     };
-    auto gemm_down = [&] { Check(cuda::MoeExpertGemm(down, nullptr), "down"); };
     auto combine = [&] {
       Check(cuda::MoeCombine(y.get<float>(), gr.slots, weights.get<float>(), t, k, h,
                              x.get<float>(), nullptr),
             "combine");
     };
     route();
-    group();
+    group(step_tile_rows);
     Check(cudaDeviceSynchronize(), "routing");
     std::vector<int32_t> counts_host(e);
     Check(cudaMemcpy(counts_host.data(), g, e * 4, cudaMemcpyDeviceToHost), "counts");
     const int64_t touched =
         std::count_if(counts_host.begin(), counts_host.end(), [](int32_t c) { return c > 0; });
-    const double ms[6] = {MedianMs(repeats, route),     MedianMs(repeats, group),
-                          MedianMs(repeats, gemm_up),   MedianMs(repeats, silu),
-                          MedianMs(repeats, gemm_down), MedianMs(repeats, combine)};
-    const double total = MedianMs(repeats, [&] {
-      route();
-      group();
-      gemm_up();
-      silu();
-      gemm_down();
-      combine();
-    });
     const double bytes = 3.0 * touched * h * mi * 2;
     const double expert_flops = 2.0 * 3.0 * a * h * mi;
     const double floor_ms =
-        std::max(bytes / read_rate, flops > 0 ? expert_flops / flops : 0.0) * 1e3;
+        std::max(bytes / memory_rate, flops > 0 ? expert_flops / flops : 0.0) * 1e3;
+
+    // The step in the block shape it runs in (version 2).
+    const double ms[6] = {
+        MedianMs(repeats, route),
+        MedianMs(repeats, [&] { group(step_tile_rows); }),
+        MedianMs(repeats, [&] { gemm(up, false, step_tile_rows, step_columns, "gate_up"); }),
+        MedianMs(repeats, silu),
+        MedianMs(repeats, [&] { gemm(down, false, step_tile_rows, step_columns, "down"); }),
+        MedianMs(repeats, combine)};
+    const double total = MedianMs(repeats, [&] {
+      route();
+      group(step_tile_rows);
+      gemm(up, false, step_tile_rows, step_columns, "gate_up");
+      silu();
+      gemm(down, false, step_tile_rows, step_columns, "down");
+      combine();
+    });
+    std::printf("\n%7s %8s %5s | %8s %8s %8s %8s %8s %8s | %9s %9s | %7s\n", "tokens", "experts",
+                "tile", "route", "group", "gate_up", "silu", "down", "combine", "total ms",
+                "floor ms", "x floor");
     std::printf("%7lld %8lld %5d | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %9.3f %9.3f | %7.2f\n",
-                static_cast<long long>(t), static_cast<long long>(touched), tile_rows, ms[0], ms[1],
-                ms[2], ms[3], ms[4], ms[5], total, floor_ms, total / floor_ms);
-    std::printf("%7s %8s %5s   expert GEMMs: %.2f TB/s of touched weights, %.0f TFLOP/s\n", "", "",
-                "", bytes / ((ms[2] + ms[4]) * 1e-3) / 1e12,
-                expert_flops / ((ms[2] + ms[4]) * 1e-3) / 1e12);
+                static_cast<long long>(t), static_cast<long long>(touched), step_tile_rows, ms[0],
+                ms[1], ms[2], ms[3], ms[4], ms[5], total, floor_ms, total / floor_ms);
+
+    // Every block shape's expert GEMMs on this routing: gate/up on xn, down on the reference's
+    // act, each output against version 1's decode shape bit for bit.
+    const int64_t gate_up_bytes = a * 2 * mi * 2, y_bytes = a * h * 4;
+    for (const GemmShape& shape : shapes) {
+      const int64_t columns = shape.tile_columns != 0                 ? shape.tile_columns
+                              : shape.tile_rows == cuda::kMoeTileRows ? 64
+                                                                      : 128;
+      if (h % columns != 0 || (2 * mi) % columns != 0) continue;
+      group(shape.tile_rows);
+      const bool reference = &shape == &shapes[0];
+      cuda::MoeGemmParams up_shape = up, down_shape = down;
+      up_shape.y = reference ? gate_up_reference.get() : gate_up.get();
+      down_shape.y = reference ? y_reference.get() : y.get();
+      Check(cudaMemset(up_shape.y, 0xff, gate_up_bytes), "memset");
+      Check(cudaMemset(down_shape.y, 0xff, y_bytes), "memset");
+      gemm(up_shape, shape.version1, shape.tile_rows, shape.tile_columns, "gate_up");
+      if (reference) {
+        // act from the reference gate/up: the down GEMM's input for every shape.
+        for (int64_t r0 = 0; r0 < a; r0 += 65535) {
+          const int64_t rn = std::min<int64_t>(65535, a - r0);
+          Check(cuda::SiluMul(gate_up_reference.get<bf16>() + r0 * 2 * mi, rn, mi,
+                              act.get<bf16>() + r0 * mi, nullptr),
+                "silu");
+        }
+      }
+      gemm(down_shape, shape.version1, shape.tile_rows, shape.tile_columns, "down");
+      unsigned long long up_differing = 0, down_differing = 0;
+      if (!reference) {
+        Check(cuda::CountDifferentWordsOnHost(gate_up_reference.get(), up_shape.y, gate_up_bytes,
+                                              &up_differing),
+              "compare");
+        Check(cuda::CountDifferentWordsOnHost(y_reference.get(), down_shape.y, y_bytes,
+                                              &down_differing),
+              "compare");
+      }
+      auto run_up = [&] {
+        gemm(up_shape, shape.version1, shape.tile_rows, shape.tile_columns, "gate_up");
+      };
+      auto run_down = [&] {
+        gemm(down_shape, shape.version1, shape.tile_rows, shape.tile_columns, "down");
+      };
+      const double up_ms = MedianMs(repeats, run_up), down_ms = MedianMs(repeats, run_down);
+      const double both_s = (up_ms + down_ms) * 1e-3;
+      const bool same = up_differing == 0 && down_differing == 0;
+      if (!same) ++differing_runs;
+      std::printf(
+          "%7s %-10s gate_up %7.3f ms  down %7.3f ms  | %5.2f TB/s of touched weights, %4.0f "
+          "TFLOP/s | %s\n",
+          "", shape.name, up_ms, down_ms, bytes / both_s / 1e12, expert_flops / both_s / 1e12,
+          reference ? "reference"
+          : same    ? "bits equal"
+                    : "BITS DIFFER");
+      if (!same) {
+        std::printf("%7s %-10s %llu gate_up and %llu down words differ from %s\n", "", "",
+                    up_differing, down_differing, shapes[0].name);
+      }
+    }
+  }
+  if (differing_runs > 0) {
+    std::printf("\n%d block shape runs differ from version 1 in some bit\n", differing_runs);
+    return 1;
   }
   return 0;
 }

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 // The mixture-of-experts block of Qwen3-MoE on the GPU (kernels/cuda/moe.cu): routing, grouping
@@ -25,28 +26,44 @@ using bf16 = __nv_bfloat16;
 
 inline constexpr int kMoeMaxExperts = 1024;
 inline constexpr int kMoeMaxTopK = 32;
-// Rows of one expert GEMM tile (an expert's rows are cut into tiles of this many): the decode
-// block shape's, and the prefill one's.
+// Rows of one expert GEMM tile (an expert's rows are cut into tiles of this many), one per block
+// shape: decode, prefill, and prefill at many rows per expert.
 inline constexpr int kMoeTileRows = 32;
 inline constexpr int kMoeTileRowsLarge = 64;
+inline constexpr int kMoeTileRowsXLarge = 128;
 // The expert GEMMs' N and K must be multiples of this (tile width and K step).
 inline constexpr int kMoeGemmAlign = 64;
+// Columns of the widest block shape (128-row tiles x 256 columns; MoeGemmParams::tile_columns).
+inline constexpr int kMoeTileColumnsWide = 256;
 
 // Most tiles a grouping of `assignments` rows over `num_experts` experts can produce: the grid of
-// the expert GEMMs (sum over experts of ceil(count / tile_rows) <= assignments / tile_rows +
-// num_experts).
+// the expert GEMMs. Only touched experts have tiles, at most min(num_experts, assignments) of
+// them, and sum over them of ceil(count / tile_rows) <= assignments / tile_rows + touched -- so
+// a 1-token step launches top_k tiles' blocks, not num_experts'.
 inline int64_t MoeMaxTiles(int64_t assignments, int32_t num_experts,
                            int32_t tile_rows = kMoeTileRows) {
-  return assignments / tile_rows + num_experts;
+  return assignments / tile_rows + std::min<int64_t>(num_experts, assignments);
 }
 
-// The tile rows (block shape) of a step: the prefill shape when the experts get 64 rows each on
-// average and hidden is a multiple of 128 (its column blocks), else the decode shape. A function
-// of host-known numbers; the bits do not depend on it (moe_test.cc checks both shapes).
+// The tile rows (block shape) of a step, by the experts' mean rows (host-known numbers, so a
+// step stays graph-capturable): 128 from 256 rows an expert, 64 from 64, else the decode shape's
+// 32 -- the prefill shapes only when hidden is a multiple of 128 (their column blocks). The bits
+// do not depend on it (moe_test.cc checks every shape against version 1).
 inline int32_t MoeTileRowsFor(int64_t assignments, int32_t num_experts, int64_t hidden) {
-  return assignments >= int64_t{kMoeTileRowsLarge} * num_experts && hidden % 128 == 0
-             ? kMoeTileRowsLarge
-             : kMoeTileRows;
+  if (hidden % 128 != 0) return kMoeTileRows;
+  if (assignments >= int64_t{256} * num_experts) return kMoeTileRowsXLarge;
+  if (assignments >= int64_t{kMoeTileRowsLarge} * num_experts) return kMoeTileRowsLarge;
+  return kMoeTileRows;
+}
+
+// The block columns of a step's expert GEMMs (MoeGemmParams::tile_columns) for its tile rows:
+// 256 with 128-row tiles when both projections' N (2 inter, hidden) are multiples of 256 -- a
+// third fewer staged bytes per MMA than 128 x 128 -- else 0 (the tile rows' own shape).
+inline int32_t MoeTileColumnsFor(int32_t tile_rows, int64_t hidden, int64_t inter) {
+  return tile_rows == kMoeTileRowsXLarge && hidden % kMoeTileColumnsWide == 0 &&
+                 (2 * inter) % kMoeTileColumnsWide == 0
+             ? kMoeTileColumnsWide
+             : 0;
 }
 
 // Routing, one warp per token t of [0, num_tokens):
@@ -87,8 +104,9 @@ inline MoeGrouping MoeGroupingIn(int32_t* buffer, int64_t num_experts, int64_t a
 }
 
 // Fills `grouping` from ids ([num_tokens, top_k], each in [0, num_experts)), tiles of
-// `tile_rows` (kMoeTileRows or kMoeTileRowsLarge: the expert GEMMs' tile_rows): two launches of
-// one block per expert (counts; then offsets and the stable scatter by block scans).
+// `tile_rows` (kMoeTileRows, kMoeTileRowsLarge or kMoeTileRowsXLarge: the expert GEMMs'
+// tile_rows): two launches of one block per expert (counts; then offsets and the stable scatter
+// by block scans).
 // REQUIRES: num_experts <= kMoeMaxExperts; the ids of one token distinct.
 cudaError_t MoeGroup(const int32_t* ids, int64_t num_tokens, int32_t num_experts, int32_t top_k,
                      int32_t tile_rows, const MoeGrouping& grouping, cudaStream_t stream);
@@ -101,12 +119,13 @@ enum class MoeGemmOutput {
 // One grouped GEMM over every expert: for each grouped row r of expert e,
 //   y[r, :] = x[rows ? rows[r] : r, :] . w_e^T,  w_e = w + e * expert_stride ([n, k] bf16),
 // acc per element = a fixed sequence of mma.sync m16n8k16 over K in increasing 16-wide steps
-// from zero (bf16 in, fp32 accumulate), in either block shape. One block per (tile, 64 or 128
-// columns); the grid covers MoeMaxTiles(assignments, num_experts, tile_rows) tiles and blocks
-// past tile_offsets[num_experts] exit. x: [*, k] bf16; rows: [assignments] or nullptr;
-// y: [assignments, n]. REQUIRES: n % kMoeGemmAlign == 0, k % kMoeGemmAlign == 0 (and n % 128 ==
-// 0 for kMoeTileRowsLarge); tile_rows the grouping's; x, w, y 16-byte aligned
-// (cudaErrorInvalidValue otherwise).
+// from zero (bf16 in, fp32 accumulate), in every block shape and version (moe_gemm.cu). Block
+// shapes by tile_rows: 32 rows x 64 columns (decode), 64 x 128 and 128 x 128 (prefill), 128 x 256
+// with tile_columns kMoeTileColumnsWide; the grid covers MoeMaxTiles(assignments, num_experts,
+// tile_rows) tiles and blocks past tile_offsets[num_experts] exit. x: [*, k] bf16; rows:
+// [assignments] or nullptr; y: [assignments, n]. REQUIRES: n % kMoeGemmAlign == 0, k %
+// kMoeGemmAlign == 0 (and n a multiple of the block's columns); tile_rows the grouping's; x, w, y
+// 16-byte aligned (cudaErrorInvalidValue otherwise).
 struct MoeGemmParams {
   const bf16* x = nullptr;
   const int32_t* rows = nullptr;
@@ -121,8 +140,15 @@ struct MoeGemmParams {
   MoeGemmOutput output = MoeGemmOutput::kBf16;
   void* y = nullptr;
   int32_t tile_rows = kMoeTileRows;  // MoeGroup's: the block shape
+  int32_t tile_columns = 0;  // 0: tile_rows' shape; kMoeTileColumnsWide (tile_rows 128): 128 x 256
 };
 cudaError_t MoeExpertGemm(const MoeGemmParams& params, cudaStream_t stream);
+
+// Version 1 of the grouped GEMM (padded shared-memory rows, 32-bit fragment loads; block shapes
+// 32 x 64 and 64 x 128), the reference the current version must equal bitwise (moe_test.cc,
+// rollout-moe-bench). The same contract; REQUIRES: tile_rows kMoeTileRows or kMoeTileRowsLarge,
+// tile_columns 0.
+cudaError_t MoeExpertGemmV1(const MoeGemmParams& params, cudaStream_t stream);
 
 // x[t, :] += sum_{j = 0..top_k-1} weights[t, j] * y[slots[t * top_k + j], :], per element
 // acc = fmaf(w_j, y_j, acc) from acc = 0 in rank order, then x = x + acc (fp32).

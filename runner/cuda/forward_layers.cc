@@ -327,6 +327,7 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   gemm.output = cuda::MoeGemmOutput::kBf16;
   gemm.y = rk.moe_gate_up.get();
   gemm.tile_rows = tile_rows;
+  gemm.tile_columns = cuda::MoeTileColumnsFor(tile_rows, h, mi);
   ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeExpertGemm(gemm, stream), "moe gate/up"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGateUp));
   bf16* act = rk.moe_act.get<bf16>();
