@@ -83,6 +83,25 @@ class HostStagingBuffer {
 // RESOURCE_EXHAUSTED when it cannot be had.
 absl::StatusOr<std::unique_ptr<HostStagingBuffer>> AllocatePlainHostStaging(size_t bytes);
 
+// What only the loaded runner knows about its arithmetic, for ServerInfo.numerics (docs/api.md,
+// "Numerics contract"): the device, libraries and kernel choices its bits depend on. Empty
+// strings and zeros: not applicable (the CPU backend reports none of it here).
+struct RunnerNumerics {
+  std::string compute_dtype;  // what activations are held in, e.g. "bfloat16+float32"
+  std::string kernels;        // the kernels' build id and version
+  std::string row_parallel_reduction;  // "canonical_k_tree_8" or "fused"
+  std::string gpu_model;
+  std::string compute_capability;
+  std::string cuda_runtime;
+  std::string cublaslt_version;
+  std::vector<std::string> gemm_algorithms;  // one line per pinned weight shape
+  int64_t gemm_pin_m = 0;
+  bool gemm_ladder = false;
+  std::string attention_kernel;  // "tensor_core" or "simt"
+  int32_t attention_split_size = 0;
+  int32_t attention_tile = 0;
+};
+
 // A backend's forward pass with its KV cache. Owned and called by the engine thread only (but
 // AllocateHostStaging, which any thread may call).
 // Contract: the logits of a row are a pure function of the weights and the tokens at positions
@@ -94,6 +113,8 @@ class ModelRunner {
 
   virtual const ModelConfig& config() const = 0;
   virtual const char* backend_name() const = 0;
+  // The device facts of ServerInfo.numerics (RunnerNumerics); the default reports none.
+  virtual RunnerNumerics numerics() const { return {}; }
   virtual int32_t num_kv_blocks() const = 0;
   virtual int32_t kv_block_size() const = 0;
   // Prefill chunks are cut at multiples of this (absolute positions).

@@ -59,7 +59,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(const Checkpoint& 
 
 }  // namespace
 
-BackendNumerics DescribeNumerics(const BackendOptions& options) {
+BackendNumerics DescribeNumerics(const BackendOptions& options, const ModelRunner* runner) {
   BackendNumerics n;
   if (options.backend == "cpu") {
     n.compute_dtype = "float32";
@@ -68,6 +68,15 @@ BackendNumerics DescribeNumerics(const BackendOptions& options) {
   } else if (options.backend == "cuda") {
     n.row_parallel_reduction =
         options.tp_invariant || options.tensor_parallel > 1 ? "canonical_k_tree_8" : "fused";
+  }
+  if (runner != nullptr) {
+    n.runner = runner->numerics();
+    if (!n.runner.compute_dtype.empty()) n.compute_dtype = n.runner.compute_dtype;
+    if (!n.runner.kernels.empty()) n.kernels = n.runner.kernels;
+    // The runner's own choice: a model that cannot take the tree is served fused at TP 1.
+    if (!n.runner.row_parallel_reduction.empty()) {
+      n.row_parallel_reduction = n.runner.row_parallel_reduction;
+    }
   }
   return n;
 }

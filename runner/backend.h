@@ -34,13 +34,16 @@ struct BackendOptions {
 
 // What a trainer-side forward needs to know about the backend's arithmetic to reproduce its
 // bits (ServerInfo.numerics; docs/api.md, "Numerics contract"). Empty strings: not reported
-// (the CUDA backend's fields are not filled yet).
+// (the CUDA backend's device fields come from the loaded runner: `runner`).
 struct BackendNumerics {
   std::string compute_dtype;           // "float32" on the CPU
   std::string row_parallel_reduction;  // "canonical_k_tree_8" or "fused"
   std::string kernels;                 // e.g. cpu::kKernelsVersion
+  RunnerNumerics runner;               // ModelRunner::numerics(): the CUDA backend's device facts
 };
-BackendNumerics DescribeNumerics(const BackendOptions& options);
+// The options' part, then (with `runner`) the loaded runner's: its compute dtype and kernels
+// replace the options' where it reports them.
+BackendNumerics DescribeNumerics(const BackendOptions& options, const ModelRunner* runner = nullptr);
 
 // OK when `options.backend` names a backend this build can run, checked before any model is
 // read: INVALID_ARGUMENT for an unknown name, and LoadCudaBackend's errors for "cuda" (no GPU is

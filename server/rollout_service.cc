@@ -413,6 +413,17 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
     n->set_row_parallel_reduction(model_.numerics.row_parallel_reduction);
     n->set_kernels(model_.numerics.kernels);
     n->set_rope_type(RopeTypeName(c.rope_scaling.type));
+    const RunnerNumerics& r = model_.numerics.runner;
+    n->set_gpu_model(r.gpu_model);
+    n->set_compute_capability(r.compute_capability);
+    n->set_cuda_runtime(r.cuda_runtime);
+    n->set_cublaslt_version(r.cublaslt_version);
+    for (const std::string& line : r.gemm_algorithms) n->add_gemm_algorithms(line);
+    n->set_gemm_pin_m(r.gemm_pin_m);
+    n->set_gemm_ladder(r.gemm_ladder);
+    n->set_attention_kernel(r.attention_kernel);
+    n->set_attention_split_size(static_cast<uint32_t>(r.attention_split_size));
+    n->set_attention_tile(static_cast<uint32_t>(r.attention_tile));
   }
   v1::EngineLimits* l = response->mutable_limits();
   l->set_max_running_samples(engine_->options().max_running_samples);

@@ -286,6 +286,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
     runner = options.wrap_runner_for_testing(*std::move(runner));
   }
   const ModelConfig& c = (*runner)->config();
+  BackendNumerics numerics = DescribeNumerics(backend, runner->get());
   LOG(INFO) << absl::StrFormat(
       "loaded %s from %s: %d layers, hidden %d, %d/%d heads x %d, vocab %d; KV cache %d blocks "
       "x %d tokens (%s) on the %s backend, tensor parallel %d; split size %d, at most %d "
@@ -330,7 +331,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   server->metrics_ = std::make_unique<ServiceMetrics>();
   server->service_ = std::make_unique<RolloutServiceImpl>(
       server->engine_.get(),
-      ServedModel{server->model_dir_, options.tensor_parallel, DescribeNumerics(backend)},
+      ServedModel{server->model_dir_, options.tensor_parallel, std::move(numerics)},
       AccessPolicy{options.auth_token, options.auth_all_rpcs}, server->metrics_.get(),
       options.max_queued_samples, options.stream_limits, options.update_limits);
 

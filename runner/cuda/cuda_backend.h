@@ -54,8 +54,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaModelRunner(
 struct CudaBackendAbi {
   // 2: ForwardBatch::fed_tokens; 3: ModelRunner::ReleaseMemory; 4: ModelRunner::OpenIpcTensors;
   // 5: weight updates as HostTensorView, ModelRunner::AllocateHostStaging;
-  // 6: ModelRunner::CreateWeightSyncPort
-  uint32_t version = 6;
+  // 6: ModelRunner::CreateWeightSyncPort; 7: ModelRunner::numerics
+  uint32_t version = 7;
   uint32_t options_size = sizeof(CudaRunnerOptions);
   uint32_t checkpoint_size = sizeof(Checkpoint);
   uint32_t config_size = sizeof(ModelConfig);

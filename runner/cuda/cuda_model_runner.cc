@@ -8,9 +8,11 @@
 
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kernels/cuda/numerics.h"
 #include "model/model_config.h"
 #include "runner/cuda/cuda_runner_state.h"
 
@@ -80,6 +82,31 @@ CudaForwardProfile CudaModelRunner::profile() const {
   }
   p.forwards = state_->profiler.forwards();
   return p;
+}
+
+RunnerNumerics CudaModelRunner::numerics() const {
+  const State& s = *state_;
+  const RankState& rk = s.ranks[0];
+  RunnerNumerics n;
+  // bf16 storage (weights, GEMM inputs, KV), fp32 accumulation, residual and logits.
+  n.compute_dtype = "bfloat16+float32";
+  n.kernels = cuda::kKernelsVersion;
+  n.row_parallel_reduction = s.canonical ? "canonical_k_tree_8" : "fused";
+  cuda::DeviceFacts facts;
+  if (cuda::DescribeDevice(rk.device, &facts) == cudaSuccess) {
+    n.gpu_model = facts.gpu_model;
+    n.compute_capability = facts.compute_capability;
+    n.cuda_runtime = facts.cuda_runtime;
+    n.cublaslt_version = facts.cublaslt_version;
+  }
+  n.gemm_algorithms = s.pin_lines;
+  n.gemm_pin_m = options_.gemm_pin_m;
+  n.gemm_ladder = options_.gemm_ladder;
+  n.attention_kernel =
+      options_.attention_kernel == CudaAttentionKernel::kTensorCore ? "tensor_core" : "simt";
+  n.attention_split_size = options_.attention_split_size;
+  n.attention_tile = cuda::kReportedAttentionTile;
+  return n;
 }
 
 const std::vector<std::string>& CudaModelRunner::gemm_descriptions() const {

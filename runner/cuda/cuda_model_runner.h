@@ -149,6 +149,9 @@ class CudaModelRunner final : public ModelRunner {
   int32_t num_kv_blocks() const override { return num_kv_blocks_; }
   int32_t kv_block_size() const override { return options_.kv_block_size; }
   int32_t attention_split_size() const override { return options_.attention_split_size; }
+  // The GPU, the toolkit and cuBLASLt, the pinned GEMMs (rank 0's: every rank runs the same
+  // algorithms), the attention kernel and its split and tile (kernels/cuda/numerics.h).
+  RunnerNumerics numerics() const override;
 
   // As ModelRunner::Forward, except that the fp32 logits stay on the GPU for ProcessLogits:
   // `logits` (may be nullptr) is left empty. ForwardToHost also copies them to the host.

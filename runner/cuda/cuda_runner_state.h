@@ -108,6 +108,9 @@ struct CudaModelRunner::State {
   std::map<std::string, Binding> bindings;
   std::vector<WeightSpec> weight_specs;  // sorted by name
   std::vector<std::string> gemm_descriptions;
+  // ServerInfo.numerics.gemm_algorithms: cuda::DescribePin of each weight shape's pin (the full
+  // shape's at tp > 1, whose algorithm every rank's slice runs).
+  std::vector<std::string> pin_lines;
 
   // The last Forward's logits: on the device in `logits` rows [0, last_rows) when they fit
   // (last_on_device), else copied pass by pass to `spill` [last_rows, vocab].

@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "glog/logging.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/numerics.h"
 #include "kernels/cuda/tensor_parallel.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/cuda/cuda_runner_state.h"
@@ -58,6 +59,7 @@ absl::Status CudaModelRunner::PinGemms() {
     }
     s.gemm_descriptions.push_back(
         absl::StrFormat("%-8s n=%-6d k=%-6d %s", g.name, g.n, g.k, (*g.gemm)->Describe()));
+    s.pin_lines.push_back(cuda::DescribePin(g.name, **g.gemm));
   }
   return absl::OkStatus();
 }
@@ -75,6 +77,7 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
   using Member = std::unique_ptr<cuda::PinnedGemm> RankState::*;
   struct GemmSpec {
     const char* name;
+    const char* contract_name;  // in ServerInfo.numerics.gemm_algorithms
     int64_t n, k;  // the shape pinned
     cuda::GemmOutput output;
     Member gemm;
@@ -83,15 +86,15 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
   };
   const int64_t seg_o = nh * hd / cuda::kNumKSegments, seg_down = inter / cuda::kNumKSegments;
   const std::vector<GemmSpec> specs = {
-      {"qkv", (nh + 2 * nkv) * hd, h, cuda::GemmOutput::kF32, &RankState::gemm_qkv,
+      {"qkv", "qkv", (nh + 2 * nkv) * hd, h, cuda::GemmOutput::kF32, &RankState::gemm_qkv,
        [hd](const RankState& rk) { return (rk.heads + 2 * rk.kv_heads) * hd; }, 1},
-      {"o leaf", h, seg_o, cuda::GemmOutput::kF32, &RankState::gemm_o,
+      {"o leaf", "o", h, seg_o, cuda::GemmOutput::kF32, &RankState::gemm_o,
        [h](const RankState&) { return h; }, cuda::kNumKSegments},
-      {"gate_up", 2 * inter, h, cuda::GemmOutput::kBf16, &RankState::gemm_gate_up,
+      {"gate_up", "gate_up", 2 * inter, h, cuda::GemmOutput::kBf16, &RankState::gemm_gate_up,
        [](const RankState& rk) { return 2 * rk.inter; }, 1},
-      {"downleaf", h, seg_down, cuda::GemmOutput::kF32, &RankState::gemm_down,
+      {"downleaf", "down", h, seg_down, cuda::GemmOutput::kF32, &RankState::gemm_down,
        [h](const RankState&) { return h; }, cuda::kNumKSegments},
-      {"lm_head", vocab, h, cuda::GemmOutput::kF32, &RankState::gemm_lm_head,
+      {"lm_head", "lm_head", vocab, h, cuda::GemmOutput::kF32, &RankState::gemm_lm_head,
        [&s](const RankState&) { return s.vocab_rows; }, 1},
   };
   for (const GemmSpec& g : specs) {
@@ -109,6 +112,7 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
       ROLLOUT_RETURN_IF_ERROR(CublasError(full->BuildLadder(nullptr, options_.gemm_hand_kernels),
                                           absl::StrCat("the GEMM ladder for ", g.name)));
     }
+    s.pin_lines.push_back(cuda::DescribePin(g.contract_name, *full));
     for (RankState& rk : s.ranks) {
       const int64_t n = g.rank_n(rk);
       why.clear();
@@ -163,6 +167,7 @@ absl::Status CudaModelRunner::PinMoeGemms() {
   }
   s.gemm_descriptions.push_back(
       absl::StrFormat("%-8s n=%-6d k=%-6d %s", "router", n, k, rk.gemm_router->Describe()));
+  s.pin_lines.push_back(cuda::DescribePin("router", *rk.gemm_router));
   return absl::OkStatus();
 }
 

@@ -218,6 +218,10 @@ class NumericsContract:
     gemm_algorithms: List[str]
     attention_split_size: int
     attention_tile: int
+    compute_capability: str
+    gemm_pin_m: int
+    gemm_ladder: bool
+    attention_kernel: str
 
 
 @dataclass

@@ -27,12 +27,18 @@ def _get(contract, field):
     return getattr(contract, field, None)
 
 
-def check_contract(contract) -> None:
+def check_contract(contract, device: str = "cpu") -> None:
     """Raises ContractError naming the first field of `contract` (a rollout_client
-    NumericsContract, its protobuf message, or a dict of its fields) that this library cannot
-    honour; returns None when every bit of the server's logprobs can be reproduced here."""
+    NumericsContract, its protobuf message, or a dict of its fields, e.g. `rollout-cli --json
+    info`'s "numerics") that this library cannot honour on `device` ("cpu": the CPU kernels;
+    "cuda": the CUDA kernels on the current GPU); returns None when every bit of the server's
+    logprobs can be reproduced here. On cuda the pinned GEMMs are compared when they are made
+    (CudaQwen3Model: gemm_algorithms)."""
     if contract is None:
         raise ContractError("numerics", None, "a server that reports ServerInfo.numerics")
+    if device == "cuda":
+        _check_cuda(contract)
+        return
     want = {
         "backend": ("cpu",),
         "compute_dtype": ("float32",),
@@ -47,3 +53,43 @@ def check_contract(contract) -> None:
         got = _get(contract, field)
         if got not in supported:
             raise ContractError(field, got, supported[0] if len(supported) == 1 else supported)
+
+
+CUDA_COMPUTE_DTYPE = "bfloat16+float32"  # bf16 storage and GEMM inputs, fp32 accumulation
+
+
+def _check_cuda(contract) -> None:
+    from . import cuda_ops  # loads the CUDA library (and needs a GPU) only here
+    facts = cuda_ops.device_facts()
+    reduction = _get(contract, "row_parallel_reduction")
+    want = {
+        "backend": ("cuda",),
+        "compute_dtype": (CUDA_COMPUTE_DTYPE,),
+        "row_parallel_reduction": ("canonical_k_tree_8", "fused"),
+        "kernels": (facts["kernels"],),
+        "architecture": ARCHITECTURES,
+        "rope_type": ("default",),
+        # The runner holds every weight in bf16 whatever the checkpoint: bf16 checkpoints only.
+        "served_dtype": ("bfloat16",),
+        # The canonical tree gives TP 1's bits at every degree (D10); fused is TP 1 only.
+        "tensor_parallel": TENSOR_PARALLEL if reduction == "canonical_k_tree_8" else (1,),
+        "gpu_model": (facts["gpu_model"],),
+        "compute_capability": (facts["compute_capability"],),
+        "cuda_runtime": (facts["cuda_runtime"],),
+        "cublaslt_version": (facts["cublaslt_version"],),
+        "attention_tile": (facts["attention_tile"],),
+        "attention_kernel": ("tensor_core", "simt"),
+    }
+    for field, supported in want.items():
+        got = _get(contract, field)
+        if field in ("tensor_parallel", "attention_tile") and got is not None:
+            got = int(got)
+        if got not in supported:
+            raise ContractError(field, got, supported[0] if len(supported) == 1 else supported)
+    split = int(_get(contract, "attention_split_size") or 0)
+    if split <= 0 or split % 32 != 0:
+        raise ContractError("attention_split_size", split, "a positive multiple of 32")
+    # int64 fields come as strings in protobuf's JSON.
+    if int(_get(contract, "gemm_pin_m") or 0) <= 0:
+        raise ContractError("gemm_pin_m", _get(contract, "gemm_pin_m"),
+                            "a pinned algorithm per weight shape (gemm_pin_m > 0)")

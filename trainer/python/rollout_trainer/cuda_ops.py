@@ -1,0 +1,461 @@
+"""The CUDA backend's kernels as torch ops on CUDA tensors, with plain-torch backwards.
+
+ctypes binding of librollout_trainer_cuda_ops.so (trainer/trainer_cuda_ops.cc): every forward is
+the very launcher the server's CUDA runner calls, on the tensors' data_ptr() and torch's current
+stream (raw driver objects: the library has its own CUDA runtime). Dtypes are the runner's: bf16
+weights, GEMM inputs and K/V; fp32 residual stream, q, qkv and logits. Backwards are analytic, in
+plain torch (bf16 matmuls as plain-torch training would run them; attention by torch's SDPA
+recomputed under autograd): gradients are correct, not bitwise.
+
+The library is found at $ROLLOUT_TRAINER_CUDA_OPS, else beside this package, else in
+<repo>/build/lib. Importing this module loads nothing; the first op does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+_NAME = "librollout_trainer_cuda_ops.so"
+_lib: Optional[ctypes.CDLL] = None
+
+_f = ctypes.c_float
+_i64 = ctypes.c_int64
+_i32 = ctypes.c_int32
+_p = ctypes.c_void_p
+
+
+def _candidates():
+    env = os.environ.get("ROLLOUT_TRAINER_CUDA_OPS")
+    if env:
+        yield env
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, _NAME)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(here)))
+    yield os.path.join(repo, "build", "lib", _NAME)
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library (loaded on first use). OSError naming where it looked otherwise."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    tried = []
+    for path in _candidates():
+        tried.append(path)
+        if os.path.exists(path):
+            break
+    else:
+        raise OSError(f"{_NAME} not found (looked at {', '.join(tried)}); build the target "
+                      "rollout_trainer_cuda_ops (a CUDA build) or set ROLLOUT_TRAINER_CUDA_OPS "
+                      "to its path")
+    l = ctypes.CDLL(path)
+    sigs = {
+        "rt_cuda_last_error": (ctypes.c_char_p, []),
+        "rt_cuda_kernels_version": (ctypes.c_char_p, []),
+        "rt_cuda_attention_tile": (_i32, []),
+        "rt_cuda_attention_item_tokens": (_i32, [_i32]),
+        "rt_cuda_device_facts": (ctypes.c_int, [ctypes.c_char_p, _i64]),
+        "rt_cuda_model_create": (ctypes.c_int, [_i64, _i64, _i64, _i64, _i64, _i64, _i64, _i32,
+                                                _i32, ctypes.POINTER(_p)]),
+        "rt_cuda_model_free": (None, [_p]),
+        "rt_cuda_model_algorithms": (ctypes.c_char_p, [_p]),
+        "rt_cuda_gemm": (ctypes.c_int, [_p, _i32, _p, _i64, _p, _p, _p]),
+        "rt_cuda_row_parallel": (ctypes.c_int, [_p, _i32, _p, _i64, _p, _p, _p, _p]),
+        "rt_cuda_embedding": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _p]),
+        "rt_cuda_rms_norm": (ctypes.c_int, [_p, _p, _i64, _i64, _p, _f, _p, _p]),
+        "rt_cuda_qkv_norm_rope": (ctypes.c_int, [_p, _i64, _p, _p, _p, _p, _f, _p, _p, _i32,
+                                                 _i32, _i32, _p, _p, _p, _p]),
+        "rt_cuda_attention": (ctypes.c_int, [_p, _p, _p, _p, _p, _i32, _i32, _i32, _i32, _i32, _f,
+                                             _p, _p, _i32, _p, _p]),
+        "rt_cuda_silu_mul": (ctypes.c_int, [_p, _i64, _i64, _p, _p]),
+        "rt_cuda_logprob_workspace": (_i64, [_i64]),
+        "rt_cuda_token_logprobs": (ctypes.c_int, [_p, _i64, _i32, _p, _f, _p, _p, _p, _p, _p]),
+        "rt_cuda_rope_tables": (None, [_f, _i64, _i64, _p, _p]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(l, name)
+        fn.restype, fn.argtypes = res, args
+    _lib = l
+    return l
+
+
+def _call(name: str, *args) -> None:
+    if getattr(lib(), name)(*args) != 0:
+        raise RuntimeError(f"{name}: {lib().rt_cuda_last_error().decode()}")
+
+
+def kernels_version() -> str:
+    """ServerInfo.numerics.kernels of a cuda server built from the same sources."""
+    return lib().rt_cuda_kernels_version().decode()
+
+
+def device_facts() -> Dict[str, str]:
+    """The current device's facts, as the server reports its own (kernels/cuda/numerics.h)."""
+    buf = ctypes.create_string_buffer(1024)
+    _call("rt_cuda_device_facts", buf, len(buf))
+    gpu, cc, rt, lt = buf.value.decode().split("\n")
+    return {"gpu_model": gpu, "compute_capability": cc, "cuda_runtime": rt,
+            "cublaslt_version": lt, "attention_tile": int(lib().rt_cuda_attention_tile()),
+            "kernels": kernels_version()}
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+def _need(t: torch.Tensor, name: str, dtype: torch.dtype, align: int = 16) -> torch.Tensor:
+    if t.device.type != "cuda" or t.dtype != dtype:
+        raise TypeError(f"{name}: {dtype} CUDA tensor expected, got {t.dtype} on {t.device}")
+    t = t.detach().contiguous()
+    if t.data_ptr() % align != 0:
+        t = t.clone()
+    if t.data_ptr() % align != 0:
+        raise ValueError(f"{name}: not {align}-byte aligned")
+    return t
+
+
+class PinnedGemms:
+    """The model's pinned GEMMs on the current device, created as the server's CUDA runner pins
+    them at TP 1 (pin_m, outputs, the canonical tree's leaves or the fused residual GEMMs,
+    optional ladder). Owns the library's handle."""
+
+    def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, vocab, pin_m: int,
+                 ladder: bool, canonical: bool):
+        h = _p()
+        _call("rt_cuda_model_create", hidden, heads, kv_heads, head_dim, intermediate, vocab,
+              int(pin_m), int(bool(ladder)), int(bool(canonical)), ctypes.byref(h))
+        self._h = h
+        self.canonical = canonical
+        self.algorithms: List[str] = lib().rt_cuda_model_algorithms(h).decode().split("\n")
+
+    def __del__(self):
+        if getattr(self, "_h", None) and _lib is not None:
+            _lib.rt_cuda_model_free(self._h)
+            self._h = None
+
+    def gemm(self, which: int, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype):
+        x = _need(x, "x", torch.bfloat16, 256)
+        w = _need(w, "w", torch.bfloat16, 256)
+        y = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
+        if x.shape[0]:
+            _call("rt_cuda_gemm", self._h, which, _ptr(x), x.shape[0], _ptr(w), _ptr(y), _stream())
+        return y
+
+    def row_parallel(self, which: int, x: torch.Tensor, a: torch.Tensor, w_kernel: torch.Tensor):
+        """x + a . w^T as the runner (w_kernel: segment-major [8, hidden, K / 8] when canonical,
+        else [hidden, K]); a new fp32 tensor."""
+        a = _need(a, "in", torch.bfloat16, 256)
+        out = _need(x, "x", torch.float32, 256).clone()
+        m = a.shape[0]
+        leaves = None
+        if self.canonical and m:
+            leaves = torch.empty(8, m, out.shape[1], dtype=torch.float32, device=x.device)
+        if m:
+            _call("rt_cuda_row_parallel", self._h, which, _ptr(a), m, _ptr(w_kernel),
+                  _ptr(leaves), _ptr(out), _stream())
+        return out
+
+
+def segment_major(w: torch.Tensor) -> torch.Tensor:
+    """[hidden, K] -> the canonical tree's weight layout [8, hidden, K / 8] (contiguous)."""
+    h, k = w.shape
+    return w.detach().reshape(h, 8, k // 8).permute(1, 0, 2).contiguous()
+
+
+# --- metadata of packed sequences ---
+
+class Packing:
+    """Device metadata of packed variable-length sequences (cu_seqlens [b + 1] from 0): each
+    token's position, its sequence's first row (its "block table" of one-token pages is the
+    rows from there), attention work items, and the sequences grouped by length for the SDPA
+    backward."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, device, item_tokens: int):
+        cu = [int(v) for v in cu_seqlens.reshape(-1).tolist()]
+        t = cu[-1]
+        lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+        starts = torch.repeat_interleave(torch.tensor(cu[:-1], dtype=torch.int64),
+                                         torch.tensor(lens, dtype=torch.int64))
+        positions = torch.arange(t, dtype=torch.int64) - starts
+        items = []
+        for s, n in zip(cu[:-1], lens):
+            for i in range(0, n, item_tokens):
+                items.append((s + i, min(item_tokens, n - i)))
+        self.t = t
+        self.max_len = max(lens)
+        self.cu = cu
+        self.positions = positions.to(torch.int32).to(device)
+        self.starts = starts.to(torch.int32).to(device)
+        self.rows = torch.arange(t, dtype=torch.int32, device=device)
+        self.items = torch.tensor(items, dtype=torch.int32).reshape(-1, 2).to(device)
+        by_len: Dict[int, List[int]] = {}
+        for s, n in zip(cu[:-1], lens):
+            by_len.setdefault(n, []).append(s)
+        # Per distinct length L: row indices [nb, L] of its sequences.
+        self.groups = [(n, (torch.tensor(ss, dtype=torch.int64)[:, None] +
+                            torch.arange(n, dtype=torch.int64)[None, :]).to(device))
+                       for n, ss in sorted(by_len.items())]
+        first = torch.zeros(t, dtype=torch.bool)
+        first[torch.tensor(cu[:-1], dtype=torch.int64)] = True
+        self.first = first.to(device)
+
+
+# --- the backwards' arithmetic (plain torch, any device: tests/test_cuda_backward.py checks each
+# against autograd of the forward's formula on the CPU) ---
+
+def silu_mul_backward(gate_up, g):
+    """d/d gate_up of silu(gate) * up, fp32: gate_up [rows, 2 dim], g [rows, dim]."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    s = torch.sigmoid(gate)
+    gf = g.float()
+    return torch.cat([gf * up * s * (1 + gate * (1 - s)), gf * gate * s], dim=-1)
+
+
+def token_logprob_backward(logits, targets, row_max, row_log_sum, t: float, g):
+    """d/d logits of lp[r] = log_softmax(logits[r] / t)[targets[r]], given the forward's max and
+    log-sum of logits / t per row: g[r] (onehot - softmax) / t."""
+    grad = -torch.exp(logits / t - row_max[:, None] - row_log_sum[:, None])
+    grad.scatter_add_(1, targets.long()[:, None], torch.ones_like(row_max)[:, None])
+    grad.mul_(g[:, None] / t)
+    return grad
+
+
+def qkv_norm_rope_backward(qkv, q_norm, k_norm, eps, cos, sin, heads, kv_heads, hd, gq, gk, gv):
+    """d/d (qkv, q_norm, k_norm) of q = rope(rmsnorm_head(q_raw) q_norm), k likewise, v = v_raw;
+    cos, sin [t, hd / 2] of each token's position."""
+    t = qkv.shape[0]
+    q_raw = qkv[:, :heads * hd].reshape(t, heads, hd)
+    k_raw = qkv[:, heads * hd:(heads + kv_heads) * hd].reshape(t, kv_heads, hd)
+    gqn, gwq = _rms_norm_backward(q_raw, q_norm, eps, _rope_backward(gq.float(), cos, sin))
+    gkn, gwk = _rms_norm_backward(k_raw, k_norm, eps, _rope_backward(gk.float(), cos, sin))
+    gqkv = torch.cat([gqn.reshape(t, -1), gkn.reshape(t, -1), gv.float().reshape(t, -1)], dim=1)
+    return gqkv, gwq, gwk
+
+
+# --- autograd ops ---
+
+class Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, embed):
+        ids32 = _need(ids.to(torch.int32), "ids", torch.int32)
+        e = _need(embed, "embed", torch.bfloat16)
+        x = torch.empty(ids.numel(), e.shape[1], dtype=torch.float32, device=e.device)
+        _call("rt_cuda_embedding", _ptr(ids32), ids.numel(), _ptr(e), e.shape[1], _ptr(x),
+              _stream())
+        ctx.save_for_backward(ids)
+        ctx.vocab = e.shape[0]
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        ge = torch.zeros(ctx.vocab, g.shape[1], dtype=torch.float32, device=g.device)
+        ge.index_add_(0, ids.long(), g.float())
+        return None, ge.to(torch.bfloat16)
+
+
+def _rms_norm_backward(x, w, eps, g):
+    """Gradients of y = x * rsqrt(mean(x^2) + eps) * w over the last dim, in fp32."""
+    x, g, wf = x.float(), g.float(), w.float()
+    r = torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+    gw = (g * x * r).reshape(-1, x.shape[-1]).sum(0)
+    gwx = g * wf
+    gx = r * (gwx - x * (r * r) * (gwx * x).mean(-1, keepdim=True))
+    return gx, gw
+
+
+class RmsNorm(torch.autograd.Function):
+    """x fp32 [rows, dim], weight fp32 [dim] -> bf16 (cuda::RmsNorm)."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        xc = _need(x, "x", torch.float32)
+        wc = _need(w.float(), "weight", torch.float32)
+        y = torch.empty(xc.shape, dtype=torch.bfloat16, device=x.device)
+        if xc.shape[0]:
+            _call("rt_cuda_rms_norm", _ptr(xc), None, xc.shape[0], xc.shape[1], _ptr(wc), eps,
+                  _ptr(y), _stream())
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx, gw = _rms_norm_backward(x, w, ctx.eps, g)
+        return gx, gw.to(w.dtype), None
+
+
+class Gemm(torch.autograd.Function):
+    """y = x . w^T by a pinned GEMM (x, w bf16; y fp32 or bf16 per the runner's output)."""
+
+    @staticmethod
+    def forward(ctx, x, w, gemms: PinnedGemms, which: int, out_dtype):
+        ctx.save_for_backward(x, w)
+        return gemms.gemm(which, x, w, out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gb = g.to(torch.bfloat16)
+        gx = gb @ w if ctx.needs_input_grad[0] else None
+        gw = gb.t() @ x if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None
+
+
+class RowParallel(torch.autograd.Function):
+    """x + a . w^T, the residual projection as the runner's (o_proj, down_proj)."""
+
+    @staticmethod
+    def forward(ctx, x, a, w, w_kernel, gemms: PinnedGemms, which: int):
+        ctx.save_for_backward(a, w)
+        return gemms.row_parallel(which, x, a, w_kernel)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w = ctx.saved_tensors
+        gb = g.to(torch.bfloat16)
+        return g, gb @ w, gb.t() @ a, None, None, None
+
+
+def _rope_backward(g, cos, sin):
+    half = g.shape[-1] // 2
+    g1, g2 = g[..., :half], g[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1)
+
+
+class QkvNormRope(torch.autograd.Function):
+    """qkv fp32 [t, (h + 2 kv) d] -> q fp32 [t, h, d] (normed, rotated), k, v bf16 [t, kv, d]
+    (cuda::QkvNormRopeWriteKv into one-token pages that are the packed rows)."""
+
+    @staticmethod
+    def forward(ctx, qkv, q_norm, k_norm, eps, cos_table, sin_table, pack: Packing, heads,
+                kv_heads, head_dim):
+        qkvc = _need(qkv, "qkv", torch.float32)
+        qn = _need(q_norm.float(), "q_norm", torch.float32)
+        kn = _need(k_norm.float(), "k_norm", torch.float32)
+        t = qkvc.shape[0]
+        dev = qkv.device
+        q = torch.empty(t, heads, head_dim, dtype=torch.float32, device=dev)
+        k = torch.empty(t, kv_heads, head_dim, dtype=torch.bfloat16, device=dev)
+        v = torch.empty_like(k)
+        if t:
+            _call("rt_cuda_qkv_norm_rope", _ptr(qkvc), t, _ptr(pack.positions), _ptr(pack.rows),
+                  _ptr(qn), _ptr(kn), eps, _ptr(cos_table), _ptr(sin_table), heads, kv_heads,
+                  head_dim, _ptr(q), _ptr(k), _ptr(v), _stream())
+        ctx.save_for_backward(qkv, q_norm, k_norm, cos_table, sin_table, pack.positions)
+        ctx.shape = (heads, kv_heads, head_dim, eps)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        qkv, q_norm, k_norm, cos_table, sin_table, positions = ctx.saved_tensors
+        heads, kv_heads, hd, eps = ctx.shape
+        pos = positions.long()
+        gqkv, gwq, gwk = qkv_norm_rope_backward(qkv, q_norm, k_norm, eps, cos_table[pos],
+                                                sin_table[pos], heads, kv_heads, hd, gq, gk, gv)
+        return (gqkv, gwq.to(q_norm.dtype), gwk.to(k_norm.dtype), None, None, None, None, None,
+                None, None)
+
+
+def sdpa_packed(q, k, v, pack: Packing, scale: float):
+    """Causal attention of packed sequences in plain torch (SDPA per group of equal-length
+    sequences): q [t, h, d], k/v [t, kv, d] of one dtype -> [t, h, d]."""
+    t, heads, hd = q.shape
+    group = heads // k.shape[1]
+    out = q.new_empty(t, heads, hd)
+    for n, idx in pack.groups:
+        qs = q[idx].transpose(1, 2)                       # [nb, h, L, d]
+        ks = k[idx].repeat_interleave(group, dim=2).transpose(1, 2)
+        vs = v[idx].repeat_interleave(group, dim=2).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                             scale=scale)
+        out[idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, heads, hd)
+    return out
+
+
+class Attention(torch.autograd.Function):
+    """The server's per-row attention (PagedAttentionMma, or the SIMT kernel) of packed
+    sequences: q fp32 [t, h, d] (rounded to bf16 inside, as the kernel does), k/v bf16
+    [t, kv, d] -> bf16 [t, h, d]. Backward: SDPA on bf16 recomputed under autograd."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pack: Packing, split_size: int, scale: float, tensor_core: bool):
+        qc = _need(q, "q", torch.float32)
+        kc, vc = _need(k, "k", torch.bfloat16), _need(v, "v", torch.bfloat16)
+        t, heads, hd = qc.shape
+        out = torch.empty(t, heads, hd, dtype=torch.bfloat16, device=q.device)
+        if t:
+            _call("rt_cuda_attention", _ptr(qc), _ptr(pack.positions), _ptr(pack.starts),
+                  _ptr(pack.rows), _ptr(pack.items), pack.items.shape[0], heads, kc.shape[1], hd,
+                  split_size, scale, _ptr(kc), _ptr(vc), int(tensor_core), _ptr(out), _stream())
+        ctx.save_for_backward(q, k, v)
+        ctx.pack, ctx.scale = pack, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            qb = q.detach().to(torch.bfloat16).requires_grad_(True)
+            kb = k.detach().requires_grad_(True)
+            vb = v.detach().requires_grad_(True)
+            out = sdpa_packed(qb, kb, vb, ctx.pack, ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (qb, kb, vb), g.to(torch.bfloat16))
+        return gq.float(), gk, gv, None, None, None, None
+
+
+class SiluMul(torch.autograd.Function):
+    """gate_up bf16 [rows, 2 dim] -> bf16(silu(gate) * up) (cuda::SiluMul)."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        gu = _need(gate_up, "gate_up", torch.bfloat16)
+        rows, two = gu.shape
+        out = torch.empty(rows, two // 2, dtype=torch.bfloat16, device=gu.device)
+        if rows:
+            _call("rt_cuda_silu_mul", _ptr(gu), rows, two // 2, _ptr(out), _stream())
+        ctx.save_for_backward(gate_up)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (gu,) = ctx.saved_tensors
+        return silu_mul_backward(gu, g).to(torch.bfloat16)
+
+
+class TokenLogprob(torch.autograd.Function):
+    """lp[r] = log_softmax(logits[r] / T)[targets[r]] as the server's sampling kernel computes
+    it (cuda::ProcessLogitsRows, kRowScore). logits fp32 [rows, vocab] -> fp32 [rows]."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float):
+        lg = _need(logits, "logits", torch.float32)
+        tg = _need(targets.to(torch.int32), "targets", torch.int32)
+        rows, vocab = lg.shape
+        dev = lg.device
+        lp = torch.empty(rows, dtype=torch.float32, device=dev)
+        mx, ls = torch.empty_like(lp), torch.empty_like(lp)
+        if rows:
+            ws = torch.empty(int(lib().rt_cuda_logprob_workspace(rows)), dtype=torch.uint8,
+                             device=dev)
+            _call("rt_cuda_token_logprobs", _ptr(lg), rows, vocab, _ptr(tg), temperature,
+                  _ptr(ws), _ptr(lp), _ptr(mx), _ptr(ls), _stream())
+        ctx.save_for_backward(logits, targets, mx, ls)
+        ctx.t = temperature if temperature > 0 else 1.0
+        return lp
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, targets, mx, ls = ctx.saved_tensors
+        return token_logprob_backward(logits, targets, mx, ls, ctx.t, g), None, None
