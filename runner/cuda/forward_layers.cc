@@ -328,7 +328,15 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   gemm.y = rk.moe_gate_up.get();
   gemm.tile_rows = tile_rows;
   gemm.tile_columns = cuda::MoeTileColumnsFor(tile_rows, h, mi);
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeExpertGemm(gemm, stream), "moe gate/up"));
+  // The 32- and 64-row shapes of version 1 measured faster than version 2's (H200,
+  // rollout-moe-bench, session 11: 64 tokens 0.177 against 0.196 ms, 256 tokens 0.350 against
+  // 0.450, 2048 tokens 1.03 against 1.09); version 2's 128 x 256 wins at 128-row tiles (8192
+  // tokens: 3.09 against 3.38 ms). The same bits either way (MoeGemmVersionsTest).
+  auto expert_gemm = [&](const cuda::MoeGemmParams& g) {
+    return g.tile_rows == cuda::kMoeTileRowsXLarge ? cuda::MoeExpertGemm(g, stream)
+                                                   : cuda::MoeExpertGemmV1(g, stream);
+  };
+  ROLLOUT_RETURN_IF_ERROR(CudaError(expert_gemm(gemm), "moe gate/up"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGateUp));
   bf16* act = rk.moe_act.get<bf16>();
   for (int64_t r0 = 0; r0 < a; r0 += 65535) {  // SiluMul's grid holds 65535 rows
@@ -346,7 +354,7 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   gemm.k = mi;
   gemm.output = cuda::MoeGemmOutput::kF32;
   gemm.y = rk.moe_y.get();
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeExpertGemm(gemm, stream), "moe down"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(expert_gemm(gemm), "moe down"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeDown));
   ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeCombine(rk.moe_y.get<float>(), grouping.slots, weights,
                                                      n, k, h, rk.x.get<float>(), stream),
