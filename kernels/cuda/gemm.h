@@ -101,9 +101,10 @@ class PinnedGemm {
   // at that m; the fastest becomes the range's rung if it beats the pin by 3%. Ranges without one
   // keep the pin. Then, when hand_kernels, for each finer range of HandLadder() (m <= 256) the
   // hand kernel's configurations of the smallest max_m that covers it (small_m_gemm.h; k a
-  // multiple of 16) that give this gemm's bits on the same probe are timed at its representative
-  // m against what serves that m so far (a cuBLASLt rung or the pin); the fastest becomes a hand
-  // rung over the range if it beats that by 3%. Without hand rungs the ladder is the cuBLASLt one
+  // multiple of 16) that give this gemm's bits on the same probe are timed at the range's ends
+  // and representative m against what serves each of those m so far (a cuBLASLt rung or the
+  // pin); the fastest over the three becomes a hand rung over the range if it is no slower at
+  // any of them and 3% faster over all. Without hand rungs the ladder is the cuBLASLt one
   // alone. Allocates (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the memory,
   // no ladder (Describe says so). `diagnostics` receives one line per range.
   cublasStatus_t BuildLadder(std::string* diagnostics = nullptr, bool hand_kernels = true);

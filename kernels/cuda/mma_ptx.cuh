@@ -67,4 +67,92 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// --- mbarriers, the tensor memory accelerator (TMA) and thread-block clusters (sm_90) ---------
+// Used by small_m_gemm.cu's multicast kernel. Addresses are 32-bit shared-window addresses.
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SharedAddress(bar)), "r"(count));
+}
+
+// Makes the initialised barriers visible to the cluster (and to the async proxy).
+__device__ __forceinline__ void FenceMbarrierInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival that also expects `bytes` more of asynchronous transactions this phase.
+__device__ __forceinline__ void MbarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SharedAddress(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Waits until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void MbarrierWait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = SharedAddress(bar);
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void MbarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SharedAddress(bar)) : "memory");
+}
+
+// One arrival on the barrier at the same offset in the shared memory of cluster CTA `cta`
+// (release at cluster scope: this thread's earlier shared-memory reads are done).
+__device__ __forceinline__ void MbarrierArriveCluster(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(SharedAddress(bar)),
+      "r"(cta)
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t ClusterCtaRank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster arrives, then waits for all.
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                   : "memory");
+}
+
+// A 3-d tile of the tensor map `map` at coordinates (c0, c1, c2) into this CTA's shared memory
+// at `dst`, its bytes counted on `bar`.
+__device__ __forceinline__ void TmaLoad3d(void* dst, const void* map, int c0, int c1, int c2,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(SharedAddress(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(SharedAddress(bar))
+      : "memory");
+}
+
+// The same tile into the shared memory of every cluster CTA in `mask`, at the same offset, each
+// copy counted on that CTA's barrier at `bar`'s offset.
+__device__ __forceinline__ void TmaLoad3dMulticast(void* dst, const void* map, int c0, int c1,
+                                                   int c2, uint64_t* bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(SharedAddress(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(SharedAddress(bar)), "h"(mask)
+      : "memory");
+}
+
 }  // namespace rollout::cuda::ptx

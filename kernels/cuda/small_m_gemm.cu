@@ -3,6 +3,9 @@
 #include <climits>
 #include <cstdio>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "kernels/cuda/mma_ptx.cuh"
 
 namespace rollout::cuda {
@@ -153,6 +156,183 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN)
   }
 }
 
+// The multicast kernel: the same per-element order (one fp32 accumulator, k16 chunks of K in
+// increasing order through the same mma.sync), fed by the TMA instead of cp.async, for the cost
+// the cp.async kernel could not get under: every CTA reads all of x (m rows x K) from L2 beside
+// its own n_tile weight rows, m / n_tile bytes of x per byte of weights, so at decode's m the L2
+// reads, not the DRAM, bound it. Here a cluster of kCluster CTAs (consecutive n tiles) shares
+// each stage of x: CTA r of the cluster loads rows [r R, r R + R) of the stage (R = 16 ceil(m
+// tiles / kCluster)) and the TMA multicasts them into every CTA of the cluster, so L2 serves x
+// once per cluster. Weights: one TMA tile a stage per CTA (rows past n zero-filled).
+//
+// Pipeline: warp kConsumers (one lane) produces, the kWarpsM x kWarpsN consumer warps compute.
+// full[s] (one arrival: the producer's, with the stage's byte count) completes when the stage's
+// x slices from every cluster CTA and this CTA's weight tile have landed; empty[s] (one arrival
+// per consumer warp of every cluster CTA) completes when every CTA that stage s's multicast
+// writes into has finished reading it, and only then does this CTA's producer overwrite it.
+// Tiles are 64 K elements = 128 bytes a row, swizzled by the TMA's 128-byte pattern (16-byte
+// chunk c of row r at c ^ (r % 8): the pattern Swizzled() reads, from 1024-byte aligned tiles).
+template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
+struct TmaShape {
+  static constexpr int kConsumers = kWarpsM * kWarpsN;
+  static constexpr int kThreads = 32 * (kConsumers + 1);
+  static constexpr int kSliceTiles = (kMTiles + kCluster - 1) / kCluster;  // most m16 tiles a slice
+  static constexpr int kXRows = 16 * kSliceTiles * kCluster;               // x rows staged
+  static constexpr int kStageBytes = (kXRows + kNTile) * kBk * 2;
+  static constexpr size_t kSmem = size_t{kStages} * kStageBytes + 2 * kStages * 8 + 1024;
+  static_assert(kNTile <= 256 && 16 * kSliceTiles <= 256, "a TMA box holds at most 256 rows");
+  static_assert((kNTile * kBk * 2) % 1024 == 0, "weight tiles keep the 1024-byte alignment");
+};
+
+template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
+__global__ void __launch_bounds__(TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages,
+                                           kCluster>::kThreads)
+    SmallMGemmTmaKernel(const __grid_constant__ CUtensorMap x_map,
+                        const __grid_constant__ CUtensorMap w_map, int x_col_step, int x_z, int m,
+                        int n, int k, void* y, int64_t y_step, GemmOutput output) {
+  using Shape = TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>;
+  constexpr int kConsumers = Shape::kConsumers;
+  constexpr int kMw = kMTiles / kWarpsM;
+  constexpr int kNw = kNTile / 8 / kWarpsN;
+  static_assert(kMTiles % kWarpsM == 0 && (kNTile / 8) % kWarpsN == 0, "warp grid");
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + kStages * Shape::kStageBytes);
+  uint64_t* const empty = full + kStages;
+
+  const int b = blockIdx.y;
+  const int n0 = blockIdx.x * kNTile;
+  const int m_tiles = (m + 15) / 16;
+  const int slice_rows = 16 * ((m_tiles + kCluster - 1) / kCluster);
+  const uint32_t rank = kCluster > 1 ? ptx::ClusterCtaRank() : 0;
+  // Cluster CTAs whose slice holds a row load one; the others' share is past m.
+  const int slices = (16 * m_tiles + slice_rows - 1) / slice_rows;
+  const uint32_t stage_tx = static_cast<uint32_t>((slices * slice_rows + kNTile) * kBk * 2);
+  const int k_tiles = (k + kBk - 1) / kBk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::MbarrierInit(&full[s], 1);
+      ptx::MbarrierInit(&empty[s], kCluster * kConsumers);
+    }
+    ptx::FenceMbarrierInit();
+  }
+  if (kCluster > 1) {
+    ptx::ClusterSync();  // every CTA's barriers exist before any multicast or remote arrival
+  } else {
+    __syncthreads();
+  }
+
+  if (warp == kConsumers) {
+    if (lane == 0) {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % kStages;
+        if (kt >= kStages) ptx::MbarrierWait(&empty[s], ((kt / kStages) - 1) & 1);
+        unsigned char* const xs = smem + s * Shape::kStageBytes;
+        unsigned char* const ws = xs + Shape::kXRows * kBk * 2;
+        ptx::MbarrierArriveExpectTx(&full[s], stage_tx);
+        const int row0 = static_cast<int>(rank) * slice_rows;
+        if (row0 < 16 * m_tiles) {
+          const int col = b * x_col_step + kt * kBk;
+          unsigned char* const dst = xs + row0 * kBk * 2;
+          if (kCluster > 1) {
+            ptx::TmaLoad3dMulticast(dst, &x_map, col, row0, b * x_z, &full[s],
+                                    static_cast<uint16_t>((1u << kCluster) - 1));
+          } else {
+            ptx::TmaLoad3d(dst, &x_map, col, row0, b * x_z, &full[s]);
+          }
+        }
+        ptx::TmaLoad3d(ws, &w_map, kt * kBk, n0, b, &full[s]);
+      }
+    }
+  } else {
+    const int wm = warp / kWarpsN, wn = warp % kWarpsN;
+    const bool warp_live = wm * kMw < m_tiles;
+    float acc[kMw][kNw][4];
+#pragma unroll
+    for (int i = 0; i < kMw; ++i) {
+#pragma unroll
+      for (int j = 0; j < kNw; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+      }
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int s = kt % kStages;
+      ptx::MbarrierWait(&full[s], (kt / kStages) & 1);
+      if (warp_live) {
+        const bf16* const xs = reinterpret_cast<const bf16*>(smem + s * Shape::kStageBytes);
+        const bf16* const ws = xs + Shape::kXRows * kBk;
+        const int k0 = kt * kBk;
+#pragma unroll
+        for (int kk = 0; kk < kBk / 16; ++kk) {
+          if (k0 + 16 * kk >= k) break;  // past K: no instruction at all, not an add of zeros
+          uint32_t a[kMw][4];
+#pragma unroll
+          for (int i = 0; i < kMw; ++i) {
+            const int row = 16 * (wm * kMw + i) + (lane & 7) + ((lane >> 3) & 1) * 8;
+            if (wm * kMw + i < m_tiles) {
+              ptx::LdMatrixX4(a[i], xs + Swizzled(row, 2 * kk + (lane >> 4)));
+            }
+          }
+          uint32_t bfrag[kNw][2];
+#pragma unroll
+          for (int j = 0; j < kNw; ++j) {
+            const int row = 8 * (wn * kNw + j) + (lane & 7);
+            ptx::LdMatrixX2(&bfrag[j][0], &bfrag[j][1],
+                            ws + Swizzled(row, 2 * kk + ((lane >> 3) & 1)));
+          }
+#pragma unroll
+          for (int i = 0; i < kMw; ++i) {
+            if (wm * kMw + i >= m_tiles) continue;
+#pragma unroll
+            for (int j = 0; j < kNw; ++j) ptx::Mma16816(acc[i][j], a[i], bfrag[j][0], bfrag[j][1]);
+          }
+        }
+      }
+      __syncwarp();
+      // This warp is done reading stage s: tell every CTA whose multicast writes into it.
+      if (lane < kCluster) {
+        if (kCluster > 1) {
+          ptx::MbarrierArriveCluster(&empty[s], lane);
+        } else {
+          ptx::MbarrierArrive(&empty[s]);
+        }
+      }
+    }
+    if (warp_live) {
+      const int g = lane / 4, t = lane % 4;
+#pragma unroll
+      for (int i = 0; i < kMw; ++i) {
+#pragma unroll
+        for (int j = 0; j < kNw; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = 16 * (wm * kMw + i) + g + 8 * (e / 2);
+            const int col = n0 + 8 * (wn * kNw + j) + 2 * t + e % 2;
+            if (row >= m || col >= n) continue;
+            const int64_t at = b * y_step + static_cast<int64_t>(row) * n + col;
+            const float v = acc[i][j][e];
+            if (output == GemmOutput::kBf16) {
+              static_cast<bf16*>(y)[at] = __float2bfloat16_rn(v);
+            } else if (output == GemmOutput::kF32) {
+              static_cast<float*>(y)[at] = v;
+            } else {
+              float* const p = static_cast<float*>(y) + at;
+              *p = __fadd_rn(v, *p);
+            }
+          }
+        }
+      }
+    }
+  }
+  // No CTA leaves while a peer may still arrive on its barriers.
+  __syncwarp();
+  if (kCluster > 1) ptx::ClusterSync();
+}
+
 struct Launch {
   const bf16* x;
   int64_t ldx, x_step;
@@ -190,21 +370,109 @@ cudaError_t LaunchConfig(const Launch& l) {
   return cudaGetLastError();
 }
 
+// cuTensorMapEncodeTiled from the driver, through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A bf16 3-d tensor map: dims[0] contiguous, strides (bytes) of dims 1 and 2, boxes of 64 x
+// box_rows x 1 elements, 128-byte swizzle, out-of-range elements read as zeros.
+bool EncodeMap(CUtensorMap* map, const void* base, uint64_t d0, uint64_t d1, uint64_t d2,
+               uint64_t stride1, uint64_t stride2, uint32_t box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeTiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {d0, d1, d2};
+  const cuuint64_t strides[2] = {stride1, stride2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBk), box_rows, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides,
+                box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
+cudaError_t PrepareTma() {
+  using Shape = TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>;
+  if (EncodeTiled() == nullptr) return cudaErrorNotSupported;
+  return cudaFuncSetAttribute(
+      &SmallMGemmTmaKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>,
+      cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Shape::kSmem));
+}
+
+template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
+cudaError_t LaunchTma(const Launch& l) {
+  using Shape = TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>;
+  // x_b = x + b x_step: either the columns [b x_step, b x_step + k) of rows ldx apart (the
+  // canonical K tree's leaves), or matrices x_step apart.
+  int x_col_step = 0, x_z = 0;
+  uint64_t x_d0 = l.k, x_d2 = l.batch, x_stride2 = uint64_t(l.x_step) * 2;
+  if (l.batch == 1 || (l.batch - 1) * l.x_step + l.k <= l.ldx) {
+    x_col_step = static_cast<int>(l.x_step);
+    x_d0 = l.ldx, x_d2 = 1, x_stride2 = uint64_t(l.ldx) * l.m * 2;
+  } else if (l.x_step >= l.ldx * l.m) {
+    x_z = 1;
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  if (l.batch > 1 && l.w_step < int64_t{l.n} * l.k) return cudaErrorInvalidValue;
+  const int m_tiles = (l.m + 15) / 16;
+  const uint32_t slice_rows = 16 * ((m_tiles + kCluster - 1) / kCluster);
+  CUtensorMap x_map, w_map;
+  if (!EncodeMap(&x_map, l.x, x_d0, l.m, x_d2, uint64_t(l.ldx) * 2, x_stride2, slice_rows) ||
+      !EncodeMap(&w_map, l.w, l.k, l.n, l.batch, uint64_t(l.k) * 2,
+                 l.batch > 1 ? uint64_t(l.w_step) * 2 : uint64_t(l.n) * l.k * 2, kNTile)) {
+    return cudaErrorInvalidValue;
+  }
+  const int n_tiles = (l.n + kNTile - 1) / kNTile;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((n_tiles + kCluster - 1) / kCluster * kCluster, l.batch);
+  config.blockDim = dim3(Shape::kThreads);
+  config.dynamicSmemBytes = Shape::kSmem;
+  config.stream = l.stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = kCluster;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(
+      &config, &SmallMGemmTmaKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>, x_map,
+      w_map, x_col_step, x_z, l.m, l.n, l.k, l.y, l.y_step, l.output);
+}
+
 struct Entry {
   SmallMGemmConfig config;
   cudaError_t (*launch)(const Launch&);
   cudaError_t (*prepare)();
 };
 
-#define ROLLOUT_SMALL_M_CONFIG(nt, mt, wm, wn, st)                                \
-  Entry {                                                                         \
-    SmallMGemmConfig{nt, 16 * mt, wm, wn, st}, &LaunchConfig<nt, mt, wm, wn, st>, \
-        &PrepareConfig<nt, mt, wm, wn, st>                                        \
+#define ROLLOUT_SMALL_M_CONFIG(nt, mt, wm, wn, st)                                   \
+  Entry {                                                                            \
+    SmallMGemmConfig{nt, 16 * mt, wm, wn, st, 0}, &LaunchConfig<nt, mt, wm, wn, st>, \
+        &PrepareConfig<nt, mt, wm, wn, st>                                           \
+  }
+#define ROLLOUT_SMALL_M_TMA(nt, mt, wm, wn, st, c)                                     \
+  Entry {                                                                              \
+    SmallMGemmConfig{nt, 16 * mt, wm, wn, st, c}, &LaunchTma<nt, mt, wm, wn, st, c>,   \
+        &PrepareTma<nt, mt, wm, wn, st, c>                                             \
   }
 
 // The tilings the ladder may choose from, by the m they serve. Small n tiles give many CTAs
 // (qkv's 6144 columns make 384 CTAs of 16); large ones read each x tile for more columns (every
-// CTA reads all of x from L2: m / n_tile bytes of x per byte of weights).
+// CTA reads all of x from L2: m / n_tile bytes of x per byte of weights; the TMA kernels' clusters
+// divide that by the cluster size).
 const std::vector<Entry>& Entries() {
   static const std::vector<Entry> entries = {
       ROLLOUT_SMALL_M_CONFIG(16, 1, 1, 2, 8),   ROLLOUT_SMALL_M_CONFIG(32, 1, 1, 4, 8),
@@ -215,10 +483,28 @@ const std::vector<Entry>& Entries() {
       ROLLOUT_SMALL_M_CONFIG(128, 6, 2, 4, 3),  ROLLOUT_SMALL_M_CONFIG(64, 8, 4, 2, 4),
       ROLLOUT_SMALL_M_CONFIG(128, 8, 4, 2, 3),  ROLLOUT_SMALL_M_CONFIG(64, 16, 4, 2, 3),
       ROLLOUT_SMALL_M_CONFIG(128, 16, 8, 2, 3),
+      // m <= 16
+      ROLLOUT_SMALL_M_TMA(64, 1, 1, 4, 12, 1),  ROLLOUT_SMALL_M_TMA(128, 1, 1, 8, 10, 2),
+      // m <= 32
+      ROLLOUT_SMALL_M_TMA(64, 2, 1, 4, 10, 2),  ROLLOUT_SMALL_M_TMA(128, 2, 2, 4, 8, 2),
+      // m <= 48
+      ROLLOUT_SMALL_M_TMA(48, 3, 1, 3, 10, 2),  ROLLOUT_SMALL_M_TMA(96, 3, 1, 6, 8, 2),
+      ROLLOUT_SMALL_M_TMA(128, 3, 1, 8, 6, 4),  ROLLOUT_SMALL_M_TMA(256, 3, 1, 8, 4, 4),
+      // m <= 64
+      ROLLOUT_SMALL_M_TMA(64, 4, 2, 2, 8, 2),   ROLLOUT_SMALL_M_TMA(128, 4, 2, 4, 6, 4),
+      // m <= 96
+      ROLLOUT_SMALL_M_TMA(48, 6, 2, 3, 8, 1),   ROLLOUT_SMALL_M_TMA(48, 6, 2, 3, 8, 2),
+      ROLLOUT_SMALL_M_TMA(96, 6, 2, 4, 6, 2),   ROLLOUT_SMALL_M_TMA(128, 6, 2, 4, 6, 1),
+      ROLLOUT_SMALL_M_TMA(128, 6, 2, 4, 6, 4),  ROLLOUT_SMALL_M_TMA(256, 6, 2, 8, 4, 4),
+      // m <= 128
+      ROLLOUT_SMALL_M_TMA(64, 8, 2, 4, 6, 2),   ROLLOUT_SMALL_M_TMA(128, 8, 2, 4, 5, 4),
+      // m <= 256
+      ROLLOUT_SMALL_M_TMA(64, 16, 4, 2, 4, 2),  ROLLOUT_SMALL_M_TMA(128, 16, 4, 4, 4, 4),
   };
   return entries;
 }
 
+#undef ROLLOUT_SMALL_M_TMA
 #undef ROLLOUT_SMALL_M_CONFIG
 
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -227,13 +513,21 @@ bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 std::string SmallMGemmConfig::Name() const {
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "hand n%d m%d w%dx%d s%d", n_tile, max_m, warps_m, warps_n,
-                stages);
+  if (cluster == 0) {
+    std::snprintf(buf, sizeof(buf), "hand n%d m%d w%dx%d s%d", n_tile, max_m, warps_m, warps_n,
+                  stages);
+  } else {
+    std::snprintf(buf, sizeof(buf), "tma n%d m%d w%dx%d s%d c%d", n_tile, max_m, warps_m, warps_n,
+                  stages, cluster);
+  }
   return buf;
 }
 
 size_t SmallMGemmConfig::SharedBytes() const {
-  return static_cast<size_t>(stages) * (max_m + n_tile) * kBk * sizeof(bf16);
+  if (cluster == 0) return static_cast<size_t>(stages) * (max_m + n_tile) * kBk * sizeof(bf16);
+  const int slice_tiles = (max_m / 16 + cluster - 1) / cluster;
+  return static_cast<size_t>(stages) * (16 * slice_tiles * cluster + n_tile) * kBk * sizeof(bf16) +
+         16 * static_cast<size_t>(stages) + 1024;
 }
 
 const std::vector<SmallMGemmConfig>& SmallMGemmConfigs() {

@@ -37,8 +37,11 @@ struct SmallMGemmConfig {
   int max_m;
   int warps_m;
   int warps_n;
-  int stages;                // cp.async ring depth (64 K elements each)
-  std::string Name() const;  // "hand n32 m16 w1x4 s8"
+  int stages;                // ring depth (64 K elements each)
+  // 0: the cp.async kernel. >= 1: the TMA kernel, x multicast across clusters of this many CTAs
+  // (one producer warp beside the warps_m x warps_n consumers).
+  int cluster;
+  std::string Name() const;  // "hand n32 m16 w1x4 s8", "tma n48 m96 w2x3 s8 c2"
   // Dynamic shared memory per CTA.
   size_t SharedBytes() const;
 };
