@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -313,6 +314,56 @@ double FlushedMs(F run, cuda::DeviceBuffer& flush, int reps = 5) {
   return total / reps;
 }
 
+// Milliseconds of one `run` as a decode step's CUDA graph sees it: `reps` of (flush, run)
+// captured on `stream` into one graph, less the same graph of flushes alone, so neither host
+// launch costs (tensor-map encodes, cuBLASLt's dispatch) nor a warm L2 count.
+template <typename F>
+double GraphFlushedMs(F run, cuda::DeviceBuffer& flush, cudaStream_t stream, int reps = 8) {
+  run();  // warm-up (and any one-time set-up, outside the capture)
+  cudaStreamSynchronize(stream);
+  auto capture = [&](bool with_run) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+    for (int i = 0; i < reps; ++i) {
+      cudaMemsetAsync(flush.get(), i, flush.bytes(), stream);
+      if (with_run) run();
+    }
+    cudaStreamEndCapture(stream, &graph);
+    if (graph == nullptr || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) exec = nullptr;
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    return exec;
+  };
+  cudaGraphExec_t with = capture(true), without = capture(false);
+  if (with == nullptr || without == nullptr) {
+    std::printf("GraphFlushedMs: capture failed: %s\n", cudaGetErrorString(cudaGetLastError()));
+    std::exit(1);
+  }
+  cudaEvent_t begin, end;
+  cudaEventCreate(&begin);
+  cudaEventCreate(&end);
+  auto time = [&](cudaGraphExec_t exec) {
+    cudaGraphLaunch(exec, stream);  // warm-up
+    double best = 1e30;
+    for (int i = 0; i < 3; ++i) {
+      cudaEventRecord(begin, stream);
+      cudaGraphLaunch(exec, stream);
+      cudaEventRecord(end, stream);
+      cudaEventSynchronize(end);
+      float ms = 0.0f;
+      cudaEventElapsedTime(&ms, begin, end);
+      best = std::min(best, double(ms));
+    }
+    return best;
+  };
+  const double ms = (time(with) - time(without)) / reps;
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
+  cudaGraphExecDestroy(with);
+  cudaGraphExecDestroy(without);
+  return ms;
+}
+
 // Decode-sized m: pin, ladder rung, best hand configuration (bits checked against the pin).
 int SmallM(cublasLtHandle_t lt, const char* only) {
   struct SmallShape {
@@ -348,6 +399,9 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
       "device copy (1 GiB D2D): %.3f ms = %.2f TB/s read (+ as much written, %.2f TB/s "
       "in all)\n",
       copy_ms, copy_read_tbs, 2 * copy_read_tbs);
+  // A blocking stream: the resets on the legacy default stream stay ordered with it.
+  cudaStream_t stream = nullptr;
+  cudaStreamCreate(&stream);
   const std::vector<cuda::SmallMGemmConfig>& configs = cuda::SmallMGemmConfigs();
   for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
     if (cuda::PrepareSmallMGemm(c) != cudaSuccess) {
@@ -399,11 +453,11 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
     };
     auto run_gemm = [&](cuda::PinnedGemm& g, int64_t m, void* out) {
       return g.RunBatched(x.get<cuda::bf16>(), k_in, s.k, m, w.get<cuda::bf16>(), s.n * s.k, out,
-                          m * s.n, s.batch, nullptr);
+                          m * s.n, s.batch, stream);
     };
     auto run_hand = [&](int c, int64_t m, void* out) {
       return cuda::SmallMGemm(c, x.get<cuda::bf16>(), k_in, s.k, m, w.get<cuda::bf16>(), s.n * s.k,
-                              s.n, s.k, out, m * s.n, s.batch, s.output, nullptr);
+                              s.n, s.k, out, m * s.n, s.batch, s.output, stream);
     };
     auto tbs = [&](double ms) { return weight_bytes / (ms * 1e-3) / 1e12; };
     for (int64_t m : kSmallMs) {
@@ -415,8 +469,9 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
       reset(y.get(), m);
       run_gemm(*ladder, m, y.get());
       if (DifferentWords(y_ref.get(), y.get(), bytes) != 0) differs += " LADDER DIFFERS";
-      const double pin_ms = FlushedMs([&] { run_gemm(*pin, m, y.get()); }, flush);
-      const double ladder_ms = FlushedMs([&] { run_gemm(*ladder, m, y.get()); }, flush);
+      const double pin_ms = GraphFlushedMs([&] { run_gemm(*pin, m, y.get()); }, flush, stream);
+      const double ladder_ms =
+          GraphFlushedMs([&] { run_gemm(*ladder, m, y.get()); }, flush, stream);
       double best_ms = 0.0;
       std::string best = "none";
       for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
@@ -431,7 +486,7 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
           differs += " " + configs[c].Name() + ":" + std::to_string(n_diff) + " differ";
           continue;
         }
-        const double ms = FlushedMs([&] { run_hand(c, m, y.get()); }, flush);
+        const double ms = GraphFlushedMs([&] { run_hand(c, m, y.get()); }, flush, stream);
         if (best_ms == 0.0 || ms < best_ms) best_ms = ms, best = configs[c].Name();
       }
       if (!differs.empty()) ++differing;

@@ -293,9 +293,20 @@ struct GemmProbe {
                              nullptr);
     };
   }
-  // Mean microseconds of `run` at m (one warm-up, then three runs).
+  // Mean microseconds of `run` at m (one warm-up, then three runs, each after up to 128 MB of
+  // the scratch output `b` read: the weights come from DRAM, as in a decode step, not from a warm
+  // L2, which would favour the kernels that reread them; a read leaves no dirty lines whose
+  // write-back the timed run would pay).
   double Microseconds(const Runner& run, int64_t m) {
-    return 1e3 * MeanMilliseconds([&] { run(m, a.get()); }, /*reps=*/3);
+    run(m, a.get());
+    const int64_t half = static_cast<int64_t>(std::min(b.bytes(), size_t{128} << 20) / 2) & ~15;
+    double total = 0.0;
+    for (int i = 0; i < 3; ++i) {
+      CountDifferentWords(b.get(), b.get<unsigned char>() + half, half,
+                          count.get<unsigned long long>(), nullptr);
+      total += MeanMilliseconds([&] { run(m, a.get()); }, /*reps=*/1, /*warmups=*/0);
+    }
+    return 1e3 * total / 3;
   }
   // Whether `candidate` gives `reference`'s bits at m. A fixed nonzero start for accumulating
   // outputs, so that the residual epilogue is compared too.
@@ -351,13 +362,14 @@ const std::vector<PinnedGemm::HandRange>& PinnedGemm::HandLadder() {
 
 const PinnedGemm::Rung* PinnedGemm::For(int64_t m) const {
   for (const Rung& rung : rungs_) {
-    if (m >= rung.min_m && m < rung.end_m) return &rung;
+    if (m >= rung.min_m && m < rung.end_m) return rung.pin() ? nullptr : &rung;
   }
   return nullptr;
 }
 
 std::string PinnedGemm::Rung::Describe() const {
   if (hand) return SmallMGemmConfigs()[*hand].Name();
+  if (pin()) return "the pin";
   const GemmAlgoInfo info = DescribeAlgo(gemm->algo_);
   return "algo tile " + std::to_string(info.tile) + " custom " + std::to_string(info.custom) +
          " cluster " + std::to_string(info.cluster);
@@ -503,15 +515,16 @@ cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnos
   std::vector<Rung> hand_rungs;
   for (const HandRange& range : HandLadder()) {
     // What serves the range without a hand rung (a cuBLASLt rung or the pin) is timed at the
-    // range's ends and its representative m: a hand configuration takes the range only if it is
-    // no slower at any of them and 3% faster over all (a rung timed at one m alone was seen losing
-    // to the pin inside its own range).
+    // range's ends and its representative m: a candidate takes the range only if it is no slower
+    // at the representative m and 3% faster over the three (a rung timed at one m alone was seen
+    // losing to the pin inside its own range).
     std::vector<int64_t> points;
     for (int64_t m : {range.min_m, range.representative_m, range.end_m - 1}) {
       m = std::min(m, probe.max_m);
       if (std::find(points.begin(), points.end(), m) == points.end()) points.push_back(m);
     }
-    const Rung* serving = For(std::min(range.representative_m, probe.max_m));
+    const int64_t rep = std::min(range.representative_m, probe.max_m);
+    const Rung* serving = For(rep);
     const std::string serving_name = serving == nullptr ? "the pin" : serving->Describe();
     std::vector<double> serving_us;
     double serving_total = 0.0;
@@ -523,14 +536,22 @@ cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnos
     double best_total = 0.97 * serving_total;
     std::optional<int> best;
     std::string why;
-    // The configurations of the smallest max_m that covers the range (a larger one only stages
-    // more rows).
-    int cover = INT_MAX;
-    for (const SmallMGemmConfig& c : configs) {
-      if (c.max_m >= range.end_m - 1) cover = std::min(cover, c.max_m);
+    // The pin itself is a candidate too: a coarse cuBLASLt rung, timed at its own representative
+    // m, can lose to the pin inside a finer range (the [8, 48) rung at m = 47).
+    bool pin_best = false;
+    if (serving != nullptr || For(points.front()) != nullptr || For(points.back()) != nullptr) {
+      double total = 0.0;
+      bool slower_somewhere = false;
+      for (size_t i = 0; i < points.size(); ++i) {
+        const double us = probe.Microseconds(probe.Of(*this), points[i]);
+        total += us;
+        slower_somewhere = slower_somewhere || (points[i] == rep && us > serving_us[i]);
+      }
+      if (!slower_somewhere && total < best_total) best_total = total, pin_best = true;
     }
+    // Every configuration that covers the range.
     for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
-      if (configs[c].max_m != cover) continue;
+      if (configs[c].max_m < range.end_m - 1) continue;
       const cublasStatus_t status =
           AdmitHand(range.min_m, range.end_m, range.representative_m, c, probe, &why);
       if (status == CUBLAS_STATUS_NOT_SUPPORTED) continue;
@@ -545,17 +566,23 @@ cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnos
             },
             points[i]);
         total += us;
-        slower_somewhere = slower_somewhere || us > serving_us[i];
+        slower_somewhere = slower_somewhere || (points[i] == rep && us > serving_us[i]);
       }
-      if (!slower_somewhere && total < best_total) best_total = total, best = c;
+      if (!slower_somewhere && total < best_total) best_total = total, best = c, pin_best = false;
     }
     if (diagnostics != nullptr) {
-      *diagnostics += "  m in " + RangeText(range.min_m, range.end_m) + ": " +
-                      (best ? configs[*best].Name() + " (over " + serving_name + ")"
-                            : serving_name + " (no hand configuration beats it: no slower at the range's ends, 3% faster over them)") +
-                      "\n" + why;
+      std::string chosen;
+      if (best) {
+        chosen = configs[*best].Name() + " (over " + serving_name + ")";
+      } else if (pin_best) {
+        chosen = "the pin (over " + serving_name + ")";
+      } else {
+        chosen = serving_name + " (nothing beats it by 3% over the range's ends and middle)";
+      }
+      *diagnostics += "  m in " + RangeText(range.min_m, range.end_m) + ": " + chosen + "\n" + why;
     }
-    if (best) {
+    if (best || pin_best) {
+      // A pin rung (no gemm, no hand configuration) sends its range back to the pin.
       hand_rungs.push_back(Rung{range.min_m, range.end_m, range.representative_m, nullptr, best});
     }
   }
@@ -573,6 +600,10 @@ cublasStatus_t PinnedGemm::CopyLadder(const PinnedGemm& from, std::string* diagn
   if (!InitProbe(probe)) return CUBLAS_STATUS_SUCCESS;
   for (const Rung& rung : from.rungs_) {
     Rung copy{rung.min_m, rung.end_m, rung.representative_m, nullptr, rung.hand};
+    if (rung.pin()) {
+      rungs_.push_back(std::move(copy));
+      continue;
+    }
     const cublasStatus_t status = rung.hand
                                       ? AdmitHand(rung.min_m, rung.end_m, rung.representative_m,
                                                   *rung.hand, probe, diagnostics)

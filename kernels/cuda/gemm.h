@@ -103,8 +103,9 @@ class PinnedGemm {
   // hand kernel's configurations of the smallest max_m that covers it (small_m_gemm.h; k a
   // multiple of 16) that give this gemm's bits on the same probe are timed at the range's ends
   // and representative m against what serves each of those m so far (a cuBLASLt rung or the
-  // pin); the fastest over the three becomes a hand rung over the range if it is no slower at
-  // any of them and 3% faster over all. Without hand rungs the ladder is the cuBLASLt one
+  // pin; L2 flushed before each timed run); the fastest over the three becomes a hand rung over
+  // the range if it is no slower at the representative m and 3% faster over the three. The pin competes too: where it wins, the range goes
+  // back to it (a coarse rung timed at one m can lose to the pin elsewhere in its range). Without hand rungs the ladder is the cuBLASLt one
   // alone. Allocates (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the memory,
   // no ladder (Describe says so). `diagnostics` receives one line per range.
   cublasStatus_t BuildLadder(std::string* diagnostics = nullptr, bool hand_kernels = true);
@@ -191,6 +192,8 @@ class PinnedGemm {
     int64_t representative_m;          // where the range's candidates were timed
     std::unique_ptr<PinnedGemm> gemm;  // a cuBLASLt rung; null for a hand rung
     std::optional<int> hand;           // a hand rung: its index in SmallMGemmConfigs()
+    // Neither: a finer range given back to the pin, which beat the coarse rung there.
+    bool pin() const { return gemm == nullptr && !hand; }
     std::string Describe() const;
   };
   std::vector<Rung> rungs_;

@@ -133,6 +133,11 @@ __device__ __forceinline__ void ClusterSync() {
                    : "memory");
 }
 
+// Fetches a kernel-parameter tensor map's descriptor ahead of its first use.
+__device__ __forceinline__ void PrefetchTensorMap(const void* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+}
+
 // A 3-d tile of the tensor map `map` at coordinates (c0, c1, c2) into this CTA's shared memory
 // at `dst`, its bytes counted on `bar`.
 __device__ __forceinline__ void TmaLoad3d(void* dst, const void* map, int c0, int c1, int c2,

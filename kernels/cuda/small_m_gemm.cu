@@ -2,6 +2,8 @@
 
 #include <climits>
 #include <cstdio>
+#include <mutex>
+#include <unordered_map>
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -227,6 +229,8 @@ __global__ void __launch_bounds__(TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kS
 
   if (warp == kConsumers) {
     if (lane == 0) {
+      ptx::PrefetchTensorMap(&x_map);
+      ptx::PrefetchTensorMap(&w_map);
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
         if (kt >= kStages) ptx::MbarrierWait(&empty[s], ((kt / kStages) - 1) & 1);
@@ -386,19 +390,56 @@ PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {
 }
 
 // A bf16 3-d tensor map: dims[0] contiguous, strides (bytes) of dims 1 and 2, boxes of 64 x
-// box_rows x 1 elements, 128-byte swizzle, out-of-range elements read as zeros.
+// box_rows x 1 elements, 128-byte swizzle, out-of-range elements read as zeros. Encoded maps are
+// kept (a launch outside a CUDA graph would otherwise pay two encodes on the host, longer than a
+// decode-sized GEMM's kernel): keyed by everything they encode, a few thousand at most.
+struct MapKey {
+  const void* base;
+  uint64_t d0, d1, d2, stride1, stride2;
+  uint32_t box_rows;
+  bool operator==(const MapKey& o) const {
+    return base == o.base && d0 == o.d0 && d1 == o.d1 && d2 == o.d2 && stride1 == o.stride1 &&
+           stride2 == o.stride2 && box_rows == o.box_rows;
+  }
+};
+struct MapKeyHash {
+  size_t operator()(const MapKey& k) const {
+    uint64_t h = reinterpret_cast<uintptr_t>(k.base);
+    for (uint64_t v : {k.d0, k.d1, k.d2, k.stride1, k.stride2, uint64_t{k.box_rows}}) {
+      h = (h ^ v) * 0x100000001b3ull;
+    }
+    return static_cast<size_t>(h ^ (h >> 29));
+  }
+};
+
 bool EncodeMap(CUtensorMap* map, const void* base, uint64_t d0, uint64_t d1, uint64_t d2,
                uint64_t stride1, uint64_t stride2, uint32_t box_rows) {
+  static std::mutex mu;
+  static std::unordered_map<MapKey, CUtensorMap, MapKeyHash> cache;
+  const MapKey key{base, d0, d1, d2, stride1, stride2, box_rows};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) {
+      *map = it->second;
+      return true;
+    }
+  }
   const PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeTiled();
   if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {d0, d1, d2};
   const cuuint64_t strides[2] = {stride1, stride2};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBk), box_rows, 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides,
-                box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= 8192) cache.clear();
+  cache.emplace(key, *map);
+  return true;
 }
 
 template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
@@ -446,7 +487,7 @@ cudaError_t LaunchTma(const Launch& l) {
   attribute[0].val.clusterDim.y = 1;
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = kCluster > 1 ? 1 : 0;
   return cudaLaunchKernelEx(
       &config, &SmallMGemmTmaKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>, x_map,
       w_map, x_col_step, x_z, l.m, l.n, l.k, l.y, l.y_step, l.output);
