@@ -321,47 +321,21 @@ template <typename F>
 double GraphFlushedMs(F run, cuda::DeviceBuffer& flush, cudaStream_t stream, int reps = 8) {
   run();  // warm-up (and any one-time set-up, outside the capture)
   cudaStreamSynchronize(stream);
-  auto capture = [&](bool with_run) {
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-    for (int i = 0; i < reps; ++i) {
-      cudaMemsetAsync(flush.get(), i, flush.bytes(), stream);
-      if (with_run) run();
-    }
-    cudaStreamEndCapture(stream, &graph);
-    if (graph == nullptr || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) exec = nullptr;
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    return exec;
-  };
-  cudaGraphExec_t with = capture(true), without = capture(false);
-  if (with == nullptr || without == nullptr) {
-    std::printf("GraphFlushedMs: capture failed: %s\n", cudaGetErrorString(cudaGetLastError()));
+  int i = 0;
+  auto flush_once = [&] { return cudaMemsetAsync(flush.get(), i++, flush.bytes(), stream) == 0; };
+  const double with = cuda::GraphMilliseconds(
+      [&] {
+        const bool flushed = flush_once();
+        run();
+        return flushed;
+      },
+      reps, stream);
+  const double without = cuda::GraphMilliseconds(flush_once, reps, stream);
+  if (with < 0.0 || without < 0.0) {
+    std::printf("GraphFlushedMs: capture failed\n");
     std::exit(1);
   }
-  cudaEvent_t begin, end;
-  cudaEventCreate(&begin);
-  cudaEventCreate(&end);
-  auto time = [&](cudaGraphExec_t exec) {
-    cudaGraphLaunch(exec, stream);  // warm-up
-    double best = 1e30;
-    for (int i = 0; i < 3; ++i) {
-      cudaEventRecord(begin, stream);
-      cudaGraphLaunch(exec, stream);
-      cudaEventRecord(end, stream);
-      cudaEventSynchronize(end);
-      float ms = 0.0f;
-      cudaEventElapsedTime(&ms, begin, end);
-      best = std::min(best, double(ms));
-    }
-    return best;
-  };
-  const double ms = (time(with) - time(without)) / reps;
-  cudaEventDestroy(begin);
-  cudaEventDestroy(end);
-  cudaGraphExecDestroy(with);
-  cudaGraphExecDestroy(without);
-  return ms;
+  return (with - without) / reps;
 }
 
 // Decode-sized m: pin, ladder rung, best hand configuration (bits checked against the pin).
