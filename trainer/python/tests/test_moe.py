@@ -137,6 +137,12 @@ class MoeParityTest(unittest.TestCase):
             s = slice(int(cu[i]) + 1, int(cu[i + 1]))
             self.assertTrue(np.array_equal(routing[s].reshape(-1).numpy(), np.int32(r.routing)))
             self.assertTrue(np.array_equal(bits(lp[s].numpy()), bits(r.logprobs)))
+        # A sequence alone routes and scores as it does in the packed batch.
+        with torch.no_grad():
+            alone = [_model.logprobs(*pack([q]), 1.0, return_routing=True) for q in seqs]
+        self.assertTrue(np.array_equal(bits(lp.numpy()),
+                                       bits(np.concatenate([a[0].numpy() for a in alone]))))
+        self.assertTrue(torch.equal(routing, torch.cat([a[1] for a in alone])))
 
     def test_a_replayed_routing_gives_scores_logprobs_with_it(self):
         prompts, completions, sequences = rollouts(1.0, 9, 24, lengths=(5, 12, 40))
@@ -177,6 +183,53 @@ class MoeParityTest(unittest.TestCase):
             _model.logprobs(tokens, cu, 1.0, routing=bad)
         with self.assertRaisesRegex(ValueError, "expected 18"):
             _model.logprobs(tokens, cu, 1.0, routing=r[:2])
+
+
+class MoeTrainingLoopTest(unittest.TestCase):
+    def test_rollout_step_push_rollout_keeps_the_bits(self):
+        # A GRPO-shaped step on the MoE model: rollouts replayed (R3) into the trainer's
+        # logprobs with autograd, an SGD step (routers and experts move), the weights rounded to
+        # the served dtype and pushed under their Hub names, rollouts of the new weights equal to
+        # the trainer's logprobs and routing again. Its own server and model: the update changes
+        # both.
+        server = _support.Server(_support.cache_dir(), "--model", os.path.join(_dir, "hub"))
+        try:
+            with RolloutClient(server.target) as client:
+                info = client.server_info(timeout=60)
+                model = Qwen3MoeModel.from_pretrained(info.model.source, contract=info.numerics)
+                opt = torch.optim.SGD(model.parameters(), lr=0.5)
+                rng = random.Random(4)
+                prompts = [[rng.randrange(3, model.vocab) for _ in range(n)] for n in (4, 9, 23)]
+                for step in range(2):
+                    per_prompt = client.generate(prompts, num_samples=2, seed=step,
+                                                 temperature=1.0, max_new_tokens=24,
+                                                 ignore_eos=True, return_routing=True)
+                    comps = [c for samples in per_prompt for c in samples]
+                    seqs = [prompts[c.prompt_index] + list(c.token_ids) for c in comps]
+                    starts = [len(prompts[c.prompt_index]) for c in comps]
+                    tokens, cu = pack(seqs)
+                    routing, replay = model.pack_routing([c.routing for c in comps], starts, cu)
+                    lp = model.logprobs(tokens, cu, 1.0, routing=routing, replay=replay)
+                    slices = completion_slices(prompts, comps, cu)
+                    mine = np.concatenate([lp.detach()[s].numpy() for s in slices])
+                    theirs = np.concatenate([np.float32(c.logprobs) for c in comps])
+                    self.assertTrue(np.array_equal(bits(mine), bits(theirs)), f"step {step}")
+                    # Unreplayed, the trainer chooses the rollout's routing itself.
+                    with torch.no_grad():
+                        _, chosen = model.logprobs(tokens, cu, 1.0, return_routing=True)
+                    self.assertTrue(torch.equal(chosen[replay], routing[replay]), f"step {step}")
+                    adv = torch.tensor(rng.choices([-1.0, 1.0], k=tokens.numel()))
+                    opt.zero_grad()
+                    (-(lp * adv).mean()).backward()
+                    opt.step()
+                    model.load_weights([(n, p.detach()) for n, p in model.named_weights()])
+                    before = client.server_info().weight_digest
+                    client.update_weights(list(model.named_weights()), f"step-{step + 1}")
+                    after = client.server_info()
+                    self.assertEqual(after.weight_version, f"step-{step + 1}")
+                    self.assertNotEqual(after.weight_digest, before, "the step changed no bit")
+        finally:
+            server.stop()
 
 
 class MoeTensorParallelAndFusedLayoutTest(unittest.TestCase):
