@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-import numpy as np
 import torch
 
 from . import ops
@@ -45,11 +44,23 @@ def _split_fused_experts(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
     return out
 
 
+def moe_layer_indices(config: dict) -> list:
+    """The MoE layers of a Qwen3-MoE config.json, ascending: transformers' rule, as the server's
+    ModelConfig::IsMoeLayer (not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0);
+    the others are dense MLPs of intermediate_size."""
+    step = int(config.get("decoder_sparse_step", 1))
+    if step <= 0:
+        raise ValueError(f"decoder_sparse_step ({step}) must be positive")
+    only = set(int(i) for i in (config.get("mlp_only_layers") or []))
+    return [i for i in range(int(config["num_hidden_layers"]))
+            if i not in only and (i + 1) % step == 0]
+
+
 class _Routing:
     """One forward's routing state (Qwen3MoeModel.logprobs -> _mlp): the rows that replay a
     given routing and their ids, and the ids every MoE layer used."""
 
-    def __init__(self, t: int, forced: Optional[torch.Tensor], forced_rows: torch.Tensor):
+    def __init__(self, forced: Optional[torch.Tensor], forced_rows: torch.Tensor):
         self.forced = forced            # int32 [t, moe_layers, k] of the rows (or None)
         self.forced_rows = forced_rows  # bool [t]: row r replays forced[r]
         self.used = {}                  # MoE layer index -> int32 [t, k]
@@ -73,17 +84,13 @@ class Qwen3MoeModel(Qwen3Model):
         self.top_k = int(config.get("num_experts_per_tok", 8))
         self.moe_inter = int(config.get("moe_intermediate_size", 768))
         self.norm_topk_prob = bool(config.get("norm_topk_prob", False))
-        step = int(config.get("decoder_sparse_step", 1))
-        only = set(int(i) for i in (config.get("mlp_only_layers") or []))
         if int(config.get("shared_expert_intermediate_size") or 0) > 0:
             raise ContractError("shared_expert_intermediate_size",
                                 config["shared_expert_intermediate_size"], 0)
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in [1, num_experts "
                              f"({self.num_experts})]")
-        layers = int(config["num_hidden_layers"])
-        # Transformers' rule (ModelConfig::IsMoeLayer).
-        self.moe_layers = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
+        self.moe_layers = moe_layer_indices(config)
         self._moe_index = {layer: j for j, layer in enumerate(self.moe_layers)}
         super().__init__(config, _split_fused_experts(tensors))
         for i in self.moe_layers:
@@ -161,6 +168,20 @@ class Qwen3MoeModel(Qwen3Model):
             replay[begin:end] = True
         return routing, replay
 
+    def _check_routing(self, routing: torch.Tensor, replay: torch.Tensor) -> None:
+        """ValueError naming the token and MoE layer of a replayed entry whose ids are outside
+        [0, num_experts) or hold an expert twice (the server refuses them so too)."""
+        r = routing[replay].long()  # [n, layers, k]
+        bad = ((r < 0) | (r >= self.num_experts)).any(-1)
+        s = r.sort(-1).values
+        twice = (s[..., 1:] == s[..., :-1]).any(-1)
+        for what, mask in (("outside [0, %d)" % self.num_experts, bad), ("an expert twice", twice)):
+            if bool(mask.any()):
+                n, j = (int(v) for v in mask.nonzero()[0])
+                i = int(replay.nonzero()[n, 0])
+                raise ValueError(f"routing of token {i} at MoE layer {self.moe_layers[j]} is "
+                                 f"{routing[i, j].tolist()}: {what}")
+
     def logprobs(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
                  reference_dtype: Optional[torch.dtype] = None, routing=None, replay=None,
                  return_routing: bool = False):
@@ -192,11 +213,12 @@ class Qwen3MoeModel(Qwen3Model):
                                  f"{t * layers * k} ({t} tokens x {layers} MoE layers x {k})")
             routing = routing.reshape(t, layers, k).to(torch.int32)
             replay = ~first if replay is None else torch.as_tensor(replay).reshape(t).bool()
+            self._check_routing(routing, replay & ~first)
             forced = torch.zeros_like(routing)
             forced[:-1] = routing[1:]
             forced_rows[:-1] = replay[1:]
             forced_rows &= produces
-        ctx = _Routing(t, forced, forced_rows)
+        ctx = _Routing(forced, forced_rows)
         lp = super().logprobs(tokens, cu, temperature, reference_dtype, mlp_context=ctx)
         if not return_routing:
             return lp

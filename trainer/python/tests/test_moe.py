@@ -34,6 +34,7 @@ import _support  # noqa: E402  (the client tests' server subprocess)
 from rollout_client import RolloutClient  # noqa: E402
 from rollout_trainer import ContractError, Qwen3Model, Qwen3MoeModel, check_contract  # noqa: E402
 from rollout_trainer import ops  # noqa: E402
+from rollout_trainer.moe_model import moe_layer_indices  # noqa: E402
 
 _dir = None
 _server = None
@@ -174,13 +175,22 @@ class MoeParityTest(unittest.TestCase):
         r = torch.zeros(3, len(_model.moe_layers), _model.top_k, dtype=torch.int32)
         r[..., 1] = 1
         bad = r.clone()
-        bad[2, 1, 0] = 8  # the row of token 1 (row index 1), outside [0, 8)
-        with self.assertRaisesRegex(ValueError, "row 1 .*outside"):
+        bad[2, 1, 0] = 8  # token 2's routing at the second MoE layer (layer 2)
+        with self.assertRaisesRegex(ValueError, r"token 2 at MoE layer 2 is \[8, 1\]: outside"):
             _model.logprobs(tokens, cu, 1.0, routing=bad)
         bad = r.clone()
         bad[1, 0, 1] = 0  # expert 0 twice
-        with self.assertRaisesRegex(ValueError, "row 0 .*twice"):
+        with self.assertRaisesRegex(ValueError, "token 1 at MoE layer 0 .*twice"):
             _model.logprobs(tokens, cu, 1.0, routing=bad)
+        # The op checks what it is given too (a replayed row's ids).
+        with self.assertRaisesRegex(ValueError, "row 0 .*outside"):
+            ops.moe_route(torch.zeros(1, 8), 2, True, torch.tensor([[0, 9]]))
+        # An entry at a sequence's first token is not replayed (no row produced it).
+        bad = r.clone()
+        bad[0] = 99
+        with torch.no_grad():
+            self.assertTrue(torch.equal(_model.logprobs(tokens, cu, 1.0, routing=bad),
+                                        _model.logprobs(tokens, cu, 1.0, routing=r)))
         with self.assertRaisesRegex(ValueError, "expected 18"):
             _model.logprobs(tokens, cu, 1.0, routing=r[:2])
 
@@ -400,8 +410,15 @@ class MoeGradientTest(unittest.TestCase):
 
 class MoeContractTest(unittest.TestCase):
     def test_a_moe_contract_is_honoured_and_other_moe_architectures_refused(self):
-        n = _client.server_info().numerics
+        info = _client.server_info()
+        n = info.numerics
         self.assertEqual(n.architecture, "Qwen3MoeForCausalLM")
+        self.assertEqual(list(info.model.moe_layers), _model.moe_layers)
+        self.assertEqual((info.model.num_experts, info.model.num_experts_per_tok),
+                         (_model.num_experts, _model.top_k))
+        # The layer rule: decoder_sparse_step, then mlp_only_layers.
+        self.assertEqual(moe_layer_indices({"num_hidden_layers": 6, "decoder_sparse_step": 2,
+                                            "mlp_only_layers": [3]}), [1, 5])
         check_contract(n)
         for arch in ("Qwen2MoeForCausalLM", "MixtralForCausalLM"):
             with self.assertRaises(ContractError) as ctx:
