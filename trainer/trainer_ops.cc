@@ -11,6 +11,7 @@
 
 #include "common/thread_pool.h"
 #include "engine/sampler.h"
+#include "kernels/cpu/moe.h"
 #include "kernels/cpu/ops.h"
 #include "model/rope.h"
 
@@ -99,6 +100,38 @@ void rt_log_softmax(const float* logits, int64_t rows, int32_t vocab, float temp
   Pool()->ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       rollout::LogSoftmax(logits + r * vocab, vocab, temperature, out + r * vocab);
+    }
+  });
+}
+
+// --- MoE ---
+// The CPU runner's mixture-of-experts arithmetic (runner/cpu/cpu_moe_layer.cc's MoeBlock,
+// kernels/cpu/moe.h). The router logits are rt_matmul's and each expert's MLP is rt_matmul +
+// rt_silu_mul + rt_segmented_matmul on the rows routed to it (a row's bits do not depend on how
+// many rows an expert gets), as MoeBlock computes them at TP 1 (every degree has TP 1's bits,
+// D10); these two are the rest.
+
+// Each token's routing: cpu::RouteToken on logits [t, num_experts]. forced: null (every row
+// chooses) or [t, k] ids, used for the rows r with forced_rows[r] != 0 (forced_rows [t]; the
+// other rows choose). ids [t, k] in rank order, weights [t, k] (renormalised with
+// norm_topk_prob). REQUIRES: forced ids in [0, num_experts), none twice in a row.
+void rt_moe_route(const float* logits, int64_t t, int32_t num_experts, int32_t k,
+                  int32_t norm_topk_prob, const int32_t* forced, const uint8_t* forced_rows,
+                  int32_t* ids, float* weights) {
+  for (int64_t r = 0; r < t; ++r) {
+    const int32_t* f = forced != nullptr && forced_rows[r] != 0 ? forced + r * k : nullptr;
+    rollout::cpu::RouteToken(logits + r * num_experts, num_experts, k, norm_topk_prob != 0, f,
+                             ids + r * k, weights + r * k);
+  }
+}
+
+// out[r, :] = the experts' outputs y[r, 0..k) combined in rank order: cpu::CombineExperts per
+// token. y [t, k, dim], weights [t, k], out [t, dim].
+void rt_moe_combine(const float* y, const float* weights, int64_t t, int32_t k, int64_t dim,
+                    float* out) {
+  Pool()->ParallelFor(t, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      rollout::cpu::CombineExperts(y + r * k * dim, weights + r * k, k, dim, out + r * dim);
     }
   });
 }

@@ -58,6 +58,10 @@ def lib() -> ctypes.CDLL:
     for name in ("rt_matmul", "rt_segmented_matmul", "rt_rms_norm", "rt_rope_cos_sin",
                  "rt_apply_rope", "rt_silu_mul", "rt_add", "rt_attention", "rt_log_softmax"):
         getattr(l, name).restype = None
+    # --- MoE ---
+    l.rt_moe_route.argtypes = [_p, _i64, _i32, _i32, _i32, _p, _p, _p, _p]
+    l.rt_moe_combine.argtypes = [_p, _p, _i64, _i32, _i64, _p]
+    l.rt_moe_route.restype = l.rt_moe_combine.restype = None
     _lib = l
     return l
 

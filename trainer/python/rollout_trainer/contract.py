@@ -6,7 +6,8 @@ from typing import Any
 
 from . import _lib
 
-ARCHITECTURES = ("Qwen3ForCausalLM",)
+ARCHITECTURES = ("Qwen3ForCausalLM",)  # dense: Qwen3Model, and CudaQwen3Model on cuda
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)  # Qwen3MoeModel, CPU only
 SERVED_DTYPES = ("bfloat16", "float16", "float32")
 TENSOR_PARALLEL = (1, 2, 4, 8)  # the server's bits are the same at every degree (D10)
 
@@ -44,7 +45,7 @@ def check_contract(contract, device: str = "cpu") -> None:
         "compute_dtype": ("float32",),
         "row_parallel_reduction": ("canonical_k_tree_8",),
         "kernels": (_lib.kernels_version(),),
-        "architecture": ARCHITECTURES,
+        "architecture": ARCHITECTURES + MOE_ARCHITECTURES,
         "rope_type": ("default",),
         "served_dtype": SERVED_DTYPES,
         "tensor_parallel": TENSOR_PARALLEL,

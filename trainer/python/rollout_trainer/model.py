@@ -53,11 +53,13 @@ class Qwen3Model(torch.nn.Module):
     """Dense Qwen3 (Qwen3ForCausalLM) with the parameters' Hugging Face names (dots as '__'
     in nn.Module attribute names aside: state_dict() keys are the checkpoint's)."""
 
+    architectures = ARCHITECTURES  # config.json's architectures[0] this class computes
+
     def __init__(self, config: dict, tensors: Dict[str, torch.Tensor]):
         super().__init__()
         arch = (config.get("architectures") or [""])[0]
-        if arch not in ARCHITECTURES:
-            raise ContractError("architecture", arch, ARCHITECTURES)
+        if arch not in self.architectures:
+            raise ContractError("architecture", arch, self.architectures)
         rope_scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         if rope_type != "default":
@@ -133,21 +135,34 @@ class Qwen3Model(torch.nn.Module):
             ("k", "self_attn.k_proj.weight"), ("v", "self_attn.v_proj.weight"),
             ("o", "self_attn.o_proj.weight"), ("qn", "self_attn.q_norm.weight"),
             ("kn", "self_attn.k_norm.weight"), ("post", "post_attention_layernorm.weight"),
-            ("gate", "mlp.gate_proj.weight"), ("up", "mlp.up_proj.weight"),
-            ("down", "mlp.down_proj.weight"))}
+            *self._mlp_weight_names(i))}
+
+    def _mlp_weight_names(self, i: int):
+        """(key, name under model.layers.i) of layer i's MLP weights (Qwen3MoeModel's differ)."""
+        return (("gate", "mlp.gate_proj.weight"), ("up", "mlp.up_proj.weight"),
+                ("down", "mlp.down_proj.weight"))
+
+    def _mlp(self, i: int, xn, w, ref: bool, mlp_context=None):
+        """Layer i's MLP of its normed input xn [t, hidden]; w: _layer_weights(i), cast; ref: the
+        plain-torch reference instead of the kernels. mlp_context: a subclass's per-call state."""
+        gate_up = torch.cat([w["gate"], w["up"]], dim=0)
+        if ref:
+            return ops.reference_matmul(ops.reference_silu_mul(ops.reference_matmul(xn, gate_up)),
+                                        w["down"])
+        return ops.row_parallel_matmul(ops.silu_mul(ops.matmul(xn, gate_up)), w["down"])
 
     def hidden_states(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor,
-                      reference_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                      reference_dtype: Optional[torch.dtype] = None,
+                      mlp_context=None) -> torch.Tensor:
         """The final-normed hidden states [t, hidden] of packed sequences. reference_dtype: run
         the plain-torch reference in that dtype instead of the kernels (the gradient check's
-        float64 forward)."""
+        float64 forward). mlp_context: passed to _mlp (Qwen3MoeModel's routing)."""
         ref = reference_dtype is not None
         cast = (lambda p: p.to(reference_dtype)) if ref else (lambda p: p)
         matmul = ops.reference_matmul if ref else ops.matmul
         row_matmul = ops.reference_matmul if ref else ops.row_parallel_matmul
         norm = ops.reference_rms_norm if ref else ops.rms_norm
         rope = ops.reference_rope if ref else ops.rope
-        silu_mul = ops.reference_silu_mul if ref else ops.silu_mul
         add = ops.reference_add if ref else ops.add
         attention = ops.reference_attention if ref else ops.attention
 
@@ -171,19 +186,18 @@ class Qwen3Model(torch.nn.Module):
             a = attention(q, k, v, cu_seqlens, scale).reshape(t, nh * hd)
             x = add(x, row_matmul(a, w["o"]))
             xn = norm(x, w["post"], self.eps)
-            gate_up = matmul(xn, torch.cat([w["gate"], w["up"]], dim=0))
-            x = add(x, row_matmul(silu_mul(gate_up), w["down"]))
+            x = add(x, self._mlp(i, xn, w, ref, mlp_context))
         return norm(x, cast(self.weight("model.norm.weight")), self.eps)
 
-    def logits(self, tokens, cu_seqlens, reference_dtype=None):
-        h = self.hidden_states(tokens, cu_seqlens, reference_dtype)
+    def logits(self, tokens, cu_seqlens, reference_dtype=None, mlp_context=None):
+        h = self.hidden_states(tokens, cu_seqlens, reference_dtype, mlp_context)
         head = self.weight("model.embed_tokens.weight" if self.tied else "lm_head.weight")
         if reference_dtype is not None:
             return ops.reference_matmul(h, head.to(reference_dtype))
         return ops.matmul(h, head)
 
     def logprobs(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
-                 reference_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                 reference_dtype: Optional[torch.dtype] = None, mlp_context=None) -> torch.Tensor:
         """log_softmax(logits / T) of each token given the tokens before it in its sequence:
         [t] float32, in packed order, 0 at each sequence's first token (nothing precedes it).
         Entry i equals, bitwise, Score's logprob of token i (and Generate's, for a token it
@@ -198,7 +212,7 @@ class Qwen3Model(torch.nn.Module):
         if bool(((tokens < 0) | (tokens >= self.vocab)).any()):
             raise ValueError(f"token ids must be in [0, {self.vocab})")
         temperature = float(np.float32(temperature))  # the proto's float
-        logits = self.logits(tokens, cu_seqlens, reference_dtype)
+        logits = self.logits(tokens, cu_seqlens, reference_dtype, mlp_context)
         if reference_dtype is not None:
             lp = ops.reference_log_softmax(logits, temperature)
         else:

@@ -244,3 +244,132 @@ def log_softmax(logits, temperature: float):
     """log_softmax(logits / T) per row, the sampler's definition (T <= 0 means 1)."""
     return _apply(_k_log_softmax, reference_log_softmax, {"temperature": temperature},
                   {"temperature": temperature}, logits)
+
+
+# --- MoE ---
+# The CPU runner's mixture-of-experts layer (runner/cpu/cpu_moe_layer.cc): router logits by
+# `matmul`, each token's routing (`moe_route`), each expert's MLP on the rows routed to it
+# (`expert_mlp`), the top-k outputs combined in rank order (`moe_combine`).
+
+def reference_moe_weights(logits, ids, norm_topk_prob: bool):
+    """The expert weights of a routing: softmax(logits) at ids [t, k] (rank order), divided by
+    their sum with norm_topk_prob. The selection `ids` is a constant: a gradient flows to the
+    logits through these weights only."""
+    w = torch.softmax(logits, dim=-1).gather(-1, ids.long())
+    return w / w.sum(-1, keepdim=True) if norm_topk_prob else w
+
+
+def reference_moe_choose(logits, k: int):
+    """Plain torch's choice of k experts per row (torch.topk of the softmax; its ties are
+    unspecified): the reference forward's routing where none is given. int64 [t, k]."""
+    return torch.topk(torch.softmax(logits.detach(), dim=-1), k, dim=-1).indices
+
+
+def reference_moe_combine(y, weights):
+    """out[r] = sum_j weights[r, j] * y[r, j]: y [t, k, dim], weights [t, k]."""
+    return (weights.unsqueeze(-1) * y).sum(1)
+
+
+def reference_expert_mlp(x, gate_up, down):
+    """One SwiGLU expert: down(silu(gate x) * up x); gate_up [2 * inter, hidden] holds its gate
+    rows then its up rows, down [hidden, inter]."""
+    return reference_matmul(reference_silu_mul(reference_matmul(x, gate_up)), down)
+
+
+def _check_routing(forced, forced_rows, t: int, k: int, num_experts: int):
+    if forced.shape != (t, k) or forced_rows.shape != (t,):
+        raise ValueError(f"moe_route: forced {tuple(forced.shape)} and forced_rows "
+                         f"{tuple(forced_rows.shape)} for {t} rows of {k} experts")
+    rows = forced[forced_rows]
+    bad = (rows < 0) | (rows >= num_experts)
+    if bool(bad.any()):
+        r = int(forced_rows.nonzero()[bad.any(1).nonzero()[0, 0], 0])
+        raise ValueError(f"moe_route: row {r} replays expert ids {forced[r].tolist()}, "
+                         f"outside [0, {num_experts})")
+    if k > 1:
+        s = rows.sort(-1).values
+        twice = (s[:, 1:] == s[:, :-1]).any(1)
+        if bool(twice.any()):
+            r = int(forced_rows.nonzero()[twice.nonzero()[0, 0], 0])
+            raise ValueError(f"moe_route: row {r} replays expert ids {forced[r].tolist()}: "
+                             "an expert twice")
+
+
+def _k_moe_route(logits, forced, forced_rows, *, k, norm_topk_prob):
+    logits = _f32(logits, "router logits")
+    t, num_experts = logits.shape
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"moe_route: k = {k} of {num_experts} experts")
+    ids = torch.empty(t, k, dtype=torch.int32)
+    weights = torch.empty(t, k, dtype=torch.float32)
+    rows_u8 = None
+    if forced is not None:
+        forced = forced.to(torch.int32).contiguous()
+        forced_rows = forced_rows.to(torch.bool).contiguous()
+        _check_routing(forced, forced_rows, t, k, num_experts)
+        rows_u8 = forced_rows.to(torch.uint8)
+    _lib.lib().rt_moe_route(_ptr(logits), t, num_experts, k, int(norm_topk_prob), _ptr(forced),
+                            _ptr(rows_u8), _ptr(ids), _ptr(weights))
+    return ids, weights
+
+
+class _MoeRoute(torch.autograd.Function):
+    """forward: cpu::RouteToken per row; backward: autograd of reference_moe_weights at the
+    chosen ids (the selection is constant)."""
+
+    @staticmethod
+    def forward(ctx, logits, forced, forced_rows, k, norm_topk_prob):
+        ids, weights = _k_moe_route(logits, forced, forced_rows, k=k,
+                                    norm_topk_prob=norm_topk_prob)
+        ctx.norm_topk_prob = norm_topk_prob
+        ctx.save_for_backward(logits, ids)
+        ctx.mark_non_differentiable(ids)
+        return ids, weights
+
+    @staticmethod
+    def backward(ctx, grad_ids, grad_weights):
+        logits, ids = ctx.saved_tensors
+        with torch.enable_grad():
+            x = logits.detach().requires_grad_(True)
+            (g,) = torch.autograd.grad(reference_moe_weights(x, ids, ctx.norm_topk_prob), [x],
+                                       grad_weights)
+        return g, None, None, None, None
+
+
+def moe_route(logits, k: int, norm_topk_prob: bool, forced=None, forced_rows=None):
+    """Each row's routing from its router logits [t, num_experts]: (ids int32 [t, k] in rank
+    order -- router probability descending, ties to the lower expert id --, weights [t, k] fp32,
+    the probabilities at those ids, renormalised over them with norm_topk_prob), the server's
+    RouteToken bit for bit. forced [t, k] with forced_rows bool [t]: those rows replay the given
+    ids instead of choosing (weights are then the probabilities at them). ValueError for a
+    replayed id outside [0, num_experts) or given twice in a row."""
+    if forced is not None and forced_rows is None:
+        forced_rows = torch.ones(logits.shape[0], dtype=torch.bool)
+    return _MoeRoute.apply(logits, forced, forced_rows, int(k), bool(norm_topk_prob))
+
+
+def _k_moe_combine(y, weights):
+    y, weights = _f32(y, "y"), _f32(weights, "weights")
+    t, k, dim = y.shape
+    if weights.shape != (t, k):
+        raise ValueError(f"moe_combine: y {tuple(y.shape)} weights {tuple(weights.shape)}")
+    out = torch.empty(t, dim, dtype=torch.float32)
+    _lib.lib().rt_moe_combine(_ptr(y), _ptr(weights), t, k, dim, _ptr(out))
+    return out
+
+
+def moe_combine(y, weights):
+    """out [t, dim] = each row's top-k expert outputs y [t, k, dim] weighted by weights [t, k],
+    summed in rank order j = 0..k-1 from +0 with one fma each (cpu::CombineExperts)."""
+    return _apply(_k_moe_combine, reference_moe_combine, {}, {}, y, weights)
+
+
+def _k_expert_mlp(x, gate_up, down):
+    return _k_matmul(_k_silu_mul(_k_matmul(x, gate_up)), down, segmented=True)
+
+
+def expert_mlp(x, gate_up, down):
+    """One expert on its rows x [n, hidden]: gate/up by cpu::MatMul, SiluMul, down by the
+    canonical K tree (cpu::SegmentedMatMul), as MoeBlock at TP 1. Each row is its own Dots: how
+    many rows an expert gets changes no bit of any of them."""
+    return _apply(_k_expert_mlp, reference_expert_mlp, {}, {}, x, gate_up, down)

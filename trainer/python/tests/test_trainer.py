@@ -276,7 +276,7 @@ class ContractTest(unittest.TestCase):
         n = _client.server_info().numerics
         source = _client.server_info().model.source
         for field, value in (("kernels", "rollout-cpu-ref/0"), ("backend", "cuda"),
-                             ("architecture", "Qwen3MoeForCausalLM"),
+                             ("architecture", "Qwen2MoeForCausalLM"),
                              ("row_parallel_reduction", "fused"), ("tensor_parallel", 3),
                              ("compute_dtype", "bfloat16"), ("rope_type", "yarn")):
             bad = dataclasses.replace(n, **{field: value})
