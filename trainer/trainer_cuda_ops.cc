@@ -1,7 +1,7 @@
 // librollout_trainer_cuda_ops.so: the CUDA backend's kernels behind a C ABI, for the trainer
 // library (trainer/python/rollout_trainer/cuda_ops.py, through ctypes). Each entry point calls
 // the very launcher CudaModelRunner calls (kernels/cuda/ops.h, gemm.h, tensor_parallel.h,
-// sampling.h), linked from the same static library built with the same flags, on raw device
+// sampling.h, moe.h), linked from the same static library built with the same flags, on raw device
 // pointers and a caller's stream (torch's current stream: a driver object, whichever CUDA
 // runtime the caller has). Nothing here allocates device memory but the pinned GEMMs' own
 // workspaces (RtCudaModel, created once); every other buffer is the caller's.
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/numerics.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sampling.h"
@@ -65,6 +66,7 @@ struct RtCudaModel {
   cublasLtHandle_t lt = nullptr;
   bool canonical = true;
   std::unique_ptr<PinnedGemm> qkv, o, gate_up, down, lm_head;
+  std::unique_ptr<PinnedGemm> router;  // MoE models only (rt_cuda_model_add_router)
   int64_t hidden = 0, o_k = 0, down_k = 0;
   int64_t pin_m = 0;
   bool ladder = false;
@@ -77,6 +79,7 @@ struct RtCudaModel {
     gate_up.reset();
     down.reset();
     lm_head.reset();
+    router.reset();
     if (lt != nullptr) cublasLtDestroy(lt);
   }
 };
@@ -172,13 +175,18 @@ void rt_cuda_model_free(RtCudaModel* m) { delete m; }
 // The pins, one DescribePin line each ('\n'-separated): ServerInfo.numerics.gemm_algorithms.
 const char* rt_cuda_model_algorithms(const RtCudaModel* m) { return m->algorithms.c_str(); }
 
-// y = x . w^T by the pinned GEMM `which` (0 qkv: fp32 y; 1 gate_up: bf16 y; 2 lm_head: fp32 y).
-// x [m, k] bf16, w [n, k] bf16, y [m, n]; every pointer 256-byte aligned.
+// y = x . w^T by the pinned GEMM `which` (0 qkv: fp32 y; 1 gate_up: bf16 y; 2 lm_head: fp32 y;
+// 3 the MoE router, after rt_cuda_model_add_router: fp32 y). x [m, k] bf16, w [n, k] bf16,
+// y [m, n]; every pointer 256-byte aligned.
 int rt_cuda_gemm(RtCudaModel* model, int32_t which, const void* x, int64_t m, const void* w,
                  void* y, void* stream) {
   PinnedGemm* g = which == 0 ? model->qkv.get() : which == 1 ? model->gate_up.get()
-                                            : which == 2 ? model->lm_head.get() : nullptr;
-  if (g == nullptr) return Fail("rt_cuda_gemm: which must be 0 (qkv), 1 (gate_up) or 2 (lm_head)");
+                                            : which == 2 ? model->lm_head.get()
+                                            : which == 3 ? model->router.get() : nullptr;
+  if (g == nullptr) {
+    return Fail("rt_cuda_gemm: which must be 0 (qkv), 1 (gate_up), 2 (lm_head) or 3 (router, "
+                "after rt_cuda_model_add_router)");
+  }
   return Check(g->Run(static_cast<const bf16*>(x), m, static_cast<const bf16*>(w), y,
                       static_cast<cudaStream_t>(stream)),
                "pinned GEMM");
@@ -336,6 +344,131 @@ void rt_cuda_rope_tables(float theta, int64_t head_dim, int64_t n, float* cos, f
       rollout::ComputeRopeFrequencies(rollout::RopeScaling{}, theta, head_dim);
   const int64_t half = head_dim / 2;
   for (int64_t p = 0; p < n; ++p) rollout::RopeCosSin(f, p, cos + p * half, sin + p * half);
+}
+
+// --- MoE ---
+// Qwen3-MoE's MLP as CudaModelRunner::EnqueueMoe runs it (runner/cuda/forward_layers.cc, TP 1
+// only, as the runner): the router GEMM (rt_cuda_gemm 3), rt_cuda_moe_route (cuda::MoeRoute),
+// rt_cuda_moe_experts (MoeGroup with MoeTileRowsFor's tile rows, the gate/up and down expert
+// GEMMs of moe_gemm.cu by the same version choice, SiluMul between) and rt_cuda_moe_combine
+// (MoeCombine into the residual). Every row's bits depend on its own row only (kernels/cuda/
+// moe.h), so the trainer's batch -- other tokens, other tile rows -- gives the server's step's.
+
+// Pins the router GEMM [num_experts, hidden] (fp32 logits) as PinMoeGemms does: the model's
+// pin_m and ladder, its DescribePin line ("router") appended to rt_cuda_model_algorithms, after
+// the dense ones -- the server's ServerInfo.numerics.gemm_algorithms order. Once per model.
+int rt_cuda_model_add_router(RtCudaModel* m, int64_t num_experts) {
+  if (m->router != nullptr) return Fail("rt_cuda_model_add_router: the router is pinned already");
+  std::string why;
+  const cublasStatus_t s = PinnedGemm::Create(m->lt, num_experts, m->hidden, GemmOutput::kF32,
+                                              m->pin_m, &m->router, &why);
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    return Fail("no split-K-free cuBLASLt algorithm could be pinned for router: " + why);
+  }
+  if (m->ladder) {
+    if (int e = Check(m->router->BuildLadder(), "the GEMM ladder for router")) return e;
+  }
+  m->algorithms += "\n" + rollout::cuda::DescribePin("router", *m->router);
+  return 0;
+}
+
+// cuda::MoeRoute: per row of logits [n, e] fp32, ids [n, k] int32 (the top k by router
+// probability, ties to the lower id; or forced_ids [n, k] where forced_rows [n] int32 is
+// nonzero -- both null when nothing is replayed) and weights [n, k] fp32 (renormalised over the
+// k with norm_topk_prob).
+int rt_cuda_moe_route(const float* logits, int64_t n, int32_t e, int32_t k, int32_t norm_topk_prob,
+                      const int32_t* forced_ids, const int32_t* forced_rows, int32_t* ids,
+                      float* weights, void* stream) {
+  return Check(rollout::cuda::MoeRoute(logits, n, e, k, norm_topk_prob != 0, forced_ids,
+                                       forced_rows, ids, weights,
+                                       static_cast<cudaStream_t>(stream)),
+               "moe routing");
+}
+
+// int32 of the grouping workspace for n * k assignments over e experts: cuda::MoeGroupingIn's
+// layout, counts [e], expert_offsets [e + 1], tile_offsets [e + 1], rows [a] (grouped row ->
+// token), slots [a] (assignment t * k + j -> its grouped row).
+int64_t rt_cuda_moe_grouping_ints(int64_t e, int64_t assignments) {
+  return rollout::cuda::MoeGroupingInts(e, assignments);
+}
+
+// The experts of one MoE layer before the combine, EnqueueMoe's launches: the assignments of
+// ids [n, k] grouped by expert into `grouping` (rt_cuda_moe_grouping_ints(e, n * k) int32) in
+// tiles of MoeTileRowsFor(n * k, e, hidden) rows; gate_up [a, 2 inter] bf16 = the grouped rows
+// of xn [n, hidden] bf16 times each expert's w_gate_up [e, 2 inter, hidden] (its gate rows, then
+// its up rows); act [a, inter] bf16 = SiluMul(gate_up); y [a, hidden] fp32 = act times each
+// expert's w_down [e, hidden, inter]. Rows of gate_up, act and y are in grouped order. Pointers
+// 16-byte aligned; hidden and inter multiples of 64.
+int rt_cuda_moe_experts(const void* xn, int64_t n, int64_t hidden, int64_t inter, int32_t e,
+                        int32_t k, const int32_t* ids, const void* w_gate_up, const void* w_down,
+                        int32_t* grouping_buffer, void* gate_up, void* act, float* y,
+                        void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int64_t a = n * k;
+  if (a == 0) return 0;
+  const rollout::cuda::MoeGrouping grouping = rollout::cuda::MoeGroupingIn(grouping_buffer, e, a);
+  const int32_t tile_rows = rollout::cuda::MoeTileRowsFor(a, e, hidden);
+  if (int r = Check(rollout::cuda::MoeGroup(ids, n, e, k, tile_rows, grouping, s),
+                    "moe grouping")) {
+    return r;
+  }
+  rollout::cuda::MoeGemmParams gemm;
+  gemm.x = static_cast<const bf16*>(xn);
+  gemm.rows = grouping.rows;
+  gemm.assignments = a;
+  gemm.w = static_cast<const bf16*>(w_gate_up);
+  gemm.expert_stride = 2 * inter * hidden;
+  gemm.n = 2 * inter;
+  gemm.k = hidden;
+  gemm.expert_offsets = grouping.expert_offsets;
+  gemm.tile_offsets = grouping.tile_offsets;
+  gemm.num_experts = e;
+  gemm.output = rollout::cuda::MoeGemmOutput::kBf16;
+  gemm.y = gate_up;
+  gemm.tile_rows = tile_rows;
+  gemm.tile_columns = rollout::cuda::MoeTileColumnsFor(tile_rows, hidden, inter);
+  // EnqueueMoe's version choice (same bits either way: MoeGemmVersionsTest).
+  auto expert_gemm = [&](const rollout::cuda::MoeGemmParams& g) {
+    return g.tile_rows == rollout::cuda::kMoeTileRowsXLarge
+               ? rollout::cuda::MoeExpertGemm(g, s)
+               : rollout::cuda::MoeExpertGemmV1(g, s);
+  };
+  if (int r = Check(expert_gemm(gemm), "moe gate/up")) return r;
+  bf16* act_b = static_cast<bf16*>(act);
+  for (int64_t r0 = 0; r0 < a; r0 += kMaxGridRows) {
+    const int64_t rn = std::min(kMaxGridRows, a - r0);
+    if (int r = Check(rollout::cuda::SiluMul(static_cast<const bf16*>(gate_up) + r0 * 2 * inter,
+                                             rn, inter, act_b + r0 * inter, s),
+                      "moe silu * up")) {
+      return r;
+    }
+  }
+  gemm.x = act_b;
+  gemm.rows = nullptr;
+  gemm.w = static_cast<const bf16*>(w_down);
+  gemm.expert_stride = hidden * inter;
+  gemm.n = hidden;
+  gemm.k = inter;
+  gemm.output = rollout::cuda::MoeGemmOutput::kF32;
+  gemm.y = y;
+  return Check(expert_gemm(gemm), "moe down");
+}
+
+// cuda::MoeCombine: x[t] += sum over ranks j in order of weights[t, j] * y[slots[t * k + j]]
+// (fp32, one fma each from 0, then added to x). y [a, hidden] fp32 in grouped order, slots the
+// grouping's, weights [n, k], x [n, hidden]; x and y 16-byte aligned. Tokens in pieces of the
+// launcher's grid (rows are independent).
+int rt_cuda_moe_combine(const float* y, const int32_t* slots, const float* weights, int64_t n,
+                        int32_t k, int64_t hidden, float* x, void* stream) {
+  for (int64_t t0 = 0; t0 < n; t0 += kMaxGridRows) {
+    const int64_t tn = std::min(kMaxGridRows, n - t0);
+    if (int r = Check(rollout::cuda::MoeCombine(y, slots + t0 * k, weights + t0 * k, tn, k, hidden,
+                                                x + t0 * hidden, static_cast<cudaStream_t>(stream)),
+                      "moe combine")) {
+      return r;
+    }
+  }
+  return 0;
 }
 
 }  // extern "C"
