@@ -2,6 +2,8 @@
 //
 //   rollout-cli --prompt "1,2,3" --samples 2 --seed 7 generate
 //   rollout-cli --tokens 1,2,3,4 --start 2 --top_logprobs 3 score
+//   rollout-cli --json --prompt 1,2,3 --return_routing generate      (MoE: Completion.routing)
+//   rollout-cli --json --tokens 1,2,3,4 --start 2 --routing 5,1,0,3 score   (routing replay)
 //   rollout-cli --request_ids cli-1-2,cli-1-3 abort      (or: rollout-cli --all abort)
 //   rollout-cli flush
 //   rollout-cli --json info
@@ -55,6 +57,12 @@ ABSL_FLAG(uint32_t, top_logprobs, 0,
           "Top-N logprobs per generated (generate) or scored (score) position; 0 = none.");
 ABSL_FLAG(std::string, request_id, "", "Request id (generate); default cli-<pid>-<unix ms>.");
 ABSL_FLAG(std::string, tokens, "", "Token ids of the sequence to score, \"1,2,3\" or \"1 2 3\".");
+ABSL_FLAG(bool, return_routing, false,
+          "MoE models: also return the experts each token's row used (generate: "
+          "Completion.routing; score: ScoredSequence.routing; docs/api.md, \"Routing replay\").");
+ABSL_FLAG(std::string, routing, "",
+          "score, MoE models: replay this routing (ScoreSequence.routing: for each token from "
+          "--start, the expert ids of every MoE layer, as Completion.routing), \"5,1,0,3\".");
 ABSL_FLAG(uint32_t, start, 1,
           "score: index of the first token of --tokens to score (>= 1); each is scored given "
           "the tokens before it.");
@@ -208,6 +216,7 @@ rollout::v1::GenerateRequest RequestFromFlags() {
   }
   sampling->set_ignore_eos(absl::GetFlag(FLAGS_ignore_eos));
   sampling->set_top_logprobs(absl::GetFlag(FLAGS_top_logprobs));
+  request.set_return_routing(absl::GetFlag(FLAGS_return_routing));
   return request;
 }
 
@@ -256,6 +265,15 @@ rollout::v1::ScoreRequest ScoreRequestFromFlags() {
   sequence->set_start(start);
   if (auto v = absl::GetFlag(FLAGS_temperature)) sequence->set_temperature(*v);
   sequence->set_top_logprobs(absl::GetFlag(FLAGS_top_logprobs));
+  sequence->set_return_routing(absl::GetFlag(FLAGS_return_routing));
+  if (const std::string routing = absl::GetFlag(FLAGS_routing); !routing.empty()) {
+    // The server checks the length and the ids (naming the sequence and the index).
+    absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds(routing);
+    if (!ids.ok()) {
+      Fail(absl::InvalidArgumentError(absl::StrCat("--routing: ", ids.status().message())));
+    }
+    sequence->mutable_routing()->Add(ids->begin(), ids->end());
+  }
   return request;
 }
 
@@ -454,8 +472,10 @@ int main(int argc, char** argv) {
       "Talks to a rollout server.\n"
       "Usage: rollout-cli [flags] COMMAND [flags]\n"
       "  generate  stream one rollout of --prompt (table at the end, or JSON lines with --json)\n"
+      "            [--return_routing]\n"
       "  score     logprobs of --tokens from --start on, teacher-forced [--temperature, "
-      "--top_logprobs]\n"
+      "--top_logprobs,\n"
+      "            --routing ids, --return_routing]\n"
       "  abort     end the rollouts of --request_ids a,b (or --all) in flight\n"
       "  flush     empty the server's prefix cache\n"
       "  info      print the server's model, limits, counters and cache hit rate\n"
