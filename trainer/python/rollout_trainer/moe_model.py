@@ -57,24 +57,27 @@ def moe_layer_indices(config: dict) -> list:
 
 
 class _Routing:
-    """One forward's routing state (Qwen3MoeModel.logprobs -> _mlp): the rows that replay a
-    given routing and their ids, and the ids every MoE layer used."""
+    """One forward's routing state (logprobs -> _mlp): the rows that replay a given routing and
+    their ids, the rows that produce a logprob, and the ids every MoE layer used."""
 
-    def __init__(self, forced: Optional[torch.Tensor], forced_rows: torch.Tensor):
+    def __init__(self, forced: Optional[torch.Tensor], forced_rows: torch.Tensor,
+                 produces: torch.Tensor):
         self.forced = forced            # int32 [t, moe_layers, k] of the rows (or None)
         self.forced_rows = forced_rows  # bool [t]: row r replays forced[r]
+        self.produces = produces        # bool [t]: row r produces entry r + 1's logprob
         self.used = {}                  # MoE layer index -> int32 [t, k]
 
 
-class Qwen3MoeModel(Qwen3Model):
-    """Qwen3-MoE with the parameters' Hugging Face names, the Hub's per-expert layout (a fused
-    transformers 5 checkpoint is split into it, as the server does). Same interface as
-    Qwen3Model; logprobs also replays (routing=...) or returns (return_routing=True) the
-    experts each row used, in the server's routing layout."""
+class MoeRouting:
+    """What the CPU and CUDA Qwen3-MoE models share (a mixin before their dense base): the MoE
+    config as the server reads it, and routing replay in the server's layout -- entry i of a
+    routing belongs to the row that produced logprob i (the row of token i - 1 of its sequence).
+    Subclasses call _read_moe_config before their base's __init__ and pass _replay_context's
+    result to their forward's _mlp."""
 
     architectures = MOE_ARCHITECTURES
 
-    def __init__(self, config: dict, tensors: Dict[str, torch.Tensor]):
+    def _read_moe_config(self, config: dict) -> None:
         # transformers' Qwen3MoeConfig defaults, as the server reads them (ReadMoe).
         local = int(config.get("num_local_experts") or 0)
         self.num_experts = int(config.get("num_experts") or local or 128)
@@ -92,16 +95,100 @@ class Qwen3MoeModel(Qwen3Model):
                              f"({self.num_experts})]")
         self.moe_layers = moe_layer_indices(config)
         self._moe_index = {layer: j for j, layer in enumerate(self.moe_layers)}
-        super().__init__(config, _split_fused_experts(tensors))
-        for i in self.moe_layers:
-            for _, name in self._mlp_weight_names(i):
-                if f"model.layers.{i}.{name}" not in self._names:
-                    raise ValueError(f"checkpoint lacks model.layers.{i}.{name}")
 
     @property
     def routing_size(self) -> int:
         """Expert ids per token of a routing: MoE layers x num_experts_per_tok."""
         return len(self.moe_layers) * self.top_k
+
+    def pack_routing(self, routings: Sequence[Optional[Sequence[int]]], starts: Sequence[int],
+                     cu_seqlens) -> tuple:
+        """(routing, replay) for logprobs from the server's per-sequence routings: routings[b]
+        None, or the expert ids of sequence b's tokens [starts[b], len) -- a Completion.routing
+        (starts[b] = len(prompt)) or a ScoredSequence.routing -- flattened [token][MoE layer][k].
+        routing int32 [t, moe_layers, k] aligned with the packed tokens, replay bool [t]."""
+        cu = torch.as_tensor(cu_seqlens).reshape(-1).long()
+        t, r = int(cu[-1]), self.routing_size
+        routing = torch.zeros(t, len(self.moe_layers), self.top_k, dtype=torch.int32)
+        replay = torch.zeros(t, dtype=torch.bool)
+        for b, (ids, start) in enumerate(zip(routings, starts)):
+            if ids is None:
+                continue
+            begin, end = int(cu[b]) + int(start), int(cu[b + 1])
+            if not int(cu[b]) < begin <= end or len(ids) != (end - begin) * r:
+                raise ValueError(f"sequence {b}: routing has {len(ids)} expert ids; expected "
+                                 f"{max(end - begin, 0) * r} ({end - begin} tokens from start "
+                                 f"{start} x {r})")
+            routing[begin:end] = torch.as_tensor(list(ids), dtype=torch.int32).reshape(
+                end - begin, len(self.moe_layers), self.top_k)
+            replay[begin:end] = True
+        return routing, replay
+
+    def _check_routing(self, routing: torch.Tensor, replay: torch.Tensor) -> None:
+        """ValueError naming the token and MoE layer of a replayed entry whose ids are outside
+        [0, num_experts) or hold an expert twice (the server refuses them so too)."""
+        r = routing[replay].long()  # [n, layers, k]
+        bad = ((r < 0) | (r >= self.num_experts)).any(-1)
+        s = r.sort(-1).values
+        twice = (s[..., 1:] == s[..., :-1]).any(-1)
+        for what, mask in (("outside [0, %d)" % self.num_experts, bad), ("an expert twice", twice)):
+            if bool(mask.any()):
+                n, j = (int(v) for v in mask.nonzero()[0])
+                i = int(replay.nonzero()[n, 0])
+                raise ValueError(f"routing of token {i} at MoE layer {self.moe_layers[j]} is "
+                                 f"{routing[i, j].tolist()}: {what}")
+
+    def _replay_context(self, t: int, cu: torch.Tensor, routing=None, replay=None) -> _Routing:
+        """The forward's routing state (on the CPU) for t packed tokens of cu_seqlens `cu`:
+        routing (int [t, moe_layers, k] or [t, routing_size], entry-aligned) shifted onto the
+        rows that produce each entry, where replay (bool [t]; default every token but each
+        sequence's first) is set and a row produces one."""
+        layers, k = len(self.moe_layers), self.top_k
+        first = torch.zeros(t, dtype=torch.bool)
+        if cu.numel() >= 2 and int(cu[0]) == 0 and int(cu[-1]) == t:
+            first[cu[:-1].clamp(max=max(t - 1, 0))] = True
+        # Row r produces entry r + 1 unless r + 1 starts a sequence (r ends one: it routes
+        # itself and produces no logprob).
+        produces = torch.cat([~first[1:], torch.zeros(1, dtype=torch.bool)]) if t else first
+        forced, forced_rows = None, torch.zeros(t, dtype=torch.bool)
+        if routing is not None:
+            routing = torch.as_tensor(routing).cpu()
+            if routing.numel() != t * layers * k:
+                raise ValueError(f"routing has {routing.numel()} expert ids; expected "
+                                 f"{t * layers * k} ({t} tokens x {layers} MoE layers x {k})")
+            routing = routing.reshape(t, layers, k).to(torch.int32)
+            replay = ~first if replay is None else torch.as_tensor(replay).cpu().reshape(t).bool()
+            self._check_routing(routing, replay & ~first)
+            forced = torch.zeros_like(routing)
+            forced[:-1] = routing[1:]
+            forced_rows[:-1] = replay[1:]
+            forced_rows &= produces
+        return _Routing(forced, forced_rows, produces)
+
+    def _routing_used(self, ctx: _Routing, t: int) -> torch.Tensor:
+        """The routing the forward used, entry-aligned: int32 [t, moe_layers, k] on the CPU, 0
+        at each sequence's first token."""
+        layers, k = len(self.moe_layers), self.top_k
+        used = torch.zeros(t, layers, k, dtype=torch.int32)
+        if layers:
+            rows = torch.stack([ctx.used[j].cpu() for j in range(layers)], dim=1)
+            used[1:] = torch.where(ctx.produces[:-1, None, None], rows[:-1], used[1:])
+        return used
+
+
+class Qwen3MoeModel(MoeRouting, Qwen3Model):
+    """Qwen3-MoE with the parameters' Hugging Face names, the Hub's per-expert layout (a fused
+    transformers 5 checkpoint is split into it, as the server does). Same interface as
+    Qwen3Model; logprobs also replays (routing=...) or returns (return_routing=True) the
+    experts each row used, in the server's routing layout."""
+
+    def __init__(self, config: dict, tensors: Dict[str, torch.Tensor]):
+        self._read_moe_config(config)
+        super().__init__(config, _split_fused_experts(tensors))
+        for i in self.moe_layers:
+            for _, name in self._mlp_weight_names(i):
+                if f"model.layers.{i}.{name}" not in self._names:
+                    raise ValueError(f"checkpoint lacks model.layers.{i}.{name}")
 
     def _mlp_weight_names(self, i: int):
         if i not in self._moe_index:
@@ -145,43 +232,6 @@ class Qwen3MoeModel(Qwen3Model):
         y = torch.cat(outs)[torch.argsort(torch.cat(order))].reshape(t, k, hidden)
         return (ops.reference_moe_combine if ref else ops.moe_combine)(y, weights)
 
-    def pack_routing(self, routings: Sequence[Optional[Sequence[int]]], starts: Sequence[int],
-                     cu_seqlens) -> tuple:
-        """(routing, replay) for logprobs from the server's per-sequence routings: routings[b]
-        None, or the expert ids of sequence b's tokens [starts[b], len) -- a Completion.routing
-        (starts[b] = len(prompt)) or a ScoredSequence.routing -- flattened [token][MoE layer][k].
-        routing int32 [t, moe_layers, k] aligned with the packed tokens, replay bool [t]."""
-        cu = torch.as_tensor(cu_seqlens).reshape(-1).long()
-        t, r = int(cu[-1]), self.routing_size
-        routing = torch.zeros(t, len(self.moe_layers), self.top_k, dtype=torch.int32)
-        replay = torch.zeros(t, dtype=torch.bool)
-        for b, (ids, start) in enumerate(zip(routings, starts)):
-            if ids is None:
-                continue
-            begin, end = int(cu[b]) + int(start), int(cu[b + 1])
-            if not int(cu[b]) < begin <= end or len(ids) != (end - begin) * r:
-                raise ValueError(f"sequence {b}: routing has {len(ids)} expert ids; expected "
-                                 f"{max(end - begin, 0) * r} ({end - begin} tokens from start "
-                                 f"{start} x {r})")
-            routing[begin:end] = torch.as_tensor(list(ids), dtype=torch.int32).reshape(
-                end - begin, len(self.moe_layers), self.top_k)
-            replay[begin:end] = True
-        return routing, replay
-
-    def _check_routing(self, routing: torch.Tensor, replay: torch.Tensor) -> None:
-        """ValueError naming the token and MoE layer of a replayed entry whose ids are outside
-        [0, num_experts) or hold an expert twice (the server refuses them so too)."""
-        r = routing[replay].long()  # [n, layers, k]
-        bad = ((r < 0) | (r >= self.num_experts)).any(-1)
-        s = r.sort(-1).values
-        twice = (s[..., 1:] == s[..., :-1]).any(-1)
-        for what, mask in (("outside [0, %d)" % self.num_experts, bad), ("an expert twice", twice)):
-            if bool(mask.any()):
-                n, j = (int(v) for v in mask.nonzero()[0])
-                i = int(replay.nonzero()[n, 0])
-                raise ValueError(f"routing of token {i} at MoE layer {self.moe_layers[j]} is "
-                                 f"{routing[i, j].tolist()}: {what}")
-
     def logprobs(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
                  reference_dtype: Optional[torch.dtype] = None, routing=None, replay=None,
                  return_routing: bool = False):
@@ -198,32 +248,8 @@ class Qwen3MoeModel(Qwen3Model):
         Completion.routing."""
         tokens = torch.as_tensor(tokens).reshape(-1).long()
         cu = torch.as_tensor(cu_seqlens).reshape(-1).long()
-        t, layers, k = tokens.numel(), len(self.moe_layers), self.top_k
-        first = torch.zeros(t, dtype=torch.bool)
-        if cu.numel() >= 2 and int(cu[0]) == 0 and int(cu[-1]) == t:
-            first[cu[:-1].clamp(max=max(t - 1, 0))] = True
-        # Row r produces entry r + 1 unless r + 1 starts a sequence (r ends one: it routes
-        # itself and produces no logprob).
-        produces = torch.cat([~first[1:], torch.zeros(1, dtype=torch.bool)]) if t else first
-        forced, forced_rows = None, torch.zeros(t, dtype=torch.bool)
-        if routing is not None:
-            routing = torch.as_tensor(routing)
-            if routing.numel() != t * layers * k:
-                raise ValueError(f"routing has {routing.numel()} expert ids; expected "
-                                 f"{t * layers * k} ({t} tokens x {layers} MoE layers x {k})")
-            routing = routing.reshape(t, layers, k).to(torch.int32)
-            replay = ~first if replay is None else torch.as_tensor(replay).reshape(t).bool()
-            self._check_routing(routing, replay & ~first)
-            forced = torch.zeros_like(routing)
-            forced[:-1] = routing[1:]
-            forced_rows[:-1] = replay[1:]
-            forced_rows &= produces
-        ctx = _Routing(forced, forced_rows)
+        ctx = self._replay_context(tokens.numel(), cu, routing, replay)
         lp = super().logprobs(tokens, cu, temperature, reference_dtype, mlp_context=ctx)
         if not return_routing:
             return lp
-        used = torch.zeros(t, layers, k, dtype=torch.int32)
-        if layers:
-            rows = torch.stack([ctx.used[j] for j in range(layers)], dim=1)  # [t, layers, k]
-            used[1:] = torch.where(produces[:-1, None, None], rows[:-1], used[1:])
-        return lp, used
+        return lp, self._routing_used(ctx, tokens.numel())
