@@ -7,7 +7,7 @@ from typing import Any
 from . import _lib
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)  # dense: Qwen3Model, and CudaQwen3Model on cuda
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)  # Qwen3MoeModel, CPU only
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)  # Qwen3MoeModel, and CudaQwen3MoeModel on cuda
 SERVED_DTYPES = ("bfloat16", "float16", "float32")
 TENSOR_PARALLEL = (1, 2, 4, 8)  # the server's bits are the same at every degree (D10)
 
@@ -63,17 +63,21 @@ def _check_cuda(contract) -> None:
     from . import cuda_ops  # loads the CUDA library (and needs a GPU) only here
     facts = cuda_ops.device_facts()
     reduction = _get(contract, "row_parallel_reduction")
+    # A cuda server refuses Qwen3-MoE at TP > 1 (runner/cuda/setup.cc, CheckMoeSupported): a
+    # MoE contract at another degree is not one a cuda server made.
+    moe = _get(contract, "architecture") in MOE_ARCHITECTURES
     want = {
         "backend": ("cuda",),
         "compute_dtype": (CUDA_COMPUTE_DTYPE,),
         "row_parallel_reduction": ("canonical_k_tree_8", "fused"),
         "kernels": (facts["kernels"],),
-        "architecture": ARCHITECTURES,
+        "architecture": ARCHITECTURES + MOE_ARCHITECTURES,
         "rope_type": ("default",),
         # The runner holds every weight in bf16 whatever the checkpoint: bf16 checkpoints only.
         "served_dtype": ("bfloat16",),
         # The canonical tree gives TP 1's bits at every degree (D10); fused is TP 1 only.
-        "tensor_parallel": TENSOR_PARALLEL if reduction == "canonical_k_tree_8" else (1,),
+        "tensor_parallel":
+            TENSOR_PARALLEL if reduction == "canonical_k_tree_8" and not moe else (1,),
         "gpu_model": (facts["gpu_model"],),
         "compute_capability": (facts["compute_capability"],),
         "cuda_runtime": (facts["cuda_runtime"],),
@@ -86,6 +90,9 @@ def _check_cuda(contract) -> None:
         if field in ("tensor_parallel", "attention_tile") and got is not None:
             got = int(got)
         if got not in supported:
+            if field == "tensor_parallel" and moe:
+                raise ContractError(field, got, "1 (a cuda server serves Qwen3MoeForCausalLM at "
+                                    "TP 1 only: it refuses mixture-of-experts models at --tp > 1)")
             raise ContractError(field, got, supported[0] if len(supported) == 1 else supported)
     split = int(_get(contract, "attention_split_size") or 0)
     if split <= 0 or split % 32 != 0:

@@ -25,13 +25,15 @@ class CudaQwen3Model(torch.nn.Module):
     update_weights; load_weights() takes them back. One thread at a time (the pinned GEMMs'
     handle)."""
 
+    architectures = ARCHITECTURES  # config.json's architectures[0] this class computes
+
     def __init__(self, config: dict, tensors: Dict[str, torch.Tensor], *, pin_m: int = 256,
                  ladder: bool = True, canonical: bool = True, split_size: int = 256,
                  tensor_core: bool = True, device="cuda"):
         super().__init__()
         arch = (config.get("architectures") or [""])[0]
-        if arch not in ARCHITECTURES:
-            raise ContractError("architecture", arch, ARCHITECTURES)
+        if arch not in self.architectures:
+            raise ContractError("architecture", arch, self.architectures)
         rope_scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         if rope_type != "default":
@@ -175,8 +177,10 @@ class CudaQwen3Model(torch.nn.Module):
     def packing(self, cu_seqlens) -> ops.Packing:
         return ops.Packing(torch.as_tensor(cu_seqlens).cpu(), self.device, self.item_tokens)
 
-    def hidden_states(self, tokens: torch.Tensor, pack: ops.Packing) -> torch.Tensor:
-        """The final-normed hidden states [t, hidden] bf16 of packed sequences."""
+    def hidden_states(self, tokens: torch.Tensor, pack: ops.Packing,
+                      mlp_context=None) -> torch.Tensor:
+        """The final-normed hidden states [t, hidden] bf16 of packed sequences. mlp_context:
+        passed to _mlp (CudaQwen3MoeModel's routing)."""
         t = tokens.numel()
         hd, nh, nkv = self.head_dim, self.heads, self.kv_heads
         cos, sin = self._rope_tables(pack.max_len)
@@ -192,19 +196,26 @@ class CudaQwen3Model(torch.nn.Module):
             wo = p("self_attn.o_proj.weight")
             x = ops.RowParallel.apply(x, a.reshape(t, nh * hd), wo,
                                       self._kernel_weight(f"{i}.o", wo), self.gemms, 0)
-            xn = ops.RmsNorm.apply(x, p("post_attention_layernorm.weight"), self.eps)
-            gu = ops.Gemm.apply(xn, p("mlp.gate_up.weight"), self.gemms, 1, torch.bfloat16)
-            act = ops.SiluMul.apply(gu)
-            wd = p("mlp.down_proj.weight")
-            x = ops.RowParallel.apply(x, act, wd, self._kernel_weight(f"{i}.down", wd),
-                                      self.gemms, 1)
+            x = self._mlp(i, x, mlp_context)
         return ops.RmsNorm.apply(x, self.params["model__norm__weight"], self.eps)
+
+    def _mlp(self, i: int, x: torch.Tensor, mlp_context=None) -> torch.Tensor:
+        """x + layer i's MLP of x (post-attention norm, gate/up, SiLU * up, the down projection
+        into the residual), as the runner's EnqueueMlp at TP 1. mlp_context: a subclass's
+        per-call state."""
+        p = lambda s: self._p(i, s)
+        xn = ops.RmsNorm.apply(x, p("post_attention_layernorm.weight"), self.eps)
+        gu = ops.Gemm.apply(xn, p("mlp.gate_up.weight"), self.gemms, 1, torch.bfloat16)
+        act = ops.SiluMul.apply(gu)
+        wd = p("mlp.down_proj.weight")
+        return ops.RowParallel.apply(x, act, wd, self._kernel_weight(f"{i}.down", wd),
+                                     self.gemms, 1)
 
     def head(self) -> torch.Tensor:
         return self.params["model__embed_tokens__weight" if self.tied else "lm_head__weight"]
 
     def logprobs(self, tokens: torch.Tensor, cu_seqlens, temperature: float = 1.0,
-                 pack: Optional[ops.Packing] = None) -> torch.Tensor:
+                 pack: Optional[ops.Packing] = None, mlp_context=None) -> torch.Tensor:
         """log_softmax(logits / T) of each token given the tokens before it in its sequence:
         [t] float32 on the GPU, packed order, 0 at each sequence's first token. Bitwise the cuda
         server's Score logprob of token i (and Generate's for a token it sampled at T; T = 0
@@ -222,7 +233,7 @@ class CudaQwen3Model(torch.nn.Module):
                              f"({self.max_position})")
         pack = pack or self.packing(cu)
         temperature = float(np.float32(temperature))
-        h = self.hidden_states(tokens, pack)
+        h = self.hidden_states(tokens, pack, mlp_context)
         logits = ops.Gemm.apply(h, self.head(), self.gemms, 2, torch.float32)
         # Row r predicts token r + 1 (the last row of a sequence predicts nothing: token 0).
         targets = torch.cat([tokens[1:], tokens.new_zeros(1)])

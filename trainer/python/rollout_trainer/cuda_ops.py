@@ -76,6 +76,12 @@ def lib() -> ctypes.CDLL:
         "rt_cuda_logprob_workspace": (_i64, [_i64]),
         "rt_cuda_token_logprobs": (ctypes.c_int, [_p, _i64, _i32, _p, _f, _p, _p, _p, _p, _p]),
         "rt_cuda_rope_tables": (None, [_f, _i64, _i64, _p, _p]),
+        "rt_cuda_model_add_router": (ctypes.c_int, [_p, _i64]),
+        "rt_cuda_moe_route": (ctypes.c_int, [_p, _i64, _i32, _i32, _i32, _p, _p, _p, _p, _p]),
+        "rt_cuda_moe_grouping_ints": (_i64, [_i64, _i64]),
+        "rt_cuda_moe_experts": (ctypes.c_int, [_p, _i64, _i64, _i64, _i32, _i32, _p, _p, _p, _p,
+                                               _p, _p, _p, _p]),
+        "rt_cuda_moe_combine": (ctypes.c_int, [_p, _p, _p, _i64, _i32, _i64, _p, _p]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(l, name)
@@ -137,12 +143,19 @@ class PinnedGemms:
         self.canonical = canonical
         self.algorithms: List[str] = lib().rt_cuda_model_algorithms(h).decode().split("\n")
 
+    def add_router(self, num_experts: int) -> None:
+        """Pins the MoE router GEMM [num_experts, hidden] (fp32 logits; gemm(3, ...)) as the
+        runner's PinMoeGemms does; its line joins `algorithms` after the dense ones."""
+        _call("rt_cuda_model_add_router", self._h, int(num_experts))
+        self.algorithms = lib().rt_cuda_model_algorithms(self._h).decode().split("\n")
+
     def __del__(self):
         if getattr(self, "_h", None) and _lib is not None:
             _lib.rt_cuda_model_free(self._h)
             self._h = None
 
     def gemm(self, which: int, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype):
+        """y = x . w^T by the pin `which`: 0 qkv, 1 gate_up, 2 lm_head, 3 router."""
         x = _need(x, "x", torch.bfloat16, 256)
         w = _need(w, "w", torch.bfloat16, 256)
         y = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
@@ -459,3 +472,192 @@ class TokenLogprob(torch.autograd.Function):
     def backward(ctx, g):
         logits, targets, mx, ls = ctx.saved_tensors
         return token_logprob_backward(logits, targets, mx, ls, ctx.t, g), None, None
+
+
+# --- MoE ---
+# Qwen3-MoE's MLP as the runner's EnqueueMoe (trainer_cuda_ops.cc "--- MoE ---"): the router
+# logits by the pinned router GEMM (Gemm, which 3), MoeRoute, MoeExperts (grouping, gate/up,
+# SiLU * up, down: the expert GEMMs of kernels/cuda/moe_gemm.cu) and MoeCombine into the
+# residual. Backwards in plain torch: the selection is a constant; the router's gradient flows
+# through the (renormalised) top-k weights, as the CPU ops' (ops.reference_moe_weights).
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or kept in float64 (the CPU checks of these formulas)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def moe_route_backward(logits, ids, norm_topk_prob: bool, g):
+    """d/d logits of w[t, j] = p[t, ids[t, j]] (divided by sum_j p[t, ids[t, j]] with
+    norm_topk_prob), p = softmax(logits[t]): the ids are constants. logits [t, e], ids [t, k],
+    g [t, k] -> [t, e]."""
+    p = torch.softmax(_wide(logits), dim=-1)
+    idx = ids.long()
+    ps = p.gather(1, idx)                                  # [t, k]
+    gw = g.to(p.dtype)
+    if norm_topk_prob:
+        s = ps.sum(-1, keepdim=True)
+        gw = (gw - (gw * (ps / s)).sum(-1, keepdim=True)) / s  # d/d ps
+    hp = gw * ps
+    grad = -p * hp.sum(-1, keepdim=True)
+    grad.scatter_add_(1, idx, hp)
+    return grad
+
+
+def moe_combine_backward(y, weights, g):
+    """d/d (y, weights) of out[t] = sum_j weights[t, j] y[t, j]: y [t, k, h] (each token's
+    expert outputs in rank order), weights [t, k], g [t, h] -> ([t, k, h], [t, k])."""
+    y, weights, g = _wide(y), _wide(weights), _wide(g)
+    return weights[..., None] * g[:, None, :], (y * g[:, None, :]).sum(-1)
+
+
+def group_assignments(ids, num_experts: int):
+    """MoeGroup's grouping in plain torch: the assignments a = t * k + j of ids [t, k] ordered by
+    (expert, a). Returns rows [a] (grouped row -> token), slots [a] (assignment -> grouped row),
+    expert_offsets [num_experts + 1] (expert e's grouped rows are [offsets[e], offsets[e + 1])),
+    int64 on ids' device."""
+    flat = ids.reshape(-1).long()
+    a, k = flat.numel(), ids.shape[1]
+    order = torch.argsort(flat * a + torch.arange(a, device=flat.device))
+    slots = torch.empty_like(order)
+    slots[order] = torch.arange(a, device=flat.device)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return order // k, slots, offsets
+
+
+def grouping_views(buffer: torch.Tensor, num_experts: int, assignments: int) -> dict:
+    """The arrays of a grouping workspace (rt_cuda_moe_grouping_ints(e, a) int32), at their places
+    in cuda::MoeGroupingIn's layout: counts, expert_offsets, tile_offsets, rows, slots."""
+    e, a = num_experts, assignments
+    return {"counts": buffer[:e], "expert_offsets": buffer[e:2 * e + 1],
+            "tile_offsets": buffer[2 * e + 1:3 * e + 2], "rows": buffer[3 * e + 2:3 * e + 2 + a],
+            "slots": buffer[3 * e + 2 + a:3 * e + 2 + 2 * a]}
+
+
+def expert_mlp_backward(xn, rows, offsets, gate_up, act, w_gate_up, w_down, gy):
+    """d/d (xn, w_gate_up, w_down) of the experts' outputs in grouped order: for expert e's
+    grouped rows r in [offsets[e], offsets[e + 1]), y[r] = silu_mul(xn[rows[r]] . w_gate_up[e]^T)
+    . w_down[e]^T, gate_up [a, 2 i] and act [a, i] the forward's (gate/up output, SiLU * up).
+    Matmuls per expert in the weights' dtype (bf16 on the GPU), as plain-torch training runs
+    them; the xn gradient summed over a token's ranks in fp32. xn [t, h], w_gate_up [e, 2 i, h],
+    w_down [e, h, i], gy [a, h]; offsets a list of e + 1 ints."""
+    dt = w_down.dtype
+    gxn = torch.zeros(xn.shape, dtype=torch.promote_types(dt, torch.float32), device=xn.device)
+    g_gate_up = torch.zeros_like(w_gate_up)
+    g_down = torch.zeros_like(w_down)
+    for e in range(len(offsets) - 1):
+        b, end = int(offsets[e]), int(offsets[e + 1])
+        if b == end:
+            continue
+        r = rows[b:end].long()
+        ge = gy[b:end].to(dt)                                          # [n, h]
+        g_down[e] = ge.t() @ act[b:end].to(dt)                         # [h, i]
+        g_gu = silu_mul_backward(gate_up[b:end], ge @ w_down[e]).to(dt)  # [n, 2 i]
+        g_gate_up[e] = g_gu.t() @ xn[r].to(dt)                         # [2 i, h]
+        gxn.index_add_(0, r, (g_gu @ w_gate_up[e]).to(gxn.dtype))
+    return gxn, g_gate_up, g_down
+
+
+class MoeRoute(torch.autograd.Function):
+    """Router logits fp32 [t, e] -> (ids int32 [t, k], weights fp32 [t, k]) by cuda::MoeRoute:
+    the top k by router probability (ties to the lower id) or, on rows where forced_rows
+    (bool/int [t]) is set, forced [t, k]; weights the probabilities at them, renormalised with
+    norm_topk_prob. Backward: moe_route_backward (the selection is a constant)."""
+
+    @staticmethod
+    def forward(ctx, logits, forced, forced_rows, k: int, norm_topk_prob: bool):
+        lg = _need(logits, "router logits", torch.float32)
+        t, e = lg.shape
+        ids = torch.empty(t, k, dtype=torch.int32, device=lg.device)
+        weights = torch.empty(t, k, dtype=torch.float32, device=lg.device)
+        fi = fr = None
+        if forced is not None:
+            fi = _need(forced.to(torch.int32), "forced ids", torch.int32)
+            fr = _need(forced_rows.to(torch.int32), "forced rows", torch.int32)
+            if fi.shape != (t, k) or fr.shape != (t,):
+                raise ValueError(f"MoeRoute: forced {tuple(fi.shape)}, forced_rows "
+                                 f"{tuple(fr.shape)} for {t} rows of {k} experts")
+        if t:
+            _call("rt_cuda_moe_route", _ptr(lg), t, e, k, int(bool(norm_topk_prob)), _ptr(fi),
+                  _ptr(fr), _ptr(ids), _ptr(weights), _stream())
+        ctx.save_for_backward(logits, ids)
+        ctx.norm_topk_prob = bool(norm_topk_prob)
+        ctx.mark_non_differentiable(ids)
+        return ids, weights
+
+    @staticmethod
+    def backward(ctx, grad_ids, grad_weights):
+        logits, ids = ctx.saved_tensors
+        g = None
+        if grad_weights is not None:
+            g = moe_route_backward(logits, ids, ctx.norm_topk_prob, grad_weights).to(logits.dtype)
+        return g, None, None, None, None
+
+
+class MoeExperts(torch.autograd.Function):
+    """The experts of one MoE layer before the combine (rt_cuda_moe_experts: EnqueueMoe's
+    grouping, gate/up, SiLU * up and down): xn bf16 [t, h], ids int32 [t, k], w_gate_up bf16
+    [e, 2 i, h] (each expert's gate rows, then its up rows), w_down bf16 [e, h, i] -> (y fp32
+    [t k, h] in grouped order, slots int32 [t k]: assignment t * k + j -> its row of y).
+    Backward: expert_mlp_backward."""
+
+    @staticmethod
+    def forward(ctx, xn, ids, w_gate_up, w_down):
+        xc = _need(xn, "xn", torch.bfloat16)
+        idc = _need(ids, "ids", torch.int32)
+        wgu = _need(w_gate_up, "experts' gate_up", torch.bfloat16)
+        wd = _need(w_down, "experts' down", torch.bfloat16)
+        (t, h), k = xc.shape, idc.shape[1]
+        e, inter = wgu.shape[0], wgu.shape[1] // 2
+        a, dev = t * k, xc.device
+        buf = torch.zeros(int(lib().rt_cuda_moe_grouping_ints(e, a)), dtype=torch.int32,
+                          device=dev)
+        gate_up = torch.empty(a, 2 * inter, dtype=torch.bfloat16, device=dev)
+        act = torch.empty(a, inter, dtype=torch.bfloat16, device=dev)
+        y = torch.empty(a, h, dtype=torch.float32, device=dev)
+        if a:
+            _call("rt_cuda_moe_experts", _ptr(xc), t, h, inter, e, k, _ptr(idc), _ptr(wgu),
+                  _ptr(wd), _ptr(buf), _ptr(gate_up), _ptr(act), _ptr(y), _stream())
+        g = grouping_views(buf, e, a)
+        slots = g["slots"].clone()
+        ctx.save_for_backward(xn, w_gate_up, w_down, gate_up, act, g["rows"],
+                              g["expert_offsets"])
+        ctx.mark_non_differentiable(slots)
+        return y, slots
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_slots):
+        xn, w_gate_up, w_down, gate_up, act, rows, offsets = ctx.saved_tensors
+        gxn, g_gate_up, g_down = expert_mlp_backward(xn, rows, offsets.tolist(), gate_up, act,
+                                                     w_gate_up, w_down, grad_y)
+        return gxn.to(xn.dtype), g_gate_up, g_down
+
+
+class MoeCombine(torch.autograd.Function):
+    """x + the combine (cuda::MoeCombine): x fp32 [t, h], y fp32 [t k, h] in grouped order,
+    slots int32 [t k], weights fp32 [t, k] -> a new fp32 [t, h], out[t] = x[t] + (sum over
+    ranks j in order of weights[t, j] y[slots[t k + j]], one fma each from 0).
+    Backward: moe_combine_backward."""
+
+    @staticmethod
+    def forward(ctx, x, y, slots, weights):
+        out = _need(x, "x", torch.float32).clone()
+        yc = _need(y, "y", torch.float32)
+        sc = _need(slots, "slots", torch.int32)
+        wc = _need(weights, "weights", torch.float32)
+        (t, h), k = out.shape, wc.shape[1]
+        if t:
+            _call("rt_cuda_moe_combine", _ptr(yc), _ptr(sc), _ptr(wc), t, k, h, _ptr(out),
+                  _stream())
+        ctx.save_for_backward(y, slots, weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        y, slots, weights = ctx.saved_tensors
+        (t, k), h = weights.shape, y.shape[1]
+        s = slots.long()
+        gy_a, gw = moe_combine_backward(y[s].reshape(t, k, h), weights, g)
+        gy = torch.empty(y.shape, dtype=gy_a.dtype, device=y.device)
+        gy[s] = gy_a.reshape(t * k, h)
+        return g, gy.to(y.dtype), None, gw.to(weights.dtype)
