@@ -630,7 +630,7 @@ class MoeExperts(torch.autograd.Function):
         xn, w_gate_up, w_down, gate_up, act, rows, offsets = ctx.saved_tensors
         gxn, g_gate_up, g_down = expert_mlp_backward(xn, rows, offsets.tolist(), gate_up, act,
                                                      w_gate_up, w_down, grad_y)
-        return gxn.to(xn.dtype), g_gate_up, g_down
+        return gxn.to(xn.dtype), None, g_gate_up, g_down
 
 
 class MoeCombine(torch.autograd.Function):
