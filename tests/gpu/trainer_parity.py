@@ -1,13 +1,20 @@
 """Trainer-side parity on CUDA (docs/trainer.md, "CUDA"), on a GPU host with torch and NO grpcio:
 a GRPO-shaped batch of rollouts from `rollout-server --backend cuda` (through `rollout-cli
 --json`, whose floats print round-trip exact), Score of the same sequences, then the same
-logprobs recomputed in torch by rollout_trainer.CudaQwen3Model, compared bit for bit; the
-gradients against a float32 plain-torch model (--grad_check); and the time of one GRPO step's
-forward + backward against plain torch (bf16 cuBLAS + SDPA) on the same batch.
+logprobs recomputed in torch by rollout_trainer.CudaQwen3Model (CudaQwen3MoeModel for a
+Qwen3MoeForCausalLM checkpoint), compared bit for bit; the gradients against a float32
+plain-torch model (--grad_check); and the time of one GRPO step's forward + backward against
+plain torch (bf16 cuBLAS + SDPA) on the same batch.
 
-Exits 1 on any differing bit (trainer vs Generate, trainer vs Score, Generate vs Score), on a
-control that cannot fail (plain torch must differ from Generate), on a contract refusal, or on
-gradients beyond tolerance. Run by tests/gpu/trainer_parity.sh; all sizes are flags.
+A MoE checkpoint adds (routing replay, Generate(return_routing)): the routing the trainer
+chooses against Generate's and against Score(start = 1, return_routing)'s for every row; the
+trainer replaying Generate's routing against Generate's bits; a perturbed routing (each id + 1
+mod experts) replayed by the trainer against Score with that routing, bitwise, and -- the
+control -- against Generate, which it must differ from; the grouping the kernels write against
+MoeGroup's definition.
+
+Prints one "CHECK <name>: PASS|FAIL ..." line per check and a summary; exits 1 when any
+fails, or on a contract refusal. Run by tests/gpu/trainer_parity.sh; all sizes are flags.
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "trainer", "python"))
 
-from rollout_trainer import CudaQwen3Model, ContractError  # noqa: E402
+from rollout_trainer import CudaQwen3Model, CudaQwen3MoeModel, ContractError  # noqa: E402
 from rollout_trainer import cuda_ops  # noqa: E402
+
+MOE = "Qwen3MoeForCausalLM"
 
 
 def log(*a):
@@ -62,9 +71,12 @@ def rollouts(cli: Cli, args, vocab: int):
         lines = cli.run("--prompt", ",".join(map(str, prompts[i])), "--samples", str(args.samples),
                         "--seed", str(args.seed * 1000 + i), "--temperature", str(args.temperature),
                         "--max_new_tokens", str(args.new_tokens), "--ignore_eos",
-                        "--request_id", f"parity-{i}", "generate")
+                        "--request_id", f"parity-{i}", *(["--return_routing"] if args.moe else []),
+                        "generate")
         done = [l["completion"] for l in lines if "completion" in l]
-        return [(prompts[i], [int(t) for t in c["token_ids"]], f32(c["logprobs"]))
+        # (prompt, completion, logprobs, routing: Completion.routing, [] for a dense model)
+        return [(prompts[i], [int(t) for t in c["token_ids"]], f32(c["logprobs"]),
+                 [int(x) for x in c.get("routing", [])])
                 for c in sorted(done, key=lambda c: int(c.get("sample_index", 0)))]
 
     with futures.ThreadPoolExecutor(args.concurrency) as pool:
@@ -72,12 +84,27 @@ def rollouts(cli: Cli, args, vocab: int):
     return samples
 
 
-def scores(cli: Cli, args, samples):
-    def score(s):
-        prompt, completion, _ = s
+def scores(cli: Cli, args, samples, routings=None):
+    """Score of each sample's completion: its logprobs (with routings[i] replayed when given)."""
+    def score(i):
+        prompt, completion = samples[i][0], samples[i][1]
+        replay = [] if routings is None else ["--routing", ",".join(map(str, routings[i]))]
         lines = cli.run("--tokens", ",".join(map(str, prompt + completion)), "--start",
-                        str(len(prompt)), "--temperature", str(args.temperature), "score")
+                        str(len(prompt)), "--temperature", str(args.temperature), *replay, "score")
         return f32(lines[-1]["results"][0]["logprobs"])
+
+    with futures.ThreadPoolExecutor(args.concurrency) as pool:
+        return list(pool.map(score, range(len(samples))))
+
+
+def every_row_routing(cli: Cli, args, samples):
+    """Score(start = 1, return_routing)'s routing of each sample: the experts of every row that
+    produced a logprob (tokens 1 .. len - 1 of prompt + completion), flattened."""
+    def score(s):
+        tokens = s[0] + s[1]
+        lines = cli.run("--tokens", ",".join(map(str, tokens)), "--start", "1", "--temperature",
+                        str(args.temperature), "--return_routing", "score")
+        return [int(x) for x in lines[-1]["results"][0].get("routing", [])]
 
     with futures.ThreadPoolExecutor(args.concurrency) as pool:
         return list(pool.map(score, samples))
@@ -106,7 +133,9 @@ def start_server(args):
 
 class PlainQwen3:
     """Qwen3 in plain torch on `model`'s parameters (the same tensors, cast to `dtype` when it
-    is not bf16): HF-style RMSNorm and RoPE, cuBLAS matmuls, SDPA."""
+    is not bf16): HF-style RMSNorm and RoPE, cuBLAS matmuls, SDPA; a CudaQwen3MoeModel's MoE
+    layers as transformers' Qwen3MoeSparseMoeBlock computes them (fp32 router softmax, each
+    expert's SwiGLU on its rows, weighted sum)."""
 
     def __init__(self, model: CudaQwen3Model, dtype=torch.bfloat16):
         self.m, self.dtype = model, dtype
@@ -143,7 +172,31 @@ class PlainQwen3:
             out[idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, h, d)
         return out
 
-    def logprobs(self, tokens, pack, temperature):
+    def moe(self, i, h, ids=None):
+        """MoE layer i of normed h [t, hidden]: the router's softmax in fp32 at ids [t, k] (a
+        given routing: the same piece of the function as the trainer's) or at torch.topk's,
+        renormalised with norm_topk_prob; each expert's SwiGLU on its rows, weighted, summed."""
+        m = self.m
+        k_ = lambda s: f"model__layers__{i}__{s}".replace(".", "__")
+        p = torch.softmax((h @ self.w(k_("mlp.gate.weight")).t()).float(), dim=-1)
+        ids = torch.topk(p, m.top_k, dim=-1).indices if ids is None else ids.long()
+        w = p.gather(1, ids)
+        if m.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        gate_up, down = self.w(k_("mlp.experts.gate_up_proj")), self.w(k_("mlp.experts.down_proj"))
+        out = torch.zeros_like(h)
+        for e in range(m.num_experts):
+            tok, rank = (ids == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            gate, up = (h[tok] @ gate_up[e].t()).chunk(2, dim=-1)
+            y = (torch.nn.functional.silu(gate) * up) @ down[e].t()
+            out = out.index_add(0, tok, y * w[tok, rank, None].to(y.dtype))
+        return out
+
+    def logprobs(self, tokens, pack, temperature, row_routing=None):
+        """row_routing: int [t, moe layers, k], the experts of each row (not entry-aligned);
+        rows where it is negative choose by torch.topk."""
         m = self.m
         t, hd, nh, nkv = tokens.numel(), m.head_dim, m.heads, m.kv_heads
         cos_t, sin_t = m._rope_tables(pack.max_len)
@@ -163,6 +216,15 @@ class PlainQwen3:
             a = self.attention(q, k, v, pack).reshape(t, nh * hd)
             x = x + a @ self.w(k_("self_attn.o_proj.weight")).t()
             h = self.rms(x, self.w(k_("post_attention_layernorm.weight")))
+            if i in getattr(m, "_moe_index", {}):
+                ids = None
+                if row_routing is not None:
+                    given = row_routing[:, m._moe_index[i]]
+                    chosen = torch.topk(torch.softmax(
+                        (h @ self.w(k_("mlp.gate.weight")).t()).float(), -1), m.top_k, -1).indices
+                    ids = torch.where(given >= 0, given.long(), chosen)
+                x = x + self.moe(i, h, ids)
+                continue
             gate, up = (h @ self.w(k_("mlp.gate_up.weight")).t()).chunk(2, dim=-1)
             x = x + (torch.nn.functional.silu(gate) * up) @ self.w(k_("mlp.down_proj.weight")).t()
         h = self.rms(x, self.w("model__norm__weight"))
@@ -179,12 +241,13 @@ class PlainQwen3:
 # --- the batch ---
 
 def pack_batch(model, samples):
-    seqs = [p + c for p, c, _ in samples]
+    seqs = [s[0] + s[1] for s in samples]
     cu = np.cumsum([0] + [len(s) for s in seqs])
     tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=model.device)
     # Completion positions in packed order (the tokens Generate sampled and Score scored).
     mask = torch.zeros(int(cu[-1]), dtype=torch.bool)
-    for (p, c, _), start in zip(samples, cu[:-1]):
+    for s, start in zip(samples, cu[:-1]):
+        p, c = s[0], s[1]
         mask[int(start) + len(p):int(start) + len(p) + len(c)] = True
     return tokens, torch.tensor(cu), mask.to(model.device)
 
@@ -193,17 +256,134 @@ def microbatches(samples, size):
     return [samples[i:i + size] for i in range(0, len(samples), size)]
 
 
-def compare(name, got: np.ndarray, want: np.ndarray):
-    diff = got.view(np.uint32) != want.view(np.uint32)
-    d = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    d = np.where(np.isfinite(d), d, np.inf if diff.any() else 0.0)
-    log(f"{name}: {int(diff.sum())} of {diff.size} tokens differ, max |d| = "
-        f"{float(d.max()) if diff.size else 0.0:.9g}")
+def compare(name, got: np.ndarray, want: np.ndarray) -> int:
+    """Entries of got and want whose bits differ (logprobs fp32, or routing ids), logged."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape:
+        log(f"{name}: {got.size} entries against {want.size}: the shapes differ")
+        return max(got.size, want.size, 1)
+    if got.dtype == np.float32:
+        diff = got.view(np.uint32) != want.view(np.uint32)
+        d = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        d = np.where(np.isfinite(d), d, np.inf if diff.any() else 0.0)
+        log(f"{name}: {int(diff.sum())} of {diff.size} differ, max |d| = "
+            f"{float(d.max()) if diff.size else 0.0:.9g}")
+    else:
+        diff = got != want
+        log(f"{name}: {int(diff.sum())} of {diff.size} differ")
     return int(diff.sum())
 
 
 def grpo_loss(lp, mask, advantages):
     return -(lp * advantages * mask).sum() / mask.sum()
+
+
+class Checks:
+    """One "CHECK name: PASS|FAIL detail" line per check; the summary at the end."""
+
+    def __init__(self):
+        self.results = []
+
+    def __call__(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.results.append((name, bool(ok)))
+        log(f"CHECK {name}: {'PASS' if ok else 'FAIL'}{' (' + detail + ')' if detail else ''}")
+        return bool(ok)
+
+    def failed(self):
+        return [n for n, ok in self.results if not ok]
+
+
+def completion_mask_rows(cu, samples):
+    """(sequence start, prompt length, end) of each packed sample."""
+    return [(int(b), len(s[0]), int(e)) for s, b, e in zip(samples, cu[:-1], cu[1:])]
+
+
+def moe_server_side(cli, args, samples):
+    """What the MoE checks need from the server, asked before it goes (the trainer needs its
+    GPU memory): Score(start = 1, return_routing)'s routing of every row, and Score of the first
+    micro-batch replaying a perturbed routing (each id of Generate's + 1 mod experts)."""
+    with open(os.path.join(args.model, "config.json")) as f:
+        experts = int(json.load(f)["num_experts"])
+    mb = samples[:args.microbatch]
+    perturbed = [[(x + 1) % experts for x in s[3]] for s in mb]
+    return {"every_row": every_row_routing(cli, args, mb), "perturbed": perturbed,
+            "perturbed_scores": np.concatenate(scores(cli, args, mb, routings=perturbed))}
+
+
+def moe_checks(check, args, model, samples, server):
+    """Routing replay (module docstring), on the first micro-batch; `server`: moe_server_side's."""
+    mb = samples[:args.microbatch]
+    tokens, cu, mask = pack_batch(model, mb)
+    pack = model.packing(cu)
+    rows = completion_mask_rows(cu, mb)
+    gen = np.concatenate([s[2] for s in mb])
+    e = model.num_experts
+    with torch.no_grad():
+        # The routing the trainer chooses: Generate's, and every row's as Score reports it.
+        lp, used = model.logprobs(tokens, cu, args.temperature, pack=pack, return_routing=True)
+        mine = np.concatenate([used[b + p:end].reshape(-1).numpy() for b, p, end in rows])
+        theirs = np.array([x for s in mb for x in s[3]], dtype=np.int32)
+        n = compare("trainer's routing vs Generate's (completion tokens)", mine, theirs)
+        check("moe: trainer chooses Generate's routing", n == 0 and theirs.size > 0,
+              f"{n} of {theirs.size} expert ids differ")
+        mine = np.concatenate([used[b + 1:end].reshape(-1).numpy() for b, _, end in rows])
+        theirs = np.array([x for r in server["every_row"] for x in r], dtype=np.int32)
+        n = compare("trainer's routing vs Score(start=1)'s (every row)", mine, theirs)
+        check("moe: every row's routing is Score's", n == 0 and theirs.size > 0,
+              f"{n} of {theirs.size} expert ids differ")
+
+        # Generate's routing replayed: Generate's bits.
+        routing, replay = model.pack_routing([s[3] for s in mb], [len(s[0]) for s in mb], cu)
+        lp_r = model.logprobs(tokens, cu, args.temperature, pack=pack, routing=routing,
+                              replay=replay)
+        n = compare("trainer replaying Generate's routing vs Generate", lp_r[mask].cpu().numpy(),
+                    gen)
+        check("moe: replayed routing gives Generate's bits", n == 0,
+              f"{n} of {gen.size} logprobs differ")
+
+        # Another routing replayed: Score-with-it's bits, and not Generate's (the control).
+        perturbed, want = server["perturbed"], server["perturbed_scores"]
+        routing, replay = model.pack_routing(perturbed, [len(s[0]) for s in mb], cu)
+        lp_p, used_p = model.logprobs(tokens, cu, args.temperature, pack=pack, routing=routing,
+                                      replay=replay, return_routing=True)
+        n = compare("trainer vs Score, both replaying a perturbed routing",
+                    lp_p[mask].cpu().numpy(), want)
+        check("moe: perturbed routing replayed == Score with it", n == 0,
+              f"{n} of {want.size} logprobs differ")
+        taken = np.concatenate([used_p[b + p:end].reshape(-1).numpy() for b, p, end in rows])
+        n = compare("routing the trainer used vs the perturbed routing", taken,
+                    np.array([x for r in perturbed for x in r], dtype=np.int32))
+        check("moe: the trainer used the replayed routing", n == 0, f"{n} expert ids differ")
+        n = compare("control: perturbed-routing logprobs vs Generate", want, gen)
+        check("moe: control (perturbed routing differs from Generate)", n > 0,
+              f"{n} of {gen.size} logprobs differ")
+
+        # The routing and grouping the kernels write are MoeRoute's and MoeGroup's definitions
+        # (the backward reads the grouping).
+        g = torch.Generator().manual_seed(7)
+        t, k, h = 333, model.top_k, model.hidden
+        logits = torch.randn(t, e, generator=g).to(model.device)
+        ids, _ = cuda_ops.MoeRoute.apply(logits, None, None, k, model.norm_topk_prob)
+        xn = (torch.randn(t, h, generator=g) * 0.5).to(model.device, torch.bfloat16)
+        layer = model.moe_layers[0]
+        w_gu = model.params[f"model__layers__{layer}__mlp__experts__gate_up_proj"]
+        w_d = model.params[f"model__layers__{layer}__mlp__experts__down_proj"]
+        y, slots = cuda_ops.MoeExperts.apply(xn, ids, w_gu, w_d)
+        grouped_rows, want_slots, offsets = cuda_ops.group_assignments(ids, e)
+        top = torch.topk(logits, k, dim=-1).indices
+        ok = torch.equal(slots.long(), want_slots) and torch.equal(ids.long(), top)
+        # Each grouped row: its expert's SwiGLU of its token (fp32 torch, loosely: bf16 inside).
+        worst = 0.0
+        for ex in range(e):
+            b, end = int(offsets[ex]), int(offsets[ex + 1])
+            if b == end:
+                continue
+            gate, up = (xn[grouped_rows[b:end]].float() @ w_gu[ex].float().t()).chunk(2, -1)
+            ref = (torch.nn.functional.silu(gate) * up) @ w_d[ex].float().t()
+            worst = max(worst, ((y[b:end] - ref).norm() / ref.norm()).item())
+        check("moe: kernels' routing and grouping are MoeRoute's and MoeGroup's definitions",
+              ok and worst < 2e-2, f"ids and slots equal: {ok}, expert outputs vs fp32 torch: "
+                                   f"relative error {worst:.2e}")
 
 
 def main():
@@ -231,9 +411,14 @@ def main():
     args.server_bin = os.path.join(args.bin, "rollout-server")
     cli = Cli(os.path.join(args.bin, "rollout-cli"), f"127.0.0.1:{args.port}")
     with open(os.path.join(args.model, "config.json")) as f:
-        vocab = int(json.load(f)["vocab_size"])
+        config = json.load(f)
+    vocab = int(config["vocab_size"])
+    args.moe = (config.get("architectures") or [""])[0] == MOE
+    check = Checks()
 
-    # 1. Rollouts and scores from the cuda server, then the server goes (its GPU memory too).
+    # 1. Rollouts and scores from the cuda server (and what the MoE checks need of it), then
+    # the server goes (its GPU memory too).
+    moe_server = None
     server = start_server(args)
     try:
         info = cli.run("info")[-1]
@@ -246,26 +431,38 @@ def main():
         t0 = time.time()
         scored = scores(cli, args, samples)
         log(f"scored in {time.time() - t0:.1f} s")
+
+        if args.moe:
+            t0 = time.time()
+            moe_server = moe_server_side(cli, args, samples)
+            log(f"routing Scores in {time.time() - t0:.1f} s")
     finally:
         server.terminate()
         server.wait(timeout=60)
 
-    failures = []
     gen_all = np.concatenate([s[2] for s in samples])
     score_all = np.concatenate(scored)
-    if compare("Generate vs Score", gen_all, score_all):
-        failures.append("Generate vs Score")
+    n = compare("Generate vs Score", gen_all, score_all)
+    check("Generate == Score", n == 0, f"{n} of {gen_all.size} logprobs differ")
 
     # 2. The trainer's model from the server's contract (refused, naming the field, otherwise).
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    cls = CudaQwen3MoeModel if args.moe else CudaQwen3Model
     try:
-        model = CudaQwen3Model.from_pretrained(args.model, contract=numerics)
+        model = cls.from_pretrained(args.model, contract=numerics)
     except ContractError as e:
         log(f"contract refused: {e}")
         log("this library's facts:", cuda_ops.device_facts())
+        check("contract honoured", False, str(e))
         return 1
     log("trainer library:", cuda_ops.device_facts())
+    if args.moe:
+        try:
+            moe_checks(check, args, model, samples, moe_server)
+        except Exception as e:  # noqa: BLE001 -- reported as a failed check; the rest runs
+            log(f"MoE checks raised {type(e).__name__}: {e}")
+            check("moe: checks ran", False, f"{type(e).__name__}: {e}")
 
     # 3. Parity: the trainer's logprobs of every completion token, bitwise.
     plain = PlainQwen3(model)
@@ -274,19 +471,27 @@ def main():
         for mb in microbatches(samples, args.microbatch):
             tokens, cu, mask = pack_batch(model, mb)
             pack = model.packing(cu)
-            lp = model.logprobs(tokens, cu, args.temperature, pack=pack)
+            row_routing = None
+            if args.moe:
+                lp, used = model.logprobs(tokens, cu, args.temperature, pack=pack,
+                                          return_routing=True)
+                row_routing = row_aligned(used, cu, model.device)
+            else:
+                lp = model.logprobs(tokens, cu, args.temperature, pack=pack)
             mine.append(lp[mask].cpu().numpy())
-            control.append(plain.logprobs(tokens, pack, args.temperature)[mask].cpu().numpy())
+            control.append(plain.logprobs(tokens, pack, args.temperature, row_routing)[mask]
+                           .cpu().numpy())
     mine_all = np.concatenate(mine)
-    if compare("trainer vs Generate", mine_all, gen_all):
-        failures.append("trainer vs Generate")
-    if compare("trainer vs Score", mine_all, score_all):
-        failures.append("trainer vs Score")
+    n = compare("trainer vs Generate", mine_all, gen_all)
+    check("trainer == Generate", n == 0, f"{n} of {gen_all.size} logprobs differ")
+    n = compare("trainer vs Score", mine_all, score_all)
+    check("trainer == Score", n == 0, f"{n} of {score_all.size} logprobs differ")
     differing = compare("control: plain torch bf16 vs Generate", np.concatenate(control), gen_all)
-    if differing == 0:
-        failures.append("the control (plain torch) equals Generate: the comparison cannot fail")
+    check("control (plain torch bf16 differs from Generate)", differing > 0,
+          f"{differing} of {gen_all.size} logprobs differ")
 
-    # 4. Gradients against float32 plain torch (same weights, widened).
+    # 4. Gradients against float32 plain torch (same weights, widened; a MoE model's routing
+    # replayed, so that both are the same piece of the function).
     rng = torch.Generator().manual_seed(args.seed)
     adv = lambda t: (torch.randn(t, generator=rng)).to(model.device)
     if args.grad_check:
@@ -295,64 +500,110 @@ def main():
         pack = model.packing(cu)
         a = adv(tokens.numel())
         model.zero_grad(set_to_none=True)
-        grpo_loss(model.logprobs(tokens, cu, args.temperature, pack=pack), mask, a).backward()
-        mine_g = {k: p.grad.float().clone() for k, p in model.params.items()}
+        row_routing = None
+        if args.moe:
+            lp, used = model.logprobs(tokens, cu, args.temperature, pack=pack,
+                                      return_routing=True)
+            row_routing = row_aligned(used, cu, model.device)
+        else:
+            lp = model.logprobs(tokens, cu, args.temperature, pack=pack)
+        grpo_loss(lp, mask, a).backward()
+        mine_g = {k: p.grad.float().clone() for k, p in model.params.items()
+                  if p.grad is not None}
         model.zero_grad(set_to_none=True)
         ref = PlainQwen3(model, torch.float32)
         masters = {k: p.detach().float().requires_grad_(True) for k, p in model.params.items()}
         ref.w = lambda key: masters[key]
-        grpo_loss(ref.logprobs(tokens, pack, args.temperature), mask, a).backward()
-        worst = (0.0, "")
+        grpo_loss(ref.logprobs(tokens, pack, args.temperature, row_routing), mask, a).backward()
+        worst, missing = (0.0, ""), []
         for k, p in masters.items():
             g32 = p.grad
             if g32 is None:
+                continue
+            if k not in mine_g:
+                missing.append(k)
+                continue
+            if args.moe and "experts" in k:
+                # Per expert: an expert's gradient is its own tensor in the server's names.
+                for e in range(g32.shape[0]):
+                    n32 = g32[e].norm()
+                    if n32 == 0:
+                        ok0 = mine_g[k][e].abs().max().item() == 0
+                        worst = max(worst, (0.0 if ok0 else float("inf"), f"{k}[{e}]"))
+                        continue
+                    err = ((mine_g[k][e] - g32[e]).norm() / n32).item()
+                    worst = max(worst, (err, f"{k}[{e}]"))
                 continue
             err = ((mine_g[k] - g32).norm() / g32.norm().clamp_min(1e-30)).item()
             worst = max(worst, (err, k))
         log(f"gradients vs float32 plain torch: worst relative error {worst[0]:.3e} ({worst[1]}),"
             f" tolerance {args.grad_tol}")
-        if not worst[0] < args.grad_tol:
-            failures.append("gradients")
+        check("gradients vs float32 plain torch", worst[0] < args.grad_tol and not missing,
+              f"worst relative error {worst[0]:.3e} at {worst[1]}, tolerance {args.grad_tol}"
+              + (f"; no gradient for {missing}" if missing else ""))
         del masters, ref, mine_g
 
     # 5. Time: one GRPO step (every micro-batch's forward + backward) vs plain torch.
     if args.time_steps > 0:
-        batches = [pack_batch(model, mb) for mb in microbatches(samples, args.microbatch)]
-        packs = [model.packing(cu) for _, cu, _ in batches]
-        advs = [adv(tokens.numel()) for tokens, _, _ in batches]
+        try:
+            time_steps(args, model, plain, samples, adv)
+        except Exception as e:  # noqa: BLE001 -- the checks above stand; report and go on
+            log(f"timing raised {type(e).__name__}: {e}")
+            check("timing ran", False, f"{type(e).__name__}: {e}")
 
-        def step(fn):
-            model.zero_grad(set_to_none=True)
-            for (tokens, cu, mask), pack, a in zip(batches, packs, advs):
-                grpo_loss(fn(tokens, cu, pack), mask, a).backward()
-
-        ours = lambda tokens, cu, pack: model.logprobs(tokens, cu, args.temperature, pack=pack)
-        theirs = lambda tokens, cu, pack: plain.logprobs(tokens, pack, args.temperature)
-        times = {}
-        for name, fn in (("rollout_trainer (server kernels)", ours),
-                         ("plain torch bf16 + SDPA", theirs)):
-            step(fn)  # warm-up (pins' ladder, caches, allocator)
-            torch.cuda.synchronize()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(args.time_steps):
-                step(fn)
-            end.record()
-            torch.cuda.synchronize()
-            times[name] = begin.elapsed_time(end) / args.time_steps
-            tokens_total = sum(int(t.numel()) for t, _, _ in batches)
-            log(f"{name}: {times[name]:.1f} ms per GRPO step (forward + backward, "
-                f"{tokens_total} tokens, micro-batches of {args.microbatch}), "
-                f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-            torch.cuda.reset_peak_memory_stats()
-        ratio = times["rollout_trainer (server kernels)"] / times["plain torch bf16 + SDPA"]
-        log(f"ratio: {ratio:.3f}x plain torch (goal <= 1.15x)")
-
+    failures = check.failed()
+    log(f"SUMMARY: {len(check.results) - len(failures)} of {len(check.results)} checks passed"
+        f" ({os.path.basename(os.path.normpath(args.model))})")
     if failures:
         log("FAILED:", "; ".join(failures))
         return 1
-    log("PASSED: trainer logprobs == Generate == Score, bitwise")
+    log("PASSED: trainer logprobs == Generate == Score, bitwise"
+        + (", routing replay included" if args.moe else ""))
     return 0
+
+
+def row_aligned(used, cu, device):
+    """The experts of each row [t, moe layers, k] from an entry-aligned routing (entry i = row
+    i - 1's); -1 on each sequence's last row, which produces no logprob (plain torch chooses
+    there: it changes nothing the loss sees)."""
+    rows = torch.full_like(used, -1)
+    rows[:-1] = used[1:]
+    last = torch.as_tensor(cu[1:]).long() - 1
+    rows[last] = -1
+    return rows.to(device)
+
+
+def time_steps(args, model, plain, samples, adv):
+    batches = [pack_batch(model, mb) for mb in microbatches(samples, args.microbatch)]
+    packs = [model.packing(cu) for _, cu, _ in batches]
+    advs = [adv(tokens.numel()) for tokens, _, _ in batches]
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        for (tokens, cu, mask), pack, a in zip(batches, packs, advs):
+            grpo_loss(fn(tokens, cu, pack), mask, a).backward()
+
+    ours = lambda tokens, cu, pack: model.logprobs(tokens, cu, args.temperature, pack=pack)
+    theirs = lambda tokens, cu, pack: plain.logprobs(tokens, pack, args.temperature)
+    times = {}
+    for name, fn in (("rollout_trainer (server kernels)", ours),
+                     ("plain torch bf16 + SDPA", theirs)):
+        step(fn)  # warm-up (pins' ladder, caches, allocator)
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(args.time_steps):
+            step(fn)
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = begin.elapsed_time(end) / args.time_steps
+        tokens_total = sum(int(t.numel()) for t, _, _ in batches)
+        log(f"{name}: {times[name]:.1f} ms per GRPO step (forward + backward, "
+            f"{tokens_total} tokens, micro-batches of {args.microbatch}), "
+            f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        torch.cuda.reset_peak_memory_stats()
+    ratio = times["rollout_trainer (server kernels)"] / times["plain torch bf16 + SDPA"]
+    log(f"ratio: {ratio:.3f}x plain torch (goal <= 1.15x)")
 
 
 if __name__ == "__main__":
