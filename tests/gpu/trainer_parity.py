@@ -15,6 +15,10 @@ MoeGroup's definition.
 
 Prints one "CHECK <name>: PASS|FAIL ..." line per check and a summary; exits 1 when any
 fails, or on a contract refusal. Run by tests/gpu/trainer_parity.sh; all sizes are flags.
+
+--dry_run runs the script's plumbing without a GPU (a cpu server; the trainer on the CPU over
+trainer/python/tests/fake_cuda_lib.py, no contract, no timing): every check runs, and the
+bitwise ones are expected to FAIL -- no bit of the stand-in is a kernel's.
 """
 
 from __future__ import annotations
@@ -112,7 +116,8 @@ def every_row_routing(cli: Cli, args, samples):
 
 def start_server(args):
     logf = open(os.path.join(args.out, f"trainer_parity_server_{args.port}.log"), "w")
-    cmd = [args.server_bin, "--backend", "cuda", "--model", args.model, "--port", str(args.port),
+    backend = "cpu" if args.dry_run else "cuda"
+    cmd = [args.server_bin, "--backend", backend, "--model", args.model, "--port", str(args.port),
            "--metrics_port", "0", *args.server_args.split()]
     log("server:", " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
@@ -139,7 +144,9 @@ class PlainQwen3:
 
     def __init__(self, model: CudaQwen3Model, dtype=torch.bfloat16):
         self.m, self.dtype = model, dtype
-        self.gqa = "enable_gqa" in torch.nn.functional.scaled_dot_product_attention.__doc__
+        sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
+        self.gqa = sdpa is not None and "enable_gqa" in sdpa.__doc__
+        self.sdpa = sdpa is not None  # torch < 2.0 (--dry_run on the CPU): the reference
 
     def w(self, key):
         p = self.m.params[key]
@@ -156,6 +163,9 @@ class PlainQwen3:
         return x * cos + rot * sin
 
     def attention(self, q, k, v, pack):
+        if not self.sdpa:
+            from rollout_trainer import ops as cpu_ops
+            return cpu_ops.reference_attention(q, k, v, torch.tensor(pack.cu), self.m.scale)
         t, h, d = q.shape
         group = h // k.shape[1]
         out = q.new_empty(t, h, d)
@@ -406,6 +416,8 @@ def main():
     ap.add_argument("--grad_tol", type=float, default=0.05,
                     help="largest relative error |g - g32| / |g32| per parameter tensor")
     ap.add_argument("--time_steps", type=int, default=3, help="timed GRPO steps (0: no timing)")
+    ap.add_argument("--dry_run", action="store_true",
+                    help="the plumbing without a GPU (module docstring); bitwise checks FAIL")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     args.server_bin = os.path.join(args.bin, "rollout-server")
@@ -449,6 +461,9 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cls = CudaQwen3MoeModel if args.moe else CudaQwen3Model
+    if args.dry_run:
+        return dry_run(args, cls, lambda model: check_model(args, check, model, samples,
+                                                            moe_server, gen_all, score_all))
     try:
         model = cls.from_pretrained(args.model, contract=numerics)
     except ContractError as e:
@@ -457,6 +472,11 @@ def main():
         check("contract honoured", False, str(e))
         return 1
     log("trainer library:", cuda_ops.device_facts())
+    return check_model(args, check, model, samples, moe_server, gen_all, score_all)
+
+
+def check_model(args, check, model, samples, moe_server, gen_all, score_all) -> int:
+    """The trainer's checks (main's steps 3 to 5, and the MoE checks) on its model."""
     if args.moe:
         try:
             moe_checks(check, args, model, samples, moe_server)
@@ -562,6 +582,18 @@ def main():
     return 0
 
 
+def dry_run(args, cls, run) -> int:
+    """run(model) with the trainer on the CPU over the CUDA library's stand-in."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "trainer", "python", "tests"))
+    import fake_cuda_lib  # noqa: E402
+    from rollout_trainer.model import _read_safetensors  # noqa: E402
+    args.time_steps = 0
+    with open(os.path.join(args.model, "config.json")) as f:
+        config = json.load(f)
+    with fake_cuda_lib.installed():
+        return run(cls(config, _read_safetensors(args.model), device="cpu"))
+
+
 def row_aligned(used, cu, device):
     """The experts of each row [t, moe layers, k] from an entry-aligned routing (entry i = row
     i - 1's); -1 on each sequence's last row, which produces no logprob (plain torch chooses
@@ -607,4 +639,8 @@ def time_steps(args, model, plain, samples, adv):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception:  # noqa: BLE001 -- one clear line for the log's reader, then the trace
+        log("SUMMARY: FAILED: the script raised before its checks finished")
+        raise
