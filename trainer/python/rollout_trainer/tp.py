@@ -116,6 +116,12 @@ def shard_index(name: str, shard: RankShard, config: dict) -> Optional[tuple]:
     return None
 
 
+def _sliced_shape(shape, index) -> tuple:
+    """The shape of a tensor of `shape` indexed by `index` (slices), without making one."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
+
+
 # --- collectives with their backwards ---
 
 class _CopyToTp(torch.autograd.Function):
@@ -203,8 +209,8 @@ class TpQwen3Model(Qwen3Model):
         self.intermediate = int(config["intermediate_size"])
         for name, key in self._names.items():
             index = shard_index(name, self.shard, config)
-            want = torch.empty(self._full_shape(name))[index].shape if index else None
-            if want is not None and tuple(self.params[key].shape) != tuple(want):
+            want = _sliced_shape(self._full_shape(name), index) if index else None
+            if want is not None and tuple(self.params[key].shape) != want:
                 raise ValueError(f"{name}: shard {tuple(self.params[key].shape)}, rank "
                                  f"{self.shard.rank} of {self.tp} holds {tuple(want)}")
 
@@ -261,7 +267,8 @@ class TpQwen3Model(Qwen3Model):
                 yield name, p.detach()
                 continue
             full = torch.empty(self._full_shape(name), dtype=p.dtype)
-            biggest = max(full[shard_index(name, s, self.config)].shape for s in shards)
+            biggest = max(_sliced_shape(full.shape, shard_index(name, s, self.config))
+                          for s in shards)
             padded = torch.zeros(biggest, dtype=p.dtype)
             padded[tuple(slice(0, n) for n in p.shape)] = p.detach()
             parts = [torch.empty_like(padded) for _ in range(self.tp)]

@@ -12,6 +12,7 @@ Run by trainer/python/run_tests.sh (ctest python_trainer_test).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import queue as queue_module
 import random
@@ -43,8 +44,9 @@ _numerics = {}    # server TP degree -> its ServerInfo.numerics
 _scored = {}      # server TP degree -> Score's logprobs of _seqs (from token 1 of each)
 _seqs = None      # random sequences, then rollouts of the --tp 2 server
 _generated = None  # [(sequence index, prompt length, Generate's logprobs)]
-_tp1 = None       # TP 1: (logprobs [t], {name: gradient})
+_tp1 = None       # TP 1: (logprobs [t], {name: gradient}, config)
 _ranks = {}       # trainer TP degree -> [per rank result]
+_tied = None      # the model with tie_word_embeddings: (TP 1's logprobs and gradients, TP 2's)
 
 
 def bits(values) -> np.ndarray:
@@ -122,14 +124,14 @@ def _rank_main(rank, tp, port, path, contract, tokens, cu, controls, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(tp: int, contract, tokens, cu, controls: bool):
+def run_ranks(tp: int, path: str, contract, tokens, cu, controls: bool):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_main,
-                         args=(r, tp, port, _path, contract, tokens, cu, controls, queue))
+                         args=(r, tp, port, path, contract, tokens, cu, controls, queue))
              for r in range(tp)]
     for p in procs:
         p.start()
@@ -157,8 +159,21 @@ def run_ranks(tp: int, contract, tokens, cu, controls: bool):
     return [results[r] for r in range(tp)]
 
 
+def tied_copy(path: str, out: str) -> str:
+    """`path`'s model with tie_word_embeddings (embed_tokens is also the lm_head)."""
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            os.symlink(os.path.join(path, f), os.path.join(out, f))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dict(config, tie_word_embeddings=True), f)
+    return out
+
+
 def setUpModule():
-    global _path, _seqs, _generated, _tp1
+    global _path, _seqs, _generated, _tp1, _tied
     rng = random.Random(21)
     servers = {}
     try:
@@ -190,8 +205,11 @@ def setUpModule():
     _tp1 = (lp.numpy(), grads, model.config)
     # The trainer's degree is its own: the ranks check a server contract of another degree.
     for tp, contract_tp, controls in ((2, 4, False), (4, 2, True), (8, 1, False)):
-        _ranks[tp] = run_ranks(tp, dataclasses.asdict(_numerics[contract_tp]), tokens, cu,
-                               controls)
+        _ranks[tp] = run_ranks(tp, _path, dataclasses.asdict(_numerics[contract_tp]), tokens,
+                               cu, controls)
+    tied = tied_copy(_path, os.path.join(_support.cache_dir(), "tied"))
+    lp, grads = logprobs_and_grads(Qwen3Model.from_pretrained(tied), tokens, cu)
+    _tied = ((lp.numpy(), grads, model.config), run_ranks(2, tied, None, tokens, cu, False))
 
 
 class TensorParallelParityTest(unittest.TestCase):
@@ -226,6 +244,18 @@ class TensorParallelParityTest(unittest.TestCase):
                                     f"TP {k} rank {r}, rollout {i}")
                     total += len(generated)
         self.assertGreater(total, 0)
+
+    def test_tied_embeddings_at_tp2_have_tp1s_bits_and_gradients(self):
+        (lp, grads, config), ranks = _tied
+        self.assertNotIn("lm_head.weight", grads)
+        for r, out in enumerate(ranks):
+            self.assertTrue(np.array_equal(bits(out["lp"]), bits(lp)), f"rank {r}")
+            shard = tp_mod.shard_of(config, 2, r)
+            name = "model.embed_tokens.weight"  # the lookup's and the head's gradient
+            want = grads[name][tp_mod.shard_index(name, shard, config)].double()
+            err = float((torch.from_numpy(out["grads"][name]).double() - want).abs().max() /
+                        want.abs().max())
+            self.assertLess(err, GRAD_BOUND, f"rank {r}")
 
     def test_folding_the_nodes_in_another_order_changes_the_bits(self):
         # The control: the comparisons above can fail. A rank-order sequential sum of the TP 4
