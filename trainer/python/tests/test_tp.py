@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(REPO, "client", "python", "tests"))
 import _support  # noqa: E402  (the client tests' server subprocess)
 
 from rollout_client import RolloutClient  # noqa: E402
-from rollout_trainer import Qwen3Model, tp as tp_mod  # noqa: E402
+from rollout_trainer import Qwen3Model, ops, tp as tp_mod  # noqa: E402
 from rollout_trainer.contract import check_trainer_tensor_parallel  # noqa: E402
 
 TEMPERATURE = 0.9
@@ -264,6 +264,47 @@ class TensorParallelParityTest(unittest.TestCase):
         for r, out in enumerate(_ranks[4]):
             apart = int((bits(out["lp_wrong_fold"]) != want).sum())
             self.assertGreater(apart, want.size // 4, f"rank {r}: only {apart} differ")
+
+
+class TreeOpsTest(unittest.TestCase):
+    def test_the_ranks_nodes_fold_to_the_row_parallel_matmul_at_every_degree(self):
+        # Odd shapes: K = 99 and 61 cut into segments of 12 or 13 (7 or 8); m = 1 and 5.
+        g = torch.Generator().manual_seed(2)
+        for m, n, k in ((1, 7, 99), (5, 33, 61), (3, 16, 256)):
+            x = torch.randn(m, k, generator=g)
+            w = torch.randn(n, k, generator=g)
+            want = ops.row_parallel_matmul(x, w)
+            for tp in (1, 2, 4, 8):
+                nodes = []
+                for r in range(tp):
+                    s0, s1 = r * 8 // tp, (r + 1) * 8 // tp
+                    cols = slice(ops.k_segment_begin(k, s0), ops.k_segment_begin(k, s1))
+                    nodes.append(ops.segmented_partial_matmul(x[:, cols], w[:, cols], k, s0, s1))
+                got = ops.combine_partials(torch.stack(nodes))
+                self.assertTrue(torch.equal(got, want), f"m {m} n {n} k {k} tp {tp}")
+                if tp >= 4:  # the control: another fold of the same nodes
+                    self.assertFalse(torch.equal(sequential_fold(torch.stack(nodes)), want))
+        with self.assertRaises(ValueError):  # not a node of the tree
+            ops.segmented_partial_matmul(x[:, :96], w[:, :96], 256, 0, 3)
+
+    def test_the_tree_ops_backwards_are_the_gradients_of_their_forwards(self):
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(6, 40, generator=g, requires_grad=True)
+        w = torch.randn(9, 40, generator=g, requires_grad=True)
+        parts = torch.randn(4, 6, 9, generator=g, requires_grad=True)
+        for op, ref, args in (
+                (lambda a, b: ops.segmented_partial_matmul(a, b, 160, 4, 6),
+                 ops.reference_matmul, (x, w)),
+                (ops.combine_partials, ops.reference_combine_partials, (parts,))):
+            out = op(*args)
+            ins64 = [a.detach().double().requires_grad_(True) for a in args]
+            ref_out = ref(*ins64)
+            self.assertLess(float((out.double() - ref_out).abs().max()), 1e-5)
+            cot = torch.randn(out.shape, generator=g)
+            got = torch.autograd.grad(out, args, cot)
+            want = torch.autograd.grad(ref_out, ins64, cot.double())
+            for a, b in zip(got, want):
+                self.assertLess(float((a.double() - b).abs().max() / b.abs().max()), 1e-5)
 
 
 class TensorParallelGradientTest(unittest.TestCase):
