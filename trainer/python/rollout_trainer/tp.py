@@ -198,13 +198,14 @@ def row_parallel_matmul(x, w, k_full: int, shard: RankShard, group):
 class TpQwen3Model(Qwen3Model):
     """Qwen3Model sharded over `tp_group` (a torch.distributed group, gloo: CPU tensors); every
     rank of the group runs the same calls with the same inputs (collectives inside). Parameters
-    hold the rank's shards under their Hugging Face names (shard_index says which part)."""
+    hold the rank's shards under their Hugging Face names (shard_index says which part). One
+    thread of each rank's process drives it, as torch.distributed requires of a group's calls."""
 
     def __init__(self, config: dict, shards: Dict[str, torch.Tensor], tp_group):
+        check_trainer_tensor_parallel(config, dist.get_world_size(tp_group))
         super().__init__(config, shards)
         self.tp_group = tp_group
         self.tp = dist.get_world_size(tp_group)
-        check_trainer_tensor_parallel(config, self.tp)
         self.shard = shard_of(config, self.tp, dist.get_rank(tp_group))
         self.intermediate = int(config["intermediate_size"])
         for name, key in self._names.items():
