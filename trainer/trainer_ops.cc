@@ -136,4 +136,30 @@ void rt_moe_combine(const float* y, const float* weights, int64_t t, int32_t k, 
   });
 }
 
+// --- TP ---
+// The row-parallel layers' canonical K tree split across trainer ranks, exactly as a CPU server
+// rank splits it (CpuModelRunner::RowParallel): a rank computes the node of the tree over its
+// aligned block of segments from its K slice alone, the ranks' nodes are all-gathered in rank
+// order and every rank folds them with the tree's top levels. Each degree 1, 2, 4, 8 performs
+// SegmentedMatMul's floating-point operations in SegmentedMatMul's order: TP 1's bits.
+
+// y[m, n] = the tree node over canonical segments [seg_begin, seg_end) of the reduction of full
+// length k_full; x [m, k_slice] and w [n, k_slice] hold only the node's K columns
+// (cpu::SegmentedPartialMatMul). REQUIRES rt_is_canonical_segment_block(seg_begin, seg_end).
+void rt_segmented_partial_matmul(const float* x, int64_t m, const float* w, int64_t n,
+                                 int64_t k_full, int32_t seg_begin, int32_t seg_end, float* y) {
+  rollout::cpu::SegmentedPartialMatMul(Pool(), x, m, w, n, k_full, seg_begin, seg_end, y);
+}
+
+// parts [num_parts, count] (the nodes of ranks 0 .. num_parts - 1, num_parts = 1, 2, 4 or 8)
+// -> y [count], the tree's root (cpu::CombinePartials). y may alias parts.
+void rt_combine_partials(const float* parts, int32_t num_parts, int64_t count, float* y) {
+  rollout::cpu::CombinePartials(parts, num_parts, count, y);
+}
+
+// 1 when [seg_begin, seg_end) is a node of the tree (what a rank of degree 1, 2, 4, 8 owns).
+int32_t rt_is_canonical_segment_block(int32_t seg_begin, int32_t seg_end) {
+  return rollout::cpu::IsCanonicalSegmentBlock(seg_begin, seg_end) ? 1 : 0;
+}
+
 }  // extern "C"

@@ -312,6 +312,9 @@ struct GemmProbe {
       stream = nullptr, graph_failed = true;
     }
     if (!graph_failed) {
+      // Equal halves: the read's cost does not depend on what SameBits left in `b` (differing
+      // words cost the count's atomics), so the reads-alone graph timed once holds for every run.
+      cudaMemsetAsync(b.get(), 0, static_cast<size_t>(2 * half), nullptr);
       cudaStreamSynchronize(nullptr);  // the probe's fills and checks ran on the legacy stream
       run(m, a.get(), stream);  // warm-up, and any one-time set-up outside the capture
       if (flush_only_ms < 0.0) flush_only_ms = GraphMilliseconds([&] { return flush(stream); },
@@ -558,14 +561,19 @@ cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnos
     const std::string serving_name = serving == nullptr ? "the pin" : serving->Describe();
     std::vector<double> serving_us;
     double serving_total = 0.0;
+    std::string why;
     for (int64_t m : points) {
       const Rung* at = For(m);
       serving_us.push_back(probe.Microseconds(probe.Of(at == nullptr ? *this : *at->gemm), m));
       serving_total += serving_us.back();
     }
+    if (diagnostics != nullptr) {
+      why += std::string("    serving (") + (probe.graph_failed ? "events" : "graphs") + ") us:";
+      for (double us : serving_us) why += " " + std::to_string(us);
+      why += "\n";
+    }
     double best_total = 0.97 * serving_total;
     std::optional<int> best;
-    std::string why;
     // The pin itself is a candidate too: a coarse cuBLASLt rung, timed at its own representative
     // m, can lose to the pin inside a finer range (the [8, 48) rung at m = 47).
     bool pin_best = false;
@@ -597,6 +605,10 @@ cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnos
             points[i]);
         total += us;
         slower_somewhere = slower_somewhere || (points[i] == rep && us > serving_us[i]);
+        if (diagnostics != nullptr) {
+          why += (i == 0 ? "    " + configs[c].Name() + " us:" : std::string()) + " " +
+                 std::to_string(us) + (i + 1 == points.size() ? "\n" : "");
+        }
       }
       if (!slower_somewhere && total < best_total) best_total = total, best = c, pin_best = false;
     }

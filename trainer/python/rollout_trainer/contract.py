@@ -10,6 +10,9 @@ ARCHITECTURES = ("Qwen3ForCausalLM",)  # dense: Qwen3Model, and CudaQwen3Model o
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)  # Qwen3MoeModel, and CudaQwen3MoeModel on cuda
 SERVED_DTYPES = ("bfloat16", "float16", "float32")
 TENSOR_PARALLEL = (1, 2, 4, 8)  # the server's bits are the same at every degree (D10)
+# The trainer's own degree (rollout_trainer.tp), independent of the server's: each rank owns
+# a node of the canonical 8-leaf K tree, so it must divide the 8 leaves (and the model).
+TRAINER_TENSOR_PARALLEL = (1, 2, 4, 8)
 
 
 class ContractError(RuntimeError):
@@ -101,3 +104,24 @@ def _check_cuda(contract) -> None:
     if int(_get(contract, "gemm_pin_m") or 0) <= 0:
         raise ContractError("gemm_pin_m", _get(contract, "gemm_pin_m"),
                             "a pinned algorithm per weight shape (gemm_pin_m > 0)")
+
+
+def check_trainer_tensor_parallel(config: dict, tp: int) -> None:
+    """Raises ValueError naming the degree (and the dimension) when a trainer cannot shard the
+    model of `config` (config.json) `tp` ways with TP 1's bits; the server's check
+    (model/tensor_parallel.cc CheckTensorParallel) in Python."""
+    if tp not in TRAINER_TENSOR_PARALLEL:
+        raise ValueError(f"trainer tensor-parallel degree {tp}: must be 1, 2, 4 or 8 (each rank "
+                         "owns a node of the canonical 8-leaf K tree of the row-parallel layers)")
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    inter = int(config["intermediate_size"])
+    if heads % tp != 0:
+        raise ValueError(f"trainer tensor-parallel degree {tp}: the model's {heads} attention "
+                         f"heads do not split evenly over {tp} ranks")
+    if kv_heads % tp != 0 and tp % kv_heads != 0:
+        raise ValueError(f"trainer tensor-parallel degree {tp}: the model's {kv_heads} KV heads "
+                         f"neither split evenly over {tp} ranks nor replicate evenly across them")
+    if inter % tp != 0:
+        raise ValueError(f"trainer tensor-parallel degree {tp}: the model's intermediate size "
+                         f"{inter} does not split evenly over {tp} ranks")

@@ -19,33 +19,39 @@ from .contract import ARCHITECTURES, ContractError, check_contract
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _read_safetensors(path: str) -> Dict[str, torch.Tensor]:
-    """Every tensor of the *.safetensors files in `path`, as float32 (exact widening)."""
+def _read_safetensors(path: str, select=None) -> Dict[str, torch.Tensor]:
+    """Every tensor of the *.safetensors files in `path`, as float32 (exact widening).
+    select(name, shape): the index (a tuple of slices) of the part of that tensor to read, None
+    for all of it (a tensor-parallel rank reads its shards only: the files are memory-mapped)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors file")
     out = {}
     for file in files:
         with open(file, "rb") as f:
-            data = f.read()
-        (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + n])
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        data = np.memmap(file, dtype=np.uint8, mode="r")
         base = 8 + n
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             b, e = info["data_offsets"]
-            raw = np.frombuffer(data, dtype=np.uint8, count=e - b, offset=base + b)
+            raw = data[base + b:base + e]
             dt = info["dtype"]
-            if dt == "F32":
-                arr = raw.view(np.float32).astype(np.float32)
-            elif dt == "BF16":
-                arr = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-            elif dt == "F16":
-                arr = raw.view(np.float16).astype(np.float32)
-            else:
+            if dt not in ("F32", "BF16", "F16"):
                 raise ValueError(f"{file}: tensor {name} has dtype {dt} (F32, BF16, F16 read)")
-            out[name] = torch.from_numpy(arr.reshape(info["shape"]).copy())
+            stored = raw.view({"F32": np.float32, "BF16": np.uint16, "F16": np.float16}[dt])
+            stored = stored.reshape(info["shape"])
+            index = select(name, tuple(info["shape"])) if select is not None else None
+            if index is not None:
+                stored = stored[index]
+            if dt == "BF16":
+                arr = (stored.astype(np.uint32) << 16).view(np.float32)
+            else:
+                arr = stored.astype(np.float32)
+            out[name] = torch.from_numpy(np.ascontiguousarray(arr))
+        del data
     return out
 
 
@@ -93,22 +99,31 @@ class Qwen3Model(torch.nn.Module):
         return t.to(_TORCH_DTYPES[self.served_dtype]).to(torch.float32)
 
     @classmethod
-    def from_pretrained(cls, path: str, contract=None) -> "Qwen3Model":
+    def from_pretrained(cls, path: str, contract=None, tp_group=None) -> "Qwen3Model":
         """Loads config.json and the safetensors of `path`; with `contract` (ServerInfo.numerics)
-        refuses, naming the field, one this library cannot honour."""
+        refuses, naming the field, one this library cannot honour. tp_group: a
+        torch.distributed process group to shard the model over (rollout_trainer.tp: each rank
+        loads its shards; logprobs are TP 1's bits on every rank)."""
+        if tp_group is not None:
+            from .tp import TpQwen3Model
+            return TpQwen3Model.from_pretrained(path, contract=contract, tp_group=tp_group)
         if contract is not None:
             check_contract(contract)
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
         model = cls(config, _read_safetensors(path))
+        model._check_against(contract, config)
+        return model
+
+    def _check_against(self, contract, config: dict) -> None:
+        """ContractError when `contract` names another architecture or served dtype."""
         if contract is not None:
             arch = (config.get("architectures") or [""])[0]
-            for field, mine in (("architecture", arch), ("served_dtype", model.served_dtype)):
+            for field, mine in (("architecture", arch), ("served_dtype", self.served_dtype)):
                 theirs = getattr(contract, field, None) if not isinstance(contract, dict) \
                     else contract.get(field)
                 if theirs != mine:
                     raise ContractError(field, theirs, mine)
-        return model
 
     def named_weights(self):
         """(Hugging Face name, parameter) pairs: what RolloutClient.update_weights takes."""

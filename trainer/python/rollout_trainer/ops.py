@@ -373,3 +373,77 @@ def expert_mlp(x, gate_up, down):
     canonical K tree (cpu::SegmentedMatMul), as MoeBlock at TP 1. Each row is its own Dots: how
     many rows an expert gets changes no bit of any of them."""
     return _apply(_k_expert_mlp, reference_expert_mlp, {}, {}, x, gate_up, down)
+
+
+# --- TP ---
+# The canonical K tree of the row-parallel layers split over trainer ranks, as a server rank
+# splits it: a rank's node of the tree from its K slice (segmented_partial_matmul), the ranks'
+# nodes folded by the tree's top levels (combine_partials). rollout_trainer.tp gathers the nodes.
+
+_NUM_K_SEGMENTS = 8  # cpu::kNumKSegments
+_tp_bound = False
+
+
+def _tp_lib():
+    """The library with the TP entry points' signatures declared (trainer_ops.cc, `--- TP ---`)."""
+    global _tp_bound
+    l = _lib.lib()
+    if not _tp_bound:
+        i64, i32, p = _lib._i64, _lib._i32, _lib._p
+        l.rt_segmented_partial_matmul.argtypes = [p, i64, p, i64, i64, i32, i32, p]
+        l.rt_segmented_partial_matmul.restype = None
+        l.rt_combine_partials.argtypes = [p, i32, i64, p]
+        l.rt_combine_partials.restype = None
+        l.rt_is_canonical_segment_block.argtypes = [i32, i32]
+        l.rt_is_canonical_segment_block.restype = i32
+        _tp_bound = True
+    return l
+
+
+def k_segment_begin(k: int, s: int) -> int:
+    """First K index of canonical segment s of a reduction of length k (cpu::KSegmentBegin)."""
+    return k * s // _NUM_K_SEGMENTS
+
+
+def reference_combine_partials(parts):
+    """The tree's root from parts [num_parts, ...]: mathematically their sum."""
+    return parts.sum(0)
+
+
+def _k_segmented_partial_matmul(x, w, *, k_full, seg_begin, seg_end):
+    x, w = _f32(x, "x"), _f32(w, "w")
+    if not _tp_lib().rt_is_canonical_segment_block(seg_begin, seg_end):
+        raise ValueError(f"segments [{seg_begin}, {seg_end}) are not a node of the 8-leaf tree")
+    k_slice = k_segment_begin(k_full, seg_end) - k_segment_begin(k_full, seg_begin)
+    m, n = x.shape[0], w.shape[0]
+    if x.shape != (m, k_slice) or w.shape != (n, k_slice):
+        raise ValueError(f"partial matmul of segments [{seg_begin}, {seg_end}) of K {k_full}: "
+                         f"x {tuple(x.shape)} w {tuple(w.shape)}, K slice {k_slice} expected")
+    y = torch.empty(m, n, dtype=torch.float32)
+    _tp_lib().rt_segmented_partial_matmul(_ptr(x), m, _ptr(w), n, k_full, seg_begin, seg_end,
+                                          _ptr(y))
+    return y
+
+
+def _k_combine_partials(parts):
+    parts = _f32(parts, "parts")
+    num_parts = parts.shape[0]
+    if num_parts not in (1, 2, 4, 8):
+        raise ValueError(f"combine_partials of {num_parts} parts (1, 2, 4 or 8)")
+    y = torch.empty(parts.shape[1:], dtype=torch.float32)
+    _tp_lib().rt_combine_partials(_ptr(parts), num_parts, y.numel(), _ptr(y))
+    return y
+
+
+def segmented_partial_matmul(x, w, k_full: int, seg_begin: int, seg_end: int):
+    """The node over canonical segments [seg_begin, seg_end) of x @ w.T for a reduction of full
+    length k_full, from the node's K columns alone: x [m, k_slice], w [n, k_slice] (a rank's
+    shard of a row-parallel layer's input and weight)."""
+    kw = {"k_full": k_full, "seg_begin": seg_begin, "seg_end": seg_end}
+    return _apply(_k_segmented_partial_matmul, reference_matmul, kw, {}, x, w)
+
+
+def combine_partials(parts):
+    """parts [num_parts, ...], the tree's nodes of ranks 0 .. num_parts - 1 (num_parts = 1, 2,
+    4, 8) -> their root [...]: adjacent pairs level by level, the server's fold."""
+    return _apply(_k_combine_partials, reference_combine_partials, {}, {}, parts)

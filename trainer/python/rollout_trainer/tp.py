@@ -1,0 +1,347 @@
+"""Trainer-side tensor parallelism on the CPU kernels (torch.distributed, gloo): Qwen3Model
+sharded Megatron-style over a process group, every rank's logprobs bit for bit TP 1's -- so bit
+for bit what a CPU server at any --tp streams and scores (D10: trainer TP k == rollout TP m).
+
+Rank r of tp holds (ShardOf in model/tensor_parallel.cc, the server's split):
+- column-parallel: q_proj rows of its query heads [r * H / tp, (r + 1) * H / tp); k_proj, v_proj
+  rows of its KV heads (split, or -- fewer KV heads than ranks -- the one its query heads read,
+  replicated); gate_proj, up_proj rows [r * I / tp, (r + 1) * I / tp);
+- row-parallel: o_proj and down_proj columns of the same K ranges. K = H * head_dim (or I) cut
+  into the canonical 8 segments: the rank's range is exactly the aligned block of 8 / tp
+  segments under one node of the K tree, whose value it computes (ops.segmented_partial_matmul,
+  cpu::SegmentedPartialMatMul); the nodes are all-gathered in rank order and every rank folds
+  them by the tree's top levels (ops.combine_partials, cpu::CombinePartials) -- the
+  floating-point operations of TP 1's cpu::SegmentedMatMul in its order, as a server rank does;
+- vocab-parallel: embed_tokens and lm_head rows [r * V', (r + 1) * V'), V' = ceil(V / tp). The
+  embedding rows are gathered and selected (never summed: the exact rows); the logits columns
+  are gathered into full rows and log_softmax runs on every rank over the whole row as at TP 1;
+- replicated: the RMSNorm weights (q_norm and k_norm too).
+
+Gradients (each piece a torch.autograd.Function or plain torch, correct not bitwise):
+- copy_to_tp before every column-parallel GEMM (lm_head included): identity forward, backward
+  all-reduce(sum) of the input's gradient (each rank's shard contributes its part: Megatron's f);
+- an all-gather's backward is the rank's slice of the gradient, not a sum: all that follows a
+  gather runs identically on every rank (one loss, replicated), so each rank already holds the
+  whole gradient of that one loss, and a sum would count it tp times;
+- weights a rank applies to its part only -- q_norm and k_norm (to its heads), replicated KV
+  heads (to its query heads) -- get their gradient summed over the ranks holding them.
+So a rank's parameter gradients are the slices of TP 1's (all-reduce order aside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .contract import check_contract, check_trainer_tensor_parallel
+from .model import Qwen3Model, _read_safetensors
+
+_NUM_K_SEGMENTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RankShard:
+    """What rank `rank` of `tp` holds: query heads from head_begin, KV heads from kv_head_begin,
+    intermediate features from inter_begin, vocab rows [vocab_begin, vocab_end) of shards of
+    vocab_rows."""
+    tp: int
+    rank: int
+    heads: int
+    head_begin: int
+    kv_heads: int
+    kv_head_begin: int
+    inter: int
+    inter_begin: int
+    vocab_rows: int
+    vocab_begin: int
+    vocab_end: int
+    kv_heads_total: int  # the model's
+
+    @property
+    def kv_replicated(self) -> bool:
+        """Fewer KV heads than ranks: ranks share (hold copies of) a KV head."""
+        return self.kv_heads * self.tp != self.kv_heads_total
+
+    @property
+    def segments(self):
+        """The node of the canonical K tree this rank computes: segments [begin, end)."""
+        n = _NUM_K_SEGMENTS // self.tp
+        return self.rank * n, (self.rank + 1) * n
+
+
+def shard_of(config: dict, tp: int, rank: int) -> RankShard:
+    """Rank `rank`'s shard of the model of `config` (config.json) at degree tp.
+    REQUIRES check_trainer_tensor_parallel(config, tp) passes."""
+    heads = int(config["num_attention_heads"])
+    nkv = int(config.get("num_key_value_heads", heads))
+    inter = int(config["intermediate_size"])
+    vocab = int(config["vocab_size"])
+    if nkv >= tp:
+        kv_heads, kv_begin = nkv // tp, rank * (nkv // tp)
+    else:  # fewer KV heads than ranks: the one its query heads read
+        kv_heads, kv_begin = 1, rank // (tp // nkv)
+    rows = -(-vocab // tp)
+    return RankShard(tp=tp, rank=rank, heads=heads // tp, head_begin=rank * (heads // tp),
+                     kv_heads=kv_heads, kv_head_begin=kv_begin, inter=inter // tp,
+                     inter_begin=rank * (inter // tp), vocab_rows=rows,
+                     vocab_begin=min(vocab, rank * rows), vocab_end=min(vocab, (rank + 1) * rows),
+                     kv_heads_total=nkv)
+
+
+def shard_index(name: str, shard: RankShard, config: dict) -> Optional[tuple]:
+    """The part of the Hugging Face tensor `name` that `shard` holds (a tuple of slices), None
+    for a replicated tensor."""
+    hd = int(config.get("head_dim") or int(config["hidden_size"]) // int(
+        config["num_attention_heads"]))
+    all_ = slice(None)
+    q = slice(shard.head_begin * hd, (shard.head_begin + shard.heads) * hd)
+    kv = slice(shard.kv_head_begin * hd, (shard.kv_head_begin + shard.kv_heads) * hd)
+    inter = slice(shard.inter_begin, shard.inter_begin + shard.inter)
+    vocab = slice(shard.vocab_begin, shard.vocab_end)
+    for suffix, index in (("self_attn.q_proj.weight", (q,)), ("self_attn.k_proj.weight", (kv,)),
+                          ("self_attn.v_proj.weight", (kv,)),
+                          ("self_attn.o_proj.weight", (all_, q)),
+                          ("mlp.gate_proj.weight", (inter,)), ("mlp.up_proj.weight", (inter,)),
+                          ("mlp.down_proj.weight", (all_, inter)),
+                          ("model.embed_tokens.weight", (vocab,)), ("lm_head.weight", (vocab,))):
+        if name.endswith(suffix):
+            return index
+    return None
+
+
+def _sliced_shape(shape, index) -> tuple:
+    """The shape of a tensor of `shape` indexed by `index` (slices), without making one."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
+
+
+# --- collectives with their backwards ---
+
+class _CopyToTp(torch.autograd.Function):
+    """Identity; backward: the gradient all-reduced (summed) over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    """x [...] of each rank -> [tp, ...] in rank order; backward: the rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.rank = dist.get_rank(group)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank].contiguous(), None
+
+
+class _SumOverHolders(torch.autograd.Function):
+    """Identity on a weight that ranks hold as copies and apply to their own part of the work
+    (`slot` of `slots` names which copy: ranks of one slot hold the same tensor); backward: the
+    gradient summed over the ranks of the slot."""
+
+    @staticmethod
+    def forward(ctx, w, slot: int, slots: int, group):
+        ctx.slot, ctx.slots, ctx.group = slot, slots, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        buf = torch.zeros((ctx.slots,) + tuple(grad.shape), dtype=grad.dtype)
+        buf[ctx.slot] = grad
+        dist.all_reduce(buf, group=ctx.group)
+        return buf[ctx.slot].clone(), None, None, None
+
+
+def copy_to_tp(x, group):
+    return _CopyToTp.apply(x, group)
+
+
+def all_gather(x, group):
+    return _AllGather.apply(x, group)
+
+
+def combine(gathered):
+    """The ranks' nodes [tp, ...] -> the tree's root. (The fold; a module-level name so that
+    tests can swap in a wrong order and see the bits change.)"""
+    return ops.combine_partials(gathered)
+
+
+def row_parallel_matmul(x, w, k_full: int, shard: RankShard, group):
+    """y = x_full @ w_full.T through the canonical K tree: x [m, k_slice], w [n, k_slice] the
+    rank's K columns; y [m, n] on every rank, TP 1's bits."""
+    seg_begin, seg_end = shard.segments
+    node = ops.segmented_partial_matmul(x, w, k_full, seg_begin, seg_end)
+    return combine(all_gather(node, group))
+
+
+class TpQwen3Model(Qwen3Model):
+    """Qwen3Model sharded over `tp_group` (a torch.distributed group, gloo: CPU tensors); every
+    rank of the group runs the same calls with the same inputs (collectives inside). Parameters
+    hold the rank's shards under their Hugging Face names (shard_index says which part). One
+    thread of each rank's process drives it, as torch.distributed requires of a group's calls."""
+
+    def __init__(self, config: dict, shards: Dict[str, torch.Tensor], tp_group):
+        check_trainer_tensor_parallel(config, dist.get_world_size(tp_group))
+        super().__init__(config, shards)
+        self.tp_group = tp_group
+        self.tp = dist.get_world_size(tp_group)
+        self.shard = shard_of(config, self.tp, dist.get_rank(tp_group))
+        self.intermediate = int(config["intermediate_size"])
+        for name, key in self._names.items():
+            index = shard_index(name, self.shard, config)
+            want = _sliced_shape(self._full_shape(name), index) if index else None
+            if want is not None and tuple(self.params[key].shape) != want:
+                raise ValueError(f"{name}: shard {tuple(self.params[key].shape)}, rank "
+                                 f"{self.shard.rank} of {self.tp} holds {tuple(want)}")
+
+    def _full_shape(self, name: str):
+        hd, h = self.head_dim, self.hidden
+        for suffix, shape in (("q_proj.weight", (self.heads * hd, h)),
+                              ("k_proj.weight", (self.kv_heads * hd, h)),
+                              ("v_proj.weight", (self.kv_heads * hd, h)),
+                              ("o_proj.weight", (h, self.heads * hd)),
+                              ("gate_proj.weight", (self.intermediate, h)),
+                              ("up_proj.weight", (self.intermediate, h)),
+                              ("down_proj.weight", (h, self.intermediate)),
+                              ("embed_tokens.weight", (self.vocab, h)),
+                              ("lm_head.weight", (self.vocab, h))):
+            if name.endswith(suffix):
+                return shape
+        return tuple(self.weight(name).shape)
+
+    @classmethod
+    def from_pretrained(cls, path: str, contract=None, tp_group=None) -> "TpQwen3Model":
+        """Rank dist.get_rank(tp_group)'s shards of the checkpoint at `path` (only those are
+        read); tp_group None is the default (world) group. contract: as Qwen3Model's (the
+        server's TP degree is its own; this model's is the group's size)."""
+        if tp_group is None:
+            tp_group = dist.group.WORLD
+        if contract is not None:
+            check_contract(contract)
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        tp = dist.get_world_size(tp_group)
+        check_trainer_tensor_parallel(config, tp)
+        shard = shard_of(config, tp, dist.get_rank(tp_group))
+        tensors = _read_safetensors(path, lambda name, _: shard_index(name, shard, config))
+        model = cls(config, tensors, tp_group)
+        model._check_against(contract, config)
+        return model
+
+    def load_weights(self, named_tensors) -> None:
+        """Replaces weights in place from full (unsharded) tensors: the rank takes its shard."""
+        self.load_shards((name, t[shard_index(name, self.shard, self.config) or ()])
+                         for name, t in named_tensors)
+
+    def load_shards(self, named_tensors) -> None:
+        """Replaces weights in place from tensors already cut to this rank's shard."""
+        super().load_weights(named_tensors)
+
+    def full_named_weights(self):
+        """(Hugging Face name, full tensor) pairs, gathered from every rank (a collective: every
+        rank must call it; each gets the whole model): what RolloutClient.update_weights takes."""
+        shards = [shard_of(self.config, self.tp, r) for r in range(self.tp)]
+        for name, p in self.named_weights():
+            mine = shard_index(name, self.shard, self.config)
+            if mine is None:
+                yield name, p.detach()
+                continue
+            full = torch.empty(self._full_shape(name), dtype=p.dtype)
+            biggest = max(_sliced_shape(full.shape, shard_index(name, s, self.config))
+                          for s in shards)
+            padded = torch.zeros(biggest, dtype=p.dtype)
+            padded[tuple(slice(0, n) for n in p.shape)] = p.detach()
+            parts = [torch.empty_like(padded) for _ in range(self.tp)]
+            dist.all_gather(parts, padded, group=self.tp_group)
+            for s, part in zip(shards, parts):
+                index = shard_index(name, s, self.config)
+                view = full[index]
+                view.copy_(part[tuple(slice(0, n) for n in view.shape)])
+            yield name, full
+
+    # --- forward ---
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Each rank fills the rows of the tokens it owns; the gathered rows are selected, so x
+        # is exactly the embedding row (as the server's vocab-parallel embedding).
+        s, t = self.shard, tokens.numel()
+        ids = tokens.long()
+        table = self.weight("model.embed_tokens.weight")  # [vocab_end - vocab_begin, hidden]
+        own = (ids >= s.vocab_begin) & (ids < s.vocab_end)
+        if s.vocab_end > s.vocab_begin:
+            rows = table[(ids - s.vocab_begin).clamp(0, s.vocab_end - s.vocab_begin - 1)]
+            local = torch.where(own[:, None], rows, torch.zeros((), dtype=rows.dtype))
+        else:  # a tiny vocabulary leaves the last ranks none
+            local = torch.zeros(t, self.hidden, dtype=torch.float32)
+        gathered = all_gather(local, self.tp_group)  # [tp, t, hidden]
+        return gathered[ids // s.vocab_rows, torch.arange(t)]
+
+    def hidden_states(self, tokens, cu_seqlens, reference_dtype=None, mlp_context=None):
+        if mlp_context is not None:
+            raise ValueError("mlp_context: trainer TP serves the dense Qwen3 MLP only")
+        if reference_dtype is not None:
+            raise ValueError("reference_dtype: the plain-torch reference runs unsharded "
+                             "(Qwen3Model)")
+        s, g = self.shard, self.tp_group
+        t, hd = tokens.numel(), self.head_dim
+        positions, _ = ops.packed_positions(cu_seqlens)
+        cos, sin = ops.rope_cos_sin(positions, hd, self.theta)
+        scale = float(np.float32(1.0) / np.sqrt(np.float32(hd)))  # as Qwen3Model's
+        kv_slots = self.kv_heads if s.kv_replicated else 1
+        kv_slot = s.kv_head_begin if s.kv_replicated else 0
+        x = self._embed(tokens)
+        for i in range(self.num_layers):
+            w = self._layer_weights(i)
+            wk, wv = w["k"], w["v"]
+            if s.kv_replicated:
+                wk = _SumOverHolders.apply(wk, kv_slot, kv_slots, g)
+                wv = _SumOverHolders.apply(wv, kv_slot, kv_slots, g)
+            qn = _SumOverHolders.apply(w["qn"], 0, 1, g)
+            kn = _SumOverHolders.apply(w["kn"], 0, 1, g)
+            xn = copy_to_tp(ops.rms_norm(x, w["in"], self.eps), g)
+            q = ops.matmul(xn, w["q"]).reshape(t, s.heads, hd)
+            k = ops.matmul(xn, wk).reshape(t, s.kv_heads, hd)
+            v = ops.matmul(xn, wv).reshape(t, s.kv_heads, hd)
+            q = ops.rope(ops.rms_norm(q, qn, self.eps), cos, sin)
+            k = ops.rope(ops.rms_norm(k, kn, self.eps), cos, sin)
+            a = ops.attention(q, k, v, cu_seqlens, scale).reshape(t, s.heads * hd)
+            x = ops.add(x, row_parallel_matmul(a, w["o"], self.heads * hd, s, g))
+            xn = copy_to_tp(ops.rms_norm(x, w["post"], self.eps), g)
+            gate_up = ops.matmul(xn, torch.cat([w["gate"], w["up"]], dim=0))
+            act = ops.silu_mul(gate_up)
+            x = ops.add(x, row_parallel_matmul(act, w["down"], self.intermediate, s, g))
+        return ops.rms_norm(x, self.weight("model.norm.weight"), self.eps)
+
+    def logits(self, tokens, cu_seqlens, reference_dtype=None, mlp_context=None):
+        """The full logits [t, vocab] on every rank: each rank's vocab columns (every column is
+        its own Dot, as at TP 1), gathered."""
+        s = self.shard
+        h = copy_to_tp(self.hidden_states(tokens, cu_seqlens, reference_dtype, mlp_context),
+                       self.tp_group)
+        head = self.weight("model.embed_tokens.weight" if self.tied else "lm_head.weight")
+        local = ops.matmul(h, head)  # [t, vocab_end - vocab_begin]
+        local = torch.nn.functional.pad(local, (0, s.vocab_rows - local.shape[1]))
+        gathered = all_gather(local, self.tp_group)  # [tp, t, vocab_rows]
+        t = local.shape[0]
+        return gathered.permute(1, 0, 2).reshape(t, self.tp * s.vocab_rows)[:, :self.vocab]
