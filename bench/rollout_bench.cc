@@ -80,8 +80,8 @@ ABSL_FLAG(bool, replay, true,
           "replay the workload's steps on the runner alone (no engine, "
           "logits left on the GPU): the device time of the forward passes");
 ABSL_FLAG(int32_t, batch1_tokens, 128, "decode steps timed at batch 1 (0: skip)");
-ABSL_FLAG(std::string, admission, "reserve",
-          "engine admission policy: reserve (the server's default), estimate or optimistic");
+ABSL_FLAG(std::string, admission, "estimate",
+          "engine admission policy: estimate (the server's default), reserve or optimistic");
 ABSL_FLAG(std::string, workload, "fixed",
           "fixed: num_requests x input_len/output_len, ignore_eos; rl: rl_prompts requests of "
           "rl_samples samples each, output lengths long-tailed (median rl_median, at most "

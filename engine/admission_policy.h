@@ -13,11 +13,16 @@ enum class AdmissionPolicy {
   // waits for a block, so nothing is preempted and nothing recomputed; memory a sample does not
   // use because it stops early is idle until it ends.
   kReserve,
-  // As kReserve, but each sequence is charged an estimate of the tokens it will still generate:
-  // min(max_new_tokens - generated, 4096) x a ratio that starts at 0.7, falls by 0.001 per step
-  // to 0.1 and, after a preemption, is raised to what the running sequences' progress suggests
-  // (their generated share of max_new_tokens, plus 20 steps each: SGLang's new_token_ratio). Admits more at once when samples stop early (RL
-  // rollouts); when the estimate was short, one sequence gives way as under kOptimistic.
+  // The default. As kReserve, but a sequence that may stop before max_new_tokens (it does not
+  // ignore EOS, or has stop tokens: Scheduler::MayStopEarly) is charged an estimate of the
+  // tokens it will still generate: min(max_new_tokens - generated, 4096) x a ratio that starts
+  // at 0.7, falls by 0.001 per step to 0.1 and, after a preemption, is raised to what the
+  // running sequences' progress suggests (their generated share of max_new_tokens, plus 20
+  // steps each: SGLang's new_token_ratio). One that cannot stop early is charged all of it, as
+  // under kReserve, so fixed-length work (ignore_eos) is admitted exactly as kReserve admits it.
+  // Admits more at once when samples stop early (RL rollouts: 1.08x the floor where kReserve
+  // takes 1.43x, docs/benchmarks.md); when the estimate was short, one sequence gives way as
+  // under kOptimistic.
   kEstimate,
   // As soon as its prompt fits; when a running sequence then needs a block and none is left,
   // one gives way (preemption) and is recomputed later. Admits more at once when samples stop

@@ -33,9 +33,10 @@ struct EngineOptions {
   // empty: the weights' digest is unknown ("") until an update brings every tensor's.
   TensorDigests weight_digests;
   bool prefix_cache = true;
-  // When a waiting sample may start (engine/scheduler.h): kReserve, the default, only when the
-  // KV pool can hold everything it may still need, so nothing is ever preempted.
-  AdmissionPolicy admission = AdmissionPolicy::kReserve;
+  // When a waiting sample may start (engine/admission_policy.h). kEstimate, the default: when
+  // the KV pool can hold what it may still need, a sample that may stop early charged an
+  // estimate of its tokens to come; kReserve charges every sample all of max_new_tokens.
+  AdmissionPolicy admission = AdmissionPolicy::kEstimate;
   // Launch decode step N + 1 before step N's results are applied, its tokens fed from step N's
   // rows on the runner (EngineCore::LookaheadReady in engine/engine_internal.h says when), on a
   // runner whose launched steps run on a device (ModelRunner::LaunchesAsync: the CUDA backend):

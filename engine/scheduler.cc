@@ -100,13 +100,17 @@ int64_t Scheduler::MaxTokens(const Sequence& seq) const {
 
 int64_t Scheduler::FutureBlocks(const Sequence& seq) const {
   int64_t tokens = MaxTokens(seq);
-  if (options_.admission == AdmissionPolicy::kEstimate) {
+  if (options_.admission == AdmissionPolicy::kEstimate && MayStopEarly(seq)) {
     const int64_t to_come = std::min(tokens - seq.num_tokens(), kEstimateClipTokens);
     tokens = seq.num_tokens() +
              static_cast<int64_t>(std::ceil(static_cast<double>(to_come) * new_token_ratio_));
   }
   return std::max<int64_t>(
       0, blocks_->BlocksFor(tokens) - static_cast<int64_t>(seq.block_table.size()));
+}
+
+bool Scheduler::MayStopEarly(const Sequence& seq) const {
+  return !seq.params.stop_token_ids.empty() || (!seq.params.ignore_eos && options_.model_has_eos);
 }
 
 void Scheduler::RaiseNewTokenRatio() {

@@ -16,9 +16,12 @@ struct SchedulerOptions {
   int32_t max_running = 64;        // sequences holding KV and taking part in steps
   int32_t max_batch_tokens = 512;  // tokens computed in one step (decode + prefill chunks)
   int32_t split_size = 64;         // prefill chunks end at multiples of this, or at the prompt end
-  AdmissionPolicy admission = AdmissionPolicy::kReserve;
+  AdmissionPolicy admission = AdmissionPolicy::kEstimate;
   // The most tokens a sequence can reach (the engine ends it there); 0: the whole pool.
   int64_t max_context = 0;
+  // Whether the model has EOS ids (config.eos_token_ids): a sample that does not ignore them may
+  // stop before max_new_tokens, which kEstimate's estimate counts on.
+  bool model_has_eos = true;
 };
 
 // Tokens [begin, end) of one sequence to run this step.
@@ -116,6 +119,10 @@ class Scheduler {
   // Blocks `seq` may still take beyond the ones it holds: all it may reach under kReserve, the
   // estimate under kEstimate.
   int64_t FutureBlocks(const Sequence& seq) const;
+  // Whether `seq` may end before max_new_tokens: on a stop token of its own, or on the model's
+  // EOS when it does not ignore it. kEstimate charges one that cannot all it may still need, as
+  // kReserve does: an estimate could only be short for it.
+  bool MayStopEarly(const Sequence& seq) const;
   // kReserve, kEstimate: whether the pool can hold `extra_blocks` more beside every running
   // sequence's FutureBlocks (free blocks and unlocked cached pages count as room).
   bool FitsBesideRunning(int64_t extra_blocks) const;

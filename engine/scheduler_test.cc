@@ -115,6 +115,44 @@ TEST(SchedulerTest, TheEstimateChargesAFallingShareOfTheTokensStillToCome) {
   EXPECT_EQ(scheduler.num_running(), 3u) << "at a ratio of 0.1 the third fits beside the two";
 }
 
+// A sample that cannot stop before max_new_tokens (EOS ignored, no stop tokens, or a model
+// without EOS ids) is charged all of it under kEstimate, as under kReserve: fixed-length work
+// is admitted exactly as kReserve admits it, never on an estimate that can only be short.
+TEST(SchedulerTest, TheEstimateChargesASampleThatCannotStopEarlyAllItsTokens) {
+  struct Case {
+    const char* what;
+    bool ignore_eos;
+    std::vector<int32_t> stop_token_ids;
+    bool model_has_eos;
+    size_t admitted;  // of three that each need 16 + 100 tokens (8 blocks) of a 12-block pool
+  };
+  const Case cases[] = {
+      {"EOS not ignored: the estimate (6 blocks each)", false, {}, true, 2},
+      {"EOS ignored: all of it, as reserve", true, {}, true, 1},
+      {"EOS ignored, but a stop token: the estimate", true, {5}, true, 2},
+      {"a model without EOS ids: all of it", false, {}, false, 1},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    for (AdmissionPolicy policy : {AdmissionPolicy::kEstimate, AdmissionPolicy::kReserve}) {
+      KvBlockManager blocks(12, 16);
+      PrefixCache cache(&blocks, /*enabled=*/false);
+      Scheduler scheduler({8, 512, 16, policy, 0, c.model_has_eos}, &blocks, &cache, "v");
+      std::vector<std::unique_ptr<Sequence>> seqs;
+      for (uint64_t i = 0; i < 3; ++i) {
+        seqs.push_back(MakeSeq(i, 16));
+        seqs.back()->params.max_new_tokens = 100;
+        seqs.back()->params.ignore_eos = c.ignore_eos;
+        seqs.back()->params.stop_token_ids = c.stop_token_ids;
+        scheduler.Add(seqs.back().get());
+      }
+      EXPECT_EQ(scheduler.Schedule().size(),
+                policy == AdmissionPolicy::kReserve ? size_t{1} : c.admitted)
+          << (policy == AdmissionPolicy::kReserve ? "reserve" : "estimate");
+    }
+  }
+}
+
 TEST(SchedulerTest, OptimisticAdmissionUnderKvPressurePreemptsAndTheVictimResumesLater) {
   KvBlockManager blocks(4, 4);  // 16 tokens of KV in all
   PrefixCache cache(&blocks, /*enabled=*/false);

@@ -53,7 +53,7 @@ struct ServerOptions {
   std::string weight_version = "0";
   bool prefix_cache = true;
   bool decode_lookahead = true;                           // EngineOptions::decode_lookahead
-  AdmissionPolicy admission = AdmissionPolicy::kReserve;  // EngineOptions::admission
+  AdmissionPolicy admission = AdmissionPolicy::kEstimate;  // EngineOptions::admission
   // Access control: a bearer token for control RPCs (and for all RPCs with auth_all_rpcs).
   std::string auth_token;
   bool auth_all_rpcs = false;

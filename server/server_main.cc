@@ -50,12 +50,14 @@ ABSL_FLAG(bool, device_weight_staging, false,
           "NCCL broadcast before the atomic swap. Needed to JoinWeightSyncGroup");
 ABSL_FLAG(std::string, weight_version, "0", "version string reported with every completion");
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of shared prefixes across requests");
-ABSL_FLAG(std::string, admission, "reserve",
-          "when a waiting sample starts: reserve (only when the KV pool can hold its prompt plus "
-          "max_new_tokens beside the running ones: no preemption, no recomputation), estimate "
-          "(charges an estimate of the tokens still to come that adapts to preemptions: more "
-          "samples at once when they stop early) or optimistic (as soon as its prompt fits; "
-          "preempts and recomputes under KV pressure)");
+ABSL_FLAG(std::string, admission, "estimate",
+          "when a waiting sample starts: estimate (when the KV pool can hold what it may still "
+          "need beside the running ones, a sample that may stop early -- EOS not ignored, or stop "
+          "tokens -- charged an estimate of its tokens to come that adapts to preemptions, one "
+          "that cannot charged all of max_new_tokens: more samples at once when they stop early, "
+          "as reserve when they cannot), reserve (every sample charged its prompt plus "
+          "max_new_tokens: no preemption, no recomputation) or optimistic (as soon as its prompt "
+          "fits; preempts and recomputes under KV pressure)");
 ABSL_FLAG(bool, decode_lookahead, true,
           "cuda backend: launch decode step N + 1 before step N's results are applied (its "
           "tokens fed on the device); false: one step at a time. Never changes a bit");

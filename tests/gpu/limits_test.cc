@@ -1,7 +1,7 @@
 // The engine at the largest context and batch its limits allow, on the GPU: the server's default
 // max_running_samples (256) samples, each to the model's whole context (Qwen3-8B's
 // max_position_embeddings, 40960 tokens), in one step budget of the server's default
-// max_batch_tokens (16384), in a KV pool sized to hold exactly all of them at once (two layers of
+// max_batch_tokens (16384), all of them decoding together at the end, in a KV pool sized to hold exactly all of them at once (two layers of
 // Qwen3-8B's shapes: 8 KiB a token, 80 GiB). Every sample ends with all its tokens -- none
 // aborted, none preempted, no token recomputed -- the decode steps at 256 x 40960 run (the
 // attention partials at the largest split count were planned at load: before the memory plan,
@@ -10,6 +10,7 @@
 // samples are bitwise those of the same sample run alone (D1 at the limits).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -29,7 +30,9 @@ namespace {
 
 constexpr int32_t kSamples = 256;       // the server's default --max_running_samples (cuda)
 constexpr int32_t kBatchTokens = 16384;  // the server's default --max_batch_tokens (cuda)
-constexpr int32_t kNewTokens = 24;
+// More than the steps the 256 prefills take (256 x 40960 / 16384 = 640), so that every sample is
+// still decoding when the last one starts: the steps then decode 256 rows at the whole context.
+constexpr int32_t kNewTokens = 768;
 
 double GiB(double bytes) { return bytes / (1 << 30); }
 
@@ -93,14 +96,29 @@ TEST(LimitsTest, EverySampleOfAFullBatchAtTheWholeContextCompletesWithTheBitsOfI
   for (int i = 0; i < kSamples; ++i) specs.push_back(Spec(i, max_context, config.vocab_size));
   const auto t_run = std::chrono::steady_clock::now();
   Collector collector(kSamples);
-  ASSERT_TRUE(engine->Submit(specs, collector.Sink()).ok());
+  // The most samples decoding at once: started (a token streamed) and not yet complete.
+  int started = 0, done = 0, peak = 0;  // the delivery thread's, read after Wait()
+  std::vector<bool> streaming(kSamples, false);
+  EventSink sink = [&, inner = collector.Sink()](std::vector<SampleEvent> events) {
+    for (const SampleEvent& e : events) {
+      if (!e.new_token_ids.empty() && !streaming[e.sample_index]) {
+        streaming[e.sample_index] = true;
+        ++started;
+      }
+      if (e.completion.has_value()) ++done;
+      peak = std::max(peak, started - done);
+    }
+    inner(std::move(events));
+  };
+  ASSERT_TRUE(engine->Submit(specs, sink).ok());
   const std::vector<SampleCompletion> all = collector.Wait();
   const double run_s = Seconds(t_run);
   const int64_t free_after = FreeDeviceMemory();
   const EngineCounters counters = engine->counters();
   std::printf("%d samples x %lld tokens (%lld prompt + %d generated) in %.1f s: %llu steps "
-              "(%llu prefill, %llu decode at %.2f ms), %llu preemptions, %llu recomputed "
-              "tokens; device memory taken during the run %.3f GiB\n",
+              "(%llu prefill, %llu decode at %.2f ms), at most %d samples decoding at once, %llu "
+              "preemptions, %llu recomputed tokens; device memory taken during the run %.3f "
+              "GiB\n",
               kSamples, static_cast<long long>(max_context),
               static_cast<long long>(max_context - kNewTokens), kNewTokens, run_s,
               static_cast<unsigned long long>(counters.steps),
@@ -109,7 +127,7 @@ TEST(LimitsTest, EverySampleOfAFullBatchAtTheWholeContextCompletesWithTheBitsOfI
               counters.decode_steps.count > 0
                   ? 1e3 * counters.decode_steps.sum_seconds / counters.decode_steps.count
                   : 0.0,
-              static_cast<unsigned long long>(counters.preemptions),
+              peak, static_cast<unsigned long long>(counters.preemptions),
               static_cast<unsigned long long>(counters.recomputed_tokens),
               GiB(free_at_start - free_after));
   for (int i = 0; i < kSamples; ++i) {
@@ -122,6 +140,7 @@ TEST(LimitsTest, EverySampleOfAFullBatchAtTheWholeContextCompletesWithTheBitsOfI
   EXPECT_EQ(counters.prefilled_tokens,
             static_cast<uint64_t>(kSamples) * static_cast<uint64_t>(max_context - kNewTokens));
   EXPECT_GT(counters.decode_steps.count, 0u);
+  EXPECT_EQ(peak, kSamples) << "the steps decoded every sample together at the whole context";
   // The metadata buffers and the graphs captured on first use are all the step path may take;
   // it must stay well inside what the plan left free.
   EXPECT_LE(free_at_start - free_after, int64_t{1} << 30);
