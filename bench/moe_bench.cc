@@ -196,28 +196,22 @@ int Main() {
                                        ? absl::GetFlag(FLAGS_tile_rows)
                                        : cuda::MoeTileRowsFor(a, e, h);
     const int32_t step_columns = cuda::MoeTileColumnsFor(step_tile_rows, h, mi);
-    cuda::MoeGemmParams up;
-    up.x = xn.get<bf16>();
-    up.rows = gr.rows;
-    up.assignments = a;
-    up.w = w_gate_up.get<bf16>();
-    up.expert_stride = 2 * mi * h;
-    up.n = 2 * mi;
-    up.k = h;
-    up.expert_offsets = gr.expert_offsets;
-    up.tile_offsets = gr.tile_offsets;
-    up.num_experts = e;
-    up.output = cuda::MoeGemmOutput::kBf16;
-    up.y = gate_up.get();
-    cuda::MoeGemmParams down = up;
-    down.x = act.get<bf16>();
-    down.rows = nullptr;
-    down.w = w_down.get<bf16>();
-    down.expert_stride = h * mi;
-    down.n = h;
-    down.k = mi;
-    down.output = cuda::MoeGemmOutput::kF32;
-    down.y = y.get();
+    // The runner's operands (kernels/cuda/moe.h); the shapes timed below override the tiles.
+    cuda::MoeLayerParams mp;
+    mp.xn = xn.get<bf16>();
+    mp.num_tokens = t;
+    mp.hidden = h;
+    mp.inter = mi;
+    mp.num_experts = e;
+    mp.top_k = k;
+    mp.w_gate_up = w_gate_up.get<bf16>();
+    mp.w_down = w_down.get<bf16>();
+    mp.grouping = gr;
+    mp.gate_up = gate_up.get<bf16>();
+    mp.act = act.get<bf16>();
+    mp.y = y.get<float>();
+    const cuda::MoeGemmParams up = cuda::MoeGateUpGemm(mp, step_tile_rows);
+    const cuda::MoeGemmParams down = cuda::MoeDownGemm(mp, step_tile_rows);
     auto route = [&] {
       Check(cuda::MoeRoute(logits.get<float>(), t, e, k, true, nullptr, nullptr, ids.get<int32_t>(),
                            weights.get<float>(), nullptr),

@@ -412,46 +412,35 @@ int rt_cuda_moe_experts(const void* xn, int64_t n, int64_t hidden, int64_t inter
                     "moe grouping")) {
     return r;
   }
-  rollout::cuda::MoeGemmParams gemm;
-  gemm.x = static_cast<const bf16*>(xn);
-  gemm.rows = grouping.rows;
-  gemm.assignments = a;
-  gemm.w = static_cast<const bf16*>(w_gate_up);
-  gemm.expert_stride = 2 * inter * hidden;
-  gemm.n = 2 * inter;
-  gemm.k = hidden;
-  gemm.expert_offsets = grouping.expert_offsets;
-  gemm.tile_offsets = grouping.tile_offsets;
-  gemm.num_experts = e;
-  gemm.output = rollout::cuda::MoeGemmOutput::kBf16;
-  gemm.y = gate_up;
-  gemm.tile_rows = tile_rows;
-  gemm.tile_columns = rollout::cuda::MoeTileColumnsFor(tile_rows, hidden, inter);
-  // EnqueueMoe's version choice (same bits either way: MoeGemmVersionsTest).
-  auto expert_gemm = [&](const rollout::cuda::MoeGemmParams& g) {
-    return g.tile_rows == rollout::cuda::kMoeTileRowsXLarge
-               ? rollout::cuda::MoeExpertGemm(g, s)
-               : rollout::cuda::MoeExpertGemmV1(g, s);
-  };
-  if (int r = Check(expert_gemm(gemm), "moe gate/up")) return r;
-  bf16* act_b = static_cast<bf16*>(act);
+  // EnqueueMoe's operands and version choice, by the same functions.
+  rollout::cuda::MoeLayerParams mp;
+  mp.xn = static_cast<const bf16*>(xn);
+  mp.num_tokens = n;
+  mp.hidden = hidden;
+  mp.inter = inter;
+  mp.num_experts = e;
+  mp.top_k = k;
+  mp.w_gate_up = static_cast<const bf16*>(w_gate_up);
+  mp.w_down = static_cast<const bf16*>(w_down);
+  mp.grouping = grouping;
+  mp.gate_up = static_cast<bf16*>(gate_up);
+  mp.act = static_cast<bf16*>(act);
+  mp.y = y;
+  if (int r = Check(rollout::cuda::MoeExpertGemmForTiles(
+                        rollout::cuda::MoeGateUpGemm(mp, tile_rows), s),
+                    "moe gate/up")) {
+    return r;
+  }
   for (int64_t r0 = 0; r0 < a; r0 += kMaxGridRows) {
     const int64_t rn = std::min(kMaxGridRows, a - r0);
-    if (int r = Check(rollout::cuda::SiluMul(static_cast<const bf16*>(gate_up) + r0 * 2 * inter,
-                                             rn, inter, act_b + r0 * inter, s),
+    if (int r = Check(rollout::cuda::SiluMul(mp.gate_up + r0 * 2 * inter, rn, inter,
+                                             mp.act + r0 * inter, s),
                       "moe silu * up")) {
       return r;
     }
   }
-  gemm.x = act_b;
-  gemm.rows = nullptr;
-  gemm.w = static_cast<const bf16*>(w_down);
-  gemm.expert_stride = hidden * inter;
-  gemm.n = hidden;
-  gemm.k = inter;
-  gemm.output = rollout::cuda::MoeGemmOutput::kF32;
-  gemm.y = y;
-  return Check(expert_gemm(gemm), "moe down");
+  return Check(rollout::cuda::MoeExpertGemmForTiles(rollout::cuda::MoeDownGemm(mp, tile_rows), s),
+               "moe down");
 }
 
 // cuda::MoeCombine: x[t] += sum over ranks j in order of weights[t, j] * y[slots[t * k + j]]

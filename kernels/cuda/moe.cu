@@ -245,12 +245,24 @@ cudaError_t MoeExperts(const MoeLayerParams& p, cudaStream_t stream) {
   cudaError_t err =
       MoeGroup(p.ids, p.num_tokens, p.num_experts, p.top_k, tile_rows, p.grouping, stream);
   if (err != cudaSuccess) return err;
+  if ((err = MoeExpertGemmForTiles(MoeGateUpGemm(p, tile_rows), stream)) != cudaSuccess) {
+    return err;
+  }
+  // SiluMul's grid holds 65535 rows: the same kernel over consecutive row ranges.
+  for (int64_t r0 = 0; r0 < assignments; r0 += 65535) {
+    const int64_t rn = std::min<int64_t>(65535, assignments - r0);
+    err = SiluMul(p.gate_up + r0 * 2 * p.inter, rn, p.inter, p.act + r0 * p.inter, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if ((err = MoeExpertGemmForTiles(MoeDownGemm(p, tile_rows), stream)) != cudaSuccess) return err;
+  return MoeCombine(p.y, p.grouping.slots, p.weights, p.num_tokens, p.top_k, p.hidden, p.x, stream);
+}
+
+MoeGemmParams MoeGateUpGemm(const MoeLayerParams& p, int32_t tile_rows) {
   MoeGemmParams gemm;
-  gemm.tile_rows = tile_rows;
-  gemm.tile_columns = MoeTileColumnsFor(tile_rows, p.hidden, p.inter);
   gemm.x = p.xn;
   gemm.rows = p.grouping.rows;
-  gemm.assignments = assignments;
+  gemm.assignments = p.num_tokens * p.top_k;
   gemm.w = p.w_gate_up;
   gemm.expert_stride = 2 * p.inter * p.hidden;
   gemm.n = 2 * p.inter;
@@ -260,13 +272,13 @@ cudaError_t MoeExperts(const MoeLayerParams& p, cudaStream_t stream) {
   gemm.num_experts = p.num_experts;
   gemm.output = MoeGemmOutput::kBf16;
   gemm.y = p.gate_up;
-  if ((err = MoeExpertGemm(gemm, stream)) != cudaSuccess) return err;
-  // SiluMul's grid holds 65535 rows: the same kernel over consecutive row ranges.
-  for (int64_t r0 = 0; r0 < assignments; r0 += 65535) {
-    const int64_t rn = std::min<int64_t>(65535, assignments - r0);
-    err = SiluMul(p.gate_up + r0 * 2 * p.inter, rn, p.inter, p.act + r0 * p.inter, stream);
-    if (err != cudaSuccess) return err;
-  }
+  gemm.tile_rows = tile_rows;
+  gemm.tile_columns = MoeTileColumnsFor(tile_rows, p.hidden, p.inter);
+  return gemm;
+}
+
+MoeGemmParams MoeDownGemm(const MoeLayerParams& p, int32_t tile_rows) {
+  MoeGemmParams gemm = MoeGateUpGemm(p, tile_rows);
   gemm.x = p.act;
   gemm.rows = nullptr;
   gemm.w = p.w_down;
@@ -275,8 +287,12 @@ cudaError_t MoeExperts(const MoeLayerParams& p, cudaStream_t stream) {
   gemm.k = p.inter;
   gemm.output = MoeGemmOutput::kF32;
   gemm.y = p.y;
-  if ((err = MoeExpertGemm(gemm, stream)) != cudaSuccess) return err;
-  return MoeCombine(p.y, p.grouping.slots, p.weights, p.num_tokens, p.top_k, p.hidden, p.x, stream);
+  return gemm;
+}
+
+cudaError_t MoeExpertGemmForTiles(const MoeGemmParams& params, cudaStream_t stream) {
+  return params.tile_rows == kMoeTileRowsXLarge ? MoeExpertGemm(params, stream)
+                                                : MoeExpertGemmV1(params, stream);
 }
 
 }  // namespace rollout::cuda

@@ -181,4 +181,18 @@ struct MoeLayerParams {
 };
 cudaError_t MoeExperts(const MoeLayerParams& params, cudaStream_t stream);
 
+// The expert GEMMs of one MoE layer as MoeExperts, the runner's EnqueueMoe and the trainer's
+// rt_cuda_moe_experts launch them, in tiles of `tile_rows` (the grouping's: MoeTileRowsFor) and
+// MoeTileColumnsFor's columns. Gate/up: the grouped rows of xn times each expert's w_gate_up
+// into gate_up (bf16); down: act (grouped order) times each expert's w_down into y (fp32).
+// Reads no pointer; weights, ids, x are not used.
+MoeGemmParams MoeGateUpGemm(const MoeLayerParams& params, int32_t tile_rows);
+MoeGemmParams MoeDownGemm(const MoeLayerParams& params, int32_t tile_rows);
+
+// The grouped GEMM in the faster version for its tiles (H200, rollout-moe-bench, session 11):
+// version 1 at 32- and 64-row tiles (64 tokens 0.177 against 0.196 ms, 256 tokens 0.350 against
+// 0.450), version 2 at 128 (8192 tokens 3.09 against 3.38 ms). The same bits either way
+// (MoeGemmVersionsTest).
+cudaError_t MoeExpertGemmForTiles(const MoeGemmParams& params, cudaStream_t stream);
+
 }  // namespace rollout::cuda

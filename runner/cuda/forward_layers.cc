@@ -313,48 +313,33 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(cuda::MoeGroup(ids, n, e, k, tile_rows, grouping, stream), "moe grouping"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGroup));
-  cuda::MoeGemmParams gemm;
-  gemm.x = xn;
-  gemm.rows = grouping.rows;
-  gemm.assignments = a;
-  gemm.w = l.expert_gate_up;
-  gemm.expert_stride = 2 * mi * h;
-  gemm.n = 2 * mi;
-  gemm.k = h;
-  gemm.expert_offsets = grouping.expert_offsets;
-  gemm.tile_offsets = grouping.tile_offsets;
-  gemm.num_experts = e;
-  gemm.output = cuda::MoeGemmOutput::kBf16;
-  gemm.y = rk.moe_gate_up.get();
-  gemm.tile_rows = tile_rows;
-  gemm.tile_columns = cuda::MoeTileColumnsFor(tile_rows, h, mi);
-  // The 32- and 64-row shapes of version 1 measured faster than version 2's (H200,
-  // rollout-moe-bench, session 11: 64 tokens 0.177 against 0.196 ms, 256 tokens 0.350 against
-  // 0.450, 2048 tokens 1.03 against 1.09); version 2's 128 x 256 wins at 128-row tiles (8192
-  // tokens: 3.09 against 3.38 ms). The same bits either way (MoeGemmVersionsTest).
-  auto expert_gemm = [&](const cuda::MoeGemmParams& g) {
-    return g.tile_rows == cuda::kMoeTileRowsXLarge ? cuda::MoeExpertGemm(g, stream)
-                                                   : cuda::MoeExpertGemmV1(g, stream);
-  };
-  ROLLOUT_RETURN_IF_ERROR(CudaError(expert_gemm(gemm), "moe gate/up"));
+  // The expert GEMMs' operands (the trainer's rt_cuda_moe_experts builds them by the same
+  // functions); each GEMM in the faster version for its tiles (the same bits either way).
+  cuda::MoeLayerParams mp;
+  mp.xn = xn;
+  mp.num_tokens = n;
+  mp.hidden = h;
+  mp.inter = mi;
+  mp.num_experts = e;
+  mp.top_k = k;
+  mp.w_gate_up = l.expert_gate_up;
+  mp.w_down = l.expert_down;
+  mp.grouping = grouping;
+  mp.gate_up = rk.moe_gate_up.get<bf16>();
+  mp.act = rk.moe_act.get<bf16>();
+  mp.y = rk.moe_y.get<float>();
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cuda::MoeExpertGemmForTiles(cuda::MoeGateUpGemm(mp, tile_rows), stream), "moe gate/up"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGateUp));
-  bf16* act = rk.moe_act.get<bf16>();
   for (int64_t r0 = 0; r0 < a; r0 += 65535) {  // SiluMul's grid holds 65535 rows
     const int64_t rn = std::min<int64_t>(65535, a - r0);
     ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::SiluMul(rk.moe_gate_up.get<bf16>() + r0 * 2 * mi, rn, mi, act + r0 * mi, stream),
+        cuda::SiluMul(mp.gate_up + r0 * 2 * mi, rn, mi, mp.act + r0 * mi, stream),
         "moe silu * up"));
   }
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kSiluMul));
-  gemm.x = act;
-  gemm.rows = nullptr;
-  gemm.w = l.expert_down;
-  gemm.expert_stride = h * mi;
-  gemm.n = h;
-  gemm.k = mi;
-  gemm.output = cuda::MoeGemmOutput::kF32;
-  gemm.y = rk.moe_y.get();
-  ROLLOUT_RETURN_IF_ERROR(CudaError(expert_gemm(gemm), "moe down"));
+  ROLLOUT_RETURN_IF_ERROR(CudaError(
+      cuda::MoeExpertGemmForTiles(cuda::MoeDownGemm(mp, tile_rows), stream), "moe down"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeDown));
   ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeCombine(rk.moe_y.get<float>(), grouping.slots, weights,
                                                      n, k, h, rk.x.get<float>(), stream),
