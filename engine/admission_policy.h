@@ -30,6 +30,19 @@ enum class AdmissionPolicy {
   kOptimistic,
 };
 
+// The flag's name of `policy`: ParseAdmissionPolicy's inverse.
+inline const char* AdmissionPolicyName(AdmissionPolicy policy) {
+  switch (policy) {
+    case AdmissionPolicy::kReserve:
+      return "reserve";
+    case AdmissionPolicy::kEstimate:
+      return "estimate";
+    case AdmissionPolicy::kOptimistic:
+      return "optimistic";
+  }
+  return "";
+}
+
 // "reserve", "estimate" or "optimistic"; nullopt for anything else.
 inline std::optional<AdmissionPolicy> ParseAdmissionPolicy(std::string_view name) {
   if (name == "reserve") return AdmissionPolicy::kReserve;

@@ -153,6 +153,14 @@ TEST(SchedulerTest, TheEstimateChargesASampleThatCannotStopEarlyAllItsTokens) {
   }
 }
 
+TEST(SchedulerTest, AdmissionPolicyNamesParseBack) {
+  for (AdmissionPolicy p :
+       {AdmissionPolicy::kReserve, AdmissionPolicy::kEstimate, AdmissionPolicy::kOptimistic}) {
+    EXPECT_EQ(ParseAdmissionPolicy(AdmissionPolicyName(p)), p) << AdmissionPolicyName(p);
+  }
+  EXPECT_EQ(ParseAdmissionPolicy("lazy"), std::nullopt);
+}
+
 TEST(SchedulerTest, OptimisticAdmissionUnderKvPressurePreemptsAndTheVictimResumesLater) {
   KvBlockManager blocks(4, 4);  // 16 tokens of KV in all
   PrefixCache cache(&blocks, /*enabled=*/false);

@@ -431,6 +431,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   l->set_kv_block_size(engine_->kv_block_size());
   l->set_attention_split_size(engine_->attention_split_size());
   l->set_tensor_parallel(static_cast<uint32_t>(model_.tensor_parallel));
+  l->set_admission(AdmissionPolicyName(engine_->options().admission));
   const EngineCounters counters = engine_->counters();
   v1::EngineCounters* k = response->mutable_counters();
   k->set_running_samples(counters.running);

@@ -279,6 +279,7 @@ TEST_F(GenerateE2eTest, ServerInfoReportsModelLimitsAndCounters) {
   EXPECT_EQ(info.limits().max_batch_tokens(), 512u);
   EXPECT_EQ(info.limits().kv_block_size(), 16u);
   EXPECT_EQ(info.limits().attention_split_size(), 64u);
+  EXPECT_EQ(info.limits().admission(), "estimate") << "the default --admission";
   // The numerics contract (docs/api.md): what a trainer-side forward must compute.
   const v1::NumericsContract& n = info.numerics();
   EXPECT_EQ(n.backend(), info.backend());

@@ -259,6 +259,7 @@ class EngineLimits:
     kv_block_size: int
     attention_split_size: int
     tensor_parallel: int
+    admission: str  # --admission: "estimate", "reserve" or "optimistic"
 
 
 @dataclass

@@ -99,6 +99,7 @@ class GenerateTest(unittest.TestCase):
         self.assertEqual(info.backend, "cpu")
         self.assertGreater(info.limits.max_running_samples, 0)
         self.assertEqual(info.limits.tensor_parallel, 1)
+        self.assertEqual(info.limits.admission, "estimate")
         self.assertEqual(info.counters.weight_updates, 0)
         self.assertTrue(os.path.isdir(info.model.source))
         self.assertEqual(info.to_dict()["model"]["vocab_size"], 4096)
