@@ -2,8 +2,8 @@
 # Runs the CUDA backend's proofs and benchmarks on a GPU machine, from the repository root, with
 # binaries built elsewhere and bundled in .gpu/ (docs/cuda.md: "Running on a GPU host").
 # Logs go to $OUT (default /tmp/rollout-gpu). Each step is time-boxed; a failing step does not
-# stop the later ones. Steps: STEPS="hf test attn digest bits sweep bench e2e grpc weights"
-# (default: hf test sweep bench).
+# stop the later ones. Steps: STEPS="hf test attn digest bits sweep bench e2e grpc weights moe
+# trainer limits" (default: hf test sweep bench).
 #   attn: rollout-attention-bench (bit checks: prefill = decode; decode timings to ~16K).
 #   digest: rollout-digest-bench (the device weight digest of Qwen3-8B's 16.4 GB, validated
 #         against the host digest, beside the copy rate and the host digest rate).
@@ -19,6 +19,11 @@
 #   moe:  rollout-moe-bench (one Qwen3-30B-A3B MoE layer, kernel by kernel, beside the floor of
 #         the experts it touches read once; MOE_ARGS), then rollout-bench --preset qwen3-30b-a3b
 #         (the MoE floor, the step shares of routing / grouping / expert GEMMs; MOE_BENCH_ARGS).
+#   trainer: tests/gpu/trainer_parity.sh for TRAINER_PRESETS (default "small moe-small"): the
+#         trainer's logprobs (CudaQwen3Model, CudaQwen3MoeModel) against Generate and Score,
+#         bitwise, routing replay, gradients (needs rollout-server, rollout-cli,
+#         rollout-make-model, the module and librollout_trainer_cuda_ops.so in .gpu/).
+#   limits: rollout_gpu_test's LimitsTest.* (256 samples to the whole 40,960-token context).
 set -uo pipefail
 OUT=${OUT:-/tmp/rollout-gpu}
 STEPS=${STEPS:-"hf test sweep bench"}
@@ -103,6 +108,16 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
   timeout ${BENCH_TIMEOUT:-420} .gpu/bin/rollout-bench $BENCH_ARGS > "$OUT/bench.log" 2>&1
   echo "rollout-bench: rc $?"; grep -E "RESULT|REPLAY|floor|batch-1|TIMEOUT" "$OUT/bench.log"
+fi
+if [[ " $STEPS " == *" trainer "* ]]; then
+  PRESETS=${TRAINER_PRESETS:-"small moe-small"} OUT=$OUT/trainer \
+    timeout ${TRAINER_TIMEOUT:-600} bash tests/gpu/trainer_parity.sh > "$OUT/trainer_parity.log" 2>&1
+  echo "trainer_parity: rc $?"; grep -E "^SUMMARY|^FAILED|rc [0-9]" "$OUT/trainer_parity.log"
+fi
+if [[ " $STEPS " == *" limits "* ]]; then
+  timeout ${LIMITS_TIMEOUT:-300} .gpu/bin/rollout_gpu_test --gtest_filter='LimitsTest.*' \
+    > "$OUT/limits_test.log" 2>&1
+  echo "LimitsTest: rc $?"; grep -E "^loaded|samples x|^\[  (PASSED|FAILED) " "$OUT/limits_test.log"
 fi
 if [[ " $STEPS " == *" moe "* ]]; then
   timeout ${MOE_TIMEOUT:-300} .gpu/bin/rollout-moe-bench ${MOE_ARGS:-} > "$OUT/moe_bench.log" 2>&1
