@@ -491,13 +491,7 @@ def check_model(args, check, model, samples, moe_server, gen_all, score_all) -> 
         for mb in microbatches(samples, args.microbatch):
             tokens, cu, mask = pack_batch(model, mb)
             pack = model.packing(cu)
-            row_routing = None
-            if args.moe:
-                lp, used = model.logprobs(tokens, cu, args.temperature, pack=pack,
-                                          return_routing=True)
-                row_routing = row_aligned(used, cu, model.device)
-            else:
-                lp = model.logprobs(tokens, cu, args.temperature, pack=pack)
+            lp, row_routing = trainer_logprobs(args, model, tokens, cu, pack)
             mine.append(lp[mask].cpu().numpy())
             control.append(plain.logprobs(tokens, pack, args.temperature, row_routing)[mask]
                            .cpu().numpy())
@@ -520,13 +514,7 @@ def check_model(args, check, model, samples, moe_server, gen_all, score_all) -> 
         pack = model.packing(cu)
         a = adv(tokens.numel())
         model.zero_grad(set_to_none=True)
-        row_routing = None
-        if args.moe:
-            lp, used = model.logprobs(tokens, cu, args.temperature, pack=pack,
-                                      return_routing=True)
-            row_routing = row_aligned(used, cu, model.device)
-        else:
-            lp = model.logprobs(tokens, cu, args.temperature, pack=pack)
+        lp, row_routing = trainer_logprobs(args, model, tokens, cu, pack)
         grpo_loss(lp, mask, a).backward()
         mine_g = {k: p.grad.float().clone() for k, p in model.params.items()
                   if p.grad is not None}
@@ -592,6 +580,15 @@ def dry_run(args, cls, run) -> int:
         config = json.load(f)
     with fake_cuda_lib.installed():
         return run(cls(config, _read_safetensors(args.model), device="cpu"))
+
+
+def trainer_logprobs(args, model, tokens, cu, pack):
+    """The trainer's logprobs of a packed batch at args.temperature, and (a MoE model) the
+    experts each row chose, row-aligned for plain torch to replay; None for a dense model."""
+    if not args.moe:
+        return model.logprobs(tokens, cu, args.temperature, pack=pack), None
+    lp, used = model.logprobs(tokens, cu, args.temperature, pack=pack, return_routing=True)
+    return lp, row_aligned(used, cu, model.device)
 
 
 def row_aligned(used, cu, device):

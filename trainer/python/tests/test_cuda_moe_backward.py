@@ -32,14 +32,20 @@ class CudaMoeBackwardTest(unittest.TestCase):
     def setUp(self):
         self.gen = torch.Generator().manual_seed(0)
 
+    def _router_case(self, t, e, k, norm):
+        """Router logits (requiring grad), a routing, an upstream gradient of the top-k weights,
+        and autograd's gradient of the reference weights in float64."""
+        logits = (torch.randn(t, e, dtype=D, generator=self.gen) * 2).requires_grad_(True)
+        ids = _routing(t, e, k, self.gen)
+        g = torch.randn(t, k, dtype=D, generator=self.gen)
+        (want,) = torch.autograd.grad(cpu_ops.reference_moe_weights(logits, ids, norm),
+                                      (logits,), g)
+        return logits, ids, g, want
+
     def test_router_backward_is_autograd_through_the_top_k_weights(self):
         t, e, k = 9, 8, 3
         for norm in (True, False):
-            logits = (torch.randn(t, e, dtype=D, generator=self.gen) * 2).requires_grad_(True)
-            ids = _routing(t, e, k, self.gen)
-            g = torch.randn(t, k, dtype=D, generator=self.gen)
-            (want,) = torch.autograd.grad(cpu_ops.reference_moe_weights(logits, ids, norm),
-                                          (logits,), g)
+            logits, ids, g, want = self._router_case(t, e, k, norm)
             got = cuda_ops.moe_route_backward(logits.detach(), ids, norm, g)
             self.assertEqual(got.dtype, D)
             self.assertLess(_rel(got, want), 1e-12, f"norm_topk_prob={norm}")
@@ -111,11 +117,7 @@ class CudaMoeBackwardTest(unittest.TestCase):
         # Controls: the router backward without renormalisation, and the combine's weight
         # gradient read from another rank, are caught by the comparisons above.
         t, e, k = 9, 8, 3
-        logits = (torch.randn(t, e, dtype=D, generator=self.gen) * 2).requires_grad_(True)
-        ids = _routing(t, e, k, self.gen)
-        g = torch.randn(t, k, dtype=D, generator=self.gen)
-        (want,) = torch.autograd.grad(cpu_ops.reference_moe_weights(logits, ids, True),
-                                      (logits,), g)
+        logits, ids, g, want = self._router_case(t, e, k, True)
         wrong = cuda_ops.moe_route_backward(logits.detach(), ids, False, g)
         self.assertGreater(_rel(wrong, want), 1e-3)
         y = torch.randn(t, k, 4, dtype=D, generator=self.gen, requires_grad=True)
