@@ -116,8 +116,8 @@ class Scheduler {
   // The most tokens `seq` can reach: the whole sequence when scoring, else its prompt plus
   // max_new_tokens, at most max_context.
   int64_t MaxTokens(const Sequence& seq) const;
-  // Blocks `seq` may still take beyond the ones it holds: all it may reach under kReserve, the
-  // estimate under kEstimate.
+  // Blocks `seq` may still take beyond the ones it holds: all it may reach under kReserve (and
+  // under kEstimate when it cannot stop early), the estimate under kEstimate.
   int64_t FutureBlocks(const Sequence& seq) const;
   // Whether `seq` may end before max_new_tokens: on a stop token of its own, or on the model's
   // EOS when it does not ignore it. kEstimate charges one that cannot all it may still need, as
