@@ -193,18 +193,28 @@ int rt_cuda_gemm(RtCudaModel* model, int32_t which, const void* x, int64_t m, co
 }
 
 // The residual projection `which` (0 o_proj, 1 down_proj) as the runner's EnqueueRowParallel at
-// TP 1: x[m, hidden] += in[m, K] . w^T. Canonical: w is the runner's segment-major layout
-// [8, hidden, K / 8]; the eight leaves (one batched call) into `leaves` [8, m, hidden] fp32,
-// then SumTree adds the tree to x. Fused: w [hidden, K], one GEMM with the residual epilogue
-// (leaves unused).
+// TP 1: out[m, hidden] = x[m, hidden] + in[m, K] . w^T (out may be x: in place, as the runner).
+// Canonical: w is the runner's segment-major layout [8, hidden, K / 8]; the eight leaves (one
+// batched call) into `leaves` [8, m, hidden] fp32, then SumTreeOnto adds the tree to x into
+// out (x read once, out written once: no copy of the residual). Fused: w [hidden, K], x copied
+// into out (unless out is x), then one GEMM with the residual epilogue (leaves unused).
 int rt_cuda_row_parallel(RtCudaModel* model, int32_t which, const void* in, int64_t m,
-                         const void* w, float* leaves, float* x, void* stream) {
+                         const void* w, float* leaves, const float* x, float* out, void* stream) {
   PinnedGemm* g = which == 0 ? model->o.get() : which == 1 ? model->down.get() : nullptr;
   if (g == nullptr) return Fail("rt_cuda_row_parallel: which must be 0 (o) or 1 (down)");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bf16* a = static_cast<const bf16*>(in);
   const bf16* wb = static_cast<const bf16*>(w);
-  if (!model->canonical) return Check(g->Run(a, m, wb, x, s), "row-parallel GEMM");
+  if (!model->canonical) {
+    if (out != x) {
+      if (int e = Check(cudaMemcpyAsync(out, x, static_cast<size_t>(m) * model->hidden * 4,
+                                        cudaMemcpyDeviceToDevice, s),
+                        "residual copy")) {
+        return e;
+      }
+    }
+    return Check(g->Run(a, m, wb, out, s), "row-parallel GEMM");
+  }
   const int64_t k_full = which == 0 ? model->o_k : model->down_k;
   const int64_t h = model->hidden, seg = k_full / rollout::cuda::kNumKSegments;
   const int64_t count = m * h;
@@ -213,7 +223,7 @@ int rt_cuda_row_parallel(RtCudaModel* model, int32_t which, const void* in, int6
                     "K tree leaves")) {
     return e;
   }
-  return Check(rollout::cuda::SumTree(leaves, leaves_n, count, count, x, /*accumulate=*/true, s),
+  return Check(rollout::cuda::SumTreeOnto(leaves, leaves_n, count, count, x, out, s),
                "K tree + residual");
 }
 

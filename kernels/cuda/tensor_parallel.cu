@@ -19,7 +19,7 @@ __device__ __forceinline__ float4 Add4(float4 a, float4 b) {
 
 template <int kParts>
 __global__ void SumTreeKernel(const float4* parts, int64_t part_stride4, int64_t count4,
-                              float4* out, bool accumulate) {
+                              const float4* residual, float4* out) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count4;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float4 v[kParts];
@@ -31,7 +31,7 @@ __global__ void SumTreeKernel(const float4* parts, int64_t part_stride4, int64_t
 #pragma unroll
       for (int p = 0; p < width / 2; ++p) v[p] = Add4(v[2 * p], v[2 * p + 1]);
     }
-    out[i] = accumulate ? Add4(out[i], v[0]) : v[0];
+    out[i] = residual != nullptr ? Add4(residual[i], v[0]) : v[0];
   }
 }
 
@@ -71,6 +71,11 @@ __global__ void SelectOwnerRowsKernel(const int32_t* token_ids, const float* gat
 
 cudaError_t SumTree(const float* parts, int num_parts, int64_t part_stride, int64_t count,
                     float* out, bool accumulate, cudaStream_t stream) {
+  return SumTreeOnto(parts, num_parts, part_stride, count, accumulate ? out : nullptr, out, stream);
+}
+
+cudaError_t SumTreeOnto(const float* parts, int num_parts, int64_t part_stride, int64_t count,
+                        const float* residual, float* out, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   if (count % 4 != 0 || part_stride % 4 != 0) return cudaErrorInvalidValue;
   const int64_t count4 = count / 4;
@@ -78,19 +83,20 @@ cudaError_t SumTree(const float* parts, int num_parts, int64_t part_stride, int6
       static_cast<unsigned>(std::min(kMaxBlocks, (count4 + kThreads - 1) / kThreads));
   const float4* p = reinterpret_cast<const float4*>(parts);
   float4* o = reinterpret_cast<float4*>(out);
+  const float4* r = reinterpret_cast<const float4*>(residual);
   const int64_t stride4 = part_stride / 4;
   switch (num_parts) {
     case 1:
-      SumTreeKernel<1><<<blocks, kThreads, 0, stream>>>(p, stride4, count4, o, accumulate);
+      SumTreeKernel<1><<<blocks, kThreads, 0, stream>>>(p, stride4, count4, r, o);
       break;
     case 2:
-      SumTreeKernel<2><<<blocks, kThreads, 0, stream>>>(p, stride4, count4, o, accumulate);
+      SumTreeKernel<2><<<blocks, kThreads, 0, stream>>>(p, stride4, count4, r, o);
       break;
     case 4:
-      SumTreeKernel<4><<<blocks, kThreads, 0, stream>>>(p, stride4, count4, o, accumulate);
+      SumTreeKernel<4><<<blocks, kThreads, 0, stream>>>(p, stride4, count4, r, o);
       break;
     case 8:
-      SumTreeKernel<8><<<blocks, kThreads, 0, stream>>>(p, stride4, count4, o, accumulate);
+      SumTreeKernel<8><<<blocks, kThreads, 0, stream>>>(p, stride4, count4, r, o);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -33,6 +33,10 @@ inline constexpr int kNumKSegments = 8;
 // multiples of 4; parts and out 16-byte aligned; out does not overlap parts.
 cudaError_t SumTree(const float* parts, int num_parts, int64_t part_stride, int64_t count,
                     float* out, bool accumulate, cudaStream_t stream);
+// The same tree onto another array: out[i] = residual ? residual[i] + T : T (residual may be
+// out: SumTree's accumulate). residual 16-byte aligned.
+cudaError_t SumTreeOnto(const float* parts, int num_parts, int64_t part_stride, int64_t count,
+                        const float* residual, float* out, cudaStream_t stream);
 
 // The vocab-parallel embedding, one rank's part: x[t, :] =
 // float(shard[token_ids[t] - vocab_begin, :]) when vocab_begin <= token_ids[t]

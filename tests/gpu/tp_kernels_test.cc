@@ -248,11 +248,18 @@ TEST_F(TpGemmTest, SumTreeIsTheCanonicalOrderAndPlainReductionsAreNot) {
   const std::vector<float> parts = gpu_test::RandomFloats(8 * count, 301, 1.0f);
   const std::vector<float> base = gpu_test::RandomFloats(count, 302, 1.0f);
   cuda::DeviceBuffer d_parts = gpu_test::Upload(parts);
+  cuda::DeviceBuffer d_base = gpu_test::Upload(base);
   for (int num : {1, 2, 4, 8}) {
-    for (bool accumulate : {false, true}) {
-      cuda::DeviceBuffer out = gpu_test::Upload(base);
-      ASSERT_EQ(cudaSuccess, cuda::SumTree(d_parts.get<float>(), num, count, count,
-                                           out.get<float>(), accumulate, nullptr));
+    // mode 0, 1: SumTree without and with accumulate; 2: SumTreeOnto from another array (the
+    // trainer's rt_cuda_row_parallel), into an output that starts as garbage.
+    for (int mode : {0, 1, 2}) {
+      const bool accumulate = mode != 0;
+      cuda::DeviceBuffer out = gpu_test::Upload(mode == 2 ? parts : base);
+      ASSERT_EQ(cudaSuccess,
+                mode == 2 ? cuda::SumTreeOnto(d_parts.get<float>(), num, count, count,
+                                              d_base.get<float>(), out.get<float>(), nullptr)
+                          : cuda::SumTree(d_parts.get<float>(), num, count, count,
+                                          out.get<float>(), accumulate, nullptr));
       const std::vector<float> got = gpu_test::Download<float>(out, count);
       int64_t differing = 0;
       for (int64_t i = 0; i < count; ++i) {
@@ -264,7 +271,7 @@ TEST_F(TpGemmTest, SumTreeIsTheCanonicalOrderAndPlainReductionsAreNot) {
         const float want = accumulate ? base[i] + v[0] : v[0];
         differing += std::memcmp(&got[i], &want, 4) != 0;
       }
-      EXPECT_EQ(differing, 0) << num << " parts, accumulate " << accumulate;
+      EXPECT_EQ(differing, 0) << num << " parts, mode " << mode;
     }
   }
 

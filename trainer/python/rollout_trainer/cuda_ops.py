@@ -65,7 +65,7 @@ def lib() -> ctypes.CDLL:
         "rt_cuda_model_free": (None, [_p]),
         "rt_cuda_model_algorithms": (ctypes.c_char_p, [_p]),
         "rt_cuda_gemm": (ctypes.c_int, [_p, _i32, _p, _i64, _p, _p, _p]),
-        "rt_cuda_row_parallel": (ctypes.c_int, [_p, _i32, _p, _i64, _p, _p, _p, _p]),
+        "rt_cuda_row_parallel": (ctypes.c_int, [_p, _i32, _p, _i64, _p, _p, _p, _p, _p]),
         "rt_cuda_embedding": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _p]),
         "rt_cuda_rms_norm": (ctypes.c_int, [_p, _p, _i64, _i64, _p, _f, _p, _p]),
         "rt_cuda_qkv_norm_rope": (ctypes.c_int, [_p, _i64, _p, _p, _p, _p, _f, _p, _p, _i32,
@@ -165,16 +165,17 @@ class PinnedGemms:
 
     def row_parallel(self, which: int, x: torch.Tensor, a: torch.Tensor, w_kernel: torch.Tensor):
         """x + a . w^T as the runner (w_kernel: segment-major [8, hidden, K / 8] when canonical,
-        else [hidden, K]); a new fp32 tensor."""
+        else [hidden, K]); a new fp32 tensor, written by the kernel from x (no copy of x first)."""
         a = _need(a, "in", torch.bfloat16, 256)
-        out = _need(x, "x", torch.float32, 256).clone()
+        x = _need(x, "x", torch.float32, 256)
+        out = torch.empty_like(x)
         m = a.shape[0]
         leaves = None
         if self.canonical and m:
             leaves = torch.empty(8, m, out.shape[1], dtype=torch.float32, device=x.device)
         if m:
             _call("rt_cuda_row_parallel", self._h, which, _ptr(a), m, _ptr(w_kernel),
-                  _ptr(leaves), _ptr(out), _stream())
+                  _ptr(leaves), _ptr(x), _ptr(out), _stream())
         return out
 
 

@@ -87,11 +87,11 @@ class FakeCudaLib:
         out.copy_((self.t(x).float() @ self.t(w).float().t()).to(out.dtype))
         return 0
 
-    def rt_cuda_row_parallel(self, h, which, a, m, w_kernel, leaves, x, stream):
+    def rt_cuda_row_parallel(self, h, which, a, m, w_kernel, leaves, x, out, stream):
         w = self.t(w_kernel)
         if self.models[h.value]["canonical"]:  # [8, hidden, K / 8] -> [hidden, K]
             w = w.permute(1, 0, 2).reshape(w.shape[1], -1)
-        self.t(x).add_(self.t(a).float() @ w.float().t())
+        self.t(out).copy_(self.t(x) + self.t(a).float() @ w.float().t())
         return 0
 
     # --- the rest of the dense forward ---
