@@ -99,14 +99,10 @@ class Qwen3Model(torch.nn.Module):
         return t.to(_TORCH_DTYPES[self.served_dtype]).to(torch.float32)
 
     @classmethod
-    def from_pretrained(cls, path: str, contract=None, tp_group=None) -> "Qwen3Model":
+    def from_pretrained(cls, path: str, contract=None) -> "Qwen3Model":
         """Loads config.json and the safetensors of `path`; with `contract` (ServerInfo.numerics)
-        refuses, naming the field, one this library cannot honour. tp_group: a
-        torch.distributed process group to shard the model over (rollout_trainer.tp: each rank
-        loads its shards; logprobs are TP 1's bits on every rank)."""
-        if tp_group is not None:
-            from .tp import TpQwen3Model
-            return TpQwen3Model.from_pretrained(path, contract=contract, tp_group=tp_group)
+        refuses, naming the field, one this library cannot honour. Sharded over a
+        torch.distributed group: TpQwen3Model.from_pretrained(path, contract, tp_group)."""
         if contract is not None:
             check_contract(contract)
         with open(os.path.join(path, "config.json")) as f:

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(REPO, "client", "python", "tests"))
 import _support  # noqa: E402  (the client tests' server subprocess)
 
 from rollout_client import RolloutClient  # noqa: E402
-from rollout_trainer import Qwen3Model, ops, tp as tp_mod  # noqa: E402
+from rollout_trainer import Qwen3Model, TpQwen3Model, ops, tp as tp_mod  # noqa: E402
 from rollout_trainer.contract import check_trainer_tensor_parallel  # noqa: E402
 
 TEMPERATURE = 0.9
@@ -87,7 +87,7 @@ def _rank_main(rank, tp, port, path, contract, tokens, cu, controls, queue):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=tp)
-        model = Qwen3Model.from_pretrained(path, contract=contract, tp_group=dist.group.WORLD)
+        model = TpQwen3Model.from_pretrained(path, contract=contract, tp_group=dist.group.WORLD)
         lp, grads = logprobs_and_grads(model, tokens, cu)
         out = {"lp": lp.numpy(), "grads": {n: g.numpy() for n, g in grads.items()}}
         # The whole model gathered back is the checkpoint's (as served), and loading it back
