@@ -43,11 +43,12 @@ inline const char* AdmissionPolicyName(AdmissionPolicy policy) {
   return "";
 }
 
-// "reserve", "estimate" or "optimistic"; nullopt for anything else.
+// "reserve", "estimate" or "optimistic" (AdmissionPolicyName's); nullopt for anything else.
 inline std::optional<AdmissionPolicy> ParseAdmissionPolicy(std::string_view name) {
-  if (name == "reserve") return AdmissionPolicy::kReserve;
-  if (name == "estimate") return AdmissionPolicy::kEstimate;
-  if (name == "optimistic") return AdmissionPolicy::kOptimistic;
+  for (AdmissionPolicy policy :
+       {AdmissionPolicy::kReserve, AdmissionPolicy::kEstimate, AdmissionPolicy::kOptimistic}) {
+    if (name == AdmissionPolicyName(policy)) return policy;
+  }
   return std::nullopt;
 }
 

@@ -164,9 +164,7 @@ TEST(EngineAdmissionTest, FourTimesOverSubscribedPoolFinishesEverySampleWithoutR
   uint64_t reserve_steps = 0;
   for (AdmissionPolicy policy :
        {AdmissionPolicy::kReserve, AdmissionPolicy::kEstimate, AdmissionPolicy::kOptimistic}) {
-    const char* name = policy == AdmissionPolicy::kReserve    ? "reserve"
-                       : policy == AdmissionPolicy::kEstimate ? "estimate"
-                                                              : "optimistic";
+    const char* name = AdmissionPolicyName(policy);
     EngineOptions options;
     options.admission = policy;
     std::unique_ptr<Engine> engine = MakeEngine(small, options);

@@ -148,7 +148,7 @@ TEST(SchedulerTest, TheEstimateChargesASampleThatCannotStopEarlyAllItsTokens) {
       }
       EXPECT_EQ(scheduler.Schedule().size(),
                 policy == AdmissionPolicy::kReserve ? size_t{1} : c.admitted)
-          << (policy == AdmissionPolicy::kReserve ? "reserve" : "estimate");
+          << AdmissionPolicyName(policy);
     }
   }
 }

@@ -52,7 +52,7 @@ struct ServerOptions {
   bool device_weight_staging = false;
   std::string weight_version = "0";
   bool prefix_cache = true;
-  bool decode_lookahead = true;                           // EngineOptions::decode_lookahead
+  bool decode_lookahead = true;                            // EngineOptions::decode_lookahead
   AdmissionPolicy admission = AdmissionPolicy::kEstimate;  // EngineOptions::admission
   // Access control: a bearer token for control RPCs (and for all RPCs with auth_all_rpcs).
   std::string auth_token;
