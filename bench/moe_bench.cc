@@ -228,12 +228,7 @@ int Main() {
       Check(version1 ? cuda::MoeExpertGemmV1(q, nullptr) : cuda::MoeExpertGemm(q, nullptr), what);
     };
     auto silu = [&] {
-      for (int64_t r0 = 0; r0 < a; r0 += 65535) {
-        const int64_t rn = std::min<int64_t>(65535, a - r0);
-        Check(cuda::SiluMul(gate_up.get<bf16>() + r0 * 2 * mi, rn, mi, act.get<bf16>() + r0 * mi,
-                            nullptr),
-              "silu");
-      }
+      Check(cuda::SiluMul(gate_up.get<bf16>(), a, mi, act.get<bf16>(), nullptr), "silu");
     };
     auto combine = [&] {
       Check(cuda::MoeCombine(y.get<float>(), gr.slots, weights.get<float>(), t, k, h,
@@ -293,12 +288,8 @@ int Main() {
       gemm(up_shape, shape.version1, shape.tile_rows, shape.tile_columns, "gate_up");
       if (reference) {
         // act from the reference gate/up: the down GEMM's input for every shape.
-        for (int64_t r0 = 0; r0 < a; r0 += 65535) {
-          const int64_t rn = std::min<int64_t>(65535, a - r0);
-          Check(cuda::SiluMul(gate_up_reference.get<bf16>() + r0 * 2 * mi, rn, mi,
-                              act.get<bf16>() + r0 * mi, nullptr),
-                "silu");
-        }
+        Check(cuda::SiluMul(gate_up_reference.get<bf16>(), a, mi, act.get<bf16>(), nullptr),
+              "silu");
       }
       gemm(down_shape, shape.version1, shape.tile_rows, shape.tile_columns, "down");
       unsigned long long up_differing = 0, down_differing = 0;

@@ -318,16 +318,9 @@ int rt_cuda_attention(const float* q, const int32_t* positions, const int32_t* t
 
 // out = bf16(silu(gate) * up): SiluMul. gate_up bf16 [rows, 2 dim], out bf16 [rows, dim].
 int rt_cuda_silu_mul(const void* gate_up, int64_t rows, int64_t dim, void* out, void* stream) {
-  for (int64_t r = 0; r < rows; r += kMaxGridRows) {
-    const int64_t n = std::min(kMaxGridRows, rows - r);
-    if (int e = Check(rollout::cuda::SiluMul(static_cast<const bf16*>(gate_up) + r * 2 * dim, n,
-                                             dim, static_cast<bf16*>(out) + r * dim,
-                                             static_cast<cudaStream_t>(stream)),
-                      "silu * up")) {
-      return e;
-    }
-  }
-  return 0;
+  return Check(rollout::cuda::SiluMul(static_cast<const bf16*>(gate_up), rows, dim,
+                                      static_cast<bf16*>(out), static_cast<cudaStream_t>(stream)),
+               "silu * up");
 }
 
 // The scored token's logprob of each fp32 logits row as the server's sampling kernel computes
@@ -441,13 +434,8 @@ int rt_cuda_moe_experts(const void* xn, int64_t n, int64_t hidden, int64_t inter
                     "moe gate/up")) {
     return r;
   }
-  for (int64_t r0 = 0; r0 < a; r0 += kMaxGridRows) {
-    const int64_t rn = std::min(kMaxGridRows, a - r0);
-    if (int r = Check(rollout::cuda::SiluMul(mp.gate_up + r0 * 2 * inter, rn, inter,
-                                             mp.act + r0 * inter, s),
-                      "moe silu * up")) {
-      return r;
-    }
+  if (int r = Check(rollout::cuda::SiluMul(mp.gate_up, a, inter, mp.act, s), "moe silu * up")) {
+    return r;
   }
   return Check(rollout::cuda::MoeExpertGemmForTiles(rollout::cuda::MoeDownGemm(mp, tile_rows), s),
                "moe down");

@@ -94,12 +94,17 @@ cudaError_t EmbeddingGather(const int32_t* token_ids, int64_t num_tokens, const 
 
 cudaError_t SiluMul(const bf16* gate_up, int64_t rows, int64_t dim, bf16* out,
                     cudaStream_t stream) {
-  if (dim % 8 != 0 || rows > 65535) return cudaErrorInvalidValue;
-  if (rows == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((dim / 8 + kThreads - 1) / kThreads),
-                  static_cast<unsigned>(rows));
-  SiluMulKernel<<<grid, kThreads, 0, stream>>>(gate_up, dim, out);
-  return cudaGetLastError();
+  if (dim % 8 != 0) return cudaErrorInvalidValue;
+  // A grid holds 65535 rows: consecutive row ranges, one launch each (rows are independent).
+  constexpr int64_t kMaxRows = 65535;
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const int64_t n = std::min(kMaxRows, rows - r0);
+    const dim3 grid(static_cast<unsigned>((dim / 8 + kThreads - 1) / kThreads),
+                    static_cast<unsigned>(n));
+    SiluMulKernel<<<grid, kThreads, 0, stream>>>(gate_up + r0 * 2 * dim, dim, out + r0 * dim);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t FillRandomWeights(uint64_t key, double scale, int kind, int64_t count, bf16* out_bf16,

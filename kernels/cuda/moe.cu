@@ -248,12 +248,7 @@ cudaError_t MoeExperts(const MoeLayerParams& p, cudaStream_t stream) {
   if ((err = MoeExpertGemmForTiles(MoeGateUpGemm(p, tile_rows), stream)) != cudaSuccess) {
     return err;
   }
-  // SiluMul's grid holds 65535 rows: the same kernel over consecutive row ranges.
-  for (int64_t r0 = 0; r0 < assignments; r0 += 65535) {
-    const int64_t rn = std::min<int64_t>(65535, assignments - r0);
-    err = SiluMul(p.gate_up + r0 * 2 * p.inter, rn, p.inter, p.act + r0 * p.inter, stream);
-    if (err != cudaSuccess) return err;
-  }
+  if ((err = SiluMul(p.gate_up, assignments, p.inter, p.act, stream)) != cudaSuccess) return err;
   if ((err = MoeExpertGemmForTiles(MoeDownGemm(p, tile_rows), stream)) != cudaSuccess) return err;
   return MoeCombine(p.y, p.grouping.slots, p.weights, p.num_tokens, p.top_k, p.hidden, p.x, stream);
 }

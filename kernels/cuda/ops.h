@@ -187,8 +187,8 @@ cudaError_t MergeAttentionSplitsOfItems(const AttentionParams& params, int32_t h
                                         cudaStream_t stream);
 
 // out[r, i] = bf16(silu(gate) * up), silu(g) = g / (1 + expf(-g)), gate = gate_up[r, i],
-// up = gate_up[r, dim + i]. gate_up: [rows, 2 * dim] bf16; out: [rows, dim] bf16.
-// REQUIRES: dim % 8 == 0.
+// up = gate_up[r, dim + i]. gate_up: [rows, 2 * dim] bf16; out: [rows, dim] bf16. Any number of
+// rows (launched 65535 at a time). REQUIRES: dim % 8 == 0.
 cudaError_t SiluMul(const bf16* gate_up, int64_t rows, int64_t dim, bf16* out, cudaStream_t stream);
 
 // Seeded weights, bitwise the values WriteRandomModel (model/random_model.cc) writes in bf16:

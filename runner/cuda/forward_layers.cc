@@ -331,12 +331,8 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   ROLLOUT_RETURN_IF_ERROR(CudaError(
       cuda::MoeExpertGemmForTiles(cuda::MoeGateUpGemm(mp, tile_rows), stream), "moe gate/up"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGateUp));
-  for (int64_t r0 = 0; r0 < a; r0 += 65535) {  // SiluMul's grid holds 65535 rows
-    const int64_t rn = std::min<int64_t>(65535, a - r0);
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::SiluMul(mp.gate_up + r0 * 2 * mi, rn, mi, mp.act + r0 * mi, stream),
-        "moe silu * up"));
-  }
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cuda::SiluMul(mp.gate_up, a, mi, mp.act, stream), "moe silu * up"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kSiluMul));
   ROLLOUT_RETURN_IF_ERROR(CudaError(
       cuda::MoeExpertGemmForTiles(cuda::MoeDownGemm(mp, tile_rows), stream), "moe down"));

@@ -135,8 +135,8 @@ TEST_F(KernelsTest, NormKernelsRefuseMisalignedPointers) {
 }
 
 TEST_F(KernelsTest, SiluMulMatchesCpu) {
-  for (int64_t dim : {768, 12288}) {
-    const int64_t rows = 3;
+  // The last case: more rows than one grid holds (65535), launched in row ranges.
+  for (auto [dim, rows] : {std::pair<int64_t, int64_t>{768, 3}, {12288, 3}, {64, 70000}}) {
     std::vector<bf16> gu;
     std::vector<float> gu_f;
     gpu_test::RandomBf16(rows * 2 * dim, 11, 2.0f, &gu, &gu_f);
