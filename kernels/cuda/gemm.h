@@ -37,7 +37,7 @@ namespace rollout::cuda {
 
 inline constexpr size_t kMaxPinnedWorkspace = 1 << 20;
 
-struct GemmProbe;  // gemm.cc: the ladder's admission test
+struct GemmProbe;  // gemm_ladder.cc: the ladder's admission test
 
 enum class GemmOutput {
   kBf16,           // y bf16, overwritten
