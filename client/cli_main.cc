@@ -131,6 +131,15 @@ void CheckOk(const absl::Status& status) {
   if (!status.ok()) Fail(status);
 }
 
+// The ids in flag --name's text ("1,2,3" or "1 2 3"); a usage error naming the flag otherwise.
+std::vector<uint32_t> IdsFlag(const std::string& text, const char* name) {
+  absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds(text);
+  if (!ids.ok()) {
+    Fail(absl::InvalidArgumentError(absl::StrCat("--", name, ": ", ids.status().message())));
+  }
+  return *std::move(ids);
+}
+
 std::chrono::milliseconds SecondsFlag(double seconds, const char* name) {
   if (!(seconds > 0)) {
     Fail(absl::InvalidArgumentError(absl::StrCat("--", name, " must be positive")));
@@ -183,10 +192,7 @@ std::unique_ptr<RolloutClient> ConnectFromFlags() {
 rollout::v1::GenerateRequest RequestFromFlags() {
   const std::string prompt = absl::GetFlag(FLAGS_prompt);
   if (prompt.empty()) Fail(absl::InvalidArgumentError("--prompt is required for generate"));
-  absl::StatusOr<std::vector<uint32_t>> prompt_ids = ParseTokenIds(prompt);
-  if (!prompt_ids.ok()) {
-    Fail(absl::InvalidArgumentError(absl::StrCat("--prompt: ", prompt_ids.status().message())));
-  }
+  const std::vector<uint32_t> prompt_ids = IdsFlag(prompt, "prompt");
 
   rollout::v1::GenerateRequest request;
   rollout::v1::RolloutRequest* rollout = request.add_rollouts();
@@ -197,7 +203,7 @@ rollout::v1::GenerateRequest RequestFromFlags() {
                               std::chrono::duration_cast<std::chrono::milliseconds>(now).count());
   }
   rollout->set_request_id(request_id);
-  rollout->mutable_prompt_token_ids()->Add(prompt_ids->begin(), prompt_ids->end());
+  rollout->mutable_prompt_token_ids()->Add(prompt_ids.begin(), prompt_ids.end());
   rollout->set_seed(absl::GetFlag(FLAGS_seed));
   rollout->set_num_samples(absl::GetFlag(FLAGS_samples));
 
@@ -208,11 +214,8 @@ rollout::v1::GenerateRequest RequestFromFlags() {
   if (auto v = absl::GetFlag(FLAGS_min_p)) sampling->set_min_p(*v);
   sampling->set_max_new_tokens(absl::GetFlag(FLAGS_max_new_tokens));
   if (const std::string stop = absl::GetFlag(FLAGS_stop); !stop.empty()) {
-    absl::StatusOr<std::vector<uint32_t>> stop_ids = ParseTokenIds(stop);
-    if (!stop_ids.ok()) {
-      Fail(absl::InvalidArgumentError(absl::StrCat("--stop: ", stop_ids.status().message())));
-    }
-    sampling->mutable_stop_token_ids()->Add(stop_ids->begin(), stop_ids->end());
+    const std::vector<uint32_t> stop_ids = IdsFlag(stop, "stop");
+    sampling->mutable_stop_token_ids()->Add(stop_ids.begin(), stop_ids.end());
   }
   sampling->set_ignore_eos(absl::GetFlag(FLAGS_ignore_eos));
   sampling->set_top_logprobs(absl::GetFlag(FLAGS_top_logprobs));
@@ -243,36 +246,30 @@ rollout::v1::ScoreRequest ScoreRequestFromFlags() {
     Fail(
         absl::InvalidArgumentError("--tokens is required for score (--token is the bearer token)"));
   }
-  absl::StatusOr<std::vector<uint32_t>> token_ids = ParseTokenIds(tokens);
-  if (!token_ids.ok()) {
-    Fail(absl::InvalidArgumentError(absl::StrCat("--tokens: ", token_ids.status().message())));
-  }
+  const std::vector<uint32_t> token_ids = IdsFlag(tokens, "tokens");
   // The server checks this too; checking here fails a typo without a round trip, and a start at
   // or past the end would score nothing, which no one asks for on purpose.
-  if (token_ids->size() < 2) {
+  if (token_ids.size() < 2) {
     Fail(absl::InvalidArgumentError(
         "--tokens needs at least 2 tokens: the first has no context to be scored in"));
   }
   const uint32_t start = absl::GetFlag(FLAGS_start);
-  if (start < 1 || start >= token_ids->size()) {
-    Fail(absl::InvalidArgumentError(absl::StrCat("--start must be in [1, ", token_ids->size() - 1,
-                                                 "] for ", token_ids->size(), " tokens")));
+  if (start < 1 || start >= token_ids.size()) {
+    Fail(absl::InvalidArgumentError(absl::StrCat("--start must be in [1, ", token_ids.size() - 1,
+                                                 "] for ", token_ids.size(), " tokens")));
   }
 
   rollout::v1::ScoreRequest request;
   rollout::v1::ScoreSequence* sequence = request.add_sequences();
-  sequence->mutable_token_ids()->Add(token_ids->begin(), token_ids->end());
+  sequence->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   sequence->set_start(start);
   if (auto v = absl::GetFlag(FLAGS_temperature)) sequence->set_temperature(*v);
   sequence->set_top_logprobs(absl::GetFlag(FLAGS_top_logprobs));
   sequence->set_return_routing(absl::GetFlag(FLAGS_return_routing));
   if (const std::string routing = absl::GetFlag(FLAGS_routing); !routing.empty()) {
     // The server checks the length and the ids (naming the sequence and the index).
-    absl::StatusOr<std::vector<uint32_t>> ids = ParseTokenIds(routing);
-    if (!ids.ok()) {
-      Fail(absl::InvalidArgumentError(absl::StrCat("--routing: ", ids.status().message())));
-    }
-    sequence->mutable_routing()->Add(ids->begin(), ids->end());
+    const std::vector<uint32_t> ids = IdsFlag(routing, "routing");
+    sequence->mutable_routing()->Add(ids.begin(), ids.end());
   }
   return request;
 }
