@@ -406,16 +406,8 @@ int rt_cuda_moe_experts(const void* xn, int64_t n, int64_t hidden, int64_t inter
                         int32_t k, const int32_t* ids, const void* w_gate_up, const void* w_down,
                         int32_t* grouping_buffer, void* gate_up, void* act, float* y,
                         void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int64_t a = n * k;
-  if (a == 0) return 0;
-  const rollout::cuda::MoeGrouping grouping = rollout::cuda::MoeGroupingIn(grouping_buffer, e, a);
-  const int32_t tile_rows = rollout::cuda::MoeTileRowsFor(a, e, hidden);
-  if (int r = Check(rollout::cuda::MoeGroup(ids, n, e, k, tile_rows, grouping, s),
-                    "moe grouping")) {
-    return r;
-  }
-  // EnqueueMoe's operands and version choice, by the same functions.
+  // EnqueueMoe's launches up to the combine, by the same functions (kernels/cuda/moe.h).
+  if (n * k == 0) return 0;
   rollout::cuda::MoeLayerParams mp;
   mp.xn = static_cast<const bf16*>(xn);
   mp.num_tokens = n;
@@ -423,22 +415,15 @@ int rt_cuda_moe_experts(const void* xn, int64_t n, int64_t hidden, int64_t inter
   mp.inter = inter;
   mp.num_experts = e;
   mp.top_k = k;
+  mp.ids = ids;
   mp.w_gate_up = static_cast<const bf16*>(w_gate_up);
   mp.w_down = static_cast<const bf16*>(w_down);
-  mp.grouping = grouping;
+  mp.grouping = rollout::cuda::MoeGroupingIn(grouping_buffer, e, n * k);
   mp.gate_up = static_cast<bf16*>(gate_up);
   mp.act = static_cast<bf16*>(act);
   mp.y = y;
-  if (int r = Check(rollout::cuda::MoeExpertGemmForTiles(
-                        rollout::cuda::MoeGateUpGemm(mp, tile_rows), s),
-                    "moe gate/up")) {
-    return r;
-  }
-  if (int r = Check(rollout::cuda::SiluMul(mp.gate_up, a, inter, mp.act, s), "moe silu * up")) {
-    return r;
-  }
-  return Check(rollout::cuda::MoeExpertGemmForTiles(rollout::cuda::MoeDownGemm(mp, tile_rows), s),
-               "moe down");
+  return Check(rollout::cuda::MoeExpertOutputs(mp, static_cast<cudaStream_t>(stream)),
+               "moe experts");
 }
 
 // cuda::MoeCombine: x[t] += sum over ranks j in order of weights[t, j] * y[slots[t * k + j]]

@@ -238,7 +238,7 @@ cudaError_t MoeCombine(const float* y, const int32_t* slots, const float* weight
   return cudaGetLastError();
 }
 
-cudaError_t MoeExperts(const MoeLayerParams& p, cudaStream_t stream) {
+cudaError_t MoeExpertOutputs(const MoeLayerParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   const int64_t assignments = p.num_tokens * p.top_k;
   const int32_t tile_rows = MoeTileRowsFor(assignments, p.num_experts, p.hidden);
@@ -249,7 +249,12 @@ cudaError_t MoeExperts(const MoeLayerParams& p, cudaStream_t stream) {
     return err;
   }
   if ((err = SiluMul(p.gate_up, assignments, p.inter, p.act, stream)) != cudaSuccess) return err;
-  if ((err = MoeExpertGemmForTiles(MoeDownGemm(p, tile_rows), stream)) != cudaSuccess) return err;
+  return MoeExpertGemmForTiles(MoeDownGemm(p, tile_rows), stream);
+}
+
+cudaError_t MoeExperts(const MoeLayerParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  if (const cudaError_t err = MoeExpertOutputs(p, stream); err != cudaSuccess) return err;
   return MoeCombine(p.y, p.grouping.slots, p.weights, p.num_tokens, p.top_k, p.hidden, p.x, stream);
 }
 

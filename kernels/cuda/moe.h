@@ -180,9 +180,12 @@ struct MoeLayerParams {
   float* x = nullptr;       // [num_tokens, hidden]: the residual, += the combine
 };
 cudaError_t MoeExperts(const MoeLayerParams& params, cudaStream_t stream);
+// MoeExperts up to the combine: grouping, gate/up, SiLU * up and down into y (grouped order);
+// weights and x are not used. The trainer's rt_cuda_moe_experts (its combine is a separate op).
+cudaError_t MoeExpertOutputs(const MoeLayerParams& params, cudaStream_t stream);
 
-// The expert GEMMs of one MoE layer as MoeExperts, the runner's EnqueueMoe and the trainer's
-// rt_cuda_moe_experts launch them, in tiles of `tile_rows` (the grouping's: MoeTileRowsFor) and
+// The expert GEMMs of one MoE layer as MoeExperts and the runner's EnqueueMoe (which marks its
+// profile between them) launch them, in tiles of `tile_rows` (the grouping's: MoeTileRowsFor) and
 // MoeTileColumnsFor's columns. Gate/up: the grouped rows of xn times each expert's w_gate_up
 // into gate_up (bf16); down: act (grouped order) times each expert's w_down into y (fp32).
 // Reads no pointer; weights, ids, x are not used.
