@@ -114,11 +114,18 @@ int rt_cuda_device_facts(char* buf, int64_t len) {
   return 0;
 }
 
-// The model's pinned GEMMs on the current device; *out receives the handle (free with
-// rt_cuda_model_free).
-int rt_cuda_model_create(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                         int64_t intermediate, int64_t vocab, int64_t pin_m, int32_t ladder,
-                         int32_t canonical, RtCudaModel** out) {
+// The model's pinned GEMMs on the current device, for rank slices of tensor parallelism (the
+// runner's PinCanonicalGemms): every GEMM is pinned (and its ladder built) on the full weight's
+// shape, and a column-parallel one whose rank slice is narrower -- qkv_rows of qkv, gate_up_rows
+// of gate_up, vocab_rows of lm_head -- runs that algorithm (and ladder) on the slice, so each
+// output column has the unsliced GEMM's bits. The o / down leaves [hidden, K / 8] are the same
+// shape at every degree. Slices narrower than the full shapes need `canonical`. *out receives
+// the handle (free with rt_cuda_model_free); `algorithms` lists the full shapes' pins, as
+// ServerInfo.numerics.gemm_algorithms does at every degree.
+int rt_cuda_model_create_tp(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t intermediate, int64_t vocab, int64_t pin_m, int32_t ladder,
+                            int32_t canonical, int64_t qkv_rows, int64_t gate_up_rows,
+                            int64_t vocab_rows, RtCudaModel** out) {
   *out = nullptr;
   if (pin_m <= 0) return Fail("gemm_pin_m must be > 0 (a server on the heuristic is not reproduced)");
   auto m = std::make_unique<RtCudaModel>();
@@ -135,24 +142,34 @@ int rt_cuda_model_create(int64_t hidden, int64_t heads, int64_t kv_heads, int64_
     return Fail("the canonical K tree needs heads * head_dim and the intermediate size to be "
                 "multiples of 64");
   }
+  const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim;
+  if (!m->canonical && (qkv_rows != qkv_n || gate_up_rows != 2 * intermediate ||
+                        vocab_rows != vocab)) {
+    return Fail("rank slices (tensor parallelism) need the canonical K tree");
+  }
   struct Spec {
     const char* name;
     int64_t n, k;
     GemmOutput output;
     std::unique_ptr<PinnedGemm>* gemm;
     int max_batch;
+    int64_t slice_n;  // the rank's columns
   };
   const GemmOutput row_out = m->canonical ? GemmOutput::kF32 : GemmOutput::kF32Accumulate;
   const int row_batch = m->canonical ? seg : 1;
   const std::vector<Spec> specs = {
-      {"qkv", (heads + 2 * kv_heads) * head_dim, hidden, GemmOutput::kF32, &m->qkv, 1},
-      {"o", hidden, m->canonical ? m->o_k / seg : m->o_k, row_out, &m->o, row_batch},
-      {"gate_up", 2 * intermediate, hidden, GemmOutput::kBf16, &m->gate_up, 1},
+      {"qkv", qkv_n, hidden, GemmOutput::kF32, &m->qkv, 1, qkv_rows},
+      {"o", hidden, m->canonical ? m->o_k / seg : m->o_k, row_out, &m->o, row_batch, hidden},
+      {"gate_up", 2 * intermediate, hidden, GemmOutput::kBf16, &m->gate_up, 1, gate_up_rows},
       {"down", hidden, m->canonical ? intermediate / seg : intermediate, row_out, &m->down,
-       row_batch},
-      {"lm_head", vocab, hidden, GemmOutput::kF32, &m->lm_head, 1},
+       row_batch, hidden},
+      {"lm_head", vocab, hidden, GemmOutput::kF32, &m->lm_head, 1, vocab_rows},
   };
   for (const Spec& g : specs) {
+    if (g.slice_n < 1 || g.slice_n > g.n) {
+      return Fail(std::string("rank slice of ") + g.name + " out of range: " +
+                  std::to_string(g.slice_n) + " of " + std::to_string(g.n) + " rows");
+    }
     std::string why;
     const cublasStatus_t s =
         PinnedGemm::Create(m->lt, g.n, g.k, g.output, pin_m, g.gemm, &why, g.max_batch);
@@ -165,9 +182,30 @@ int rt_cuda_model_create(int64_t hidden, int64_t heads, int64_t kv_heads, int64_
     }
     if (!m->algorithms.empty()) m->algorithms += "\n";
     m->algorithms += rollout::cuda::DescribePin(g.name, **g.gemm);
+    if (g.slice_n == g.n) continue;
+    std::unique_ptr<PinnedGemm> slice;
+    if (PinnedGemm::CreateWithAlgo(m->lt, g.slice_n, g.k, g.output, (*g.gemm)->algo(), &slice,
+                                   &why, g.max_batch) != CUBLAS_STATUS_SUCCESS) {
+      return Fail(std::string("the algorithm pinned for ") + g.name + " does not run the rank's " +
+                  std::to_string(g.slice_n) + "-row slice: " + why);
+    }
+    if (m->ladder) {
+      if (int e = Check(slice->CopyLadder(**g.gemm), "the GEMM ladder of a rank slice")) return e;
+    }
+    *g.gemm = std::move(slice);
   }
   *out = m.release();
   return 0;
+}
+
+// The model's pinned GEMMs as CudaModelRunner pins them at TP 1: rt_cuda_model_create_tp with
+// every slice the whole weight.
+int rt_cuda_model_create(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         int64_t intermediate, int64_t vocab, int64_t pin_m, int32_t ladder,
+                         int32_t canonical, RtCudaModel** out) {
+  return rt_cuda_model_create_tp(hidden, heads, kv_heads, head_dim, intermediate, vocab, pin_m,
+                                 ladder, canonical, (heads + 2 * kv_heads) * head_dim,
+                                 2 * intermediate, vocab, out);
 }
 
 void rt_cuda_model_free(RtCudaModel* m) { delete m; }
@@ -225,6 +263,80 @@ int rt_cuda_row_parallel(RtCudaModel* model, int32_t which, const void* in, int6
   }
   return Check(rollout::cuda::SumTreeOnto(leaves, leaves_n, count, count, x, out, s),
                "K tree + residual");
+}
+
+// A rank's node of the canonical K tree (tensor parallelism; the runner's EnqueueRowParallel
+// at tp > 1): in [m, k_local] bf16 is the rank's K columns (k_local = K / tp, the aligned
+// block of 8 / tp segments under one node), w its segment-major weight [8 / tp, hidden, K / 8];
+// the 8 / tp leaves (one batched call) into `leaves` [8 / tp, m, hidden] fp32, then SumTree of
+// them into node [m, hidden] (one leaf: the GEMM writes node directly, leaves unused).
+int rt_cuda_row_parallel_node(RtCudaModel* model, int32_t which, const void* in, int64_t m,
+                              int64_t k_local, const void* w, float* leaves, float* node,
+                              void* stream) {
+  PinnedGemm* g = which == 0 ? model->o.get() : which == 1 ? model->down.get() : nullptr;
+  if (g == nullptr) return Fail("rt_cuda_row_parallel_node: which must be 0 (o) or 1 (down)");
+  if (!model->canonical) return Fail("rt_cuda_row_parallel_node needs the canonical K tree");
+  const int64_t k_full = which == 0 ? model->o_k : model->down_k;
+  const int64_t h = model->hidden, seg = k_full / rollout::cuda::kNumKSegments;
+  if (k_local <= 0 || k_local % seg != 0 || k_full % k_local != 0) {
+    return Fail("rt_cuda_row_parallel_node: k_local must be K / tp, tp in {1, 2, 4, 8}");
+  }
+  const int local = static_cast<int>(k_local / seg);
+  const int64_t count = m * h;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  float* out = local == 1 ? node : leaves;
+  if (int e = Check(g->RunBatched(static_cast<const bf16*>(in), k_local, seg, m,
+                                  static_cast<const bf16*>(w), h * seg, out, count, local, s),
+                    "K tree leaves")) {
+    return e;
+  }
+  if (local == 1) return 0;
+  return Check(rollout::cuda::SumTree(leaves, local, count, count, node, /*accumulate=*/false, s),
+               "K tree node");
+}
+
+// The tree's top levels over the ranks' all-gathered nodes, onto the residual: out = residual +
+// SumTree(parts [num_parts, count] at part_stride) (SumTreeOnto; out may be residual).
+int rt_cuda_sum_tree_onto(const float* parts, int32_t num_parts, int64_t part_stride,
+                          int64_t count, const float* residual, float* out, void* stream) {
+  return Check(rollout::cuda::SumTreeOnto(parts, num_parts, part_stride, count, residual, out,
+                                          static_cast<cudaStream_t>(stream)),
+               "K tree top + residual");
+}
+
+// The vocab-parallel embedding, a rank's part (EmbeddingGatherShard): x[t, :] = the row of
+// shard [vocab_end - vocab_begin, hidden] bf16 for a token in [vocab_begin, vocab_end), else
+// zeros; x fp32 [t, hidden].
+int rt_cuda_embedding_shard(const int32_t* ids, int64_t t, const void* shard, int64_t vocab_begin,
+                            int64_t vocab_end, int64_t hidden, float* x, void* stream) {
+  for (int64_t r = 0; r < t; r += kMaxGridRows) {
+    const int64_t n = std::min(kMaxGridRows, t - r);
+    if (int e = Check(rollout::cuda::EmbeddingGatherShard(
+                          ids + r, n, static_cast<const bf16*>(shard), vocab_begin, vocab_end,
+                          hidden, x + r * hidden, static_cast<cudaStream_t>(stream)),
+                      "embedding shard gather")) {
+      return e;
+    }
+  }
+  return 0;
+}
+
+// After the ranks' rt_cuda_embedding_shard rows are all-gathered ([ranks, t, hidden] fp32, rank
+// i at i * rank_stride): x[t, :] = the owner's row (SelectOwnerRows: selected, never summed).
+int rt_cuda_select_owner_rows(const int32_t* ids, int64_t t, const float* gathered,
+                              int64_t rank_stride, int64_t rows_per_rank, int64_t hidden,
+                              float* x, void* stream) {
+  for (int64_t r = 0; r < t; r += kMaxGridRows) {
+    const int64_t n = std::min(kMaxGridRows, t - r);
+    if (int e = Check(rollout::cuda::SelectOwnerRows(ids + r, n, gathered + r * hidden,
+                                                     rank_stride, rows_per_rank, hidden,
+                                                     x + r * hidden,
+                                                     static_cast<cudaStream_t>(stream)),
+                      "embedding owner select")) {
+      return e;
+    }
+  }
+  return 0;
 }
 
 // x[t, :] = float(embed[ids[t], :]): EmbeddingGather. ids int32 [t], embed bf16, x fp32.

@@ -6,6 +6,14 @@ Qwen3MoeForCausalLM checkpoint), compared bit for bit; the gradients against a f
 plain-torch model (--grad_check); and the time of one GRPO step's forward + backward against
 plain torch (bf16 cuBLAS + SDPA) on the same batch.
 
+--trainer_tp "2 4" adds trainer-side tensor parallelism (rollout_trainer.CudaTpQwen3Model): for
+each degree, that many spawned ranks (nccl, one GPU each, where the host has enough GPUs; else
+gloo, every rank on this GPU, collectives through host memory) recompute the completions of the
+first --trainer_tp_samples samples; every rank's logprobs must equal Generate's bit for bit, and
+with --grad_check each rank's gradients of the first micro-batch's loss must be the slices of
+TP 1's (relative error under --grad_tol). With --server_args "--tp 2" the server is a TP 2 one
+(ranks as streams on one GPU): trainer TP k == rollout TP m.
+
 A MoE checkpoint adds (routing replay, Generate(return_routing)): the routing the trainer
 chooses against Generate's and against Score(start = 1, return_routing)'s for every row; the
 trainer replaying Generate's routing against Generate's bits; a perturbed routing (each id + 1
@@ -38,6 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "trainer", "python"))
 
 from rollout_trainer import CudaQwen3Model, CudaQwen3MoeModel, ContractError  # noqa: E402
+from rollout_trainer import CudaTpQwen3Model  # noqa: E402
+from rollout_trainer import tp as tp_mod  # noqa: E402
 from rollout_trainer import cuda_ops  # noqa: E402
 
 MOE = "Qwen3MoeForCausalLM"
@@ -416,6 +426,10 @@ def main():
     ap.add_argument("--grad_tol", type=float, default=0.05,
                     help="largest relative error |g - g32| / |g32| per parameter tensor")
     ap.add_argument("--time_steps", type=int, default=3, help="timed GRPO steps (0: no timing)")
+    ap.add_argument("--trainer_tp", default="",
+                    help="trainer TP degrees to check against Generate, e.g. \"2 4\"")
+    ap.add_argument("--trainer_tp_samples", type=int, default=0,
+                    help="samples the TP ranks recompute (0: all)")
     ap.add_argument("--dry_run", action="store_true",
                     help="the plumbing without a GPU (module docstring); bitwise checks FAIL")
     args = ap.parse_args()
@@ -472,6 +486,7 @@ def main():
         check("contract honoured", False, str(e))
         return 1
     log("trainer library:", cuda_ops.device_facts())
+    args.numerics = numerics
     return check_model(args, check, model, samples, moe_server, gen_all, score_all)
 
 
@@ -551,6 +566,14 @@ def check_model(args, check, model, samples, moe_server, gen_all, score_all) -> 
               + (f"; no gradient for {missing}" if missing else ""))
         del masters, ref, mine_g
 
+    # 4b. Trainer-side TP: every rank's logprobs are Generate's (and its gradients TP 1's slices).
+    if args.trainer_tp and not args.moe and not args.dry_run:
+        try:
+            tp_checks(check, args, model, samples, gen_all)
+        except Exception as e:  # noqa: BLE001 -- reported as a failed check; the rest runs
+            log(f"trainer TP checks raised {type(e).__name__}: {e}")
+            check("trainer TP: checks ran", False, f"{type(e).__name__}: {e}")
+
     # 5. Time: one GRPO step (every micro-batch's forward + backward) vs plain torch.
     if args.time_steps > 0:
         try:
@@ -568,6 +591,114 @@ def check_model(args, check, model, samples, moe_server, gen_all, score_all) -> 
     log("PASSED: trainer logprobs == Generate == Score, bitwise"
         + (", routing replay included" if args.moe else ""))
     return 0
+
+
+def _tp_rank_main(rank, tp, port, args, batches, advantages, queue):
+    """One trainer TP rank: the logprobs of `batches` ([(tokens, cu, mask)] numpy) and, with
+    advantages, the gradients of the first batch's GRPO loss, into `queue` as numpy."""
+    try:
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", rank if gpus >= tp else 0)
+        torch.cuda.set_device(device)
+        backend = "nccl" if gpus >= tp else "gloo"
+        import torch.distributed as dist
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=tp)
+        model = CudaTpQwen3Model.from_pretrained(args.model, contract=args.numerics,
+                                                 tp_group=dist.group.WORLD, device=device)
+        out = {"backend": backend, "lp": []}
+        with torch.no_grad():
+            for tokens, cu, mask in batches:
+                t = torch.from_numpy(tokens).to(device)
+                lp = model.logprobs(t, cu, args.temperature)
+                out["lp"].append(lp[torch.from_numpy(mask).to(device)].cpu().numpy())
+        if advantages is not None:
+            tokens, cu, mask = batches[0]
+            model.zero_grad(set_to_none=True)
+            lp = model.logprobs(torch.from_numpy(tokens).to(device), cu, args.temperature)
+            grpo_loss(lp, torch.from_numpy(mask).to(device),
+                      torch.from_numpy(advantages).to(device)).backward()
+            out["grads"] = {}
+            for name, (key, rows) in model._names.items():
+                g = model.params[key].grad
+                if g is not None:
+                    out["grads"][name] = (g if rows is None else g[rows]).float().cpu().numpy()
+        queue.put((rank, out))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: B902 -- reported to the parent
+        import traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+def tp_checks(check, args, model, samples, gen_all):
+    """Trainer TP at each degree of args.trainer_tp: spawned ranks' logprobs against Generate's,
+    bitwise; their gradients against TP 1's slices (--grad_check)."""
+    import socket
+    import torch.multiprocessing as mp
+    n = args.trainer_tp_samples or len(samples)
+    subset = samples[:n]
+    want = np.concatenate([s[2] for s in subset])
+    batches = []
+    for mb in microbatches(subset, args.microbatch):
+        tokens, cu, mask = pack_batch(model, mb)
+        batches.append((tokens.cpu().numpy(), cu.numpy(), mask.cpu().numpy()))
+    adv = tp1_grads = None
+    if args.grad_check:
+        tokens, cu, mask = batches[0]
+        adv = torch.randn(tokens.size, generator=torch.Generator().manual_seed(7)).numpy()
+        model.zero_grad(set_to_none=True)
+        dev = model.device
+        lp = model.logprobs(torch.from_numpy(tokens).to(dev), cu, args.temperature)
+        grpo_loss(lp, torch.from_numpy(mask).to(dev), torch.from_numpy(adv).to(dev)).backward()
+        tp1_grads = {name: (model.params[key].grad if rows is None else
+                            model.params[key].grad[rows]).float().cpu()
+                     for name, (key, rows) in model._names.items()
+                     if model.params[key].grad is not None}
+        model.zero_grad(set_to_none=True)
+    for tp in [int(v) for v in args.trainer_tp.replace(",", " ").split()]:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        t0 = time.time()
+        procs = [ctx.Process(target=_tp_rank_main,
+                             args=(r, tp, port, args, batches, adv, queue)) for r in range(tp)]
+        for p in procs:
+            p.start()
+        results = {}
+        try:
+            for _ in range(tp):
+                rank, out = queue.get(timeout=1800)
+                results[rank] = out
+        finally:
+            for p in procs:
+                p.join(timeout=120)
+                if p.is_alive():
+                    p.kill()
+        errors = [f"rank {r}: {o}" for r, o in results.items() if isinstance(o, str)]
+        if errors:
+            log("\n".join(errors))
+            check(f"trainer TP {tp}: ranks ran", False, errors[0].splitlines()[-1])
+            continue
+        log(f"trainer TP {tp} ({results[0]['backend']}): {n} samples in {time.time() - t0:.1f} s")
+        apart = [compare(f"trainer TP {tp} rank {r} vs Generate", np.concatenate(o["lp"]), want)
+                 for r, o in sorted(results.items())]
+        check(f"trainer TP {tp} == Generate (every rank)", max(apart) == 0,
+              f"{max(apart)} of {want.size} logprobs differ on the worst rank")
+        if tp1_grads is None:
+            continue
+        worst = (0.0, "")
+        for r, o in sorted(results.items()):
+            shard = tp_mod.shard_of(model.config, tp, r)
+            for name, g in o["grads"].items():
+                ref = tp1_grads[name][tp_mod.shard_index(name, shard, model.config) or ()]
+                err = ((torch.from_numpy(g) - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                worst = max(worst, (err, f"rank {r} {name}"))
+        log(f"trainer TP {tp} gradients vs TP 1's slices: worst relative error {worst[0]:.3e} "
+            f"({worst[1]})")
+        check(f"trainer TP {tp} gradients == TP 1's slices", worst[0] < args.grad_tol,
+              f"worst relative error {worst[0]:.3e} at {worst[1]}, tolerance {args.grad_tol}")
 
 
 def dry_run(args, cls, run) -> int:

@@ -21,9 +21,9 @@ mkdir -p "$OUT"
 source .gpu/env.sh "$PWD/.gpu/lib"
 export ROLLOUT_TRAINER_CUDA_OPS=${ROLLOUT_TRAINER_CUDA_OPS:-$PWD/.gpu/lib/librollout_trainer_cuda_ops.so}
 PRESETS=${PRESETS:-"small moe-small qwen3-8b"}
-SMALL_ARGS=${SMALL_ARGS:-"--prompts 8 --samples 4 --prompt_len 96 --new_tokens 160 --microbatch 8 --grad_check"}
+SMALL_ARGS=${SMALL_ARGS:-"--prompts 8 --samples 4 --prompt_len 96 --new_tokens 160 --microbatch 8 --grad_check --trainer_tp 2,4"}
 MOE_ARGS=${MOE_ARGS:-"--prompts 8 --samples 4 --prompt_len 96 --new_tokens 160 --microbatch 8 --grad_check --time_steps 2"}
-BIG_ARGS=${BIG_ARGS:-"--prompts 32 --samples 8 --prompt_len 512 --new_tokens 512 --microbatch 8"}
+BIG_ARGS=${BIG_ARGS:-"--prompts 32 --samples 8 --prompt_len 512 --new_tokens 512 --microbatch 8 --trainer_tp 2 --trainer_tp_samples 16"}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/trainer_parity_gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
 rc=0

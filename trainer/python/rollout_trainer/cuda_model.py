@@ -23,13 +23,17 @@ class CudaQwen3Model(torch.nn.Module):
 
     named_weights() yields the Hugging Face names (views into the fused tensors) for
     update_weights; load_weights() takes them back. One thread at a time (the pinned GEMMs'
-    handle)."""
+    handle).
+
+    shard (a tp.RankShard): the model holds that tensor-parallel rank's part (`tensors` are its
+    shards) and computes its part of each layer; the collectives between the parts are
+    CudaTpQwen3Model's (rollout_trainer.cuda_tp). None: the whole model."""
 
     architectures = ARCHITECTURES  # config.json's architectures[0] this class computes
 
     def __init__(self, config: dict, tensors: Dict[str, torch.Tensor], *, pin_m: int = 256,
                  ladder: bool = True, canonical: bool = True, split_size: int = 256,
-                 tensor_core: bool = True, device="cuda"):
+                 tensor_core: bool = True, device="cuda", shard=None):
         super().__init__()
         arch = (config.get("architectures") or [""])[0]
         if arch not in self.architectures:
@@ -56,17 +60,27 @@ class CudaQwen3Model(torch.nn.Module):
         self.split_size = int(split_size)
         self.tensor_core = bool(tensor_core)
         self.scale = float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
+        self.shard = shard
+        # What this model computes of each layer: all of it, or the rank's heads and features.
+        self.local_heads = shard.heads if shard else self.heads
+        self.local_kv_heads = shard.kv_heads if shard else self.kv_heads
+        self.local_inter = shard.inter if shard else self.inter
+        slices = None
+        if shard is not None:
+            slices = ((self.local_heads + 2 * self.local_kv_heads) * self.head_dim,
+                      2 * self.local_inter, shard.vocab_rows)
         with torch.cuda.device(self.device):
             self.gemms = ops.PinnedGemms(self.hidden, self.heads, self.kv_heads, self.head_dim,
-                                         self.inter, self.vocab, pin_m, ladder, canonical)
+                                         self.inter, self.vocab, pin_m, ladder, canonical,
+                                         slices)
         self.item_tokens = int(ops.lib().rt_cuda_attention_item_tokens(
-            self.heads // self.kv_heads))
+            self.local_heads // self.local_kv_heads))
 
         bf = lambda t: t.to(torch.bfloat16).to(self.device)
         self.params = torch.nn.ParameterDict()
         # HF name -> (param key, row slice or None)
         self._names: Dict[str, tuple] = {}
-        hd, nh, nkv, inter = self.head_dim, self.heads, self.kv_heads, self.inter
+        hd, nh, nkv, inter = self.head_dim, self.local_heads, self.local_kv_heads, self.local_inter
         q_rows, kv_rows = nh * hd, nkv * hd
         for name, t in tensors.items():
             if self.tied and name == "lm_head.weight":
@@ -102,6 +116,15 @@ class CudaQwen3Model(torch.nn.Module):
         a rollout_client NumericsContract or the dict of `rollout-cli --json info`), takes the
         server's pin_m, ladder, reduction, attention kernel and split size from it and refuses,
         naming the field, one this library cannot honour on this GPU (the pins included)."""
+        config, options = cls._config_and_options(path, contract, device, options)
+        model = cls(config, _read_safetensors(path), device=device, **options)
+        model._check_pins(contract, config)
+        return model
+
+    @staticmethod
+    def _config_and_options(path: str, contract, device, options):
+        """config.json of `path`, and the constructor's options with the contract's (checked on
+        this device) merged in."""
         if contract is not None:
             with torch.cuda.device(torch.device(device)):
                 check_contract(contract, device="cuda")
@@ -116,15 +139,18 @@ class CudaQwen3Model(torch.nn.Module):
         served = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         if served != "bfloat16":
             raise ContractError("served_dtype", served, "bfloat16")
-        model = cls(config, _read_safetensors(path), device=device, **options)
-        if contract is not None:
-            arch = (config.get("architectures") or [""])[0]
-            if _get(contract, "architecture") != arch:
-                raise ContractError("architecture", _get(contract, "architecture"), arch)
-            theirs = list(_get(contract, "gemm_algorithms") or [])
-            if theirs != model.gemms.algorithms:
-                raise ContractError("gemm_algorithms", theirs, model.gemms.algorithms)
-        return model
+        return config, options
+
+    def _check_pins(self, contract, config) -> None:
+        """Refuses (ContractError) a contract of another architecture or other GEMM pins."""
+        if contract is None:
+            return
+        arch = (config.get("architectures") or [""])[0]
+        if _get(contract, "architecture") != arch:
+            raise ContractError("architecture", _get(contract, "architecture"), arch)
+        theirs = list(_get(contract, "gemm_algorithms") or [])
+        if theirs != self.gemms.algorithms:
+            raise ContractError("gemm_algorithms", theirs, self.gemms.algorithms)
 
     # --- weights ---
 
@@ -157,7 +183,8 @@ class CudaQwen3Model(torch.nn.Module):
             return w.detach()
         cached = self._kernel_weights.get(key)
         if cached is None or cached[0] != w._version or cached[1] != w.data_ptr():
-            cached = (w._version, w.data_ptr(), ops.segment_major(w))
+            tp = self.shard.tp if self.shard else 1
+            cached = (w._version, w.data_ptr(), ops.segment_major(w, 8 // tp))
             self._kernel_weights[key] = cached
         return cached[2]
 
@@ -182,20 +209,17 @@ class CudaQwen3Model(torch.nn.Module):
         """The final-normed hidden states [t, hidden] bf16 of packed sequences. mlp_context:
         passed to _mlp (CudaQwen3MoeModel's routing)."""
         t = tokens.numel()
-        hd, nh, nkv = self.head_dim, self.heads, self.kv_heads
+        hd, nh, nkv = self.head_dim, self.local_heads, self.local_kv_heads
         cos, sin = self._rope_tables(pack.max_len)
-        x = ops.Embedding.apply(tokens, self.params["model__embed_tokens__weight"])
+        x = self._embed(tokens)
         for i in range(self.num_layers):
             p = lambda s: self._p(i, s)
-            xn = ops.RmsNorm.apply(x, p("input_layernorm.weight"), self.eps)
-            qkv = ops.Gemm.apply(xn, p("self_attn.qkv.weight"), self.gemms, 0, torch.float32)
-            q, k, v = ops.QkvNormRope.apply(qkv, p("self_attn.q_norm.weight"),
-                                            p("self_attn.k_norm.weight"), self.eps, cos, sin,
+            xn = self._to_tp(ops.RmsNorm.apply(x, p("input_layernorm.weight"), self.eps))
+            qkv = ops.Gemm.apply(xn, self._qkv_weight(i), self.gemms, 0, torch.float32)
+            q, k, v = ops.QkvNormRope.apply(qkv, *self._qk_norms(i), self.eps, cos, sin,
                                             pack, nh, nkv, hd)
             a = ops.Attention.apply(q, k, v, pack, self.split_size, self.scale, self.tensor_core)
-            wo = p("self_attn.o_proj.weight")
-            x = ops.RowParallel.apply(x, a.reshape(t, nh * hd), wo,
-                                      self._kernel_weight(f"{i}.o", wo), self.gemms, 0)
+            x = self._row_parallel(x, a.reshape(t, nh * hd), i, "o", 0)
             x = self._mlp(i, x, mlp_context)
         return ops.RmsNorm.apply(x, self.params["model__norm__weight"], self.eps)
 
@@ -204,12 +228,35 @@ class CudaQwen3Model(torch.nn.Module):
         into the residual), as the runner's EnqueueMlp at TP 1. mlp_context: a subclass's
         per-call state."""
         p = lambda s: self._p(i, s)
-        xn = ops.RmsNorm.apply(x, p("post_attention_layernorm.weight"), self.eps)
+        xn = self._to_tp(ops.RmsNorm.apply(x, p("post_attention_layernorm.weight"), self.eps))
         gu = ops.Gemm.apply(xn, p("mlp.gate_up.weight"), self.gemms, 1, torch.bfloat16)
         act = ops.SiluMul.apply(gu)
-        wd = p("mlp.down_proj.weight")
-        return ops.RowParallel.apply(x, act, wd, self._kernel_weight(f"{i}.down", wd),
-                                     self.gemms, 1)
+        return self._row_parallel(x, act, i, "down", 1)
+
+    # --- the pieces tensor parallelism replaces (rollout_trainer.cuda_tp) ---
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return ops.Embedding.apply(tokens, self.params["model__embed_tokens__weight"])
+
+    def _to_tp(self, xn: torch.Tensor) -> torch.Tensor:
+        """The input of column-parallel GEMMs (identity here)."""
+        return xn
+
+    def _qkv_weight(self, i: int) -> torch.Tensor:
+        return self._p(i, "self_attn.qkv.weight")
+
+    def _qk_norms(self, i: int):
+        return self._p(i, "self_attn.q_norm.weight"), self._p(i, "self_attn.k_norm.weight")
+
+    def _row_parallel(self, x, a, i: int, name: str, which: int) -> torch.Tensor:
+        """x + a . w^T for layer i's o_proj (which 0) or down_proj (1), as the runner's."""
+        w = self._p(i, "self_attn.o_proj.weight" if which == 0 else "mlp.down_proj.weight")
+        return ops.RowParallel.apply(x, a, w, self._kernel_weight(f"{i}.{name}", w), self.gemms,
+                                     which)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits [t, vocab] fp32 of the final hidden states."""
+        return ops.Gemm.apply(h, self.head(), self.gemms, 2, torch.float32)
 
     def head(self) -> torch.Tensor:
         return self.params["model__embed_tokens__weight" if self.tied else "lm_head__weight"]
@@ -233,8 +280,7 @@ class CudaQwen3Model(torch.nn.Module):
                              f"({self.max_position})")
         pack = pack or self.packing(cu)
         temperature = float(np.float32(temperature))
-        h = self.hidden_states(tokens, pack, mlp_context)
-        logits = ops.Gemm.apply(h, self.head(), self.gemms, 2, torch.float32)
+        logits = self._logits(self.hidden_states(tokens, pack, mlp_context))
         # Row r predicts token r + 1 (the last row of a sequence predicts nothing: token 0).
         targets = torch.cat([tokens[1:], tokens.new_zeros(1)])
         lp_rows = ops.TokenLogprob.apply(logits, targets, temperature)

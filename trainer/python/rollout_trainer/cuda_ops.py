@@ -62,11 +62,18 @@ def lib() -> ctypes.CDLL:
         "rt_cuda_device_facts": (ctypes.c_int, [ctypes.c_char_p, _i64]),
         "rt_cuda_model_create": (ctypes.c_int, [_i64, _i64, _i64, _i64, _i64, _i64, _i64, _i32,
                                                 _i32, ctypes.POINTER(_p)]),
+        "rt_cuda_model_create_tp": (ctypes.c_int, [_i64, _i64, _i64, _i64, _i64, _i64, _i64,
+                                                   _i32, _i32, _i64, _i64, _i64,
+                                                   ctypes.POINTER(_p)]),
         "rt_cuda_model_free": (None, [_p]),
         "rt_cuda_model_algorithms": (ctypes.c_char_p, [_p]),
         "rt_cuda_gemm": (ctypes.c_int, [_p, _i32, _p, _i64, _p, _p, _p]),
         "rt_cuda_row_parallel": (ctypes.c_int, [_p, _i32, _p, _i64, _p, _p, _p, _p, _p]),
+        "rt_cuda_row_parallel_node": (ctypes.c_int, [_p, _i32, _p, _i64, _i64, _p, _p, _p, _p]),
+        "rt_cuda_sum_tree_onto": (ctypes.c_int, [_p, _i32, _i64, _i64, _p, _p, _p]),
         "rt_cuda_embedding": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _p]),
+        "rt_cuda_embedding_shard": (ctypes.c_int, [_p, _i64, _p, _i64, _i64, _i64, _p, _p]),
+        "rt_cuda_select_owner_rows": (ctypes.c_int, [_p, _i64, _p, _i64, _i64, _i64, _p, _p]),
         "rt_cuda_rms_norm": (ctypes.c_int, [_p, _p, _i64, _i64, _p, _f, _p, _p]),
         "rt_cuda_qkv_norm_rope": (ctypes.c_int, [_p, _i64, _p, _p, _p, _p, _f, _p, _p, _i32,
                                                  _i32, _i32, _p, _p, _p, _p]),
@@ -132,13 +139,18 @@ def _need(t: torch.Tensor, name: str, dtype: torch.dtype, align: int = 16) -> to
 class PinnedGemms:
     """The model's pinned GEMMs on the current device, created as the server's CUDA runner pins
     them at TP 1 (pin_m, outputs, the canonical tree's leaves or the fused residual GEMMs,
-    optional ladder). Owns the library's handle."""
+    optional ladder). slices: a tensor-parallel rank's (qkv rows, gate_up rows, vocab rows),
+    which run the algorithms pinned for the full shapes (the runner's PinCanonicalGemms; needs
+    canonical); None: the whole model. Owns the library's handle."""
 
     def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, vocab, pin_m: int,
-                 ladder: bool, canonical: bool):
+                 ladder: bool, canonical: bool, slices: Optional[Tuple[int, int, int]] = None):
         h = _p()
-        _call("rt_cuda_model_create", hidden, heads, kv_heads, head_dim, intermediate, vocab,
-              int(pin_m), int(bool(ladder)), int(bool(canonical)), ctypes.byref(h))
+        if slices is None:
+            slices = ((heads + 2 * kv_heads) * head_dim, 2 * intermediate, vocab)
+        _call("rt_cuda_model_create_tp", hidden, heads, kv_heads, head_dim, intermediate, vocab,
+              int(pin_m), int(bool(ladder)), int(bool(canonical)), *map(int, slices),
+              ctypes.byref(h))
         self._h = h
         self.canonical = canonical
         self.algorithms: List[str] = lib().rt_cuda_model_algorithms(h).decode().split("\n")
@@ -179,10 +191,41 @@ class PinnedGemms:
         return out
 
 
-def segment_major(w: torch.Tensor) -> torch.Tensor:
-    """[hidden, K] -> the canonical tree's weight layout [8, hidden, K / 8] (contiguous)."""
+    def row_parallel_node(self, which: int, a: torch.Tensor, w_kernel: torch.Tensor):
+        """A tensor-parallel rank's node of the K tree: the sum (by the tree) of a . w_s^T over
+        its segments s. a bf16 [m, K / tp], w_kernel segment-major [8 / tp, hidden, K / 8] ->
+        a new fp32 [m, hidden]."""
+        a = _need(a, "in", torch.bfloat16, 256)
+        local, hidden = w_kernel.shape[0], w_kernel.shape[1]
+        m = a.shape[0]
+        node = torch.empty(m, hidden, dtype=torch.float32, device=a.device)
+        leaves = None
+        if local > 1 and m:
+            leaves = torch.empty(local, m, hidden, dtype=torch.float32, device=a.device)
+        if m:
+            _call("rt_cuda_row_parallel_node", self._h, which, _ptr(a), m, a.shape[1],
+                  _ptr(w_kernel), _ptr(leaves), _ptr(node), _stream())
+        return node
+
+
+def sum_tree_onto(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """x + the canonical tree over parts [n, ...] (n in 1, 2, 4, 8; the ranks' nodes in rank
+    order): a new fp32 tensor of x's shape (cuda::SumTreeOnto)."""
+    xc = _need(x, "x", torch.float32)
+    pc = _need(parts, "parts", torch.float32)
+    out = torch.empty_like(xc)
+    count = xc.numel()
+    if count:
+        _call("rt_cuda_sum_tree_onto", _ptr(pc), pc.shape[0], count, count, _ptr(xc), _ptr(out),
+              _stream())
+    return out
+
+
+def segment_major(w: torch.Tensor, segments: int = 8) -> torch.Tensor:
+    """[hidden, K] -> the canonical tree's weight layout [segments, hidden, K / segments]
+    (contiguous): 8 for the whole weight, 8 / tp for a rank's K columns."""
     h, k = w.shape
-    return w.detach().reshape(h, 8, k // 8).permute(1, 0, 2).contiguous()
+    return w.detach().reshape(h, segments, k // segments).permute(1, 0, 2).contiguous()
 
 
 # --- metadata of packed sequences ---
@@ -339,6 +382,88 @@ class RowParallel(torch.autograd.Function):
         a, w = ctx.saved_tensors
         gb = g.to(torch.bfloat16)
         return g, gb @ w, gb.t() @ a, None, None, None
+
+
+class RowParallelNode(torch.autograd.Function):
+    """A tensor-parallel rank's node of the K tree, a . w^T over its K columns (a bf16 [m, K /
+    tp], w [hidden, K / tp]) -> fp32 [m, hidden] (PinnedGemms.row_parallel_node)."""
+
+    @staticmethod
+    def forward(ctx, a, w, w_kernel, gemms: PinnedGemms, which: int):
+        ctx.save_for_backward(a, w)
+        return gemms.row_parallel_node(which, a, w_kernel)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w = ctx.saved_tensors
+        gb = g.to(torch.bfloat16)
+        return gb @ w, gb.t() @ a, None, None, None
+
+
+class TreeTop(torch.autograd.Function):
+    """x + the canonical tree over the ranks' gathered nodes [tp, m, hidden] (sum_tree_onto).
+    Backward: the gradient to x and to every node."""
+
+    @staticmethod
+    def forward(ctx, x, nodes):
+        ctx.tp = nodes.shape[0]
+        return sum_tree_onto(x, nodes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g.unsqueeze(0).expand(ctx.tp, *g.shape)
+
+
+class EmbeddingShard(torch.autograd.Function):
+    """A vocab-parallel rank's part of the embedding (cuda::EmbeddingGatherShard): x[t] = the
+    row of shard [vocab_end - vocab_begin, hidden] bf16 for a token it owns, else zeros (fp32)."""
+
+    @staticmethod
+    def forward(ctx, ids, shard, vocab_begin: int, vocab_end: int):
+        ids32 = _need(ids.to(torch.int32), "ids", torch.int32)
+        e = _need(shard, "embedding shard", torch.bfloat16)
+        x = torch.empty(ids.numel(), e.shape[1], dtype=torch.float32, device=e.device)
+        if ids.numel():
+            _call("rt_cuda_embedding_shard", _ptr(ids32), ids.numel(), _ptr(e), vocab_begin,
+                  vocab_end, e.shape[1], _ptr(x), _stream())
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.begin, ctx.end = e.shape[0], vocab_begin, vocab_end
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        ids = ids.long()
+        own = (ids >= ctx.begin) & (ids < ctx.end)
+        ge = torch.zeros(ctx.rows, g.shape[1], dtype=torch.float32, device=g.device)
+        ge.index_add_(0, ids[own] - ctx.begin, g.float()[own])
+        return None, ge.to(torch.bfloat16), None, None
+
+
+class SelectOwnerRows(torch.autograd.Function):
+    """The ranks' EmbeddingShard rows all-gathered [tp, t, hidden] -> x[t] = the row of the rank
+    that owns token t (ids // rows_per_rank): selected, never summed (cuda::SelectOwnerRows)."""
+
+    @staticmethod
+    def forward(ctx, ids, gathered, rows_per_rank: int):
+        ids32 = _need(ids.to(torch.int32), "ids", torch.int32)
+        gc = _need(gathered, "gathered rows", torch.float32)
+        tp, t, hidden = gc.shape
+        x = torch.empty(t, hidden, dtype=torch.float32, device=gc.device)
+        if t:
+            _call("rt_cuda_select_owner_rows", _ptr(ids32), t, _ptr(gc), t * hidden,
+                  rows_per_rank, hidden, _ptr(x), _stream())
+        ctx.save_for_backward(ids)
+        ctx.tp, ctx.rows = tp, rows_per_rank
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        t = g.shape[0]
+        grad = torch.zeros(ctx.tp, *g.shape, dtype=g.dtype, device=g.device)
+        grad[ids.long() // ctx.rows, torch.arange(t, device=g.device)] = g
+        return None, grad, None
 
 
 def _rope_backward(g, cos, sin):

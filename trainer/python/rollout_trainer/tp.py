@@ -116,6 +116,37 @@ def shard_index(name: str, shard: RankShard, config: dict) -> Optional[tuple]:
     return None
 
 
+def full_shape(config: dict, name: str) -> Optional[tuple]:
+    """The unsharded shape of the Hugging Face tensor `name` that tensor parallelism cuts
+    (shard_index not None), from config.json; None for the others."""
+    h = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads", heads))
+    hd = int(config.get("head_dim") or h // heads)
+    inter, vocab = int(config["intermediate_size"]), int(config["vocab_size"])
+    for suffix, shape in (("q_proj.weight", (heads * hd, h)), ("k_proj.weight", (kv * hd, h)),
+                          ("v_proj.weight", (kv * hd, h)), ("o_proj.weight", (h, heads * hd)),
+                          ("gate_proj.weight", (inter, h)), ("up_proj.weight", (inter, h)),
+                          ("down_proj.weight", (h, inter)), ("embed_tokens.weight", (vocab, h)),
+                          ("lm_head.weight", (vocab, h))):
+        if name.endswith(suffix):
+            return shape
+    return None
+
+
+def check_shards(config: dict, shard: RankShard, tensors) -> None:
+    """Raises ValueError naming the first of `tensors` (name -> tensor) that is not `shard`'s
+    part of its weight."""
+    for name, t in tensors.items():
+        index = shard_index(name, shard, config)
+        if index is None:
+            continue
+        want = _sliced_shape(full_shape(config, name), index)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: shard {tuple(t.shape)}, rank {shard.rank} of {shard.tp} "
+                             f"holds {want}")
+
+
 def _sliced_shape(shape, index) -> tuple:
     """The shape of a tensor of `shape` indexed by `index` (slices), without making one."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
@@ -123,6 +154,33 @@ def _sliced_shape(shape, index) -> tuple:
 
 
 # --- collectives with their backwards ---
+# On CPU tensors (gloo) or CUDA tensors (nccl, or gloo through host memory: gloo all-gathers
+# CPU tensors only). Values are moved, never recomputed: the bits are the same either way.
+
+def _through_host(x: torch.Tensor, group) -> bool:
+    return x.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def _gather_list(x: torch.Tensor, group) -> list:
+    """Every rank's x (same shape), in rank order, on x's device."""
+    x = x.contiguous()
+    src = x.cpu() if _through_host(x, group) else x
+    parts = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, src, group=group)
+    return [p.to(x.device) for p in parts] if src is not x else parts
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of every rank's x (a new tensor on x's device; gradients only: the order of the
+    sum is the backend's)."""
+    if _through_host(x, group):
+        buf = x.detach().cpu().clone()
+        dist.all_reduce(buf, group=group)
+        return buf.to(x.device)
+    buf = x.contiguous().clone()
+    dist.all_reduce(buf, group=group)
+    return buf
+
 
 class _CopyToTp(torch.autograd.Function):
     """Identity; backward: the gradient all-reduced (summed) over the group."""
@@ -134,9 +192,7 @@ class _CopyToTp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _all_reduce(grad, ctx.group), None
 
 
 class _AllGather(torch.autograd.Function):
@@ -145,10 +201,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.rank = dist.get_rank(group)
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.stack(parts)
+        return torch.stack(_gather_list(x, group))
 
     @staticmethod
     def backward(ctx, grad):
@@ -158,19 +211,26 @@ class _AllGather(torch.autograd.Function):
 class _SumOverHolders(torch.autograd.Function):
     """Identity on a weight that ranks hold as copies and apply to their own part of the work
     (`slot` of `slots` names which copy: ranks of one slot hold the same tensor); backward: the
-    gradient summed over the ranks of the slot."""
+    gradient summed over the ranks of the slot. rows (begin, end): only those rows of w are the
+    copies (a fused weight's replicated KV rows); the other rows' gradient is the rank's own."""
 
     @staticmethod
-    def forward(ctx, w, slot: int, slots: int, group):
-        ctx.slot, ctx.slots, ctx.group = slot, slots, group
+    def forward(ctx, w, slot: int, slots: int, group, rows=None):
+        ctx.slot, ctx.slots, ctx.group, ctx.rows = slot, slots, group, rows
         return w.view_as(w)
 
     @staticmethod
     def backward(ctx, grad):
-        buf = torch.zeros((ctx.slots,) + tuple(grad.shape), dtype=grad.dtype)
-        buf[ctx.slot] = grad
-        dist.all_reduce(buf, group=ctx.group)
-        return buf[ctx.slot].clone(), None, None, None
+        b, e = ctx.rows if ctx.rows is not None else (0, grad.shape[0])
+        part = grad[b:e]
+        buf = torch.zeros((ctx.slots,) + tuple(part.shape), dtype=grad.dtype, device=grad.device)
+        buf[ctx.slot] = part
+        summed = _all_reduce(buf, ctx.group)[ctx.slot]
+        if ctx.rows is None:
+            return summed, None, None, None, None
+        out = grad.clone()
+        out[b:e] = summed
+        return out, None, None, None, None
 
 
 def copy_to_tp(x, group):
@@ -216,19 +276,7 @@ class TpQwen3Model(Qwen3Model):
                                  f"{self.shard.rank} of {self.tp} holds {tuple(want)}")
 
     def _full_shape(self, name: str):
-        hd, h = self.head_dim, self.hidden
-        for suffix, shape in (("q_proj.weight", (self.heads * hd, h)),
-                              ("k_proj.weight", (self.kv_heads * hd, h)),
-                              ("v_proj.weight", (self.kv_heads * hd, h)),
-                              ("o_proj.weight", (h, self.heads * hd)),
-                              ("gate_proj.weight", (self.intermediate, h)),
-                              ("up_proj.weight", (self.intermediate, h)),
-                              ("down_proj.weight", (h, self.intermediate)),
-                              ("embed_tokens.weight", (self.vocab, h)),
-                              ("lm_head.weight", (self.vocab, h))):
-            if name.endswith(suffix):
-                return shape
-        return tuple(self.weight(name).shape)
+        return full_shape(self.config, name) or tuple(self.weight(name).shape)
 
     @classmethod
     def from_pretrained(cls, path: str, contract=None, tp_group=None) -> "TpQwen3Model":
@@ -315,10 +363,10 @@ class TpQwen3Model(Qwen3Model):
             w = self._layer_weights(i)
             wk, wv = w["k"], w["v"]
             if s.kv_replicated:
-                wk = _SumOverHolders.apply(wk, kv_slot, kv_slots, g)
-                wv = _SumOverHolders.apply(wv, kv_slot, kv_slots, g)
-            qn = _SumOverHolders.apply(w["qn"], 0, 1, g)
-            kn = _SumOverHolders.apply(w["kn"], 0, 1, g)
+                wk = _SumOverHolders.apply(wk, kv_slot, kv_slots, g, None)
+                wv = _SumOverHolders.apply(wv, kv_slot, kv_slots, g, None)
+            qn = _SumOverHolders.apply(w["qn"], 0, 1, g, None)
+            kn = _SumOverHolders.apply(w["kn"], 0, 1, g, None)
             xn = copy_to_tp(ops.rms_norm(x, w["in"], self.eps), g)
             q = ops.matmul(xn, w["q"]).reshape(t, s.heads, hd)
             k = ops.matmul(xn, wk).reshape(t, s.kv_heads, hd)

@@ -59,8 +59,8 @@ class FakeCudaLib:
         return 0
 
     # --- GEMMs ---
-    def rt_cuda_model_create(self, hidden, heads, kv_heads, head_dim, inter, vocab, pin_m, ladder,
-                             canonical, out):
+    def rt_cuda_model_create_tp(self, hidden, heads, kv_heads, head_dim, inter, vocab, pin_m,
+                                ladder, canonical, qkv_rows, gate_up_rows, vocab_rows, out):
         h = next(self._ids)
         self.models[h] = {"canonical": bool(canonical),
                           "lines": ["qkv pin", "o pin", "gate_up pin", "down pin", "lm_head pin"]}
@@ -92,6 +92,32 @@ class FakeCudaLib:
         if self.models[h.value]["canonical"]:  # [8, hidden, K / 8] -> [hidden, K]
             w = w.permute(1, 0, 2).reshape(w.shape[1], -1)
         self.t(out).copy_(self.t(x) + self.t(a).float() @ w.float().t())
+        return 0
+
+    def rt_cuda_row_parallel_node(self, h, which, a, m, k_local, w_kernel, leaves, node, stream):
+        w = self.t(w_kernel)  # [8 / tp, hidden, K / 8] -> [hidden, K / tp]
+        w = w.permute(1, 0, 2).reshape(w.shape[1], -1)
+        self.t(node).copy_(self.t(a).float() @ w.float().t())
+        return 0
+
+    def rt_cuda_sum_tree_onto(self, parts, n, stride, count, residual, out, stream):
+        level = list(self.t(parts).reshape(n, -1)[:, :count].unbind(0))
+        while len(level) > 1:  # the canonical pairwise tree
+            level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
+        o = self.t(out)
+        o.copy_((self.t(residual).reshape(-1) + level[0]).reshape(o.shape))
+        return 0
+
+    def rt_cuda_embedding_shard(self, ids, t, shard, begin, end, hidden, x, stream):
+        i = self.t(ids).long()
+        own = (i >= begin) & (i < end)
+        rows = self.t(shard)[(i - begin).clamp(0, end - begin - 1)].float()
+        self.t(x).copy_(torch.where(own[:, None], rows, torch.zeros((), dtype=rows.dtype)))
+        return 0
+
+    def rt_cuda_select_owner_rows(self, ids, t, gathered, rank_stride, rows, hidden, x, stream):
+        g = self.t(gathered).reshape(-1, t, hidden)
+        self.t(x).copy_(g[self.t(ids).long() // rows, torch.arange(t)])
         return 0
 
     # --- the rest of the dense forward ---
