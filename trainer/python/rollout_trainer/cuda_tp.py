@@ -66,6 +66,13 @@ class CudaTpQwen3Model(CudaQwen3Model):
         model._check_pins(contract, config)
         return model
 
+    def full_named_weights(self):
+        """(Hugging Face name, full tensor) pairs on this rank's device, gathered from every rank
+        (a collective: every rank must call it; each gets the whole model): what
+        RolloutClient.update_weights takes."""
+        return tpm.gather_full_weights(self.named_weights(), self.config, self.shard,
+                                       self.tp_group)
+
     def load_weights(self, named_tensors) -> None:
         """Replaces weights in place from full (unsharded) tensors: the rank takes its shard."""
         self.load_shards((name, t[tpm.shard_index(name, self.shard, self.config) or ()])

@@ -255,6 +255,26 @@ def row_parallel_matmul(x, w, k_full: int, shard: RankShard, group):
     return combine(all_gather(node, group))
 
 
+def gather_full_weights(named_weights, config: dict, shard: RankShard, group):
+    """(Hugging Face name, full tensor) pairs from a rank's (name, shard) pairs, every sharded
+    tensor all-gathered from the ranks of `group` (a collective: every rank calls it, each gets
+    the whole model), on the shards' device."""
+    shards = [shard_of(config, shard.tp, r) for r in range(shard.tp)]
+    for name, p in named_weights:
+        mine = shard_index(name, shard, config)
+        if mine is None:
+            yield name, p.detach()
+            continue
+        full = torch.empty(full_shape(config, name), dtype=p.dtype, device=p.device)
+        biggest = max(_sliced_shape(full.shape, shard_index(name, s, config)) for s in shards)
+        padded = torch.zeros(biggest, dtype=p.dtype, device=p.device)
+        padded[tuple(slice(0, n) for n in p.shape)] = p.detach()
+        for s, part in zip(shards, _gather_list(padded, group)):
+            view = full[shard_index(name, s, config)]
+            view.copy_(part[tuple(slice(0, n) for n in view.shape)])
+        yield name, full
+
+
 class TpQwen3Model(Qwen3Model):
     """Qwen3Model sharded over `tp_group` (a torch.distributed group, gloo: CPU tensors); every
     rank of the group runs the same calls with the same inputs (collectives inside). Parameters
@@ -309,24 +329,7 @@ class TpQwen3Model(Qwen3Model):
     def full_named_weights(self):
         """(Hugging Face name, full tensor) pairs, gathered from every rank (a collective: every
         rank must call it; each gets the whole model): what RolloutClient.update_weights takes."""
-        shards = [shard_of(self.config, self.tp, r) for r in range(self.tp)]
-        for name, p in self.named_weights():
-            mine = shard_index(name, self.shard, self.config)
-            if mine is None:
-                yield name, p.detach()
-                continue
-            full = torch.empty(self._full_shape(name), dtype=p.dtype)
-            biggest = max(_sliced_shape(full.shape, shard_index(name, s, self.config))
-                          for s in shards)
-            padded = torch.zeros(biggest, dtype=p.dtype)
-            padded[tuple(slice(0, n) for n in p.shape)] = p.detach()
-            parts = [torch.empty_like(padded) for _ in range(self.tp)]
-            dist.all_gather(parts, padded, group=self.tp_group)
-            for s, part in zip(shards, parts):
-                index = shard_index(name, s, self.config)
-                view = full[index]
-                view.copy_(part[tuple(slice(0, n) for n in view.shape)])
-            yield name, full
+        return gather_full_weights(self.named_weights(), self.config, self.shard, self.tp_group)
 
     # --- forward ---
 

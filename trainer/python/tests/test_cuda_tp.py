@@ -2,7 +2,8 @@
 for the CUDA library (tests/fake_cuda_lib.py, bf16 standing for float64): ranks of a gloo group
 at TP 2 and 4 (spawned processes; TP 4 replicates the 2 KV heads, a vocabulary of 41 pads the
 last ranks' heads) give, on every rank, TP 1's CudaQwen3Model logprobs, and each rank's
-parameter gradients are the slices of TP 1's -- to float64 rounding, since the stand-in's
+parameter gradients are the slices of TP 1's (and the weights gathered back from the ranks
+are the checkpoint's) -- to float64 rounding, since the stand-in's
 additions are not the kernels'. Control: without the all-reduce of Megatron's f in the backward
 the gradients are off. The bits are the GPU's to prove (tests/gpu/trainer_parity.py
 --trainer_tp)."""
@@ -90,6 +91,17 @@ def _rank_main(rank, tp, port, controls, queue):
                               dtype=torch.float64)
             lp, grads = logprobs_and_grads(model, tokens, cu, adv.float())
             out = {"lp": lp, "grads": grads}
+            # The whole model gathered back is the checkpoint's, and loading it back leaves
+            # every shard as it was.
+            full = {n: w.to(torch.bfloat16) for n, w in checkpoint().items()}
+            gathered = list(model.full_named_weights())
+            apart = [n for n, w in gathered if not torch.equal(w, full[n])]
+            before = {n: p.detach().clone() for n, p in model.named_weights()}
+            model.load_weights(gathered)
+            apart += [n + " (reloaded)" for n, p in model.named_weights()
+                      if not torch.equal(p.detach(), before[n])]
+            out["weights_apart"] = {n: torch.zeros(1) for n in apart}
+            out["weights_count"] = torch.tensor([len(gathered)])
             if controls:
                 backward = tp_mod._CopyToTp.backward
                 tp_mod._CopyToTp.backward = staticmethod(lambda ctx, grad: (grad, None))
@@ -174,6 +186,9 @@ class CudaTpWiringTest(unittest.TestCase):
         for rank, out in enumerate(ranks):
             err = (out["lp"] - lp1).abs().max().item()
             self.assertLess(err, TOL, f"TP {tp} rank {rank}: logprobs {err:.3e} from TP 1's")
+            self.assertEqual(list(out["weights_apart"]), [],
+                             f"TP {tp} rank {rank}: gathered weights apart from the checkpoint")
+            self.assertEqual(int(out["weights_count"][0]), len(checkpoint()))
             worst = worst_grad_error(tp, rank, out["grads"])
             self.assertLess(worst[0], TOL, f"TP {tp} rank {rank}: gradient of {worst[1]} "
                                            f"{worst[0]:.3e} from TP 1's slice")
