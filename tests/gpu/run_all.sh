@@ -21,7 +21,8 @@
 #         (the MoE floor, the step shares of routing / grouping / expert GEMMs; MOE_BENCH_ARGS).
 #   trainer: tests/gpu/trainer_parity.sh for TRAINER_PRESETS (default "small moe-small"): the
 #         trainer's logprobs (CudaQwen3Model, CudaQwen3MoeModel) against Generate and Score,
-#         bitwise, routing replay, gradients (needs rollout-server, rollout-cli,
+#         bitwise, routing replay, gradients, trainer TP 2/4 (CudaTpQwen3Model, ranks on this
+#         GPU over gloo) against Generate (needs rollout-server, rollout-cli,
 #         rollout-make-model, the module and librollout_trainer_cuda_ops.so in .gpu/).
 #   limits: rollout_gpu_test's LimitsTest.* (256 samples to the whole 40,960-token context).
 set -uo pipefail
