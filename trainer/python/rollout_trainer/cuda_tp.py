@@ -104,12 +104,12 @@ class CudaTpQwen3Model(CudaQwen3Model):
         if not s.kv_replicated:
             return w
         q_rows, kv_rows = s.heads * self.head_dim, s.kv_heads * self.head_dim
-        return tpm._SumOverHolders.apply(w, s.kv_head_begin, self.kv_heads, self.tp_group,
-                                         (q_rows, q_rows + 2 * kv_rows))
+        return tpm.sum_over_holders(w, s.kv_head_begin, self.kv_heads, self.tp_group,
+                                    (q_rows, q_rows + 2 * kv_rows))
 
     def _qk_norms(self, i: int):
         g = self.tp_group
-        return tuple(tpm._SumOverHolders.apply(w, 0, 1, g, None) for w in super()._qk_norms(i))
+        return tuple(tpm.sum_over_holders(w, 0, 1, g) for w in super()._qk_norms(i))
 
     def _row_parallel(self, x, a, i: int, name: str, which: int) -> torch.Tensor:
         w = self._p(i, "self_attn.o_proj.weight" if which == 0 else "mlp.down_proj.weight")

@@ -237,6 +237,12 @@ def copy_to_tp(x, group):
     return _CopyToTp.apply(x, group)
 
 
+def sum_over_holders(w, slot: int, slots: int, group, rows=None):
+    """w, whose gradient is summed over the ranks holding copy `slot` of `slots` (rows: of
+    those rows only); _SumOverHolders."""
+    return _SumOverHolders.apply(w, slot, slots, group, rows)
+
+
 def all_gather(x, group):
     return _AllGather.apply(x, group)
 
@@ -366,10 +372,10 @@ class TpQwen3Model(Qwen3Model):
             w = self._layer_weights(i)
             wk, wv = w["k"], w["v"]
             if s.kv_replicated:
-                wk = _SumOverHolders.apply(wk, kv_slot, kv_slots, g, None)
-                wv = _SumOverHolders.apply(wv, kv_slot, kv_slots, g, None)
-            qn = _SumOverHolders.apply(w["qn"], 0, 1, g, None)
-            kn = _SumOverHolders.apply(w["kn"], 0, 1, g, None)
+                wk = sum_over_holders(wk, kv_slot, kv_slots, g)
+                wv = sum_over_holders(wv, kv_slot, kv_slots, g)
+            qn = sum_over_holders(w["qn"], 0, 1, g)
+            kn = sum_over_holders(w["kn"], 0, 1, g)
             xn = copy_to_tp(ops.rms_norm(x, w["in"], self.eps), g)
             q = ops.matmul(xn, w["q"]).reshape(t, s.heads, hd)
             k = ops.matmul(xn, wk).reshape(t, s.kv_heads, hd)
