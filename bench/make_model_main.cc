@@ -13,7 +13,7 @@
 #include "model/random_model.h"
 
 ABSL_FLAG(std::string, preset, "small",
-          "model shape: tiny, small, medium, qwen3-8b, moe-small, qwen3-30b-a3b, llama3-small or "
+          "model shape: tiny, small, medium, qwen3-8b, qwen3-32b, moe-small, qwen3-30b-a3b, llama3-small or "
           "yarn-small");
 ABSL_FLAG(std::string, out, "", "output directory (required; created if needed)");
 ABSL_FLAG(uint64_t, seed, 0, "weights seed; the same seed writes the same bytes");

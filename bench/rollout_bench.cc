@@ -34,7 +34,9 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "bench/rollout_floor.h"
 #include "bench/rollout_workload.h"
 #include "bench/timed_runner.h"
@@ -72,6 +74,14 @@ ABSL_FLAG(bool, decode_lookahead, true,
 ABSL_FLAG(bool, tp_invariant, true,
           "o_proj/down_proj by the canonical K tree (the server's default: tp 1 = tp 2, 4, 8); "
           "false: one fused GEMM");
+ABSL_FLAG(int32_t, tp, 1,
+          "tensor-parallel degree (1, 2, 4, 8): ranks as streams of GPU 0, or one GPU each with "
+          "--cuda_devices (then the floor is that many GPUs', all-gathers at the measured peer "
+          "copy rate)");
+ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
+          "one GPU per rank, e.g. 0,1 for --tp 2 (through NCCL: libnccl.so.2 must load, or "
+          "--nccl_library); empty: every rank on GPU 0");
+ABSL_FLAG(std::string, nccl_library, "", "NCCL library path for --cuda_devices (\"\": libnccl.so.2)");
 ABSL_FLAG(bool, e2e, true, "run the end-to-end engine benchmark");
 ABSL_FLAG(int32_t, e2e_timeout_s, 0,
           "stop waiting for the end-to-end run after this long and "
@@ -126,6 +136,26 @@ double MeasureCopyBandwidth() {
       [&] { cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice); }, /*reps=*/10,
       /*warmups=*/2);
   return 2.0 * bytes / (ms * 1e-3);
+}
+
+// Peer copy from GPU `src` into GPU `dst` (NVLink on the H200 hosts), bytes per second into dst.
+double MeasurePeerBandwidth(int dst, int src) {
+  const size_t bytes = size_t{1} << 30;
+  int can = 0;
+  CHECK_CUDA(cudaDeviceCanAccessPeer(&can, dst, src));
+  cuda::DeviceBuffer a, b;
+  CHECK_CUDA(cudaSetDevice(src));
+  CHECK_CUDA(a.Allocate(bytes));
+  CHECK_CUDA(cudaMemset(a.get(), 1, bytes));
+  CHECK_CUDA(cudaSetDevice(dst));
+  if (can) cudaDeviceEnablePeerAccess(src, 0);  // already enabled is fine
+  cudaGetLastError();
+  CHECK_CUDA(b.Allocate(bytes));
+  const double ms = cuda::MeanMilliseconds(
+      [&] { cudaMemcpyPeerAsync(b.get(), dst, a.get(), src, bytes); }, /*reps=*/10,
+      /*warmups=*/2);
+  CHECK_CUDA(cudaSetDevice(0));
+  return bytes / (ms * 1e-3);
 }
 
 // bf16 GEMM 8192^3 (fp32 accumulation) with cuBLASLt's heuristic and a 64 MiB workspace: what
@@ -332,6 +362,7 @@ struct Setup {
   CudaRunnerOptions options;
   std::unique_ptr<CudaModelRunner> runner;
   double bw = 0, flops = 0, batch1_floor_ms = 0;
+  TpSpread spread;  // across GPUs: their count and the measured peer copy rate
 };
 
 absl::StatusOr<Setup> MakeSetup() {
@@ -359,6 +390,24 @@ absl::StatusOr<Setup> MakeSetup() {
                                  : CudaAttentionKernel::kTensorCore;
   options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   options.canonical_k_tree = absl::GetFlag(FLAGS_tp_invariant);
+  options.tensor_parallel = absl::GetFlag(FLAGS_tp);
+  for (const std::string& device : absl::GetFlag(FLAGS_cuda_devices)) {
+    int index = 0;
+    if (!absl::SimpleAtoi(device, &index)) {
+      return absl::InvalidArgumentError("--cuda_devices: '" + device + "' is not a device index");
+    }
+    options.devices.push_back(index);
+  }
+  options.nccl_library = absl::GetFlag(FLAGS_nccl_library);
+  if (options.devices.size() > 1) {
+    setup.spread.gpus = static_cast<int>(options.devices.size());
+    setup.spread.link_bw = MeasurePeerBandwidth(options.devices[0], options.devices[1]);
+    std::printf("tp %d on GPUs %s: peer copy GPU %d -> GPU %d %.1f GB/s (the all-gathers' rate)\n",
+                options.tensor_parallel, absl::StrJoin(options.devices, ",").c_str(),
+                options.devices[1], options.devices[0], setup.spread.link_bw / 1e9);
+  } else if (options.tensor_parallel > 1) {
+    std::printf("tp %d as streams of GPU 0 (the floor is one GPU's)\n", options.tensor_parallel);
+  }
   std::printf("attention kernel: %s, decode CUDA graphs: %s, row-parallel K: %s\n",
               absl::GetFlag(FLAGS_attention).c_str(), options.cuda_graphs ? "on" : "off",
               options.canonical_k_tree ? "canonical 8-segment tree (tp-invariant)" : "fused GEMM");
@@ -377,7 +426,10 @@ absl::StatusOr<Setup> MakeSetup() {
   }
   setup.batch1_floor_ms =
       2.0 * (StepWeightParams(config, 1) + double(config.vocab_size) * config.hidden_size) /
-      setup.bw * 1e3;
+          (setup.bw * setup.spread.gpus) * 1e3 +
+      (setup.spread.gpus > 1 ? TpGatherBytes(config, setup.spread.gpus, 1, 1) /
+                                   setup.spread.link_bw * 1e3
+                             : 0.0);
   if (config.is_moe()) {
     std::printf(
         "MoE: %d of %d layers, %d experts (%d per token) of width %d; active parameters per token "
@@ -470,13 +522,17 @@ void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
     for (int i = 0; i < 5; ++i) Check(runner.ForwardToHost(decode, &logits));
     PrintProfile("decode step profile (mean context), logits copied to the host", runner.profile(),
                  batch);
-    const double kv_ms = double(batch) * ctx * KvBytesPerToken(config) / setup.bw * 1e3;
+    const int g = setup.spread.gpus;
+    const double kv_ms = double(batch) * ctx * KvBytesPerTokenPerGpu(config, g) / setup.bw * 1e3;
     const double lm = double(vocab) * config.hidden_size;
     const double read = 2.0 * (StepWeightParams(config, batch) + lm);
     const double compute = 2.0 * (GemmParams(config) + lm) * batch;
-    const double gemm_ms = std::max(read / setup.bw, compute / setup.flops) * 1e3;
-    std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms = %.2f ms\n", gemm_ms, kv_ms,
-                gemm_ms + kv_ms);
+    const double gemm_ms = std::max(read / setup.bw, compute / setup.flops) / g * 1e3;
+    const double gather_ms =
+        g > 1 ? TpGatherBytes(config, g, batch, batch) / setup.spread.link_bw * 1e3 : 0.0;
+    std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms%s = %.2f ms\n", gemm_ms,
+                kv_ms, g > 1 ? absl::StrFormat(" + all-gathers %.2f ms", gather_ms).c_str() : "",
+                gemm_ms + kv_ms + gather_ms);
     if (config.is_moe()) {
       std::printf(
           "  (MoE: %.2f GB of weights touched = %.1f experts per layer of %d read once, %.2f "
@@ -742,12 +798,17 @@ int Main() {
   const int64_t kv_tokens =
       static_cast<int64_t>(setup->runner->num_kv_blocks()) * setup->runner->kv_block_size();
   const Floor floor = ComputeFloor(setup->config, workload.prefill_tokens, in, workload.lengths,
-                                   kv_tokens, setup->flops, setup->bw);
+                                   kv_tokens, setup->flops, setup->bw, setup->spread);
   std::printf(
       "floor of %s (docs/benchmarks.md, measured rates): %.2f s = prefill GEMMs %.2f + decode "
-      "GEMMs %.2f + decode KV reads %.2f\n",
+      "GEMMs %.2f + decode KV reads %.2f%s\n",
       workload.name.c_str(), floor.total(), floor.prefill_s, floor.decode_gemm_s,
-      floor.decode_kv_s);
+      floor.decode_kv_s,
+      setup->spread.gpus > 1
+          ? absl::StrFormat(" + all-gathers %.2f (%d GPUs, each its share of weights and KV)",
+                            floor.gather_s, setup->spread.gpus)
+                .c_str()
+          : "");
   const int requests = static_cast<int>(workload.lengths.size());
   if (absl::GetFlag(FLAGS_batch1_tokens) > 0) RunBatch1(*setup, &rng);
   RunProfiles(*setup, requests, &rng);

@@ -15,7 +15,16 @@ namespace rollout {
 // The floor of docs/benchmarks.md ("The workload and its floor"), from the measured rates.
 struct Floor {
   double prefill_s = 0, decode_gemm_s = 0, decode_kv_s = 0;
-  double total() const { return prefill_s + decode_gemm_s + decode_kv_s; }
+  double gather_s = 0;  // tensor parallelism across GPUs: the all-gathers at the link rate
+  double total() const { return prefill_s + decode_gemm_s + decode_kv_s + gather_s; }
+};
+
+// Tensor parallelism across GPUs: `gpus` ranks, one GPU each, exchanging through links of
+// `link_bw` bytes/s into each GPU (the measured peer copy rate). gpus = 1: one GPU (ranks as
+// streams of one GPU share its memory and tensor cores, so their floor is the one GPU's).
+struct TpSpread {
+  int gpus = 1;
+  double link_bw = 0;
 };
 
 // The projection parameters of all layers but the MLPs of MoE layers, without lm_head.
@@ -64,22 +73,50 @@ inline int64_t KvBytesPerToken(const ModelConfig& c) {
   return 2ll * c.num_layers * c.num_key_value_heads * c.head_dim * 2;
 }
 
+// The KV bytes of a token that one of `gpus` ranks holds and reads: its KV heads (an even split,
+// or the one head its query heads read when there are fewer KV heads than ranks).
+inline double KvBytesPerTokenPerGpu(const ModelConfig& c, int gpus) {
+  const int nkv = c.num_key_value_heads;
+  const int held = nkv >= gpus ? nkv / gpus : 1;
+  return static_cast<double>(KvBytesPerToken(c)) * held / nkv;
+}
+
+// Bytes the busiest of `gpus` ranks receives in a step of `tokens` tokens and `logit_rows` logits
+// rows (runner/cuda/forward_layers.cc at tp > 1): from each other rank its K-tree node of every
+// o_proj and down_proj (fp32 [tokens, hidden]) and its embedding rows (the same), and, on rank 0,
+// its logits columns (fp32 [logit_rows, ceil(V / gpus)]). 0 on one GPU.
+inline double TpGatherBytes(const ModelConfig& c, int gpus, int64_t tokens, int64_t logit_rows) {
+  if (gpus <= 1) return 0.0;
+  const double node = static_cast<double>(tokens) * c.hidden_size * 4;
+  const double vocab_rows = std::ceil(static_cast<double>(c.vocab_size) / gpus);
+  return (gpus - 1) *
+         ((2.0 * c.num_layers + 1.0) * node + static_cast<double>(logit_rows) * vocab_rows * 4);
+}
+
 // prefill_tokens: the prompt tokens to compute (a prompt shared by samples counts once);
-// lengths: every sample's generated tokens after `in` prompt tokens.
+// lengths: every sample's generated tokens after `in` prompt tokens. spread: across GPUs, each
+// GPU's share of the weights, FLOPs and KV (a lower bound: replicated KV heads' weights count
+// once) at the measured rates, plus the all-gathers at the link rate, not overlapped.
 inline Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t in,
                           const std::vector<int>& lengths, int64_t kv_capacity_tokens, double flops,
-                          double bw) {
+                          double bw, const TpSpread& spread = {}) {
   Floor f;
+  const int g = std::max(1, spread.gpus);
   const double p = GemmParams(c), lm = static_cast<double>(c.vocab_size) * c.hidden_size;
-  f.prefill_s = 2.0 * p * prefill_tokens / flops;
-  const double kv_bytes = static_cast<double>(KvBytesPerToken(c));
+  f.prefill_s = 2.0 * p * prefill_tokens / (flops * g);
+  const auto gather = [&](int64_t tokens, int64_t rows) {
+    return g > 1 ? TpGatherBytes(c, g, tokens, rows) / spread.link_bw : 0.0;
+  };
+  f.gather_s = gather(prefill_tokens, static_cast<int64_t>(lengths.size()));
+  const double kv_bytes = KvBytesPerTokenPerGpu(c, g);
   // Each decode step: its GEMMs (the weights it touches read once -- for a MoE model the experts
   // its tokens route to --, or compute-bound) and one read of the KV.
   ForEachOracleDecodeStep(
       lengths, static_cast<int>(in), kv_capacity_tokens, [&](int64_t batch, int64_t kv_tokens) {
         const double read = StepWeightParams(c, batch) + lm;
-        f.decode_gemm_s += std::max(2.0 * read / bw, 2.0 * (p + lm) * batch / flops);
+        f.decode_gemm_s += std::max(2.0 * read / (bw * g), 2.0 * (p + lm) * batch / (flops * g));
         f.decode_kv_s += kv_tokens * kv_bytes / bw;
+        f.gather_s += gather(batch, batch);
       });
   return f;
 }

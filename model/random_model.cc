@@ -244,7 +244,7 @@ ModelConfig Qwen3Moe(const std::string& preset) {
 }  // namespace
 
 std::vector<std::string> PresetNames() {
-  return {"tiny",     "small",        "medium",     "qwen3-8b",
+  return {"tiny",      "small",         "medium",       "qwen3-8b",  "qwen3-32b",
           "moe-small", "qwen3-30b-a3b", "llama3-small", "yarn-small"};
 }
 
@@ -287,6 +287,19 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
     c.hidden_size = 4096;
     c.intermediate_size = 12288;
     c.num_attention_heads = 32;
+    c.num_key_value_heads = 8;
+    c.head_dim = 128;
+    c.vocab_size = 151936;
+    c.max_position_embeddings = 40960;
+    c.eos_token_ids = {151645};
+    c.rope_theta = 1000000.0f;
+    c.tie_word_embeddings = false;
+  } else if (preset == "qwen3-32b") {
+    // Qwen/Qwen3-32B's config.json: a model that wants several GPUs (65.5 GB of bf16 weights).
+    c.num_layers = 64;
+    c.hidden_size = 5120;
+    c.intermediate_size = 25600;
+    c.num_attention_heads = 64;
     c.num_key_value_heads = 8;
     c.head_dim = 128;
     c.vocab_size = 151936;

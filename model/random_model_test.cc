@@ -330,6 +330,8 @@ TEST(RandomModelTest, PresetsHaveTheDocumentedShapes) {
   EXPECT_FALSE(small.tie_word_embeddings);
   const ModelConfig big = *PresetConfig("qwen3-8b");
   EXPECT_EQ(ParameterCount(big), 8190735360);  // Qwen3-8B's published safetensors total
+  // Qwen3-32B's safetensors total: 65524246528 bytes of bf16.
+  EXPECT_EQ(ParameterCount(*PresetConfig("qwen3-32b")), 32762123264);
   const ModelConfig moe = *PresetConfig("qwen3-30b-a3b");
   // Qwen3-30B-A3B's safetensors total: 61064245248 bytes of bf16.
   EXPECT_EQ(ParameterCount(moe), 30532122624);

@@ -12,7 +12,10 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/determinism_util.h"
@@ -766,8 +769,20 @@ TEST_F(DeterminismTest, TensorParallelDegrees2And4PassTheKeyModesWithTheBitsOfTp
                     "(UNIMPLEMENTED, docs/cuda.md); MoE's TP invariance is this test on the CPU "
                     "backend (moe.DeterminismTest in CI)";
   }
+  // ROLLOUT_TEST_TP_DEGREES (e.g. "1,2,4,8" on a host with 8 GPUs and ROLLOUT_TEST_CUDA_SPREAD=1)
+  // names the degrees; 1, 2 and 4 by default.
+  std::vector<int32_t> degrees = {1, 2, 4};
+  if (const char* env = std::getenv("ROLLOUT_TEST_TP_DEGREES"); env != nullptr && *env) {
+    degrees.clear();
+    for (absl::string_view d : absl::StrSplit(env, ',')) {
+      int32_t tp = 0;
+      ASSERT_TRUE(absl::SimpleAtoi(d, &tp)) << "ROLLOUT_TEST_TP_DEGREES: '" << d << "'";
+      degrees.push_back(tp);
+    }
+  }
+  const std::string over = absl::StrCat(" over TP ", absl::StrJoin(degrees, ", "));
   std::map<std::string, UniqueOutputs> merged;  // mode -> outputs at every degree
-  for (int32_t tp : {1, 2, 4}) {
+  for (int32_t tp : degrees) {
     const std::string at = absl::StrCat(" at TP ", tp);
     ServerOptions options;
     options.tensor_parallel = tp;
@@ -809,8 +824,8 @@ TEST_F(DeterminismTest, TensorParallelDegrees2And4PassTheKeyModesWithTheBitsOfTp
     }
   }
   for (const auto& [mode, o] : merged) {
-    Report(o, mode + " over TP 1, 2, 4");
-    EXPECT_EQ(o.MaxUnique(), 1u) << o.Summary(mode + " over TP 1, 2, 4");
+    Report(o, mode + over);
+    EXPECT_EQ(o.MaxUnique(), 1u) << o.Summary(mode + over);
   }
 }
 

@@ -48,6 +48,13 @@ std::unique_ptr<TestServer> StartTestServer(ServerOptions options) {
   if (const char* backend = std::getenv("ROLLOUT_TEST_BACKEND"); backend != nullptr && *backend) {
     options = WithBackendDefaults(options);
     options.backend = backend;
+    // ROLLOUT_TEST_CUDA_SPREAD=1 (a host with several GPUs): a server of TP degree d > 1 puts
+    // rank r on GPU r (--cuda_devices 0..d-1, through NCCL) instead of d streams of GPU 0.
+    if (const char* spread = std::getenv("ROLLOUT_TEST_CUDA_SPREAD");
+        spread != nullptr && std::string(spread) == "1" && options.tensor_parallel > 1 &&
+        options.cuda_devices.empty()) {
+      for (int r = 0; r < options.tensor_parallel; ++r) options.cuda_devices.push_back(r);
+    }
   }
   auto t = std::make_unique<TestServer>();
   absl::StatusOr<std::unique_ptr<RolloutServer>> server = RolloutServer::Start(options);

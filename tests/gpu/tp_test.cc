@@ -593,6 +593,15 @@ TEST_F(TpMultiGpuTest, Qwen2StyleOnSeparateGpusEqualsTp1OnOneGpu) {
   CheckSpread(config, script, 128ll << 20, 2048);
 }
 
+// The fixed probe set of the multi-GPU runs (issue 20): Qwen3-8B's shapes (two layers), rank r
+// on GPU r through NCCL, at every degree the host has GPUs for, against TP 1 on GPU 0.
+TEST_F(TpMultiGpuTest, Qwen3_8bShapedOnSeparateGpusEqualsTp1OnOneGpu) {
+  ModelConfig config = *PresetConfig("qwen3-8b");
+  config.num_layers = 2;
+  const Script script = MakeScript(config.vocab_size, 32, 10, 900, /*all_logits=*/false, 32);
+  CheckSpread(config, script, 1ll << 30, 1024);
+}
+
 // Weight updates write every rank's pieces on its own device.
 TEST_F(TpMultiGpuTest, WeightUpdatesReachEveryDevice) {
   const ModelConfig config = *PresetConfig("small");
