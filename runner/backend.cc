@@ -42,6 +42,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(const Checkpoint& 
   runner_options.tensor_parallel = options.tensor_parallel;  // checked against the model there
   runner_options.canonical_k_tree = options.tp_invariant;
   runner_options.devices = options.cuda_devices;  // checked against tensor_parallel there
+  runner_options.collective_timeout_s = options.collective_timeout_s;
   runner_options.device_weight_staging = options.device_weight_staging;
   // A model whose dimensions cannot take the tree cannot be split at any degree either, so
   // at tp = 1 there is no other degree to agree with: the fused GEMM serves it.

@@ -26,6 +26,7 @@ struct BackendOptions {
   bool cuda_graphs = true;             // cuda
   bool tp_invariant = true;            // cuda: the canonical K tree at tp = 1 too
   std::vector<int> cuda_devices;       // cuda: one per rank, or empty (every rank on GPU 0)
+  int32_t collective_timeout_s = 300;  // cuda across GPUs: CudaRunnerOptions'
   bool device_weight_staging = false;  // cuda: staging for broadcast updates (CudaRunnerOptions)
   bool batch_variant_for_testing = false;  // cpu: the determinism suites' negative control
   // cpu: CpuRunnerOptions::available_host_memory (tests inject a shortage for ResumeMemory).

@@ -267,6 +267,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   backend.cuda_graphs = options.cuda_graphs;
   backend.tp_invariant = options.tp_invariant;
   backend.cuda_devices = options.cuda_devices;
+  backend.collective_timeout_s = options.collective_timeout_s;
   backend.device_weight_staging = options.device_weight_staging;
   backend.batch_variant_for_testing = options.batch_variant_for_testing;
   backend.available_host_memory_for_testing = options.available_host_memory_for_testing;

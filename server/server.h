@@ -46,6 +46,10 @@ struct ServerOptions {
   // tensor_parallel; ranks exchange through NCCL, libnccl.so.2 loaded at run time). Empty: every
   // rank on GPU 0, as streams of that one device.
   std::vector<int> cuda_devices;
+  // CUDA backend across GPUs (--collective_timeout_s): a step whose NCCL exchange is not done in
+  // this many seconds (a peer GPU failed or hung) ends with UNAVAILABLE, its samples aborted, and
+  // the group is aborted: every later step fails, naming the cause, until the server restarts.
+  int32_t collective_timeout_s = 300;
   // CUDA backend (--device_weight_staging): reserve device memory for one update of every served
   // tensor (taken from the KV pool), where UpdateWeightsFromBroadcast receives. Without it a
   // JoinWeightSyncGroup is refused (FAILED_PRECONDITION naming the flag).

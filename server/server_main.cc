@@ -44,6 +44,10 @@ ABSL_FLAG(int32_t, tp, 1,
 ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
           "cuda backend: one GPU per tensor-parallel rank, e.g. 0,1 for --tp 2 (ranks exchange "
           "through NCCL: libnccl.so.2 must load); empty: every rank on GPU 0");
+ABSL_FLAG(int32_t, collective_timeout_s, 300,
+          "cuda backend with --cuda_devices: seconds a step may wait for its NCCL exchanges "
+          "before the group is aborted (a peer GPU failed or hung): the step's samples end, and "
+          "every later step fails naming the cause until the server restarts");
 ABSL_FLAG(bool, device_weight_staging, false,
           "cuda backend: reserve GPU memory for one update of every served tensor (as large as "
           "the weights; taken from the KV cache), where UpdateWeightsFromBroadcast receives an "
@@ -128,6 +132,7 @@ int main(int argc, char** argv) {
     }
     options.cuda_devices.push_back(index);
   }
+  options.collective_timeout_s = absl::GetFlag(FLAGS_collective_timeout_s);
   options.device_weight_staging = absl::GetFlag(FLAGS_device_weight_staging);
   options.weight_version = absl::GetFlag(FLAGS_weight_version);
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);

@@ -58,7 +58,38 @@ class NcclGroup final : public RankGroup {
   int world_size() const override { return static_cast<int>(devices_.size()); }
   const char* kind() const override { return "nccl"; }
 
+  bool can_hang() const override { return true; }
+
+  GroupStatus CheckAsync() override {
+    if (aborted_) return GroupStatus::Error("the NCCL group was aborted");
+    if (nccl_->CommGetAsyncError == nullptr) return GroupStatus::Ok();  // NCCL < 2.14
+    for (int r = 0; r < world_size(); ++r) {
+      NcclResult state = kNcclSuccess;
+      ROLLOUT_RETURN_IF_ERROR(
+          nccl_->Check(nccl_->CommGetAsyncError(comms_[r], &state), "ncclCommGetAsyncError"));
+      if (state != kNcclSuccess && state != kNcclInProgress) {
+        return GroupStatus::Error("rank " + std::to_string(r) + " (GPU " +
+                                  std::to_string(devices_[r]) + "): " + nccl_->Describe(state));
+      }
+    }
+    return GroupStatus::Ok();
+  }
+
+  void Abort() override {
+    if (aborted_) return;
+    aborted_ = true;
+    if (nccl_->CommAbort == nullptr) return;  // NCCL < 2.14: the communicators stay
+    CudaDeviceScope guard;
+    for (int r = 0; r < world_size(); ++r) {
+      if (comms_[r] == nullptr) continue;
+      cudaSetDevice(devices_[r]);
+      nccl_->CommAbort(comms_[r]);  // frees the communicator
+      comms_[r] = nullptr;
+    }
+  }
+
   GroupStatus AllGather(const float* const* send, int64_t count, float* const* recv) override {
+    if (aborted_) return GroupStatus::Error("the NCCL group was aborted");
     if (count == 0) return GroupStatus::Ok();
     CudaDeviceScope guard;
     ROLLOUT_RETURN_IF_ERROR(nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"));
@@ -82,6 +113,7 @@ class NcclGroup final : public RankGroup {
   const std::vector<int> devices_;
   const std::vector<cudaStream_t> streams_;
   std::vector<NcclCommHandle> comms_;
+  bool aborted_ = false;
 };
 
 }  // namespace

@@ -55,6 +55,17 @@ class RankGroup {
   // work is enqueued: in each rank's stream order, what follows may read
   // recv[r] and rewrite send[r] (no peer reads it any more).
   virtual GroupStatus AllGather(const float* const* send, int64_t count, float* const* recv) = 0;
+
+  // Faults of other parties (docs/cuda.md, "Faults across GPUs"). can_hang: a collective of this
+  // group waits on other GPUs (NCCL), so a wait for the work it is in must be bounded: poll
+  // CheckAsync and give up at a deadline, then Abort. The same-device group's copies cannot
+  // hang on anyone: false, and the others are no-ops.
+  virtual bool can_hang() const { return false; }
+  // An error a rank's communicator reported asynchronously (ncclCommGetAsyncError), or ok.
+  virtual GroupStatus CheckAsync() { return GroupStatus::Ok(); }
+  // Aborts every rank's communicator (ncclCommAbort): kernels waiting on a peer exit, and every
+  // later AllGather fails. For a group whose exchange hung or failed; it cannot be resumed.
+  virtual void Abort() {}
 };
 
 // Ranks that share the current device, rank r on streams[r]. AllGather: every

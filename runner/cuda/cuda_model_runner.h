@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -10,6 +11,10 @@
 #include "model/safetensors.h"
 
 namespace rollout {
+
+namespace cuda {
+class RankGroup;
+}  // namespace cuda
 
 namespace cuda_runner_internal {
 struct SliceShape;
@@ -42,6 +47,10 @@ struct CudaRunnerOptions {
   // The NCCL library dlopen()ed when `devices` spans devices: a path, or "" for libnccl.so.2 on
   // the loader's search path (LD_LIBRARY_PATH).
   std::string nccl_library;
+  // With `devices` spanning devices: how long a wait for a step (whose exchanges are NCCL's) may
+  // take before the group is aborted and the runner fails every later step (a peer GPU failed
+  // or hung; runner/cuda/bounded_wait.cc). > 0.
+  int32_t collective_timeout_s = 300;
   // Fleets (UpdateWeightsFromBroadcast, engine/weight_sync.h): reserve on the device, at load and
   // before the KV pool, staging for one update of every served tensor (their checkpoint bytes,
   // each at a 256-byte boundary: 16.4 GB for Qwen3-8B) and its digest workspace. A broadcast
@@ -234,6 +243,14 @@ class CudaModelRunner final : public ModelRunner {
   void EnableProfiling(bool on);
   CudaForwardProfile profile() const;
   void ResetProfile();
+
+  // Tests of faults across ranks (tests/gpu/tp_test.cc): the rank group becomes wrap(the
+  // group) -- e.g. one that says its exchanges can hang -- and the waits bound by
+  // CudaRunnerOptions::collective_timeout_s apply to it. Returns rank 0's stream (a
+  // cudaStream_t), where a test can enqueue work that never ends. tp > 1 only (else null).
+  void* WrapRankGroupForTesting(
+      const std::function<std::unique_ptr<cuda::RankGroup>(std::unique_ptr<cuda::RankGroup>)>&
+          wrap);
 
   int32_t tensor_parallel() const { return options_.tensor_parallel; }
   // True when tensor_parallel > 1 even if the options said false.

@@ -5,6 +5,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -56,6 +57,17 @@ struct CudaModelRunner::State {
   // a rank runs with its device current (SetDevice), the exchanges are NCCL's, and decode runs
   // without CUDA graphs. False: every rank on ranks[0].device, which stays current throughout.
   bool multi_device = false;
+
+  // Waits for `event` (or, when null, everything enqueued on `stream`), as cudaEventSynchronize
+  // / cudaStreamSynchronize do -- which is what it calls unless the group's collectives can
+  // hang on other GPUs (RankGroup::can_hang: NCCL). Then it polls, with the group's async
+  // errors, until collective_timeout; on an error or the timeout it aborts the group, and the
+  // runner is `broken`: this and every later step fail with that message (bounded_wait.cc).
+  absl::Status Wait(cudaStream_t stream, cudaEvent_t event, const char* what);
+  // OK, or the FAILED_PRECONDITION of a runner whose group was aborted (Wait).
+  absl::Status CheckUsable() const;
+  std::chrono::milliseconds collective_timeout{std::chrono::minutes(5)};
+  std::string broken;
 
   // Makes rk's device current when ranks span devices (nothing otherwise).
   absl::Status SetDevice(const RankState& rk) const {

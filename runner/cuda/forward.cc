@@ -47,6 +47,7 @@ absl::Status CudaModelRunner::ForwardToHost(const ForwardBatch& batch, std::vect
 // Every token's id, sequence, position and KV blocks, the fed tokens (async only: rows of the
 // step launched before) and the logits rows.
 absl::Status CudaModelRunner::CheckBatch(const ForwardBatch& batch, bool async) const {
+  ROLLOUT_RETURN_IF_ERROR(state_->CheckUsable());  // a group aborted by a hung exchange
   const ModelConfig& c = config_;
   const State& s = *state_;
   const int64_t t = batch.num_tokens();
@@ -129,7 +130,7 @@ absl::Status CudaModelRunner::ForwardImpl(const ForwardBatch& batch, float* host
     begin = end;
   }
   if (async) return absl::OkStatus();
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "forward pass"));
+  ROLLOUT_RETURN_IF_ERROR(s.Wait(s.stream, nullptr, "forward pass"));
   return s.profiler.EndForward();
 }
 
@@ -193,7 +194,7 @@ absl::Status CudaModelRunner::ForwardSlice(const ForwardBatch& batch, int64_t be
   // The pinned metadata buffer is rewritten by the next slice (async: by the launch after the
   // next, LaunchStep's staging slots).
   if (async) return absl::OkStatus();
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "forward pass"));
+  ROLLOUT_RETURN_IF_ERROR(s.Wait(s.stream, nullptr, "forward pass"));
   return routing != nullptr ? DownloadRouting(batch, begin, end, routing) : absl::OkStatus();
 }
 

@@ -146,7 +146,7 @@ absl::Status CudaModelRunner::ProcessDeviceRows(const float* rows,
   State& s = *state_;
   const int32_t vocab = config_.vocab_size;
   ROLLOUT_RETURN_IF_ERROR(EnqueueDeviceRows(rows, tasks, first, count));
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(s.stream), "sampling"));
+  ROLLOUT_RETURN_IF_ERROR(s.Wait(s.stream, nullptr, "sampling"));
   ConvertDeviceRows(s.staging().results.get(), first, count, results);
   const cuda::LogitsRowSpec* specs = s.staging().specs.get<cuda::LogitsRowSpec>();
   const cuda::LogitsRowResult* out = s.staging().results.get<cuda::LogitsRowResult>();

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -153,6 +154,7 @@ void CudaModelRunner::SetUpRanks() {
   // has one shape and its logits rows stay aligned; the last shards are shorter (or empty).
   s.vocab_rows = tp == 1 ? vocab : ((vocab + tp - 1) / tp + 63) / 64 * 64;
   s.multi_device = o.devices.size() > 1;
+  s.collective_timeout = std::chrono::seconds(std::max(1, o.collective_timeout_s));
   s.ranks.Create(tp, s.multi_device);
   for (int r = 0; r < tp; ++r) {
     RankState& rk = s.ranks[r];

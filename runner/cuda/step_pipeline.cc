@@ -32,8 +32,7 @@ absl::Status CudaModelRunner::LaunchStep(const ForwardBatch& batch,
   // A staging slot no uncollected step uses, once the step that used it last is done with it.
   s.slot = s.launched.empty() || !s.launched.back().slot.has_value() ? s.slot ^ 1
                                                                      : *s.launched.back().slot ^ 1;
-  ROLLOUT_RETURN_IF_ERROR(
-      CudaError(cudaEventSynchronize(s.staging().done.get()), "waiting for a staging slot"));
+  ROLLOUT_RETURN_IF_ERROR(s.Wait(nullptr, s.staging().done.get(), "waiting for a staging slot"));
   const int64_t rows = static_cast<int64_t>(tasks.size());
   State::Launched launched;
   launched.rows = rows;
@@ -102,8 +101,7 @@ absl::Status CudaModelRunner::CollectStep(std::vector<SampleResult>* results) {
 absl::Status CudaModelRunner::SlotResults(int slot, int64_t rows,
                                           std::vector<SampleResult>* results) {
   State& s = *state_;
-  ROLLOUT_RETURN_IF_ERROR(
-      CudaError(cudaEventSynchronize(s.slots[slot].done.get()), "a launched step"));
+  ROLLOUT_RETURN_IF_ERROR(s.Wait(nullptr, s.slots[slot].done.get(), "a launched step"));
   results->assign(rows, SampleResult());
   ConvertDeviceRows(s.slots[slot].results.get(), 0, rows, results);
   return absl::OkStatus();

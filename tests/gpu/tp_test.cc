@@ -6,6 +6,7 @@
 // canonical tree in whole forward steps. The GEMM-level facts behind it are in
 // tp_kernels_test.cc.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +16,8 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -600,6 +603,74 @@ TEST_F(TpMultiGpuTest, Qwen3_8bShapedOnSeparateGpusEqualsTp1OnOneGpu) {
   config.num_layers = 2;
   const Script script = MakeScript(config.vocab_size, 32, 10, 900, /*all_logits=*/false, 32);
   CheckSpread(config, script, 1ll << 30, 1024);
+}
+
+// A rank group whose exchanges can hang, as NCCL's across GPUs can (RankGroup::can_hang): it
+// forwards to the real group (ranks as streams of one GPU) and records Abort.
+class HangableGroup final : public cuda::RankGroup {
+ public:
+  HangableGroup(std::unique_ptr<cuda::RankGroup> inner, std::atomic<bool>* aborted)
+      : inner_(std::move(inner)), aborted_(aborted) {}
+  int world_size() const override { return inner_->world_size(); }
+  const char* kind() const override { return "hangable (test)"; }
+  cuda::GroupStatus AllGather(const float* const* send, int64_t count,
+                              float* const* recv) override {
+    if (*aborted_) return cuda::GroupStatus::Error("aborted");
+    return inner_->AllGather(send, count, recv);
+  }
+  bool can_hang() const override { return true; }
+  void Abort() override { *aborted_ = true; }
+
+ private:
+  std::unique_ptr<cuda::RankGroup> inner_;
+  std::atomic<bool>* aborted_;
+};
+
+// Faults across ranks: a step whose exchange never completes (here rank 0's stream is held by a
+// host function, as a peer that never answers would hold an NCCL kernel) ends after the
+// collective timeout with UNAVAILABLE naming it, the group is aborted, and every later step
+// fails with FAILED_PRECONDITION saying to restart -- nothing waits forever. On one GPU.
+TEST_F(TpModelTest, AHungExchangeEndsTheStepAtTheTimeoutAndLaterStepsAreRefused) {
+  const ModelConfig config = *PresetConfig("small");
+  CudaRunnerOptions o = Options(2, true, /*graphs=*/false, 64ll << 20, 512);
+  o.collective_timeout_s = 2;
+  auto runner = CudaModelRunner::CreateSynthetic(config, 7, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  std::atomic<bool> aborted{false};
+  auto* stream = static_cast<cudaStream_t>(
+      (*runner)->WrapRankGroupForTesting([&](std::unique_ptr<cuda::RankGroup> g) {
+        return std::make_unique<HangableGroup>(std::move(g), &aborted);
+      }));
+  ASSERT_NE(stream, nullptr);
+  const std::vector<Seq> seqs = {{RandomTokens(40, config.vocab_size, 3), {0, 1, 2}}};
+  const ForwardBatch batch = gpu_test::MakeBatch(seqs, {{0, 0, 40, false}});
+  std::vector<float> logits;
+  ASSERT_TRUE((*runner)->Forward(batch, &logits).ok()) << "the wrapped group works unfaulted";
+
+  std::atomic<bool> release{false};
+  ASSERT_EQ(cudaLaunchHostFunc(
+                stream,
+                [](void* flag) {
+                  while (!static_cast<std::atomic<bool>*>(flag)->load()) {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                  }
+                },
+                &release),
+            cudaSuccess);
+  const auto t0 = std::chrono::steady_clock::now();
+  const absl::Status hung = (*runner)->Forward(batch, &logits);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  release = true;
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(hung.code(), absl::StatusCode::kUnavailable) << hung;
+  EXPECT_NE(hung.message().find("not done within 2 s"), std::string::npos) << hung;
+  EXPECT_TRUE(aborted) << "the group was not aborted";
+  EXPECT_GE(seconds, 2.0);
+  EXPECT_LT(seconds, 30.0);
+  const absl::Status later = (*runner)->Forward(batch, &logits);
+  EXPECT_EQ(later.code(), absl::StatusCode::kFailedPrecondition) << later;
+  EXPECT_NE(later.message().find("restart the server"), std::string::npos) << later;
 }
 
 // Weight updates write every rank's pieces on its own device.
