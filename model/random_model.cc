@@ -241,6 +241,23 @@ ModelConfig Qwen3Moe(const std::string& preset) {
   return c;
 }
 
+// The dense Qwen3 releases' config.json (Qwen/Qwen3-8B, Qwen/Qwen3-32B): what they share (8 KV
+// heads of 128, the 151,936-token vocabulary, 40,960 positions, theta 1e6, untied) and their size.
+void Qwen3Release(ModelConfig* c, int32_t layers, int32_t hidden, int32_t intermediate,
+                  int32_t heads) {
+  c->num_layers = layers;
+  c->hidden_size = hidden;
+  c->intermediate_size = intermediate;
+  c->num_attention_heads = heads;
+  c->num_key_value_heads = 8;
+  c->head_dim = 128;
+  c->vocab_size = 151936;
+  c->max_position_embeddings = 40960;
+  c->eos_token_ids = {151645};
+  c->rope_theta = 1000000.0f;
+  c->tie_word_embeddings = false;
+}
+
 }  // namespace
 
 std::vector<std::string> PresetNames() {
@@ -283,30 +300,10 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
     c.rope_theta = 1000000.0f;
     c.tie_word_embeddings = false;
   } else if (preset == "qwen3-8b") {
-    c.num_layers = 36;
-    c.hidden_size = 4096;
-    c.intermediate_size = 12288;
-    c.num_attention_heads = 32;
-    c.num_key_value_heads = 8;
-    c.head_dim = 128;
-    c.vocab_size = 151936;
-    c.max_position_embeddings = 40960;
-    c.eos_token_ids = {151645};
-    c.rope_theta = 1000000.0f;
-    c.tie_word_embeddings = false;
+    Qwen3Release(&c, 36, 4096, 12288, 32);
   } else if (preset == "qwen3-32b") {
-    // Qwen/Qwen3-32B's config.json: a model that wants several GPUs (65.5 GB of bf16 weights).
-    c.num_layers = 64;
-    c.hidden_size = 5120;
-    c.intermediate_size = 25600;
-    c.num_attention_heads = 64;
-    c.num_key_value_heads = 8;
-    c.head_dim = 128;
-    c.vocab_size = 151936;
-    c.max_position_embeddings = 40960;
-    c.eos_token_ids = {151645};
-    c.rope_theta = 1000000.0f;
-    c.tie_word_embeddings = false;
+    // A model that wants several GPUs (65.5 GB of bf16 weights).
+    Qwen3Release(&c, 64, 5120, 25600, 64);
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
         "unknown preset '", preset, "' (presets: ", absl::StrJoin(PresetNames(), ", "), ")"));
