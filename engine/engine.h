@@ -46,6 +46,10 @@ struct EngineOptions {
   // Tests: the lookahead on a runner that computes steps at launch too (the CPU backend, where it
   // only delays each step's results by one step), to exercise its bookkeeping without a GPU.
   bool lookahead_on_synchronous_runners = false;
+  // Called once, on the engine thread, when a step failed and the runner says it cannot run
+  // any more (ModelRunner::Usable): every sample then ends (aborted) and every later Submit is
+  // UNAVAILABLE with that status's message. The server turns its health NOT_SERVING.
+  std::function<void(const absl::Status&)> on_runner_unusable;
 };
 
 // One sample to generate.

@@ -49,6 +49,7 @@ absl::StatusOr<uint64_t> EngineCore::Submit(std::vector<SampleSpec> samples, Eve
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return absl::UnavailableError("the engine is shutting down");
+    if (!unusable_.empty()) return absl::UnavailableError(unusable_);
     job_id = next_job_id_++;
     unfinished_samples_ += static_cast<int64_t>(samples.size());
     inbox_.submissions.push_back(

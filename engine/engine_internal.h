@@ -277,6 +277,8 @@ class EngineCore {
   void CollectLaunched(StepEvents* events);
   // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
   void Report(Sequence* seq, std::optional<FinishReason> reason, StepEvents* events);
+  // After a failed step: when the runner is no longer usable, refuse new work and end all.
+  void NoteFailedStep();
   // Streamed tokens only (no completion, no top logprobs), generated tokens [from, end):
   // copied flat, made into an event on the delivery thread.
   void ReportStreamed(const Sequence& seq, int64_t from, StepEvents* events);
@@ -329,6 +331,7 @@ class EngineCore {
   uint64_t next_job_id_ = 1;
   int64_t unfinished_samples_ = 0;
   bool stop_ = false;
+  std::string unusable_;  // non-empty: the runner cannot run steps (NoteFailedStep); why
   EngineCounters counters_;
 
   SerialExecutor delivery_;  // event sinks, in step order

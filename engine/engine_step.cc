@@ -2,6 +2,7 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "engine/engine_internal.h"
 #include "glog/logging.h"
 
@@ -97,9 +98,25 @@ std::optional<LaunchedStep> EngineCore::Launch(std::vector<LaunchedStep::Chunk> 
         if (!chunk.seq->finished) Report(chunk.seq, FinishReason::kAbort, events);
       }
     }
+    NoteFailedStep();
     return std::nullopt;
   }
   return step;
+}
+
+void EngineCore::NoteFailedStep() {
+  const absl::Status usable = runner_->Usable();
+  if (usable.ok()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!unusable_.empty()) return;
+    unusable_ = absl::StrCat("the model runner cannot run steps any more (", usable.message(),
+                             "): restart the server");
+    inbox_.aborts.push_back(AbortOrder{});  // every queued and running sample ends (aborted)
+  }
+  cv_.notify_all();
+  LOG(ERROR) << "the model runner is unusable, ending every sample: " << usable;
+  if (options_.on_runner_unusable) options_.on_runner_unusable(usable);
 }
 
 void EngineCore::BuildBatch(LaunchedStep* step) {
@@ -219,6 +236,7 @@ void EngineCore::Complete(LaunchedStep step, StepEvents* events) {
         Report(chunk.seq, FinishReason::kAbort, events);
       }
     }
+    NoteFailedStep();
   } else {
     for (const LaunchedStep::Chunk& chunk : step.chunks) {
       Sequence* seq = chunk.seq;

@@ -120,6 +120,11 @@ class ModelRunner {
   // Prefill chunks are cut at multiples of this (absolute positions).
   virtual int32_t attention_split_size() const = 0;
 
+  // OK while the runner can run steps. An error (with why) once it cannot any more: a
+  // fault it cannot recover from (the CUDA runner after its tensor-parallel group across GPUs
+  // was aborted). The engine asks after a failed step (EngineCore::NoteFailedStep).
+  virtual absl::Status Usable() const { return absl::OkStatus(); }
+
   // Writes the K/V of every token into its block slot, then returns the fp32 logits of
   // batch.logit_rows: [logit_rows.size(), vocab_size] in `logits`.
   // REQUIRES: every block table covers its tokens' positions.

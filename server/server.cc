@@ -325,6 +325,9 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   engine_options.prefix_cache = options.prefix_cache;
   engine_options.decode_lookahead = options.decode_lookahead;
   engine_options.admission = options.admission;
+  engine_options.on_runner_unusable = [health = server->health_](const absl::Status&) {
+    health->RunnerUnusable();
+  };
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(*std::move(runner), engine_options);
   if (!engine.ok()) return engine.status();
@@ -379,7 +382,7 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   if (server->server_ == nullptr || server->port_ == 0) {
     return ListenFailure(options.address, !options.tls_cert_file.empty());
   }
-  server->server_->GetHealthCheckService()->SetServingStatus(true);
+  server->health_->Attach(server->server_.get());
   LOG(INFO) << "rollout server listening on port " << server->port_ << " (" << options.address
             << ")";
   return server;
@@ -417,9 +420,27 @@ void RolloutServer::Shutdown() {
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
+void RolloutServer::HealthSwitch::Attach(grpc::Server* s) {
+  std::lock_guard<std::mutex> lock(mu);
+  server = s;
+  s->GetHealthCheckService()->SetServingStatus(!unusable);
+}
+
+void RolloutServer::HealthSwitch::Detach() {
+  std::lock_guard<std::mutex> lock(mu);
+  server = nullptr;
+}
+
+void RolloutServer::HealthSwitch::RunnerUnusable() {
+  std::lock_guard<std::mutex> lock(mu);
+  unusable = true;
+  if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
+}
+
 RolloutServer::~RolloutServer() {
   Shutdown();
   if (server_ != nullptr) server_->Wait();
+  health_->Detach();
   server_.reset();
   metrics_http_.reset();
   engine_.reset();

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,17 @@ class RolloutServer {
   std::unique_ptr<RolloutServiceImpl> service_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<grpc::Server> server_;
+  // The health status the engine turns NOT_SERVING when the runner becomes unusable
+  // (EngineOptions::on_runner_unusable, from the engine thread); shared with that callback.
+  struct HealthSwitch {
+    std::mutex mu;
+    grpc::Server* server = nullptr;  // while attached
+    bool unusable = false;
+    void Attach(grpc::Server* s);
+    void Detach();
+    void RunnerUnusable();
+  };
+  std::shared_ptr<HealthSwitch> health_ = std::make_shared<HealthSwitch>();
 };
 
 }  // namespace rollout

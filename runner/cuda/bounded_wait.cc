@@ -62,6 +62,8 @@ absl::Status CudaModelRunner::State::Wait(cudaStream_t stream, cudaEvent_t event
   }
 }
 
+absl::Status CudaModelRunner::Usable() const { return state_->CheckUsable(); }
+
 void* CudaModelRunner::WrapRankGroupForTesting(
     const std::function<std::unique_ptr<cuda::RankGroup>(std::unique_ptr<cuda::RankGroup>)>&
         wrap) {

@@ -248,6 +248,8 @@ class CudaModelRunner final : public ModelRunner {
   // group) -- e.g. one that says its exchanges can hang -- and the waits bound by
   // CudaRunnerOptions::collective_timeout_s apply to it. Returns rank 0's stream (a
   // cudaStream_t), where a test can enqueue work that never ends. tp > 1 only (else null).
+  // Not OK once a hung or failed exchange across GPUs aborted the tensor-parallel group.
+  absl::Status Usable() const override;
   void* WrapRankGroupForTesting(
       const std::function<std::unique_ptr<cuda::RankGroup>(std::unique_ptr<cuda::RankGroup>)>&
           wrap);
