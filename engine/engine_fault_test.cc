@@ -17,15 +17,11 @@ namespace {
 
 // Forwards to the CPU runner until `fail_after` forwards have run; from then on every step
 // fails and Usable() says why.
-class FaultingRunner final : public ModelRunner {
+class FaultingRunner final : public WrappingRunner {
  public:
   FaultingRunner(std::unique_ptr<ModelRunner> inner, int fail_after)
-      : inner_(std::move(inner)), fail_after_(fail_after) {}
-  const ModelConfig& config() const override { return inner_->config(); }
+      : WrappingRunner(std::move(inner)), fail_after_(fail_after) {}
   const char* backend_name() const override { return "test"; }
-  int32_t num_kv_blocks() const override { return inner_->num_kv_blocks(); }
-  int32_t kv_block_size() const override { return inner_->kv_block_size(); }
-  int32_t attention_split_size() const override { return inner_->attention_split_size(); }
   absl::Status Usable() const override {
     return broken_ ? absl::FailedPreconditionError("the test's group was aborted")
                    : absl::OkStatus();
@@ -33,20 +29,10 @@ class FaultingRunner final : public ModelRunner {
   absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
     if (forwards_++ >= fail_after_) broken_ = true;
     if (broken_) return absl::UnavailableError("a hung exchange (test)");
-    return inner_->Forward(batch, logits);
-  }
-  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
-                             const std::vector<float>& logits,
-                             std::vector<SampleResult>* results) override {
-    return inner_->ProcessLogits(tasks, logits, results);
-  }
-  const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
-  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override {
-    return inner_->UpdateWeights(tensors);
+    return WrappingRunner::Forward(batch, logits);
   }
 
  private:
-  std::unique_ptr<ModelRunner> inner_;
   const int fail_after_;
   int forwards_ = 0;
   bool broken_ = false;

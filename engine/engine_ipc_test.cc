@@ -83,28 +83,12 @@ class FakeOpened final : public OpenedIpcTensors {
 
 // The CPU runner, reading "device memory" from a FakeIpcHost as the CUDA runner reads IPC
 // exports: each distinct handle opened once, every tensor inside its allocation, hashed at open.
-class FakeIpcRunner final : public ModelRunner {
+class FakeIpcRunner final : public WrappingRunner {
  public:
   FakeIpcRunner(std::unique_ptr<ModelRunner> inner, std::shared_ptr<FakeIpcHost> host)
-      : inner_(std::move(inner)), host_(std::move(host)) {}
+      : WrappingRunner(std::move(inner)), host_(std::move(host)) {}
 
-  const ModelConfig& config() const override { return inner_->config(); }
   const char* backend_name() const override { return "fake-ipc"; }
-  int32_t num_kv_blocks() const override { return inner_->num_kv_blocks(); }
-  int32_t kv_block_size() const override { return inner_->kv_block_size(); }
-  int32_t attention_split_size() const override { return inner_->attention_split_size(); }
-  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
-    return inner_->Forward(batch, logits);
-  }
-  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
-                             const std::vector<float>& logits,
-                             std::vector<SampleResult>* results) override {
-    return inner_->ProcessLogits(tasks, logits, results);
-  }
-  const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
-  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override {
-    return inner_->UpdateWeights(tensors);
-  }
 
   absl::StatusOr<std::unique_ptr<OpenedIpcTensors>> OpenIpcTensors(
       const std::vector<IpcTensorSource>& tensors) override {
@@ -139,11 +123,10 @@ class FakeIpcRunner final : public ModelRunner {
     return std::unique_ptr<OpenedIpcTensors>(std::move(opened));
   }
   absl::Status UpdateWeightsFromIpc(const OpenedIpcTensors& opened) override {
-    return inner_->UpdateWeights(ViewsOf(dynamic_cast<const FakeOpened&>(opened).tensors));
+    return inner().UpdateWeights(ViewsOf(dynamic_cast<const FakeOpened&>(opened).tensors));
   }
 
  private:
-  std::unique_ptr<ModelRunner> inner_;
   std::shared_ptr<FakeIpcHost> host_;
 };
 

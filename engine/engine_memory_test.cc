@@ -33,32 +33,19 @@ const std::string& ModelDir() {  // small: slow enough that a long sample is sti
 // A CpuModelRunner whose ReleaseMemory(weights = true) also reports the weights released (the
 // CPU backend keeps them, as a GPU backend does not), so that the engine's rules for released
 // weights can be tested; and optionally a runner that cannot release at all (the default).
-class WeightsReleasingRunner final : public ModelRunner {
+class WeightsReleasingRunner final : public WrappingRunner {
  public:
   WeightsReleasingRunner(std::unique_ptr<CpuModelRunner> inner, bool can_release)
-      : inner_(std::move(inner)), can_release_(can_release) {}
-  const ModelConfig& config() const override { return inner_->config(); }
+      : WrappingRunner(std::move(inner)), can_release_(can_release) {}
   const char* backend_name() const override { return "test"; }
-  int32_t num_kv_blocks() const override { return inner_->num_kv_blocks(); }
-  int32_t kv_block_size() const override { return inner_->kv_block_size(); }
-  int32_t attention_split_size() const override { return inner_->attention_split_size(); }
-  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
-    return inner_->Forward(batch, logits);
-  }
-  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
-                             const std::vector<float>& logits,
-                             std::vector<SampleResult>* results) override {
-    return inner_->ProcessLogits(tasks, logits, results);
-  }
-  const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
   absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override {
     ++updates_seen_;
     if (weights_released_) return absl::InternalError("an update reached released weights");
-    return inner_->UpdateWeights(tensors);
+    return inner().UpdateWeights(tensors);
   }
   absl::StatusOr<ReleasedMemory> ReleaseMemory(bool weights) override {
     if (!can_release_) return ModelRunner::ReleaseMemory(weights);
-    absl::StatusOr<ReleasedMemory> r = inner_->ReleaseMemory(weights);
+    absl::StatusOr<ReleasedMemory> r = inner().ReleaseMemory(weights);
     if (r.ok() && weights && !weights_released_) {
       weights_released_ = true;
       r->weights = true;
@@ -67,7 +54,7 @@ class WeightsReleasingRunner final : public ModelRunner {
     return r;
   }
   absl::StatusOr<ReleasedMemory> ResumeMemory() override {
-    absl::StatusOr<ReleasedMemory> r = inner_->ResumeMemory();
+    absl::StatusOr<ReleasedMemory> r = inner().ResumeMemory();
     if (r.ok() && weights_released_) {
       weights_released_ = false;
       r->weights = true;
@@ -78,7 +65,6 @@ class WeightsReleasingRunner final : public ModelRunner {
   int updates_seen() const { return updates_seen_; }
 
  private:
-  std::unique_ptr<CpuModelRunner> inner_;
   const bool can_release_;
   bool weights_released_ = false;
   int updates_seen_ = 0;

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "engine/broadcast_plan.h"
+#include "engine/engine_test_util.h"
 #include "engine/model_runner.h"
 #include "engine/weight_sync.h"
 #include "model/weight_digest.h"
@@ -342,28 +343,11 @@ class FakeWeightSyncPort final : public WeightSyncPort {
 // Any runner, with a FakeWeightSyncPort over `group` whose staging holds every served tensor:
 // staged weights are applied as a host update of the same bytes (UpdateWeights), which is what
 // the cuda backend's device copy must be bitwise.
-class FakeBroadcastRunner final : public ModelRunner {
+class FakeBroadcastRunner final : public WrappingRunner {
  public:
   FakeBroadcastRunner(std::unique_ptr<ModelRunner> inner, FakeBroadcastGroup* group)
-      : inner_(std::move(inner)), group_(group) {}
+      : WrappingRunner(std::move(inner)), group_(group) {}
 
-  const ModelConfig& config() const override { return inner_->config(); }
-  const char* backend_name() const override { return inner_->backend_name(); }
-  int32_t num_kv_blocks() const override { return inner_->num_kv_blocks(); }
-  int32_t kv_block_size() const override { return inner_->kv_block_size(); }
-  int32_t attention_split_size() const override { return inner_->attention_split_size(); }
-  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
-    return inner_->Forward(batch, logits);
-  }
-  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
-                             const std::vector<float>& logits,
-                             std::vector<SampleResult>* results) override {
-    return inner_->ProcessLogits(tasks, logits, results);
-  }
-  const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
-  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override {
-    return inner_->UpdateWeights(tensors);
-  }
 
   absl::StatusOr<std::unique_ptr<WeightSyncPort>> CreateWeightSyncPort() override {
     size_t capacity = 0;
@@ -387,7 +371,7 @@ class FakeBroadcastRunner final : public ModelRunner {
       const BroadcastTensor& t = plan.tensors[i];
       tensors.emplace_back(t.name, t.dtype, t.shape, host->bytes() + plan.offsets[i], t.nbytes());
     }
-    return inner_->UpdateWeights(tensors);
+    return inner().UpdateWeights(tensors);
   }
 
   // The port it made (borrowed: the engine owns it), for a test to look at its sink.
@@ -395,7 +379,6 @@ class FakeBroadcastRunner final : public ModelRunner {
   int staging_updates() const { return staging_updates_; }
 
  private:
-  const std::unique_ptr<ModelRunner> inner_;
   FakeBroadcastGroup* const group_;
   FakeWeightSyncPort* port_ = nullptr;
   int staging_updates_ = 0;
