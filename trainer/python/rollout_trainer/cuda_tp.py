@@ -127,6 +127,4 @@ class CudaTpQwen3Model(CudaQwen3Model):
         if head.shape[0] < s.vocab_rows:
             head = torch.nn.functional.pad(head, (0, 0, 0, s.vocab_rows - head.shape[0]))
         local = ops.Gemm.apply(h, head, self.gemms, 2, torch.float32)  # [t, vocab_rows]
-        gathered = tpm.all_gather(local, self.tp_group)                # [tp, t, vocab_rows]
-        t = local.shape[0]
-        return gathered.permute(1, 0, 2).reshape(t, self.tp * s.vocab_rows)[:, :self.vocab]
+        return tpm.gather_vocab_columns(local, self.vocab, self.tp_group)

@@ -247,6 +247,15 @@ def all_gather(x, group):
     return _AllGather.apply(x, group)
 
 
+def gather_vocab_columns(local, vocab: int, group):
+    """The full logits rows [t, vocab] on every rank from each rank's vocab-parallel columns
+    local [t, vocab_rows] (its rows of the head, the last rank's padded), gathered in rank
+    order."""
+    gathered = all_gather(local, group)  # [tp, t, vocab_rows]
+    tp, t, rows = gathered.shape
+    return gathered.permute(1, 0, 2).reshape(t, tp * rows)[:, :vocab]
+
+
 def combine(gathered):
     """The ranks' nodes [tp, ...] -> the tree's root. (The fold; a module-level name so that
     tests can swap in a wrong order and see the bits change.)"""
@@ -399,6 +408,4 @@ class TpQwen3Model(Qwen3Model):
         head = self.weight("model.embed_tokens.weight" if self.tied else "lm_head.weight")
         local = ops.matmul(h, head)  # [t, vocab_end - vocab_begin]
         local = torch.nn.functional.pad(local, (0, s.vocab_rows - local.shape[1]))
-        gathered = all_gather(local, self.tp_group)  # [tp, t, vocab_rows]
-        t = local.shape[0]
-        return gathered.permute(1, 0, 2).reshape(t, self.tp * s.vocab_rows)[:, :self.vocab]
+        return gather_vocab_columns(local, self.vocab, self.tp_group)
