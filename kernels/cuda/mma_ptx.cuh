@@ -160,4 +160,31 @@ __device__ __forceinline__ void TmaLoad3dMulticast(void* dst, const void* map, i
       : "memory");
 }
 
+// Warpgroup MMA (wgmma_ptx.cuh issues the MMAs). Fence before a warpgroup's first wgmma that
+// reads accumulators written by ordinary code; commit closes a group of issued wgmmas; wait
+// returns when at most kPending groups are still running.
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving reads or writes of `v` across the asynchronous MMAs around it.
+__device__ __forceinline__ void FenceOperand(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+
+// The shared-memory matrix descriptor of a K-major tile of 128-byte rows (64 bf16) stored with
+// the 128-byte swizzle (the TMA's CU_TENSOR_MAP_SWIZZLE_128B: 16-byte chunk c of row r at
+// c ^ (r % 8)), from a 1024-byte aligned base: 8-row groups 1024 bytes apart (stride byte
+// offset), the leading byte offset unused by swizzled K-major layouts. The k16 slice j of the
+// tile is the descriptor + 2 j (its start address + 32 j bytes, in 16-byte units).
+__device__ __forceinline__ uint64_t SwizzledKMajorDescriptor(const void* tile) {
+  const uint64_t addr = SharedAddress(tile);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
 }  // namespace rollout::cuda::ptx

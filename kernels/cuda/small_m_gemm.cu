@@ -9,6 +9,7 @@
 #include <cudaTypedefs.h>
 
 #include "kernels/cuda/mma_ptx.cuh"
+#include "kernels/cuda/wgmma_ptx.cuh"
 
 namespace rollout::cuda {
 namespace {
@@ -337,6 +338,168 @@ __global__ void __launch_bounds__(TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kS
   if (kCluster > 1) ptx::ClusterSync();
 }
 
+// The warpgroup kernel: the same per-element order (one fp32 accumulator, the k16 chunks of K in
+// increasing order), issued as wgmma.mma_async m64nNk16 from shared memory, for the m where
+// mma.sync's issue rate, not the weights' bytes, bounds the kernels above (at m = 95 a CTA of
+// n 48 holds 96 x 48 x 4096 MACs against 393 KB of weights: as long at mma.sync's rate as the
+// weights take at the copy rate). kWgs consumer warpgroups each own kMt m64 tiles of every row
+// of the CTA's kN columns; one producer warp's lane 0 feeds a ring of kStages stages by the TMA
+// (x: one 64-row box per m64 tile that holds a live row; w: one kN-row box), 64 K elements a
+// stage, both in the 128-byte swizzle wgmma's descriptors read. full[s] completes when stage s
+// has landed; empty[s] takes one arrival per consumer warp once its MMAs reading stage s are
+// done (wgmma.wait_group 1 after the next stage's group). Per element the chain is the
+// cp.async kernel's: 16-wide K steps in order into one accumulator, starting from +0.
+template <int kN, int kWgs, int kMt, int kStages>
+struct WgmmaShape {
+  static constexpr int kThreads = 128 * kWgs + 32;
+  static constexpr int kXRows = 64 * kWgs * kMt;
+  static constexpr int kStageBytes = (kXRows + kN) * kBk * 2;
+  static constexpr size_t kSmem = size_t{kStages} * kStageBytes + 2 * kStages * 8 + 1024;
+  static_assert(kN % 8 == 0 && kN <= 256, "wgmma N: a multiple of 8 up to 256");
+  static_assert(kMt * kN / 2 <= 128, "at most 128 accumulator registers a thread");
+  static_assert((kN * kBk * 2) % 1024 == 0, "weight tiles keep the 1024-byte alignment");
+};
+
+template <int kN, int kWgs, int kMt, int kStages>
+__global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 1)
+    SmallMGemmWgmmaKernel(const __grid_constant__ CUtensorMap x_map,
+                          const __grid_constant__ CUtensorMap w_map, int x_col_step, int x_z, int m,
+                          int n, int k, void* y, int64_t y_step, GemmOutput output) {
+  using Shape = WgmmaShape<kN, kWgs, kMt, kStages>;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + kStages * Shape::kStageBytes);
+  uint64_t* const empty = full + kStages;
+
+  const int b = blockIdx.y;
+  const int n0 = blockIdx.x * kN;
+  const int live_tiles = (m + 63) / 64;  // m64 tiles holding a live row
+  const uint32_t stage_tx = static_cast<uint32_t>((64 * live_tiles + kN) * kBk * 2);
+  const int k_tiles = (k + kBk - 1) / kBk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::MbarrierInit(&full[s], 1);
+      ptx::MbarrierInit(&empty[s], 4 * kWgs);
+    }
+    ptx::FenceMbarrierInit();
+  }
+  __syncthreads();
+
+  if (warp == 4 * kWgs) {
+    if (lane == 0) {
+      ptx::PrefetchTensorMap(&x_map);
+      ptx::PrefetchTensorMap(&w_map);
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % kStages;
+        if (kt >= kStages) ptx::MbarrierWait(&empty[s], ((kt / kStages) - 1) & 1);
+        unsigned char* const xs = smem + s * Shape::kStageBytes;
+        unsigned char* const ws = xs + Shape::kXRows * kBk * 2;
+        ptx::MbarrierArriveExpectTx(&full[s], stage_tx);
+        const int col = b * x_col_step + kt * kBk;
+        for (int i = 0; i < live_tiles; ++i) {
+          ptx::TmaLoad3d(xs + i * 64 * kBk * 2, &x_map, col, 64 * i, b * x_z, &full[s]);
+        }
+        ptx::TmaLoad3d(ws, &w_map, kt * kBk, n0, b, &full[s]);
+      }
+    }
+    return;
+  }
+
+  // Broadcast from lane 0, so that the compiler sees both as warp-uniform: a wgmma on a path it
+  // takes for divergent would be serialized (ptxas C7520).
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
+  // This warpgroup's m64 tiles that hold a live row (uniform over the warpgroup).
+  const int my_tiles = __shfl_sync(0xffffffffu, min(kMt, max(0, live_tiles - wg * kMt)), 0);
+  float acc[kMt][kN / 2];
+#pragma unroll
+  for (int i = 0; i < kMt; ++i) {
+#pragma unroll
+    for (int j = 0; j < kN / 2; ++j) acc[i][j] = 0.0f;
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % kStages;
+    ptx::MbarrierWait(&full[s], (kt / kStages) & 1);
+    if (my_tiles > 0) {
+      const unsigned char* const xs = smem + s * Shape::kStageBytes;
+      const uint64_t w_desc = ptx::SwizzledKMajorDescriptor(xs + Shape::kXRows * kBk * 2);
+      const uint64_t x_desc = ptx::SwizzledKMajorDescriptor(xs + wg * kMt * 64 * kBk * 2);
+#pragma unroll
+      for (int i = 0; i < kMt; ++i) {
+#pragma unroll
+        for (int j = 0; j < kN / 2; ++j) ptx::FenceOperand(acc[i][j]);
+      }
+      ptx::WgmmaFence();
+      // Past K no instruction at all, not an add of zeros; a whole tile without a test.
+      const int k16s = min(kBk / 16, (k - kt * kBk) / 16);
+      if (k16s == kBk / 16 && my_tiles == kMt) {
+#pragma unroll
+        for (int kk = 0; kk < kBk / 16; ++kk) {
+#pragma unroll
+          for (int i = 0; i < kMt; ++i) {
+            // m64 tile i of this warpgroup: 64 rows of 128 bytes further (in 16-byte units).
+            ptx::Wgmma<kN>::Mma(acc[i], x_desc + uint64_t(i * 64 * kBk * 2 / 16) + 2 * kk,
+                                w_desc + 2 * kk);
+          }
+        }
+      } else {
+        for (int kk = 0; kk < k16s; ++kk) {
+#pragma unroll
+          for (int i = 0; i < kMt; ++i) {
+            if (i < my_tiles) {
+              ptx::Wgmma<kN>::Mma(acc[i], x_desc + uint64_t(i * 64 * kBk * 2 / 16) + 2 * kk,
+                                  w_desc + 2 * kk);
+            }
+          }
+        }
+      }
+      ptx::WgmmaCommit();
+#pragma unroll
+      for (int i = 0; i < kMt; ++i) {
+#pragma unroll
+        for (int j = 0; j < kN / 2; ++j) ptx::FenceOperand(acc[i][j]);
+      }
+      // The group of stage kt - 1 is done: its stage may be refilled.
+      ptx::WgmmaWait<1>();
+    }
+    if (kt > 0 && lane == 0) ptx::MbarrierArrive(&empty[(kt - 1) % kStages]);
+  }
+  ptx::WgmmaWait<0>();
+#pragma unroll
+  for (int i = 0; i < kMt; ++i) {
+#pragma unroll
+    for (int j = 0; j < kN / 2; ++j) ptx::FenceOperand(acc[i][j]);
+  }
+  if (my_tiles == 0) return;
+  const int g = lane / 4, t = lane % 4, w_in = warp % 4;
+#pragma unroll
+  for (int i = 0; i < kMt; ++i) {
+    if (i >= my_tiles) continue;
+    const int row_base = 64 * (wg * kMt + i) + 16 * w_in + g;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row_base + 8 * (e / 2);
+        const int col = n0 + 8 * j + 2 * t + e % 2;
+        if (row >= m || col >= n) continue;
+        const int64_t at = b * y_step + static_cast<int64_t>(row) * n + col;
+        const float v = acc[i][4 * j + e];
+        if (output == GemmOutput::kBf16) {
+          static_cast<bf16*>(y)[at] = __float2bfloat16_rn(v);
+        } else if (output == GemmOutput::kF32) {
+          static_cast<float*>(y)[at] = v;
+        } else {
+          float* const p = static_cast<float*>(y) + at;
+          *p = __fadd_rn(v, *p);
+        }
+      }
+    }
+  }
+}
+
 struct Launch {
   const bf16* x;
   int64_t ldx, x_step;
@@ -451,30 +614,41 @@ cudaError_t PrepareTma() {
       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Shape::kSmem));
 }
 
-template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
-cudaError_t LaunchTma(const Launch& l) {
-  using Shape = TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>;
-  // x_b = x + b x_step: either the columns [b x_step, b x_step + k) of rows ldx apart (the
-  // canonical K tree's leaves), or matrices x_step apart.
+// The tensor maps of a launch's x (boxes of x_rows rows) and w (boxes of w_rows rows), and how
+// a product b finds its x: x_b = x + b x_step is either the columns [b x_step, b x_step + k) of
+// rows ldx apart (the canonical K tree's leaves: x_col_step) or a matrix x_step further (x_z).
+struct TmaMaps {
+  CUtensorMap x, w;
   int x_col_step = 0, x_z = 0;
+};
+
+cudaError_t EncodeLaunchMaps(const Launch& l, uint32_t x_rows, uint32_t w_rows, TmaMaps* maps) {
   uint64_t x_d0 = l.k, x_d2 = l.batch, x_stride2 = uint64_t(l.x_step) * 2;
   if (l.batch == 1 || (l.batch - 1) * l.x_step + l.k <= l.ldx) {
-    x_col_step = static_cast<int>(l.x_step);
+    maps->x_col_step = static_cast<int>(l.x_step);
     x_d0 = l.ldx, x_d2 = 1, x_stride2 = uint64_t(l.ldx) * l.m * 2;
   } else if (l.x_step >= l.ldx * l.m) {
-    x_z = 1;
+    maps->x_z = 1;
   } else {
     return cudaErrorInvalidValue;
   }
   if (l.batch > 1 && l.w_step < int64_t{l.n} * l.k) return cudaErrorInvalidValue;
-  const int m_tiles = (l.m + 15) / 16;
-  const uint32_t slice_rows = 16 * ((m_tiles + kCluster - 1) / kCluster);
-  CUtensorMap x_map, w_map;
-  if (!EncodeMap(&x_map, l.x, x_d0, l.m, x_d2, uint64_t(l.ldx) * 2, x_stride2, slice_rows) ||
-      !EncodeMap(&w_map, l.w, l.k, l.n, l.batch, uint64_t(l.k) * 2,
-                 l.batch > 1 ? uint64_t(l.w_step) * 2 : uint64_t(l.n) * l.k * 2, kNTile)) {
+  if (!EncodeMap(&maps->x, l.x, x_d0, l.m, x_d2, uint64_t(l.ldx) * 2, x_stride2, x_rows) ||
+      !EncodeMap(&maps->w, l.w, l.k, l.n, l.batch, uint64_t(l.k) * 2,
+                 l.batch > 1 ? uint64_t(l.w_step) * 2 : uint64_t(l.n) * l.k * 2, w_rows)) {
     return cudaErrorInvalidValue;
   }
+  return cudaSuccess;
+}
+
+template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
+cudaError_t LaunchTma(const Launch& l) {
+  using Shape = TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>;
+  const int m_tiles = (l.m + 15) / 16;
+  const uint32_t slice_rows = 16 * ((m_tiles + kCluster - 1) / kCluster);
+  TmaMaps maps;
+  const cudaError_t err = EncodeLaunchMaps(l, slice_rows, kNTile, &maps);
+  if (err != cudaSuccess) return err;
   const int n_tiles = (l.n + kNTile - 1) / kNTile;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((n_tiles + kCluster - 1) / kCluster * kCluster, l.batch);
@@ -489,8 +663,28 @@ cudaError_t LaunchTma(const Launch& l) {
   config.attrs = attribute;
   config.numAttrs = kCluster > 1 ? 1 : 0;
   return cudaLaunchKernelEx(
-      &config, &SmallMGemmTmaKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>, x_map,
-      w_map, x_col_step, x_z, l.m, l.n, l.k, l.y, l.y_step, l.output);
+      &config, &SmallMGemmTmaKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>, maps.x,
+      maps.w, maps.x_col_step, maps.x_z, l.m, l.n, l.k, l.y, l.y_step, l.output);
+}
+
+template <int kN, int kWgs, int kMt, int kStages>
+cudaError_t PrepareWgmma() {
+  if (EncodeTiled() == nullptr) return cudaErrorNotSupported;
+  return cudaFuncSetAttribute(&SmallMGemmWgmmaKernel<kN, kWgs, kMt, kStages>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(WgmmaShape<kN, kWgs, kMt, kStages>::kSmem));
+}
+
+template <int kN, int kWgs, int kMt, int kStages>
+cudaError_t LaunchWgmma(const Launch& l) {
+  using Shape = WgmmaShape<kN, kWgs, kMt, kStages>;
+  TmaMaps maps;
+  const cudaError_t err = EncodeLaunchMaps(l, 64, kN, &maps);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((l.n + kN - 1) / kN, l.batch);
+  SmallMGemmWgmmaKernel<kN, kWgs, kMt, kStages><<<grid, Shape::kThreads, Shape::kSmem, l.stream>>>(
+      maps.x, maps.w, maps.x_col_step, maps.x_z, l.m, l.n, l.k, l.y, l.y_step, l.output);
+  return cudaGetLastError();
 }
 
 struct Entry {
@@ -508,6 +702,11 @@ struct Entry {
   Entry {                                                                              \
     SmallMGemmConfig{nt, 16 * mt, wm, wn, st, c}, &LaunchTma<nt, mt, wm, wn, st, c>,   \
         &PrepareTma<nt, mt, wm, wn, st, c>                                             \
+  }
+#define ROLLOUT_SMALL_M_WGMMA(nt, wgs, mt, st)                              \
+  Entry {                                                                   \
+    SmallMGemmConfig{nt, 64 * wgs * mt, wgs, 1, st, 0, wgs},                \
+        &LaunchWgmma<nt, wgs, mt, st>, &PrepareWgmma<nt, wgs, mt, st>       \
   }
 
 // The tilings the ladder may choose from, by the m they serve. Small n tiles give many CTAs
@@ -541,10 +740,19 @@ const std::vector<Entry>& Entries() {
       ROLLOUT_SMALL_M_TMA(64, 8, 2, 4, 6, 2),   ROLLOUT_SMALL_M_TMA(128, 8, 2, 4, 5, 4),
       // m <= 256
       ROLLOUT_SMALL_M_TMA(64, 16, 4, 2, 4, 2),  ROLLOUT_SMALL_M_TMA(128, 16, 4, 4, 4, 4),
+      // wgmma, m <= 64 and m <= 128: those that were the fastest configuration for some runner
+      // shape at some m of 1..128 (rollout-gemm-sweep --small-m, H200, session 16). Two m64
+      // tiles a warpgroup (m <= 256) lost to the pin at every m above 128 and were dropped, as was
+      // n 128 for m <= 64.
+      ROLLOUT_SMALL_M_WGMMA(48, 1, 1, 12),      ROLLOUT_SMALL_M_WGMMA(64, 1, 1, 12),
+      ROLLOUT_SMALL_M_WGMMA(256, 1, 1, 5),      ROLLOUT_SMALL_M_WGMMA(48, 2, 1, 9),
+      ROLLOUT_SMALL_M_WGMMA(64, 2, 1, 8),       ROLLOUT_SMALL_M_WGMMA(128, 2, 1, 6),
+      ROLLOUT_SMALL_M_WGMMA(192, 2, 1, 5),      ROLLOUT_SMALL_M_WGMMA(256, 2, 1, 4),
   };
   return entries;
 }
 
+#undef ROLLOUT_SMALL_M_WGMMA
 #undef ROLLOUT_SMALL_M_TMA
 #undef ROLLOUT_SMALL_M_CONFIG
 
@@ -554,7 +762,9 @@ bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 std::string SmallMGemmConfig::Name() const {
   char buf[64];
-  if (cluster == 0) {
+  if (warpgroups > 0) {
+    std::snprintf(buf, sizeof(buf), "wgmma n%d m%d g%d s%d", n_tile, max_m, warpgroups, stages);
+  } else if (cluster == 0) {
     std::snprintf(buf, sizeof(buf), "hand n%d m%d w%dx%d s%d", n_tile, max_m, warps_m, warps_n,
                   stages);
   } else {
@@ -565,6 +775,10 @@ std::string SmallMGemmConfig::Name() const {
 }
 
 size_t SmallMGemmConfig::SharedBytes() const {
+  if (warpgroups > 0) {
+    return static_cast<size_t>(stages) * (max_m + n_tile) * kBk * sizeof(bf16) +
+           16 * static_cast<size_t>(stages) + 1024;
+  }
   if (cluster == 0) return static_cast<size_t>(stages) * (max_m + n_tile) * kBk * sizeof(bf16);
   const int slice_tiles = (max_m / 16 + cluster - 1) / cluster;
   return static_cast<size_t>(stages) * (16 * slice_tiles * cluster + n_tile) * kBk * sizeof(bf16) +

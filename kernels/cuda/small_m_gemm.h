@@ -23,6 +23,11 @@
 // ldmatrix); its warps split the rows and columns, never K. Epilogue: kBf16 y =
 // __float2bfloat16_rn(acc); kF32 y = acc; kF32Accumulate y = acc + y (one rounding).
 //
+// Three kernels keep that order: the cp.async kernel above ("hand"), the same fed by the TMA
+// with x multicast across a cluster ("tma"), and a warpgroup kernel ("wgmma": the k16 chunks as
+// wgmma.mma_async m64nNk16 from TMA-filled shared memory, one m64 tile per consumer warpgroup),
+// which at m >= 32 is not bound by mma.sync's issue rate.
+//
 // Whether the bits really are the pin's on a given GPU / cuBLAS is not assumed: PinnedGemm's
 // ladder admits a configuration only when its probe finds the pin's bits, and times it against
 // the cuBLASLt rungs (gemm.h). tests/gpu/small_m_gemm_test.cc is the proof over m = 1 .. 256.
@@ -37,11 +42,15 @@ struct SmallMGemmConfig {
   int max_m;
   int warps_m;
   int warps_n;
-  int stages;                // ring depth (64 K elements each)
+  int stages;  // ring depth (64 K elements each)
   // 0: the cp.async kernel. >= 1: the TMA kernel, x multicast across clusters of this many CTAs
   // (one producer warp beside the warps_m x warps_n consumers).
   int cluster;
-  std::string Name() const;  // "hand n32 m16 w1x4 s8", "tma n48 m96 w2x3 s8 c2"
+  // >= 1: the wgmma kernel, this many consumer warpgroups of max_m / 64 / warpgroups m64 tiles
+  // each, fed by a TMA producer warp (warps_m = warpgroups, warps_n = 1, cluster = 0).
+  int warpgroups = 0;
+  // "hand n32 m16 w1x4 s8", "tma n48 m96 w2x3 s8 c2", "wgmma n128 m128 g2 s6"
+  std::string Name() const;
   // Dynamic shared memory per CTA.
   size_t SharedBytes() const;
 };
