@@ -194,7 +194,7 @@ int Main() {
     const cuda::MoeGrouping gr = cuda::MoeGroupingIn(g, e, a);
     const int32_t step_tile_rows = absl::GetFlag(FLAGS_tile_rows) > 0
                                        ? absl::GetFlag(FLAGS_tile_rows)
-                                       : cuda::MoeTileRowsFor(a, e, h);
+                                       : cuda::MoeTileRowsFor(a, e, h, mi);
     const int32_t step_columns = cuda::MoeTileColumnsFor(step_tile_rows, h, mi);
     // The runner's operands (kernels/cuda/moe.h); the shapes timed below override the tiles.
     cuda::MoeLayerParams mp;

@@ -509,7 +509,7 @@ int64_t rt_cuda_moe_grouping_ints(int64_t e, int64_t assignments) {
 
 // The experts of one MoE layer before the combine, EnqueueMoe's launches: the assignments of
 // ids [n, k] grouped by expert into `grouping` (rt_cuda_moe_grouping_ints(e, n * k) int32) in
-// tiles of MoeTileRowsFor(n * k, e, hidden) rows; gate_up [a, 2 inter] bf16 = the grouped rows
+// tiles of MoeTileRowsFor(n * k, e, hidden, inter) rows; gate_up [a, 2 inter] bf16 = the grouped rows
 // of xn [n, hidden] bf16 times each expert's w_gate_up [e, 2 inter, hidden] (its gate rows, then
 // its up rows); act [a, inter] bf16 = SiluMul(gate_up); y [a, hidden] fp32 = act times each
 // expert's w_down [e, hidden, inter]. Rows of gate_up, act and y are in grouped order. Pointers

@@ -241,7 +241,7 @@ cudaError_t MoeCombine(const float* y, const int32_t* slots, const float* weight
 cudaError_t MoeExpertOutputs(const MoeLayerParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   const int64_t assignments = p.num_tokens * p.top_k;
-  const int32_t tile_rows = MoeTileRowsFor(assignments, p.num_experts, p.hidden);
+  const int32_t tile_rows = MoeTileRowsFor(assignments, p.num_experts, p.hidden, p.inter);
   cudaError_t err =
       MoeGroup(p.ids, p.num_tokens, p.num_experts, p.top_k, tile_rows, p.grouping, stream);
   if (err != cudaSuccess) return err;

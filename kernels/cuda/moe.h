@@ -45,12 +45,20 @@ inline int64_t MoeMaxTiles(int64_t assignments, int32_t num_experts,
   return assignments / tile_rows + std::min<int64_t>(num_experts, assignments);
 }
 
-// The tile rows (block shape) of a step, by the experts' mean rows (host-known numbers, so a
-// step stays graph-capturable): 128 from 256 rows an expert, 64 from 64, else the decode shape's
-// 32 -- the prefill shapes only when hidden is a multiple of 128 (their column blocks). The bits
-// do not depend on it (moe_test.cc checks every shape against version 1).
-inline int32_t MoeTileRowsFor(int64_t assignments, int32_t num_experts, int64_t hidden) {
+// The tile rows (block shape) of a step, by host-known numbers (so that a step stays
+// graph-capturable). Where both projections' N (2 inter, hidden) are multiples of 256, 128-row
+// tiles of 256 columns (the warpgroup-MMA shape, MoeTileColumnsFor) from 64 assignments (8 tokens
+// at top-8): H200, Qwen3-30B-A3B's layer (rollout-moe-bench, session 16), it beat every other
+// shape at every count from 8 tokens (256 tokens: gate_up + down 0.299 ms against 0.350 for
+// 32 x 64; 2048: 0.654 against 1.03) and lost only at 1 token (0.048 against 0.039). Else by the
+// experts' mean rows: 128 from 256 rows an expert, 64 from 64, else the decode shape's 32 -- the
+// prefill shapes only when hidden is a multiple of 128 (their column blocks). The bits do not
+// depend on it (moe_test.cc checks every shape against version 1).
+inline int32_t MoeTileRowsFor(int64_t assignments, int32_t num_experts, int64_t hidden,
+                              int64_t inter) {
   if (hidden % 128 != 0) return kMoeTileRows;
+  const bool wide = hidden % kMoeTileColumnsWide == 0 && (2 * inter) % kMoeTileColumnsWide == 0;
+  if (wide && assignments >= 64) return kMoeTileRowsXLarge;
   if (assignments >= int64_t{256} * num_experts) return kMoeTileRowsXLarge;
   if (assignments >= int64_t{kMoeTileRowsLarge} * num_experts) return kMoeTileRowsLarge;
   return kMoeTileRows;

@@ -20,12 +20,16 @@
 // grid is one dimension, column blocks of a tile adjacent, so a tile's rows are read from memory
 // once and from L2 by its other column blocks; the owning expert is found by all threads at once,
 // not a serial search; m16 row groups wholly past the expert's rows skip their ldmatrix and MMAs (a
-// 1-row decode tile does a quarter of the 32-row work; a prefill tile's tail less). Not timed on a
-// GPU yet (rollout-moe-bench).
+// 1-row decode tile does a quarter of the 32-row work; a prefill tile's tail less). H200
+// (docs/benchmarks.md, session 11): only the 128-row tiles gained on version 1.
+//
+// Version 3 (session 16): the widest shape, 128 x 256, on warpgroup MMAs (MoeExpertGemmWgmmaKernel
+// below), the same bits.
 #include <climits>
 #include <cstdint>
 
 #include "kernels/cuda/mma_ptx.cuh"
+#include "kernels/cuda/wgmma_ptx.cuh"
 #include "kernels/cuda/moe.h"
 
 namespace rollout::cuda {
@@ -243,13 +247,9 @@ using PrefillGemm = SwizzledShape<2, 2, 2, 8, 3, 3>;
 // tile: 8 ldmatrix.x4 per 32 MMAs, a third fewer shared-memory reads per MMA than 32 x 64), 3
 // stages (96 KiB, 2 an SM).
 using PrefillLargeGemm = SwizzledShape<2, 2, 4, 8, 3, 2>;
-// The widest: 128 x 256, 2 x 4 warps of 64 x 64 (half the A bytes per MMA of 128 x 128), 4
-// stages (192 KiB, 1 an SM) -- CUTLASS's usual large Ampere tile.
-using PrefillWideGemm = SwizzledShape<2, 4, 4, 8, 4, 1>;
+// The widest, 128 x 256, runs on warpgroup MMAs (WgmmaWideGemm, below).
 static_assert(DecodeGemm::kBm == kMoeTileRows && PrefillGemm::kBm == kMoeTileRowsLarge &&
-                  PrefillLargeGemm::kBm == kMoeTileRowsXLarge &&
-                  PrefillWideGemm::kBm == kMoeTileRowsXLarge &&
-                  PrefillWideGemm::kBn == kMoeTileColumnsWide,
+                  PrefillLargeGemm::kBm == kMoeTileRowsXLarge,
               "moe.h states the tile rows");
 static_assert(DecodeGemm::kBn == kMoeGemmAlign && DecodeGemm::kBk == kMoeGemmAlign,
               "moe.h states the alignment");
@@ -407,6 +407,150 @@ cudaError_t LaunchExpertGemm(const MoeGemmParams& params, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The widest shape on warpgroup MMAs (version 3, session 16): 128-row tiles x 256 columns, the
+// ring, the copies and the epilogue of MoeExpertGemmKernel<PrefillWideGemm>, but each of the two
+// warpgroups issues its 64 rows' K steps as wgmma.mma_async m64n256k16 reading the staged tiles
+// in place (the staging's XOR swizzle is the 128-byte swizzle wgmma's descriptors name, from a
+// 1024-byte aligned ring) instead of ldmatrix + mma.sync. Per element the same chain: 16-wide K
+// steps in order into one fp32 accumulator from +0 (wgmma's k16 step accumulates as mma.sync's:
+// the small-m GEMM's wgmma configurations give the pinned GEMM's bits, tests/gpu/
+// small_m_gemm_test.cc), so the bits are version 1's (moe_gemm_test.cc).
+struct WgmmaWideGemm {
+  static constexpr int kBm = kMoeTileRowsXLarge, kBn = kMoeTileColumnsWide, kBk = 64;
+  static constexpr int kStages = 4;
+  static constexpr int kThreads = 256;  // two warpgroups of 64 rows
+  static constexpr int kStageElements = (kBm + kBn) * kBk;
+  static constexpr int kSmemBytes = kStages * kStageElements * 2 + 1024;  // + alignment
+  static_assert(kBm == 128 && kBn == 256, "two m64 warpgroups, one wgmma N of 256");
+};
+
+__global__ void __launch_bounds__(WgmmaWideGemm::kThreads, 1)
+    MoeExpertGemmWgmmaKernel(MoeGemmParams params, int32_t column_blocks) {
+  using G = WgmmaWideGemm;
+  constexpr int kBm = G::kBm, kBn = G::kBn, kBk = G::kBk, kStages = G::kStages;
+  extern __shared__ uint4 moe_gemm_smem[];
+  bf16* const staged = reinterpret_cast<bf16*>(
+      (reinterpret_cast<uintptr_t>(moe_gemm_smem) + 1023) & ~uintptr_t{1023});
+  __shared__ int32_t tile_rows[kBm];
+  __shared__ int32_t expert_slot;
+  const int32_t tile = static_cast<int32_t>(blockIdx.x / column_blocks);
+  const int32_t column_block = static_cast<int32_t>(blockIdx.x % column_blocks);
+  const int32_t num_experts = params.num_experts;
+  if (tile >= params.tile_offsets[num_experts]) return;
+  const int32_t e = TileExpert(params.tile_offsets, num_experts, tile, &expert_slot);
+  const int32_t row0 = params.expert_offsets[e] + (tile - params.tile_offsets[e]) * kBm;
+  const int32_t valid_rows = min(kBm, params.expert_offsets[e + 1] - row0);
+  const int64_t n0 = static_cast<int64_t>(column_block) * kBn;
+  const int64_t k = params.k;
+  for (int r = threadIdx.x; r < kBm; r += G::kThreads) {
+    tile_rows[r] = r < valid_rows ? (params.rows != nullptr ? params.rows[row0 + r] : row0 + r) : 0;
+  }
+  __syncthreads();
+  const bf16* w = params.w + static_cast<int64_t>(e) * params.expert_stride + n0 * k;
+  auto load = [&](int s, int64_t kt) {
+    const int64_t k0 = kt * kBk;
+    bf16* a = staged + s * G::kStageElements;
+    bf16* b = a + kBm * kBk;
+#pragma unroll
+    for (int i = 0; i < kBm * 8 / G::kThreads; ++i) {
+      const int c = threadIdx.x + i * G::kThreads;
+      const int r = c / 8, chunk = c % 8;
+      const bf16* src = params.x + static_cast<int64_t>(tile_rows[r]) * k + k0 + chunk * 8;
+      CpAsync16(a + Swizzled(r, chunk), src, r < valid_rows);
+    }
+#pragma unroll
+    for (int i = 0; i < kBn * 8 / G::kThreads; ++i) {
+      const int c = threadIdx.x + i * G::kThreads;
+      const int r = c / 8, chunk = c % 8;
+      CpAsync16(b + Swizzled(r, chunk), w + r * k + k0 + chunk * 8, true);
+    }
+  };
+  // Broadcast, so that the compiler sees them warp-uniform (a wgmma on a path it takes for
+  // divergent is serialized: ptxas C7520).
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  const bool live = __shfl_sync(0xffffffffu, 64 * wg < valid_rows ? 1 : 0, 0) != 0;
+  float acc[kBn / 2];
+#pragma unroll
+  for (int j = 0; j < kBn / 2; ++j) acc[j] = 0.0f;
+  const int64_t k_tiles = k / kBk;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load(s, s);
+    CpAsyncCommit();
+  }
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    CpAsyncWait<kStages - 2>();
+    // This thread's copies of stage kt are visible to the async proxy wgmma reads through.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const bf16* a = staged + static_cast<int>(kt % kStages) * G::kStageElements;
+    if (live) {
+      const uint64_t a_desc = ptx::SwizzledKMajorDescriptor(a + 64 * wg * kBk);
+      const uint64_t b_desc = ptx::SwizzledKMajorDescriptor(a + kBm * kBk);
+#pragma unroll
+      for (int j = 0; j < kBn / 2; ++j) ptx::FenceOperand(acc[j]);
+      ptx::WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kBk / 16; ++kk) {
+        ptx::Wgmma<kBn>::Mma(acc, a_desc + 2 * kk, b_desc + 2 * kk);
+      }
+      ptx::WgmmaCommit();
+      // Stage kt - 1's MMAs are done; the refill below overwrites it.
+      ptx::WgmmaWait<1>();
+#pragma unroll
+      for (int j = 0; j < kBn / 2; ++j) ptx::FenceOperand(acc[j]);
+    }
+    __syncthreads();  // neither warpgroup still reads stage kt - 1
+    const int64_t next = kt + kStages - 1;
+    if (next < k_tiles) load(static_cast<int>(next % kStages), next);
+    CpAsyncCommit();
+  }
+  ptx::WgmmaWait<0>();
+#pragma unroll
+  for (int j = 0; j < kBn / 2; ++j) ptx::FenceOperand(acc[j]);
+  CpAsyncWait<0>();
+  if (!live) return;
+  // acc[4 j + 2 h + {0, 1}]: row 16 (warp % 4) + lane / 4 + 8 h of the warpgroup's 64, columns
+  // 8 j + 2 (lane % 4) + {0, 1}.
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int warp_row = 64 * wg + 16 * ((threadIdx.x / 32) % 4);
+  const int64_t n = params.n;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp_row + g + half * 8;
+    if (r >= valid_rows) continue;
+    const int64_t out_row = row0 + r;
+#pragma unroll
+    for (int j = 0; j < kBn / 8; ++j) {
+      const int64_t col = n0 + 8 * j + q * 2;
+      const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+      if (params.output == MoeGemmOutput::kBf16) {
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(params.y) + out_row * n + col) =
+            __floats2bfloat162_rn(v0, v1);
+      } else {
+        *reinterpret_cast<float2*>(static_cast<float*>(params.y) + out_row * n + col) =
+            make_float2(v0, v1);
+      }
+    }
+  }
+}
+
+cudaError_t LaunchExpertGemmWgmma(const MoeGemmParams& params, cudaStream_t stream) {
+  using G = WgmmaWideGemm;
+  if (params.n % G::kBn != 0 || params.k % G::kBk != 0) return cudaErrorInvalidValue;
+  const int64_t column_blocks = params.n / G::kBn;
+  const int64_t blocks =
+      MoeMaxTiles(params.assignments, params.num_experts, G::kBm) * column_blocks;
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  cudaError_t err = cudaFuncSetAttribute(MoeExpertGemmWgmmaKernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         G::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  MoeExpertGemmWgmmaKernel<<<static_cast<unsigned>(blocks), G::kThreads, G::kSmemBytes, stream>>>(
+      params, static_cast<int32_t>(column_blocks));
+  return cudaGetLastError();
+}
+
 bool ValidGemmParams(const MoeGemmParams& params) {
   return params.n % kMoeGemmAlign == 0 && params.k % kMoeGemmAlign == 0 && params.n > 0 &&
          params.k > 0 && params.num_experts >= 1 && params.num_experts <= kMoeMaxExperts &&
@@ -422,8 +566,7 @@ cudaError_t MoeExpertGemm(const MoeGemmParams& params, cudaStream_t stream) {
     if (params.tile_rows != kMoeTileRowsXLarge || params.tile_columns != kMoeTileColumnsWide) {
       return cudaErrorInvalidValue;
     }
-    return params.assignments == 0 ? cudaSuccess
-                                   : LaunchExpertGemm<PrefillWideGemm>(params, stream);
+    return params.assignments == 0 ? cudaSuccess : LaunchExpertGemmWgmma(params, stream);
   }
   if (params.assignments == 0) return cudaSuccess;
   switch (params.tile_rows) {

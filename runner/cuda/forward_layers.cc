@@ -309,7 +309,7 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   const cuda::MoeGrouping grouping = cuda::MoeGroupingIn(rk.moe_grouping.get<int32_t>(), e, a);
   // The expert GEMMs' block shape for this many assignments (host-known; the bits do not
   // depend on it).
-  const int32_t tile_rows = cuda::MoeTileRowsFor(a, e, h);
+  const int32_t tile_rows = cuda::MoeTileRowsFor(a, e, h, mi);
   ROLLOUT_RETURN_IF_ERROR(
       CudaError(cuda::MoeGroup(ids, n, e, k, tile_rows, grouping, stream), "moe grouping"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeGroup));
