@@ -187,7 +187,7 @@ int Main() {
       {"v2 32x64", cuda::kMoeTileRows, 0, false},
       {"v2 64x128", cuda::kMoeTileRowsLarge, 0, false},
       {"v2 128x128", cuda::kMoeTileRowsXLarge, 0, false},
-      {"v2 128x256", cuda::kMoeTileRowsXLarge, cuda::kMoeTileColumnsWide, false}};
+      {"v3 128x256", cuda::kMoeTileRowsXLarge, cuda::kMoeTileColumnsWide, false}};
   int differing_runs = 0;
   for (int64_t t : counts) {
     const int64_t a = t * k;
