@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(G::kThreads) MoeExpertGemmV1Kernel(MoeGemmPara
   const int warp_row = (warp / G::kWarpsColumns) * 32;
   const int warp_col = (warp % G::kWarpsColumns) * 8 * G::kColumnTiles;
   float acc[2][G::kColumnTiles][4] = {};  // [m16 tile][n8 tile][fragment]
-  const int64_t k_tiles = k / kBk;
+  const int64_t k_tiles = params.k / kBk;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < k_tiles) load(s, s);
@@ -259,6 +259,72 @@ __device__ __forceinline__ int Swizzled(int row, int chunk) {
   return row * 64 + ((chunk ^ (row & 7)) << 3);
 }
 
+// A block's tile of one expert's rows (the grid: tiles x column blocks, column blocks adjacent).
+struct ExpertTile {
+  int32_t row0;        // first grouped row of the tile
+  int32_t valid_rows;  // rows of the tile that hold an assignment
+  int64_t n0;          // first output column of the block
+  const bf16* w;       // the expert's weight rows from n0
+};
+
+// Finds this block's tile and fills tile_rows[r] (the x row of tile row r, 0 past valid_rows);
+// false (every thread) when the block lies past the step's tiles. Block-wide.
+template <int kBm, int kBn, int kThreads>
+__device__ bool SetUpExpertTile(const MoeGemmParams& params, int32_t column_blocks,
+                                int32_t* tile_rows, int32_t* expert_slot, ExpertTile* t) {
+  const int32_t tile = static_cast<int32_t>(blockIdx.x / column_blocks);
+  const int32_t column_block = static_cast<int32_t>(blockIdx.x % column_blocks);
+  const int32_t num_experts = params.num_experts;
+  if (tile >= params.tile_offsets[num_experts]) return false;
+  const int32_t e = TileExpert(params.tile_offsets, num_experts, tile, expert_slot);
+  t->row0 = params.expert_offsets[e] + (tile - params.tile_offsets[e]) * kBm;
+  t->valid_rows = min(kBm, params.expert_offsets[e + 1] - t->row0);
+  t->n0 = static_cast<int64_t>(column_block) * kBn;
+  for (int r = threadIdx.x; r < kBm; r += kThreads) {
+    const int32_t row = t->row0 + r;
+    tile_rows[r] = r < t->valid_rows ? (params.rows != nullptr ? params.rows[row] : row) : 0;
+  }
+  __syncthreads();
+  t->w = params.w + static_cast<int64_t>(e) * params.expert_stride + t->n0 * params.k;
+  return true;
+}
+
+// Issues one stage's copies of K columns [kt * 64, kt * 64 + 64) into `a` (kBm swizzled x rows,
+// zero past valid_rows) and the kBn weight rows after them: chunk c of a staged row is thread
+// (c + 8 i)'s, so 8 neighbouring threads read one row's 128 bytes.
+template <int kBm, int kBn, int kThreads>
+__device__ __forceinline__ void LoadExpertStage(bf16* a, const MoeGemmParams& params,
+                                                const int32_t* tile_rows, const ExpertTile& t,
+                                                int64_t kt) {
+  const int64_t k = params.k, k0 = kt * 64;
+  bf16* b = a + kBm * 64;
+#pragma unroll
+  for (int i = 0; i < kBm * 8 / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int r = c / 8, chunk = c % 8;
+    const bf16* src = params.x + static_cast<int64_t>(tile_rows[r]) * k + k0 + chunk * 8;
+    CpAsync16(a + Swizzled(r, chunk), src, r < t.valid_rows);
+  }
+#pragma unroll
+  for (int i = 0; i < kBn * 8 / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int r = c / 8, chunk = c % 8;
+    CpAsync16(b + Swizzled(r, chunk), t.w + r * k + k0 + chunk * 8, true);
+  }
+}
+
+// Output columns col, col + 1 of grouped row `row`.
+__device__ __forceinline__ void StoreExpertPair(const MoeGemmParams& params, int64_t row,
+                                                int64_t col, float v0, float v1) {
+  const int64_t at = row * params.n + col;
+  if (params.output == MoeGemmOutput::kBf16) {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(params.y) + at) =
+        __floats2bfloat162_rn(v0, v1);
+  } else {
+    *reinterpret_cast<float2*>(static_cast<float*>(params.y) + at) = make_float2(v0, v1);
+  }
+}
+
 template <class G>
 __global__ void __launch_bounds__(G::kThreads, G::kBlocksPerSm)
     MoeExpertGemmKernel(MoeGemmParams params, int32_t column_blocks) {
@@ -268,40 +334,14 @@ __global__ void __launch_bounds__(G::kThreads, G::kBlocksPerSm)
   bf16* staged = reinterpret_cast<bf16*>(moe_gemm_smem);  // [kStages][kBm + kBn rows][kBk]
   __shared__ int32_t tile_rows[kBm];  // x row of each tile row (valid rows only)
   __shared__ int32_t expert_slot;
-  const int32_t tile = static_cast<int32_t>(blockIdx.x / column_blocks);
-  const int32_t column_block = static_cast<int32_t>(blockIdx.x % column_blocks);
-  const int32_t num_experts = params.num_experts;
-  if (tile >= params.tile_offsets[num_experts]) return;
-  const int32_t e = TileExpert(params.tile_offsets, num_experts, tile, &expert_slot);
-  const int32_t row0 = params.expert_offsets[e] + (tile - params.tile_offsets[e]) * kBm;
-  const int32_t valid_rows = min(kBm, params.expert_offsets[e + 1] - row0);
-  const int64_t n0 = static_cast<int64_t>(column_block) * kBn;
-  const int64_t k = params.k;
-  for (int r = threadIdx.x; r < kBm; r += G::kThreads) {
-    tile_rows[r] = r < valid_rows ? (params.rows != nullptr ? params.rows[row0 + r] : row0 + r) : 0;
+  ExpertTile t;
+  if (!SetUpExpertTile<kBm, kBn, G::kThreads>(params, column_blocks, tile_rows, &expert_slot, &t)) {
+    return;
   }
-  __syncthreads();
-  const bf16* w = params.w + static_cast<int64_t>(e) * params.expert_stride + n0 * k;
-
-  // Issues stage `s`'s copies of K columns [kt * kBk, kt * kBk + kBk): chunk c of a staged row
-  // is thread (c + 8 i)'s, so 8 neighbouring threads read one row's 128 bytes.
+  const int32_t row0 = t.row0, valid_rows = t.valid_rows;
   auto load = [&](int s, int64_t kt) {
-    const int64_t k0 = kt * kBk;
-    bf16* a = staged + s * G::kStageElements;
-    bf16* b = a + kBm * kBk;
-#pragma unroll
-    for (int i = 0; i < kBm * 8 / G::kThreads; ++i) {
-      const int c = threadIdx.x + i * G::kThreads;
-      const int r = c / 8, chunk = c % 8;
-      const bf16* src = params.x + static_cast<int64_t>(tile_rows[r]) * k + k0 + chunk * 8;
-      CpAsync16(a + Swizzled(r, chunk), src, r < valid_rows);
-    }
-#pragma unroll
-    for (int i = 0; i < kBn * 8 / G::kThreads; ++i) {
-      const int c = threadIdx.x + i * G::kThreads;
-      const int r = c / 8, chunk = c % 8;
-      CpAsync16(b + Swizzled(r, chunk), w + r * k + k0 + chunk * 8, true);
-    }
+    LoadExpertStage<kBm, kBn, G::kThreads>(staged + s * G::kStageElements, params, tile_rows, t,
+                                           kt);
   };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -323,7 +363,7 @@ __global__ void __launch_bounds__(G::kThreads, G::kBlocksPerSm)
 #pragma unroll
   for (int mi = 0; mi < kMi; ++mi) active_row_tiles += warp_row + 16 * mi < valid_rows ? 1 : 0;
   float acc[kMi][kNi][4] = {};  // [m16 tile][n8 tile][fragment]
-  const int64_t k_tiles = k / kBk;
+  const int64_t k_tiles = params.k / kBk;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < k_tiles) load(s, s);
@@ -362,25 +402,16 @@ __global__ void __launch_bounds__(G::kThreads, G::kBlocksPerSm)
   CpAsyncWait<0>();
 
   // acc[mi][ni][0, 1]: row 16 mi + g, columns 2q, 2q + 1 of the n8 tile; [2, 3]: row + 8.
-  const int64_t n = params.n;
 #pragma unroll
   for (int mi = 0; mi < kMi; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = warp_row + mi * 16 + g + half * 8;
       if (r >= valid_rows) continue;
-      const int64_t out_row = row0 + r;
 #pragma unroll
       for (int ni = 0; ni < kNi; ++ni) {
-        const int64_t col = n0 + warp_col + ni * 8 + q * 2;
-        const float v0 = acc[mi][ni][half * 2], v1 = acc[mi][ni][half * 2 + 1];
-        if (params.output == MoeGemmOutput::kBf16) {
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(params.y) + out_row * n + col) =
-              __floats2bfloat162_rn(v0, v1);
-        } else {
-          *reinterpret_cast<float2*>(static_cast<float*>(params.y) + out_row * n + col) =
-              make_float2(v0, v1);
-        }
+        StoreExpertPair(params, row0 + r, t.n0 + warp_col + ni * 8 + q * 2, acc[mi][ni][half * 2],
+                        acc[mi][ni][half * 2 + 1]);
       }
     }
   }
@@ -433,37 +464,14 @@ __global__ void __launch_bounds__(WgmmaWideGemm::kThreads, 1)
       (reinterpret_cast<uintptr_t>(moe_gemm_smem) + 1023) & ~uintptr_t{1023});
   __shared__ int32_t tile_rows[kBm];
   __shared__ int32_t expert_slot;
-  const int32_t tile = static_cast<int32_t>(blockIdx.x / column_blocks);
-  const int32_t column_block = static_cast<int32_t>(blockIdx.x % column_blocks);
-  const int32_t num_experts = params.num_experts;
-  if (tile >= params.tile_offsets[num_experts]) return;
-  const int32_t e = TileExpert(params.tile_offsets, num_experts, tile, &expert_slot);
-  const int32_t row0 = params.expert_offsets[e] + (tile - params.tile_offsets[e]) * kBm;
-  const int32_t valid_rows = min(kBm, params.expert_offsets[e + 1] - row0);
-  const int64_t n0 = static_cast<int64_t>(column_block) * kBn;
-  const int64_t k = params.k;
-  for (int r = threadIdx.x; r < kBm; r += G::kThreads) {
-    tile_rows[r] = r < valid_rows ? (params.rows != nullptr ? params.rows[row0 + r] : row0 + r) : 0;
+  ExpertTile t;
+  if (!SetUpExpertTile<kBm, kBn, G::kThreads>(params, column_blocks, tile_rows, &expert_slot, &t)) {
+    return;
   }
-  __syncthreads();
-  const bf16* w = params.w + static_cast<int64_t>(e) * params.expert_stride + n0 * k;
+  const int32_t valid_rows = t.valid_rows;
   auto load = [&](int s, int64_t kt) {
-    const int64_t k0 = kt * kBk;
-    bf16* a = staged + s * G::kStageElements;
-    bf16* b = a + kBm * kBk;
-#pragma unroll
-    for (int i = 0; i < kBm * 8 / G::kThreads; ++i) {
-      const int c = threadIdx.x + i * G::kThreads;
-      const int r = c / 8, chunk = c % 8;
-      const bf16* src = params.x + static_cast<int64_t>(tile_rows[r]) * k + k0 + chunk * 8;
-      CpAsync16(a + Swizzled(r, chunk), src, r < valid_rows);
-    }
-#pragma unroll
-    for (int i = 0; i < kBn * 8 / G::kThreads; ++i) {
-      const int c = threadIdx.x + i * G::kThreads;
-      const int r = c / 8, chunk = c % 8;
-      CpAsync16(b + Swizzled(r, chunk), w + r * k + k0 + chunk * 8, true);
-    }
+    LoadExpertStage<kBm, kBn, G::kThreads>(staged + s * G::kStageElements, params, tile_rows, t,
+                                           kt);
   };
   // Broadcast, so that the compiler sees them warp-uniform (a wgmma on a path it takes for
   // divergent is serialized: ptxas C7520).
@@ -472,7 +480,7 @@ __global__ void __launch_bounds__(WgmmaWideGemm::kThreads, 1)
   float acc[kBn / 2];
 #pragma unroll
   for (int j = 0; j < kBn / 2; ++j) acc[j] = 0.0f;
-  const int64_t k_tiles = k / kBk;
+  const int64_t k_tiles = params.k / kBk;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < k_tiles) load(s, s);
@@ -514,23 +522,14 @@ __global__ void __launch_bounds__(WgmmaWideGemm::kThreads, 1)
   // 8 j + 2 (lane % 4) + {0, 1}.
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int warp_row = 64 * wg + 16 * ((threadIdx.x / 32) % 4);
-  const int64_t n = params.n;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = warp_row + g + half * 8;
     if (r >= valid_rows) continue;
-    const int64_t out_row = row0 + r;
 #pragma unroll
     for (int j = 0; j < kBn / 8; ++j) {
-      const int64_t col = n0 + 8 * j + q * 2;
-      const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-      if (params.output == MoeGemmOutput::kBf16) {
-        *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(params.y) + out_row * n + col) =
-            __floats2bfloat162_rn(v0, v1);
-      } else {
-        *reinterpret_cast<float2*>(static_cast<float*>(params.y) + out_row * n + col) =
-            make_float2(v0, v1);
-      }
+      StoreExpertPair(params, t.row0 + r, t.n0 + 8 * j + q * 2, acc[4 * j + 2 * half],
+                      acc[4 * j + 2 * half + 1]);
     }
   }
 }

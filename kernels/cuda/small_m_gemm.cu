@@ -26,6 +26,41 @@ __device__ __forceinline__ int Swizzled(int row, int chunk) {
   return row * kBk + ((chunk ^ (row & 7)) * 8);
 }
 
+// One output element: kBf16 y = bf16(acc) (round to nearest even), kF32 y = acc, kF32Accumulate
+// y = acc + y (one rounding).
+__device__ __forceinline__ void StoreElement(GemmOutput output, void* y, int64_t at, float v) {
+  if (output == GemmOutput::kBf16) {
+    static_cast<bf16*>(y)[at] = __float2bfloat16_rn(v);
+  } else if (output == GemmOutput::kF32) {
+    static_cast<float*>(y)[at] = v;
+  } else {
+    float* const p = static_cast<float*>(y) + at;
+    *p = __fadd_rn(v, *p);
+  }
+}
+
+// The ring of a TMA-fed kernel: full[s] completes when stage s has landed (one arrival, the
+// producer's, with the stage's bytes), empty[s] when `consumers` arrivals say it was read.
+__device__ __forceinline__ void InitRing(uint64_t* full, uint64_t* empty, int stages,
+                                         uint32_t consumers) {
+  for (int s = 0; s < stages; ++s) {
+    ptx::MbarrierInit(&full[s], 1);
+    ptx::MbarrierInit(&empty[s], consumers);
+  }
+  ptx::FenceMbarrierInit();
+}
+
+// The producer's turn at K tile kt: waits until stage kt % stages was released by every
+// consumer of the tile before (from the second lap on), arms full[] for `tx` bytes and returns
+// the stage.
+__device__ __forceinline__ int ProduceStage(uint64_t* full, uint64_t* empty, int kt, int stages,
+                                            uint32_t tx) {
+  const int s = kt % stages;
+  if (kt >= stages) ptx::MbarrierWait(&empty[s], ((kt / stages) - 1) & 1);
+  ptx::MbarrierArriveExpectTx(&full[s], tx);
+  return s;
+}
+
 // One CTA: output columns [n0, n0 + kNTile) of product blockIdx.y, every row of m, the whole K.
 // Stage s of the ring (dynamic shared memory): x tile [16 * kMTiles rows][kBk], then w tile
 // [kNTile rows][kBk], both swizzled. Warp (wm, wn) owns m16 tiles wm * kMw .. + kMw - 1 and n8
@@ -146,14 +181,7 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN)
         if (row >= m || col >= n) continue;
         const int64_t at = b * y_step + static_cast<int64_t>(row) * n + col;
         const float v = acc[i][j][e];
-        if (output == GemmOutput::kBf16) {
-          static_cast<bf16*>(y)[at] = __float2bfloat16_rn(v);
-        } else if (output == GemmOutput::kF32) {
-          static_cast<float*>(y)[at] = v;
-        } else {
-          float* const p = static_cast<float*>(y) + at;
-          *p = __fadd_rn(v, *p);
-        }
+        StoreElement(output, y, at, v);
       }
     }
   }
@@ -215,13 +243,7 @@ __global__ void __launch_bounds__(TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kS
   const int k_tiles = (k + kBk - 1) / kBk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      ptx::MbarrierInit(&full[s], 1);
-      ptx::MbarrierInit(&empty[s], kCluster * kConsumers);
-    }
-    ptx::FenceMbarrierInit();
-  }
+  if (threadIdx.x == 0) InitRing(full, empty, kStages, kCluster * kConsumers);
   if (kCluster > 1) {
     ptx::ClusterSync();  // every CTA's barriers exist before any multicast or remote arrival
   } else {
@@ -233,11 +255,9 @@ __global__ void __launch_bounds__(TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kS
       ptx::PrefetchTensorMap(&x_map);
       ptx::PrefetchTensorMap(&w_map);
       for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % kStages;
-        if (kt >= kStages) ptx::MbarrierWait(&empty[s], ((kt / kStages) - 1) & 1);
+        const int s = ProduceStage(full, empty, kt, kStages, stage_tx);
         unsigned char* const xs = smem + s * Shape::kStageBytes;
         unsigned char* const ws = xs + Shape::kXRows * kBk * 2;
-        ptx::MbarrierArriveExpectTx(&full[s], stage_tx);
         const int row0 = static_cast<int>(rank) * slice_rows;
         if (row0 < 16 * m_tiles) {
           const int col = b * x_col_step + kt * kBk;
@@ -320,14 +340,7 @@ __global__ void __launch_bounds__(TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kS
             if (row >= m || col >= n) continue;
             const int64_t at = b * y_step + static_cast<int64_t>(row) * n + col;
             const float v = acc[i][j][e];
-            if (output == GemmOutput::kBf16) {
-              static_cast<bf16*>(y)[at] = __float2bfloat16_rn(v);
-            } else if (output == GemmOutput::kF32) {
-              static_cast<float*>(y)[at] = v;
-            } else {
-              float* const p = static_cast<float*>(y) + at;
-              *p = __fadd_rn(v, *p);
-            }
+            StoreElement(output, y, at, v);
           }
         }
       }
@@ -379,13 +392,7 @@ __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 
   const int k_tiles = (k + kBk - 1) / kBk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      ptx::MbarrierInit(&full[s], 1);
-      ptx::MbarrierInit(&empty[s], 4 * kWgs);
-    }
-    ptx::FenceMbarrierInit();
-  }
+  if (threadIdx.x == 0) InitRing(full, empty, kStages, 4 * kWgs);
   __syncthreads();
 
   if (warp == 4 * kWgs) {
@@ -393,11 +400,9 @@ __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 
       ptx::PrefetchTensorMap(&x_map);
       ptx::PrefetchTensorMap(&w_map);
       for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % kStages;
-        if (kt >= kStages) ptx::MbarrierWait(&empty[s], ((kt / kStages) - 1) & 1);
+        const int s = ProduceStage(full, empty, kt, kStages, stage_tx);
         unsigned char* const xs = smem + s * Shape::kStageBytes;
         unsigned char* const ws = xs + Shape::kXRows * kBk * 2;
-        ptx::MbarrierArriveExpectTx(&full[s], stage_tx);
         const int col = b * x_col_step + kt * kBk;
         for (int i = 0; i < live_tiles; ++i) {
           ptx::TmaLoad3d(xs + i * 64 * kBk * 2, &x_map, col, 64 * i, b * x_z, &full[s]);
@@ -487,14 +492,7 @@ __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 
         if (row >= m || col >= n) continue;
         const int64_t at = b * y_step + static_cast<int64_t>(row) * n + col;
         const float v = acc[i][4 * j + e];
-        if (output == GemmOutput::kBf16) {
-          static_cast<bf16*>(y)[at] = __float2bfloat16_rn(v);
-        } else if (output == GemmOutput::kF32) {
-          static_cast<float*>(y)[at] = v;
-        } else {
-          float* const p = static_cast<float*>(y) + at;
-          *p = __fadd_rn(v, *p);
-        }
+        StoreElement(output, y, at, v);
       }
     }
   }
