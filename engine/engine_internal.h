@@ -258,7 +258,8 @@ class EngineCore {
   // Fills batch_ and step->tasks from step->chunks, and their rows' places in the step.
   void BuildBatch(LaunchedStep* step);
   // Whether the step after `step` is known before `step`'s results: the lookahead is on for this
-  // runner, every running sequence decodes in `step`, none waits that the scheduler would admit,
+  // runner, every running sequence decodes in `step`, none waits that the next schedule would
+  // admit (Scheduler::NextScheduleCouldAdmit, with no sequence of `step` ending by length),
   // nothing waits in the inbox or behind a DRAIN update, the engine is neither paused nor
   // stopping, and the runner can feed `step`'s tokens. (A sequence that stops on a sampled token
   // then has one dropped row.)
@@ -267,6 +268,9 @@ class EngineCore {
   // ends by length after `step`, KV blocks are short or the launch fails (then nothing was
   // launched).
   std::optional<LaunchedStep> LaunchLookahead(const LaunchedStep& step);
+  // Whether `seq`, decoding in a step, finishes by length with that step's token (its
+  // max_new_tokens or the context).
+  bool EndsByLengthAfter(const Sequence& seq) const;
   // Collects `step`'s results and applies them: new tokens, scores, reports, finishes.
   void Complete(LaunchedStep step, StepEvents* events);
   // A scoring chunk's results: the logprobs of its scored tokens; finishes it at its end.

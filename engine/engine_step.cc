@@ -194,11 +194,18 @@ bool EngineCore::LookaheadReady(const LaunchedStep& step) {
       return false;
     }
   }
-  // Every running sequence is in the step, and none waits that the scheduler would admit.
-  if (alive != scheduler_.num_running() ||
-      (scheduler_.num_waiting() > 0 &&
-       static_cast<int32_t>(scheduler_.num_running()) < options_.max_running_samples)) {
-    return false;
+  // Every running sequence is in the step, and none waits that the next schedule would admit:
+  // nothing waits, or the head of the queue does not fit (KV-bound long generations: a full
+  // pool with samples queued) and no sequence of the step ends by length, freeing its KV for
+  // the next schedule. (One that stops on a sampled token frees it too; the admission it allows
+  // then comes a step later, as for a sample that arrives while a step is launched ahead.)
+  if (alive != scheduler_.num_running()) return false;
+  if (scheduler_.num_waiting() > 0 &&
+      static_cast<int32_t>(scheduler_.num_running()) < options_.max_running_samples) {
+    if (scheduler_.NextScheduleCouldAdmit()) return false;
+    for (const LaunchedStep::Chunk& chunk : step.chunks) {
+      if (chunk.seq != nullptr && EndsByLengthAfter(*chunk.seq)) return false;
+    }
   }
   if (!runner_->CanFeed(tasks)) return false;
   std::lock_guard<std::mutex> lock(mu_);
@@ -213,18 +220,23 @@ std::optional<LaunchedStep> EngineCore::LaunchLookahead(const LaunchedStep& step
     if (seq == nullptr) continue;
     // After `step`, seq has one more token (at position chunk.end); it finishes there by
     // length, or it decodes that token next.
-    if (seq->num_generated() + 1 >= seq->params.max_new_tokens ||
-        seq->num_tokens() + 1 >= max_context_) {
-      continue;
-    }
+    if (EndsByLengthAfter(*seq)) continue;
     const int64_t pos = chunk.end;
     if (!scheduler_.Reserve(pos + 1, seq)) return std::nullopt;
     chunks.push_back({seq, pos, pos + 1, 0, 1, pos, /*fed_row=*/chunk.first_row});
   }
   if (chunks.empty()) return std::nullopt;
   std::optional<LaunchedStep> next = Launch(std::move(chunks), /*events=*/nullptr);
-  if (next.has_value()) ++lookahead_steps_;
+  if (next.has_value()) {
+    ++lookahead_steps_;
+    scheduler_.NoteStepWithoutSchedule();
+  }
   return next;
+}
+
+bool EngineCore::EndsByLengthAfter(const Sequence& seq) const {
+  return seq.num_generated() + 1 >= seq.params.max_new_tokens ||
+         seq.num_tokens() + 1 >= max_context_;
 }
 
 void EngineCore::Complete(LaunchedStep step, StepEvents* events) {

@@ -199,6 +199,36 @@ TEST(EngineAdmissionTest, FourTimesOverSubscribedPoolFinishesEverySampleWithoutR
   }
 }
 
+// A pool that holds a quarter of the samples (long generations bound by KV): the decode
+// lookahead runs beside the samples that wait, since the next schedule could not admit them,
+// except on the steps after which a sample ends by length (its KV admits the next one). The
+// schedule is that of one step at a time, step for step, and the bits those of a roomy pool.
+// (Before, any waiting sample turned the lookahead off: only the last wave's steps ran ahead.)
+TEST(EngineAdmissionTest, TheLookaheadRunsBesideSamplesThatCannotBeAdmittedYet) {
+  const std::vector<SampleSpec> specs = OverSubscribingWorkload({});
+  const std::vector<std::string> reference = RunWorkload(MakeEngine({}).get(), specs);
+  for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kEstimate}) {
+    const char* name = AdmissionPolicyName(policy);
+    EngineOptions one_at_a_time, ahead;
+    one_at_a_time.admission = ahead.admission = policy;
+    ahead.lookahead_on_synchronous_runners = true;  // the CPU runner computes at launch
+    std::unique_ptr<Engine> plain = MakeEngine(PoolOf2048Tokens(), one_at_a_time);
+    std::unique_ptr<Engine> engine = MakeEngine(PoolOf2048Tokens(), ahead);
+    EXPECT_EQ(RunWorkload(plain.get(), specs), reference) << name;
+    EXPECT_EQ(RunWorkload(engine.get(), specs), reference) << name;
+    const EngineCounters p = plain->counters(), c = engine->counters();
+    std::cout << "[lookahead beside waiting samples] " << name << ": " << c.lookahead_steps
+              << " of " << c.steps << " steps launched ahead (one at a time: " << p.steps
+              << " steps)" << std::endl;
+    EXPECT_EQ(p.lookahead_steps, 0u) << name;
+    EXPECT_EQ(c.steps, p.steps) << name << ": the lookahead changed the schedule";
+    EXPECT_EQ(c.preemptions, p.preemptions) << name;
+    // 8 of the 32 samples run at once: the last wave alone is a quarter of the steps.
+    EXPECT_GT(c.lookahead_steps, c.steps / 2) << name;
+    EXPECT_EQ(c.kv_blocks_free + c.kv_blocks_cached, c.kv_blocks_total) << "no block leaked";
+  }
+}
+
 // The same pool, samples that stop early on sampled tokens (mostly well before max_new_tokens,
 // as RL rollouts do): kEstimate runs more of them at once than kReserve, which holds room for
 // max_new_tokens, and both keep the bits and the lengths of a roomy pool.

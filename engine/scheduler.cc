@@ -98,12 +98,11 @@ int64_t Scheduler::MaxTokens(const Sequence& seq) const {
   return std::max(seq.num_tokens(), std::min(most, context));
 }
 
-int64_t Scheduler::FutureBlocks(const Sequence& seq) const {
+int64_t Scheduler::FutureBlocks(const Sequence& seq, double ratio) const {
   int64_t tokens = MaxTokens(seq);
   if (options_.admission == AdmissionPolicy::kEstimate && MayStopEarly(seq)) {
     const int64_t to_come = std::min(tokens - seq.num_tokens(), kEstimateClipTokens);
-    tokens = seq.num_tokens() +
-             static_cast<int64_t>(std::ceil(static_cast<double>(to_come) * new_token_ratio_));
+    tokens = seq.num_tokens() + static_cast<int64_t>(std::ceil(static_cast<double>(to_come) * ratio));
   }
   return std::max<int64_t>(
       0, blocks_->BlocksFor(tokens) - static_cast<int64_t>(seq.block_table.size()));
@@ -121,6 +120,34 @@ void Scheduler::RaiseNewTokenRatio() {
   }
   const double ratio = most > 0 ? static_cast<double>(progress) / static_cast<double>(most) : 1.0;
   new_token_ratio_ = std::clamp(std::max(ratio, new_token_ratio_), kMinNewTokenRatio, 1.0);
+}
+
+void Scheduler::NoteStepWithoutSchedule() {
+  if (options_.admission == AdmissionPolicy::kEstimate) {
+    new_token_ratio_ = std::max(kMinNewTokenRatio, new_token_ratio_ - kNewTokenRatioDecay);
+  }
+}
+
+bool Scheduler::NextScheduleCouldAdmit() const {
+  const Sequence* head = nullptr;
+  for (const Sequence* seq : waiting_) {
+    if (!seq->paused) {
+      head = seq;
+      break;
+    }
+  }
+  if (head == nullptr || static_cast<int32_t>(running_.size()) >= options_.max_running) {
+    return false;
+  }
+  const int64_t room = blocks_->num_free() + cache_->num_unlocked_blocks();
+  const int64_t now = blocks_->BlocksFor(head->num_tokens());
+  if (options_.admission == AdmissionPolicy::kOptimistic) return now <= room;
+  const double ratio = options_.admission == AdmissionPolicy::kEstimate
+                           ? std::max(kMinNewTokenRatio, new_token_ratio_ - kNewTokenRatioDecay)
+                           : new_token_ratio_;
+  int64_t committed = FutureBlocks(*head, ratio);
+  for (const Sequence* seq : running_) committed += FutureBlocks(*seq, ratio);
+  return committed <= room && now <= room;
 }
 
 bool Scheduler::FitsBesideRunning(int64_t extra_blocks) const {
@@ -219,9 +246,7 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
   std::vector<ScheduledChunk> chunks;
   chunks.reserve(running_.size());
   int64_t budget = options_.max_batch_tokens;
-  if (options_.admission == AdmissionPolicy::kEstimate) {
-    new_token_ratio_ = std::max(kMinNewTokenRatio, new_token_ratio_ - kNewTokenRatioDecay);
-  }
+  NoteStepWithoutSchedule();  // the ratio's fall per step
   // Two passes over the running set: decoders (one token each) before prefills, so that long
   // prompts cannot stall the streams of sequences already generating.
   for (bool decode_pass : {true, false}) {

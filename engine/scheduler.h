@@ -79,6 +79,19 @@ class Scheduler {
   // holds among the others.
   std::vector<ScheduledChunk> Schedule();
 
+  // Whether the next Schedule() would admit a waiting sequence (the first one not paused) if
+  // nothing but the step's own advance changed: under kReserve and kEstimate, whether its KV fits
+  // beside every running sequence's (the estimate at the ratio the next Schedule() will use),
+  // under kOptimistic whether its tokens' blocks are free or evictable. Its prefix-cache hit is
+  // not counted (matched pages stop counting as room as they lower its need), nor the room a
+  // sequence that stops on a sampled token will free. The engine's lookahead launches the next
+  // decode step ahead of sequences that wait only while this is false.
+  bool NextScheduleCouldAdmit() const;
+  // A step the engine launched without Schedule() (its decode lookahead): the estimate's ratio
+  // falls as it does at every Schedule(), so the admission policy sees the same ratio step for
+  // step whether or not steps were launched ahead.
+  void NoteStepWithoutSchedule();
+
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
   bool idle() const { return running_.empty() && waiting_.empty(); }
@@ -118,7 +131,9 @@ class Scheduler {
   int64_t MaxTokens(const Sequence& seq) const;
   // Blocks `seq` may still take beyond the ones it holds: all it may reach under kReserve (and
   // under kEstimate when it cannot stop early), the estimate under kEstimate.
-  int64_t FutureBlocks(const Sequence& seq) const;
+  int64_t FutureBlocks(const Sequence& seq) const { return FutureBlocks(seq, new_token_ratio_); }
+  // The same at the estimate's ratio `ratio`.
+  int64_t FutureBlocks(const Sequence& seq, double ratio) const;
   // Whether `seq` may end before max_new_tokens: on a stop token of its own, or on the model's
   // EOS when it does not ignore it. kEstimate charges one that cannot all it may still need, as
   // kReserve does: an estimate could only be short for it.
