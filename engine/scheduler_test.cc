@@ -218,6 +218,38 @@ TEST(SchedulerTest, ReserveAdmissionFinishesWhatItStartsWithoutPreemption) {
   EXPECT_EQ(blocks.num_free(), 6);
 }
 
+// The engine's lookahead asks whether the next Schedule() would admit the head of the queue;
+// the answer must agree with what Schedule() then does.
+TEST(SchedulerTest, NextScheduleCouldAdmitSaysWhatTheNextScheduleDoes) {
+  KvBlockManager blocks(6, 4);  // 24 tokens of KV in all
+  PrefixCache cache(&blocks, /*enabled=*/false);
+  Scheduler scheduler({8, 32, 4}, &blocks, &cache, "v");  // kReserve
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (int i = 0; i < 3; ++i) {
+    seqs.push_back(MakeSeq(i, 6));
+    seqs.back()->params.max_new_tokens = 6;  // 3 blocks each: two fit at once
+  }
+  EXPECT_FALSE(scheduler.NextScheduleCouldAdmit()) << "nothing waits";
+  for (auto& seq : seqs) scheduler.Add(seq.get());
+  EXPECT_TRUE(scheduler.NextScheduleCouldAdmit());
+  Apply(scheduler.Schedule());
+  ASSERT_EQ(scheduler.num_running(), 2u);
+  ASSERT_EQ(scheduler.num_waiting(), 1u);
+  for (int step = 0; step < 3; ++step) {
+    EXPECT_FALSE(scheduler.NextScheduleCouldAdmit()) << "the third reservation does not fit";
+    Apply(scheduler.Schedule());
+    EXPECT_EQ(scheduler.num_running(), 2u);
+  }
+  scheduler.Remove(seqs[1].get());  // its blocks would hold the third
+  seqs[2]->paused = true;
+  EXPECT_FALSE(scheduler.NextScheduleCouldAdmit()) << "a paused sequence is passed over";
+  seqs[2]->paused = false;
+  EXPECT_TRUE(scheduler.NextScheduleCouldAdmit()) << "the freed blocks hold the third";
+  Apply(scheduler.Schedule());
+  EXPECT_EQ(scheduler.num_waiting(), 0u);
+  EXPECT_FALSE(scheduler.NextScheduleCouldAdmit());
+}
+
 // Under pressure the running sequence that loses least gives way: the fewest computed tokens,
 // not the latest arrival.
 TEST(SchedulerTest, PreemptionTakesTheSequenceWithTheFewestComputedTokens) {
