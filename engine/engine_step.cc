@@ -180,11 +180,13 @@ bool EngineCore::LookaheadReady(const LaunchedStep& step) {
     return false;
   }
   size_t alive = 0;
+  bool ends_by_length = false;  // a sequence of the step ends with its token (frees its KV)
   std::vector<LogitsRowTask> tasks;  // of the live chunks (a dead chunk's params are gone)
   tasks.reserve(step.tasks.size());
   for (const LaunchedStep::Chunk& chunk : step.chunks) {
     if (chunk.seq == nullptr) continue;
     ++alive;
+    ends_by_length = ends_by_length || EndsByLengthAfter(*chunk.seq);
     tasks.insert(tasks.end(), step.tasks.begin() + chunk.first_row,
                  step.tasks.begin() + chunk.first_row + chunk.num_rows);
     const Sequence& seq = *chunk.seq;
@@ -202,10 +204,7 @@ bool EngineCore::LookaheadReady(const LaunchedStep& step) {
   if (alive != scheduler_.num_running()) return false;
   if (scheduler_.num_waiting() > 0 &&
       static_cast<int32_t>(scheduler_.num_running()) < options_.max_running_samples) {
-    if (scheduler_.NextScheduleCouldAdmit()) return false;
-    for (const LaunchedStep::Chunk& chunk : step.chunks) {
-      if (chunk.seq != nullptr && EndsByLengthAfter(*chunk.seq)) return false;
-    }
+    if (ends_by_length || scheduler_.NextScheduleCouldAdmit()) return false;
   }
   if (!runner_->CanFeed(tasks)) return false;
   std::lock_guard<std::mutex> lock(mu_);
@@ -229,7 +228,7 @@ std::optional<LaunchedStep> EngineCore::LaunchLookahead(const LaunchedStep& step
   std::optional<LaunchedStep> next = Launch(std::move(chunks), /*events=*/nullptr);
   if (next.has_value()) {
     ++lookahead_steps_;
-    scheduler_.NoteStepWithoutSchedule();
+    scheduler_.AdvanceNewTokenRatio();
   }
   return next;
 }

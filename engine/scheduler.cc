@@ -122,11 +122,13 @@ void Scheduler::RaiseNewTokenRatio() {
   new_token_ratio_ = std::clamp(std::max(ratio, new_token_ratio_), kMinNewTokenRatio, 1.0);
 }
 
-void Scheduler::NoteStepWithoutSchedule() {
-  if (options_.admission == AdmissionPolicy::kEstimate) {
-    new_token_ratio_ = std::max(kMinNewTokenRatio, new_token_ratio_ - kNewTokenRatioDecay);
-  }
+double Scheduler::NextNewTokenRatio() const {
+  return options_.admission == AdmissionPolicy::kEstimate
+             ? std::max(kMinNewTokenRatio, new_token_ratio_ - kNewTokenRatioDecay)
+             : new_token_ratio_;
 }
+
+void Scheduler::AdvanceNewTokenRatio() { new_token_ratio_ = NextNewTokenRatio(); }
 
 bool Scheduler::NextScheduleCouldAdmit() const {
   const Sequence* head = nullptr;
@@ -139,21 +141,20 @@ bool Scheduler::NextScheduleCouldAdmit() const {
   if (head == nullptr || static_cast<int32_t>(running_.size()) >= options_.max_running) {
     return false;
   }
-  const int64_t room = blocks_->num_free() + cache_->num_unlocked_blocks();
-  const int64_t now = blocks_->BlocksFor(head->num_tokens());
-  if (options_.admission == AdmissionPolicy::kOptimistic) return now <= room;
-  const double ratio = options_.admission == AdmissionPolicy::kEstimate
-                           ? std::max(kMinNewTokenRatio, new_token_ratio_ - kNewTokenRatioDecay)
-                           : new_token_ratio_;
-  int64_t committed = FutureBlocks(*head, ratio);
-  for (const Sequence* seq : running_) committed += FutureBlocks(*seq, ratio);
-  return committed <= room && now <= room;
+  if (blocks_->BlocksFor(head->num_tokens()) > RoomBlocks()) return false;
+  if (options_.admission == AdmissionPolicy::kOptimistic) return true;
+  const double ratio = NextNewTokenRatio();
+  return FitsBesideRunning(FutureBlocks(*head, ratio), ratio);
 }
 
-bool Scheduler::FitsBesideRunning(int64_t extra_blocks) const {
+int64_t Scheduler::RoomBlocks() const {
+  return blocks_->num_free() + cache_->num_unlocked_blocks();
+}
+
+bool Scheduler::FitsBesideRunning(int64_t extra_blocks, double ratio) const {
   int64_t committed = extra_blocks;
-  for (const Sequence* seq : running_) committed += FutureBlocks(*seq);
-  return committed <= blocks_->num_free() + cache_->num_unlocked_blocks();
+  for (const Sequence* seq : running_) committed += FutureBlocks(*seq, ratio);
+  return committed <= RoomBlocks();
 }
 
 void Scheduler::Take(Sequence* seq, int64_t end, std::vector<ScheduledChunk>* chunks) {
@@ -195,7 +196,7 @@ bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>
   // (its matched pages are locked now, so they no longer count as room). Either policy takes
   // the KV of the whole known sequence up front, so an admitted prefill never waits midway.
   const bool fits =
-      options_.admission == AdmissionPolicy::kOptimistic || FitsBesideRunning(FutureBlocks(*seq));
+      options_.admission == AdmissionPolicy::kOptimistic || FitsBesideRunning(FutureBlocks(*seq), new_token_ratio_);
   if (end <= seq->num_computed || !fits || !Reserve(seq->num_tokens(), seq)) {
     ReleaseKv(seq);
     seq->num_computed = 0;
@@ -246,7 +247,7 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
   std::vector<ScheduledChunk> chunks;
   chunks.reserve(running_.size());
   int64_t budget = options_.max_batch_tokens;
-  NoteStepWithoutSchedule();  // the ratio's fall per step
+  AdvanceNewTokenRatio();
   // Two passes over the running set: decoders (one token each) before prefills, so that long
   // prompts cannot stall the streams of sequences already generating.
   for (bool decode_pass : {true, false}) {

@@ -87,10 +87,10 @@ class Scheduler {
   // sequence that stops on a sampled token will free. The engine's lookahead launches the next
   // decode step ahead of sequences that wait only while this is false.
   bool NextScheduleCouldAdmit() const;
-  // A step the engine launched without Schedule() (its decode lookahead): the estimate's ratio
-  // falls as it does at every Schedule(), so the admission policy sees the same ratio step for
-  // step whether or not steps were launched ahead.
-  void NoteStepWithoutSchedule();
+  // One step's fall of the estimate's ratio (kEstimate; NextNewTokenRatio). Schedule() makes it,
+  // and the engine for a step it launches without Schedule() (its decode lookahead), so that the
+  // admission policy sees the same ratio step for step whether or not steps ran ahead.
+  void AdvanceNewTokenRatio();
 
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
@@ -138,9 +138,14 @@ class Scheduler {
   // EOS when it does not ignore it. kEstimate charges one that cannot all it may still need, as
   // kReserve does: an estimate could only be short for it.
   bool MayStopEarly(const Sequence& seq) const;
+  // Free blocks and unlocked cached pages: what admissions and growth can take.
+  int64_t RoomBlocks() const;
   // kReserve, kEstimate: whether the pool can hold `extra_blocks` more beside every running
-  // sequence's FutureBlocks (free blocks and unlocked cached pages count as room).
-  bool FitsBesideRunning(int64_t extra_blocks) const;
+  // sequence's FutureBlocks at the estimate's ratio `ratio` (RoomBlocks count as room).
+  bool FitsBesideRunning(int64_t extra_blocks, double ratio) const;
+  // The estimate's ratio at the next Schedule() (kEstimate falls by kNewTokenRatioDecay a step,
+  // down to kMinNewTokenRatio; the other policies do not use it).
+  double NextNewTokenRatio() const;
   // kEstimate: the ratio after a preemption, from the running sequences' progress.
   void RaiseNewTokenRatio();
   // Whether `seq` should wait for a running sequence that is still computing whole pages of
