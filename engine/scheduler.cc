@@ -102,7 +102,8 @@ int64_t Scheduler::FutureBlocks(const Sequence& seq, double ratio) const {
   int64_t tokens = MaxTokens(seq);
   if (options_.admission == AdmissionPolicy::kEstimate && MayStopEarly(seq)) {
     const int64_t to_come = std::min(tokens - seq.num_tokens(), kEstimateClipTokens);
-    tokens = seq.num_tokens() + static_cast<int64_t>(std::ceil(static_cast<double>(to_come) * ratio));
+    tokens =
+        seq.num_tokens() + static_cast<int64_t>(std::ceil(static_cast<double>(to_come) * ratio));
   }
   return std::max<int64_t>(
       0, blocks_->BlocksFor(tokens) - static_cast<int64_t>(seq.block_table.size()));
@@ -195,8 +196,8 @@ bool Scheduler::Admit(Sequence* seq, int64_t budget, std::vector<ScheduledChunk>
   // kReserve counts what the sequence may still need against the room the running ones leave
   // (its matched pages are locked now, so they no longer count as room). Either policy takes
   // the KV of the whole known sequence up front, so an admitted prefill never waits midway.
-  const bool fits =
-      options_.admission == AdmissionPolicy::kOptimistic || FitsBesideRunning(FutureBlocks(*seq), new_token_ratio_);
+  const bool fits = options_.admission == AdmissionPolicy::kOptimistic ||
+                    FitsBesideRunning(FutureBlocks(*seq), new_token_ratio_);
   if (end <= seq->num_computed || !fits || !Reserve(seq->num_tokens(), seq)) {
     ReleaseKv(seq);
     seq->num_computed = 0;
