@@ -54,11 +54,16 @@ inline int64_t MoeMaxTiles(int64_t assignments, int32_t num_experts,
 // experts' mean rows: 128 from 256 rows an expert, 64 from 64, else the decode shape's 32 -- the
 // prefill shapes only when hidden is a multiple of 128 (their column blocks). The bits do not
 // depend on it (moe_test.cc checks every shape against version 1).
+// Whether both projections' N (2 inter for gate/up, hidden for down) tile by the widest shape's
+// columns.
+inline bool MoeWideColumnsFit(int64_t hidden, int64_t inter) {
+  return hidden % kMoeTileColumnsWide == 0 && (2 * inter) % kMoeTileColumnsWide == 0;
+}
+
 inline int32_t MoeTileRowsFor(int64_t assignments, int32_t num_experts, int64_t hidden,
                               int64_t inter) {
   if (hidden % 128 != 0) return kMoeTileRows;
-  const bool wide = hidden % kMoeTileColumnsWide == 0 && (2 * inter) % kMoeTileColumnsWide == 0;
-  if (wide && assignments >= 64) return kMoeTileRowsXLarge;
+  if (MoeWideColumnsFit(hidden, inter) && assignments >= 64) return kMoeTileRowsXLarge;
   if (assignments >= int64_t{256} * num_experts) return kMoeTileRowsXLarge;
   if (assignments >= int64_t{kMoeTileRowsLarge} * num_experts) return kMoeTileRowsLarge;
   return kMoeTileRows;
@@ -68,10 +73,8 @@ inline int32_t MoeTileRowsFor(int64_t assignments, int32_t num_experts, int64_t 
 // 256 with 128-row tiles when both projections' N (2 inter, hidden) are multiples of 256 -- a
 // third fewer staged bytes per MMA than 128 x 128 -- else 0 (the tile rows' own shape).
 inline int32_t MoeTileColumnsFor(int32_t tile_rows, int64_t hidden, int64_t inter) {
-  return tile_rows == kMoeTileRowsXLarge && hidden % kMoeTileColumnsWide == 0 &&
-                 (2 * inter) % kMoeTileColumnsWide == 0
-             ? kMoeTileColumnsWide
-             : 0;
+  return tile_rows == kMoeTileRowsXLarge && MoeWideColumnsFit(hidden, inter) ? kMoeTileColumnsWide
+                                                                             : 0;
 }
 
 // Routing, one warp per token t of [0, num_tokens):

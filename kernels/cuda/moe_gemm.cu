@@ -417,15 +417,17 @@ __global__ void __launch_bounds__(G::kThreads, G::kBlocksPerSm)
   }
 }
 
+// Launches `kernel` (block shape G: kBm x kBn tiles of kThreads threads, kSmemBytes of dynamic
+// shared memory) over the step's tiles, column blocks adjacent.
 template <class G>
-cudaError_t LaunchExpertGemm(const MoeGemmParams& params, cudaStream_t stream) {
+cudaError_t LaunchExpertGemm(void (*kernel)(MoeGemmParams, int32_t), const MoeGemmParams& params,
+                             cudaStream_t stream) {
   if (params.n % G::kBn != 0 || params.k % G::kBk != 0) return cudaErrorInvalidValue;
   const int64_t column_blocks = params.n / G::kBn;
   const int64_t blocks =
       MoeMaxTiles(params.assignments, params.num_experts, G::kBm) * column_blocks;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  auto kernel = MoeExpertGemmKernel<G>;
-  // kBlocksPerSm blocks' rings need the most shared memory an SM can carve out.
+  // The blocks' rings need the most shared memory an SM can carve out.
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
   if (err == cudaSuccess) {
@@ -439,10 +441,11 @@ cudaError_t LaunchExpertGemm(const MoeGemmParams& params, cudaStream_t stream) {
 }
 
 // The widest shape on warpgroup MMAs (version 3, session 16): 128-row tiles x 256 columns, the
-// ring, the copies and the epilogue of MoeExpertGemmKernel<PrefillWideGemm>, but each of the two
-// warpgroups issues its 64 rows' K steps as wgmma.mma_async m64n256k16 reading the staged tiles
-// in place (the staging's XOR swizzle is the 128-byte swizzle wgmma's descriptors name, from a
-// 1024-byte aligned ring) instead of ldmatrix + mma.sync. Per element the same chain: 16-wide K
+// ring, the copies and the epilogue of MoeExpertGemmKernel (version 2 ran this shape as 2 x 4
+// warps of 64 x 64 on mma.sync), but each of the two warpgroups issues its 64 rows' K steps as
+// wgmma.mma_async m64n256k16 reading the staged tiles in place (the staging's XOR swizzle is the
+// 128-byte swizzle wgmma's descriptors name, from a 1024-byte aligned ring) instead of ldmatrix +
+// mma.sync. Per element the same chain: 16-wide K
 // steps in order into one fp32 accumulator from +0 (wgmma's k16 step accumulates as mma.sync's:
 // the small-m GEMM's wgmma configurations give the pinned GEMM's bits, tests/gpu/
 // small_m_gemm_test.cc), so the bits are version 1's (moe_gemm_test.cc).
@@ -534,22 +537,6 @@ __global__ void __launch_bounds__(WgmmaWideGemm::kThreads, 1)
   }
 }
 
-cudaError_t LaunchExpertGemmWgmma(const MoeGemmParams& params, cudaStream_t stream) {
-  using G = WgmmaWideGemm;
-  if (params.n % G::kBn != 0 || params.k % G::kBk != 0) return cudaErrorInvalidValue;
-  const int64_t column_blocks = params.n / G::kBn;
-  const int64_t blocks =
-      MoeMaxTiles(params.assignments, params.num_experts, G::kBm) * column_blocks;
-  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  cudaError_t err = cudaFuncSetAttribute(MoeExpertGemmWgmmaKernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         G::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  MoeExpertGemmWgmmaKernel<<<static_cast<unsigned>(blocks), G::kThreads, G::kSmemBytes, stream>>>(
-      params, static_cast<int32_t>(column_blocks));
-  return cudaGetLastError();
-}
-
 bool ValidGemmParams(const MoeGemmParams& params) {
   return params.n % kMoeGemmAlign == 0 && params.k % kMoeGemmAlign == 0 && params.n > 0 &&
          params.k > 0 && params.num_experts >= 1 && params.num_experts <= kMoeMaxExperts &&
@@ -565,16 +552,19 @@ cudaError_t MoeExpertGemm(const MoeGemmParams& params, cudaStream_t stream) {
     if (params.tile_rows != kMoeTileRowsXLarge || params.tile_columns != kMoeTileColumnsWide) {
       return cudaErrorInvalidValue;
     }
-    return params.assignments == 0 ? cudaSuccess : LaunchExpertGemmWgmma(params, stream);
+    return params.assignments == 0
+               ? cudaSuccess
+               : LaunchExpertGemm<WgmmaWideGemm>(MoeExpertGemmWgmmaKernel, params, stream);
   }
   if (params.assignments == 0) return cudaSuccess;
   switch (params.tile_rows) {
     case kMoeTileRows:
-      return LaunchExpertGemm<DecodeGemm>(params, stream);
+      return LaunchExpertGemm<DecodeGemm>(MoeExpertGemmKernel<DecodeGemm>, params, stream);
     case kMoeTileRowsLarge:
-      return LaunchExpertGemm<PrefillGemm>(params, stream);
+      return LaunchExpertGemm<PrefillGemm>(MoeExpertGemmKernel<PrefillGemm>, params, stream);
     case kMoeTileRowsXLarge:
-      return LaunchExpertGemm<PrefillLargeGemm>(params, stream);
+      return LaunchExpertGemm<PrefillLargeGemm>(MoeExpertGemmKernel<PrefillLargeGemm>, params,
+                                                stream);
     default:
       return cudaErrorInvalidValue;
   }
