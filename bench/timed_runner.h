@@ -8,6 +8,7 @@
 #include <map>
 #include <vector>
 
+#include "engine/forwarding_runner.h"
 #include "engine/model_runner.h"
 #include "runner/cuda/cuda_model_runner.h"
 
@@ -16,38 +17,21 @@ namespace rollout {
 // Times the engine's steps, split by whether the step holds prefill tokens: the host time inside
 // LaunchStep (metadata, enqueueing; all of a step that runs at launch) and the wait in
 // CollectStep (for a step enqueued on the GPU: until its results are back).
-class TimedRunner final : public ModelRunner {
+class TimedRunner final : public ForwardingRunner {
  public:
-  explicit TimedRunner(CudaModelRunner* inner) : inner_(inner) {}
-  const ModelConfig& config() const override { return inner_->config(); }
-  const char* backend_name() const override { return inner_->backend_name(); }
-  int32_t num_kv_blocks() const override { return inner_->num_kv_blocks(); }
-  int32_t kv_block_size() const override { return inner_->kv_block_size(); }
-  int32_t attention_split_size() const override { return inner_->attention_split_size(); }
-  const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
-  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override {
-    return inner_->UpdateWeights(tensors);
-  }
+  explicit TimedRunner(CudaModelRunner* inner) : ForwardingRunner(inner) {}
   absl::StatusOr<std::unique_ptr<HostStagingBuffer>> AllocateHostStaging(
       size_t bytes) const override {
-    return inner_->AllocateHostStaging(bytes);
-  }
-  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
-    return inner_->Forward(batch, logits);
-  }
-  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
-                             const std::vector<float>& logits,
-                             std::vector<SampleResult>* results) override {
-    return inner_->ProcessLogits(tasks, logits, results);
+    return inner().AllocateHostStaging(bytes);
   }
   bool CanFeed(const std::vector<LogitsRowTask>& tasks) const override {
-    return inner_->CanFeed(tasks);
+    return inner().CanFeed(tasks);
   }
-  bool LaunchesAsync() const override { return inner_->LaunchesAsync(); }
+  bool LaunchesAsync() const override { return inner().LaunchesAsync(); }
   absl::Status LaunchStep(const ForwardBatch& batch,
                           const std::vector<LogitsRowTask>& tasks) override {
     const auto start = std::chrono::steady_clock::now();
-    absl::Status s = inner_->LaunchStep(batch, tasks);
+    absl::Status s = inner().LaunchStep(batch, tasks);
     const bool decode_only = batch.num_tokens() == static_cast<int64_t>(batch.block_tables.size());
     Kind& kind = decode_only ? decode : prefill;
     kind.launch_ns += Nanoseconds(start);
@@ -64,7 +48,7 @@ class TimedRunner final : public ModelRunner {
   }
   absl::Status CollectStep(std::vector<SampleResult>* results) override {
     const auto start = std::chrono::steady_clock::now();
-    absl::Status s = inner_->CollectStep(results);
+    absl::Status s = inner().CollectStep(results);
     if (!launched_.empty()) {
       launched_.front().kind->collect_ns += Nanoseconds(start);
       if (s.ok()) EmulateStops(launched_.front().rows, results);
@@ -121,7 +105,6 @@ class TimedRunner final : public ModelRunner {
     }
   }
 
-  CudaModelRunner* inner_;
   std::deque<Launched> launched_;  // engine thread only
   int32_t stop_token_ = 0;
   int64_t prompt_len_ = 0;

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/engine.h"
+#include "engine/forwarding_runner.h"
 #include "engine/model_runner.h"
 
 namespace rollout {
@@ -63,34 +64,15 @@ class Collector {
   size_t done_ = 0;
 };
 
-// A runner that forwards what every ModelRunner must have to another one: tests derive from it
-// and override only what they change (faults, fake IPC or broadcast ports, released weights).
-class WrappingRunner : public ModelRunner {
+// A ForwardingRunner that owns the runner it forwards to: tests derive from it and override only
+// what they change (faults, fake IPC or broadcast ports, released weights).
+class WrappingRunner : public ForwardingRunner {
  public:
-  explicit WrappingRunner(std::unique_ptr<ModelRunner> inner) : inner_(std::move(inner)) {}
-  const ModelConfig& config() const override { return inner_->config(); }
-  const char* backend_name() const override { return inner_->backend_name(); }
-  int32_t num_kv_blocks() const override { return inner_->num_kv_blocks(); }
-  int32_t kv_block_size() const override { return inner_->kv_block_size(); }
-  int32_t attention_split_size() const override { return inner_->attention_split_size(); }
-  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override {
-    return inner_->Forward(batch, logits);
-  }
-  absl::Status ProcessLogits(const std::vector<LogitsRowTask>& tasks,
-                             const std::vector<float>& logits,
-                             std::vector<SampleResult>* results) override {
-    return inner_->ProcessLogits(tasks, logits, results);
-  }
-  const std::vector<WeightSpec>& weight_specs() const override { return inner_->weight_specs(); }
-  absl::Status UpdateWeights(const std::vector<HostTensorView>& tensors) override {
-    return inner_->UpdateWeights(tensors);
-  }
-
- protected:
-  ModelRunner& inner() const { return *inner_; }
+  explicit WrappingRunner(std::unique_ptr<ModelRunner> inner)
+      : ForwardingRunner(inner.get()), owned_(std::move(inner)) {}
 
  private:
-  std::unique_ptr<ModelRunner> inner_;
+  std::unique_ptr<ModelRunner> owned_;
 };
 
 // Token ids, logprob bit patterns and finish reason: equal strings mean bitwise-equal samples.
