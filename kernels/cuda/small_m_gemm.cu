@@ -2,13 +2,11 @@
 
 #include <climits>
 #include <cstdio>
-#include <mutex>
-#include <unordered_map>
 
 #include <cuda.h>
-#include <cudaTypedefs.h>
 
 #include "kernels/cuda/mma_ptx.cuh"
+#include "kernels/cuda/tensor_map.h"
 #include "kernels/cuda/wgmma_ptx.cuh"
 
 namespace rollout::cuda {
@@ -20,6 +18,7 @@ using bf16 = __nv_bfloat16;
 // Chunk c of row r sits at chunk position c ^ (r % 8): the eight rows an ldmatrix phase reads
 // (same c, consecutive r) land in eight different bank groups.
 constexpr int kBk = 64;
+static_assert(kBk == kTileMapBoxColumns, "a TMA box row is one ring-stage row");
 constexpr int kChunks = kBk / 8;
 
 __device__ __forceinline__ int Swizzled(int row, int chunk) {
@@ -535,78 +534,11 @@ cudaError_t LaunchConfig(const Launch& l) {
   return cudaGetLastError();
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// A bf16 3-d tensor map: dims[0] contiguous, strides (bytes) of dims 1 and 2, boxes of 64 x
-// box_rows x 1 elements, 128-byte swizzle, out-of-range elements read as zeros. Encoded maps are
-// kept (a launch outside a CUDA graph would otherwise pay two encodes on the host, longer than a
-// decode-sized GEMM's kernel): keyed by everything they encode, a few thousand at most.
-struct MapKey {
-  const void* base;
-  uint64_t d0, d1, d2, stride1, stride2;
-  uint32_t box_rows;
-  bool operator==(const MapKey& o) const {
-    return base == o.base && d0 == o.d0 && d1 == o.d1 && d2 == o.d2 && stride1 == o.stride1 &&
-           stride2 == o.stride2 && box_rows == o.box_rows;
-  }
-};
-struct MapKeyHash {
-  size_t operator()(const MapKey& k) const {
-    uint64_t h = reinterpret_cast<uintptr_t>(k.base);
-    for (uint64_t v : {k.d0, k.d1, k.d2, k.stride1, k.stride2, uint64_t{k.box_rows}}) {
-      h = (h ^ v) * 0x100000001b3ull;
-    }
-    return static_cast<size_t>(h ^ (h >> 29));
-  }
-};
-
-bool EncodeMap(CUtensorMap* map, const void* base, uint64_t d0, uint64_t d1, uint64_t d2,
-               uint64_t stride1, uint64_t stride2, uint32_t box_rows) {
-  static std::mutex mu;
-  static std::unordered_map<MapKey, CUtensorMap, MapKeyHash> cache;
-  const MapKey key{base, d0, d1, d2, stride1, stride2, box_rows};
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    const auto it = cache.find(key);
-    if (it != cache.end()) {
-      *map = it->second;
-      return true;
-    }
-  }
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeTiled();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[3] = {d0, d1, d2};
-  const cuuint64_t strides[2] = {stride1, stride2};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBk), box_rows, 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
-             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-    return false;
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  if (cache.size() >= 8192) cache.clear();
-  cache.emplace(key, *map);
-  return true;
-}
 
 template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
 cudaError_t PrepareTma() {
   using Shape = TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>;
-  if (EncodeTiled() == nullptr) return cudaErrorNotSupported;
+  if (!TensorMapsAvailable()) return cudaErrorNotSupported;
   return cudaFuncSetAttribute(
       &SmallMGemmTmaKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>,
       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Shape::kSmem));
@@ -631,9 +563,9 @@ cudaError_t EncodeLaunchMaps(const Launch& l, uint32_t x_rows, uint32_t w_rows, 
     return cudaErrorInvalidValue;
   }
   if (l.batch > 1 && l.w_step < int64_t{l.n} * l.k) return cudaErrorInvalidValue;
-  if (!EncodeMap(&maps->x, l.x, x_d0, l.m, x_d2, uint64_t(l.ldx) * 2, x_stride2, x_rows) ||
-      !EncodeMap(&maps->w, l.w, l.k, l.n, l.batch, uint64_t(l.k) * 2,
-                 l.batch > 1 ? uint64_t(l.w_step) * 2 : uint64_t(l.n) * l.k * 2, w_rows)) {
+  if (!EncodeBf16TileMap(&maps->x, l.x, x_d0, l.m, x_d2, uint64_t(l.ldx) * 2, x_stride2, x_rows) ||
+      !EncodeBf16TileMap(&maps->w, l.w, l.k, l.n, l.batch, uint64_t(l.k) * 2,
+                         l.batch > 1 ? uint64_t(l.w_step) * 2 : uint64_t(l.n) * l.k * 2, w_rows)) {
     return cudaErrorInvalidValue;
   }
   return cudaSuccess;
@@ -667,7 +599,7 @@ cudaError_t LaunchTma(const Launch& l) {
 
 template <int kN, int kWgs, int kMt, int kStages>
 cudaError_t PrepareWgmma() {
-  if (EncodeTiled() == nullptr) return cudaErrorNotSupported;
+  if (!TensorMapsAvailable()) return cudaErrorNotSupported;
   return cudaFuncSetAttribute(&SmallMGemmWgmmaKernel<kN, kWgs, kMt, kStages>,
                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                               static_cast<int>(WgmmaShape<kN, kWgs, kMt, kStages>::kSmem));
