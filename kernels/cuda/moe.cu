@@ -92,69 +92,80 @@ __global__ void MoeRouteKernel(const float* logits, int64_t num_tokens, int32_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Grouping: one block per expert scans the assignments in increasing order.
+// Grouping: one launch, one block per expert e. Each of the block's warps owns a contiguous range
+// of the assignments (warp w's before warp w + 1's). The block counts every expert's rows (a
+// shared-memory histogram of all the ids: integer adds, exact in any order) and, per warp, e's
+// rows in the warp's range; e's row and tile offsets are sums over f < e of those counts; then
+// each warp writes e's rows of its range in increasing a after the rows of the warps before it
+// -- the stable counting sort, with no serial pass over the experts or the assignments.
 
-constexpr int kGroupThreads = 256;
+constexpr int kGroupThreads = 1024;
+constexpr int kGroupWarps = kGroupThreads / 32;
 
-__global__ void MoeCountKernel(const int32_t* ids, int64_t assignments, int32_t* counts) {
-  __shared__ int32_t warp_counts[kGroupThreads / 32];
-  const int32_t e = blockIdx.x;
-  int32_t c = 0;
-  for (int64_t a = threadIdx.x; a < assignments; a += kGroupThreads) c += ids[a] == e ? 1 : 0;
+// The block-wide sum of one int32 per thread (exact in any order). Every thread returns it.
+__device__ int32_t BlockSum(int32_t v, int32_t* warp_sums) {
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) c += __shfl_xor_sync(kFull, c, off);
-  if (threadIdx.x % 32 == 0) warp_counts[threadIdx.x / 32] = c;
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(kFull, v, off);
+  __syncthreads();  // warp_sums may still be read by a previous call
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t total = 0;
-    for (int w = 0; w < kGroupThreads / 32; ++w) total += warp_counts[w];
-    counts[e] = total;
-  }
+  int32_t total = 0;
+  for (int w = 0; w < kGroupWarps; ++w) total += warp_sums[w];
+  return total;
 }
 
-__global__ void MoeScatterKernel(const int32_t* ids, int64_t assignments, int32_t top_k,
-                                 int32_t num_experts, int32_t tile_rows, const int32_t* counts,
-                                 int32_t* expert_offsets, int32_t* tile_offsets, int32_t* rows,
-                                 int32_t* slots) {
-  __shared__ int32_t warp_totals[kGroupThreads / 32];
-  __shared__ int32_t base_shared;
+__global__ void __launch_bounds__(kGroupThreads)
+    MoeGroupKernel(const int32_t* ids, int64_t assignments, int32_t top_k, int32_t num_experts,
+                   int32_t tile_rows, int32_t* counts, int32_t* expert_offsets,
+                   int32_t* tile_offsets, int32_t* rows, int32_t* slots) {
+  extern __shared__ int32_t histogram[];      // [num_experts]
+  __shared__ int32_t warp_rows[kGroupWarps];  // e's rows in each warp's range
+  __shared__ int32_t warp_sums[kGroupWarps];
   const int32_t e = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int f = threadIdx.x; f < num_experts; f += kGroupThreads) histogram[f] = 0;
+  __syncthreads();
+  // Warp w's range [w * per_warp, (w + 1) * per_warp) (clipped), per_warp a multiple of 32.
+  const int64_t per_warp = ((assignments + kGroupWarps - 1) / kGroupWarps + 31) / 32 * 32;
+  const int64_t begin = warp * per_warp, end = min(assignments, begin + per_warp);
+  int32_t mine = 0;
+  for (int64_t a0 = begin; a0 < end; a0 += 32) {
+    const int64_t a = a0 + lane;
+    const int32_t id = a < end ? ids[a] : -1;
+    if (id >= 0 && id < num_experts) atomicAdd(&histogram[id], 1);
+    mine += __popc(__ballot_sync(kFull, id == e));
+  }
+  if (lane == 0) warp_rows[warp] = mine;
+  __syncthreads();
+  int32_t before = 0, tiles_before = 0;
+  for (int32_t f = threadIdx.x; f < e; f += kGroupThreads) {
+    before += histogram[f];
+    tiles_before += (histogram[f] + tile_rows - 1) / tile_rows;
+  }
+  const int32_t offset = BlockSum(before, warp_sums);
+  const int32_t tiles = BlockSum(tiles_before, warp_sums);
+  const int32_t count = histogram[e];
   if (threadIdx.x == 0) {
-    // The offsets of e: integer sums, exact in any order.
-    int32_t offset = 0, tiles = 0;
-    for (int32_t f = 0; f < e; ++f) {
-      offset += counts[f];
-      tiles += (counts[f] + tile_rows - 1) / tile_rows;
-    }
+    counts[e] = count;
     expert_offsets[e] = offset;
     tile_offsets[e] = tiles;
     if (e == num_experts - 1) {
-      expert_offsets[e + 1] = offset + counts[e];
-      tile_offsets[e + 1] = tiles + (counts[e] + tile_rows - 1) / tile_rows;
+      expert_offsets[e + 1] = offset + count;
+      tile_offsets[e + 1] = tiles + (count + tile_rows - 1) / tile_rows;
     }
-    base_shared = offset;
   }
-  __syncthreads();
-  int32_t base = base_shared;
-  for (int64_t start = 0; start < assignments; start += kGroupThreads) {
-    const int64_t a = start + threadIdx.x;
-    const bool mine = a < assignments && ids[a] == e;
-    const unsigned ballot = __ballot_sync(kFull, mine);
-    if (lane == 0) warp_totals[warp] = __popc(ballot);
-    __syncthreads();
-    int32_t before = 0, total = 0;
-    for (int w = 0; w < kGroupThreads / 32; ++w) {
-      before += w < warp ? warp_totals[w] : 0;
-      total += warp_totals[w];
+  int32_t r = offset;
+  for (int w = 0; w < warp; ++w) r += warp_rows[w];
+  for (int64_t a0 = begin; a0 < end; a0 += 32) {
+    const int64_t a = a0 + lane;
+    const bool is_e = a < end && ids[a] == e;
+    const unsigned ballot = __ballot_sync(kFull, is_e);
+    if (is_e) {
+      const int32_t row = r + __popc(ballot & ((1u << lane) - 1u));
+      rows[row] = static_cast<int32_t>(a / top_k);
+      slots[a] = row;
     }
-    if (mine) {
-      const int32_t r = base + before + __popc(ballot & ((1u << lane) - 1u));
-      rows[r] = static_cast<int32_t>(a / top_k);
-      slots[a] = r;
-    }
-    base += total;
-    __syncthreads();  // warp_totals is rewritten by the next chunk
+    r += __popc(ballot);
   }
 }
 
@@ -216,10 +227,7 @@ cudaError_t MoeGroup(const int32_t* ids, int64_t num_tokens, int32_t num_experts
     return cudaErrorInvalidValue;
   }
   const int64_t assignments = num_tokens * top_k;
-  MoeCountKernel<<<num_experts, kGroupThreads, 0, stream>>>(ids, assignments, grouping.counts);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  MoeScatterKernel<<<num_experts, kGroupThreads, 0, stream>>>(
+  MoeGroupKernel<<<num_experts, kGroupThreads, sizeof(int32_t) * num_experts, stream>>>(
       ids, assignments, top_k, num_experts, tile_rows, grouping.counts, grouping.expert_offsets,
       grouping.tile_offsets, grouping.rows, grouping.slots);
   return cudaGetLastError();

@@ -116,8 +116,9 @@ inline MoeGrouping MoeGroupingIn(int32_t* buffer, int64_t num_experts, int64_t a
 
 // Fills `grouping` from ids ([num_tokens, top_k], each in [0, num_experts)), tiles of
 // `tile_rows` (kMoeTileRows, kMoeTileRowsLarge or kMoeTileRowsXLarge: the expert GEMMs'
-// tile_rows): two launches of one block per expert (counts; then offsets and the stable scatter
-// by block scans).
+// tile_rows): one launch of one block per expert (every expert's count by a shared-memory
+// histogram, the expert's offsets from them, then its stable scatter, each warp a contiguous range
+// of the assignments).
 // REQUIRES: num_experts <= kMoeMaxExperts; the ids of one token distinct.
 cudaError_t MoeGroup(const int32_t* ids, int64_t num_tokens, int32_t num_experts, int32_t top_k,
                      int32_t tile_rows, const MoeGrouping& grouping, cudaStream_t stream);

@@ -220,7 +220,7 @@ TEST_F(MoeTest, RouteTakesForcedIdsAndWeighsThemByTheirProbabilities) {
 // exactly the host's counting sort. Skewed routings (every token on the same experts) too.
 TEST_F(MoeTest, GroupIsTheStableCountingSortByExpert) {
   for (int e_count : {1, 16, 128}) {
-    for (int64_t t_count : {1, 5, 333, 4000}) {
+    for (int64_t t_count : {1, 5, 333, 4000, 17000}) {
       for (bool skewed : {false, true}) {
         const int k = std::min(e_count, 8);
         std::mt19937 rng(static_cast<uint32_t>(e_count * 7 + t_count));
@@ -231,7 +231,7 @@ TEST_F(MoeTest, GroupIsTheStableCountingSortByExpert) {
           if (!skewed) std::shuffle(all.begin(), all.end(), rng);
           std::copy(all.begin(), all.begin() + k, ids.begin() + t * k);
         }
-        const int32_t tile_rows = !skewed              ? cuda::kMoeTileRows
+        const int32_t tile_rows = !skewed            ? cuda::kMoeTileRows
                                   : e_count % 2 == 0 ? cuda::kMoeTileRowsXLarge
                                                      : cuda::kMoeTileRowsLarge;
         MoeBuffers b;
