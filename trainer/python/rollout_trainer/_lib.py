@@ -6,8 +6,9 @@ Found at $ROLLOUT_TRAINER_OPS, else beside this package, else in <repo>/build/li
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional
+
+from ._libpath import find_library
 
 _NAME = "librollout_trainer_ops.so"
 _lib: Optional[ctypes.CDLL] = None
@@ -18,32 +19,14 @@ _i32 = ctypes.c_int32
 _p = ctypes.c_void_p
 
 
-def _candidates():
-    env = os.environ.get("ROLLOUT_TRAINER_OPS")
-    if env:
-        yield env
-        return
-    here = os.path.dirname(os.path.abspath(__file__))
-    yield os.path.join(here, _NAME)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(here)))
-    yield os.path.join(repo, "build", "lib", _NAME)
-
-
 def lib() -> ctypes.CDLL:
     """The loaded library (loaded on first use). OSError naming where it looked otherwise."""
     global _lib
     if _lib is not None:
         return _lib
-    tried = []
-    for path in _candidates():
-        tried.append(path)
-        if os.path.exists(path):
-            break
-    else:
-        raise OSError(f"{_NAME} not found (looked at {', '.join(tried)}); build the target "
-                      "rollout_trainer_ops (cmake --build build --target rollout_trainer_ops) "
-                      "or set ROLLOUT_TRAINER_OPS to its path")
-    l = ctypes.CDLL(path)
+    l = ctypes.CDLL(find_library(
+        _NAME, "ROLLOUT_TRAINER_OPS",
+        "build the target rollout_trainer_ops (cmake --build build --target rollout_trainer_ops)"))
     l.rt_kernels_version.restype = ctypes.c_char_p
     l.rt_kernels_version.argtypes = []
     l.rt_matmul.argtypes = [_p, _i64, _i64, _p, _i64, _p, _p]

@@ -14,10 +14,11 @@ The library is found at $ROLLOUT_TRAINER_CUDA_OPS, else beside this package, els
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from ._libpath import find_library
 
 _NAME = "librollout_trainer_cuda_ops.so"
 _lib: Optional[ctypes.CDLL] = None
@@ -28,32 +29,13 @@ _i32 = ctypes.c_int32
 _p = ctypes.c_void_p
 
 
-def _candidates():
-    env = os.environ.get("ROLLOUT_TRAINER_CUDA_OPS")
-    if env:
-        yield env
-        return
-    here = os.path.dirname(os.path.abspath(__file__))
-    yield os.path.join(here, _NAME)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(here)))
-    yield os.path.join(repo, "build", "lib", _NAME)
-
-
 def lib() -> ctypes.CDLL:
     """The loaded library (loaded on first use). OSError naming where it looked otherwise."""
     global _lib
     if _lib is not None:
         return _lib
-    tried = []
-    for path in _candidates():
-        tried.append(path)
-        if os.path.exists(path):
-            break
-    else:
-        raise OSError(f"{_NAME} not found (looked at {', '.join(tried)}); build the target "
-                      "rollout_trainer_cuda_ops (a CUDA build) or set ROLLOUT_TRAINER_CUDA_OPS "
-                      "to its path")
-    l = ctypes.CDLL(path)
+    l = ctypes.CDLL(find_library(_NAME, "ROLLOUT_TRAINER_CUDA_OPS",
+                                 "build the target rollout_trainer_cuda_ops (a CUDA build)"))
     sigs = {
         "rt_cuda_last_error": (ctypes.c_char_p, []),
         "rt_cuda_kernels_version": (ctypes.c_char_p, []),
