@@ -196,6 +196,8 @@ class RolloutClient:
                     if m is None:
                         return
                     yield m
+            except (GeneratorExit, asyncio.CancelledError):
+                raise  # the call ended (failed or cancelled elsewhere): a consequence, no cause
             except BaseException as e:  # surfaced below instead of gRPC's CANCELLED
                 if not first:
                     first.append(e)

@@ -226,6 +226,8 @@ class RolloutClient:
         def recorded():
             try:
                 yield from stream.messages(0)
+            except GeneratorExit:  # gRPC closing the stream after the call ended: no cause
+                raise
             except BaseException as e:  # surfaced below instead of gRPC's CANCELLED
                 failure.append(e)
                 raise
@@ -256,6 +258,10 @@ class RolloutClient:
         def recorded(i):
             try:
                 yield from parts[i].messages(0)
+            except GeneratorExit:
+                # gRPC closing a part's stream because its call ended (the server failed every
+                # part, or on_done cancelled it): a consequence, never the update's failure.
+                raise
             except BaseException as e:  # surfaced below instead of gRPC's CANCELLED
                 with lock:
                     if not first:

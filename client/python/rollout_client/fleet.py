@@ -138,6 +138,8 @@ class Fleet:
             def recorded():
                 try:
                     yield from stream.messages(i)
+                except GeneratorExit:  # gRPC closing the stream after the call ended: no cause
+                    raise
                 except BaseException as e:  # the conversion's error, not gRPC's CANCELLED
                     conversion.append(e)
                     raise
