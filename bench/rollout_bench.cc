@@ -81,7 +81,8 @@ ABSL_FLAG(int32_t, tp, 1,
 ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
           "one GPU per rank, e.g. 0,1 for --tp 2 (through NCCL: libnccl.so.2 must load, or "
           "--nccl_library); empty: every rank on GPU 0");
-ABSL_FLAG(std::string, nccl_library, "", "NCCL library path for --cuda_devices (\"\": libnccl.so.2)");
+ABSL_FLAG(std::string, nccl_library, "",
+          "NCCL library path for --cuda_devices (\"\": libnccl.so.2)");
 ABSL_FLAG(bool, e2e, true, "run the end-to-end engine benchmark");
 ABSL_FLAG(int32_t, e2e_timeout_s, 0,
           "stop waiting for the end-to-end run after this long and "
@@ -427,9 +428,9 @@ absl::StatusOr<Setup> MakeSetup() {
   setup.batch1_floor_ms =
       2.0 * (StepWeightParams(config, 1) + double(config.vocab_size) * config.hidden_size) /
           (setup.bw * setup.spread.gpus) * 1e3 +
-      (setup.spread.gpus > 1 ? TpGatherBytes(config, setup.spread.gpus, 1, 1) /
-                                   setup.spread.link_bw * 1e3
-                             : 0.0);
+      (setup.spread.gpus > 1
+           ? TpGatherBytes(config, setup.spread.gpus, 1, 1) / setup.spread.link_bw * 1e3
+           : 0.0);
   if (config.is_moe()) {
     std::printf(
         "MoE: %d of %d layers, %d experts (%d per token) of width %d; active parameters per token "
@@ -737,6 +738,16 @@ int RunEndToEnd(const Setup& setup, const Workload& w, const Floor& floor, std::
               published ? " (published on H200 for Qwen3-8B 256 x 1024/1024: SGLang 30.85 s, "
                           "SGLang deterministic 43.99 s, floor ~23 s)"
                         : "");
+  // Where the gap is, by phase (steps with prefill also carry the decode rows beside them, so
+  // the split is approximate): each phase's device steps against its terms of the floor.
+  const double decode_floor = floor.decode_gemm_s + floor.decode_kv_s + floor.gather_s;
+  std::printf(
+      "  by phase: steps with prefill %.2f s against the prefill floor %.2f s (%.2fx); decode-only "
+      "steps %.2f s against the decode floor %.2f s (%.2fx); host outside steps %.2f s\n",
+      timer->prefill.total_s(), floor.prefill_s,
+      floor.prefill_s > 0 ? timer->prefill.total_s() / floor.prefill_s : 0.0,
+      timer->decode.total_s(), decode_floor,
+      decode_floor > 0 ? timer->decode.total_s() / decode_floor : 0.0, e2e - forward);
   return 0;
 }
 
@@ -802,8 +813,7 @@ int Main() {
   std::printf(
       "floor of %s (docs/benchmarks.md, measured rates): %.2f s = prefill GEMMs %.2f + decode "
       "GEMMs %.2f + decode KV reads %.2f%s\n",
-      workload.name.c_str(), floor.total(), floor.prefill_s, floor.decode_gemm_s,
-      floor.decode_kv_s,
+      workload.name.c_str(), floor.total(), floor.prefill_s, floor.decode_gemm_s, floor.decode_kv_s,
       setup->spread.gpus > 1
           ? absl::StrFormat(" + all-gathers %.2f (%d GPUs, each its share of weights and KV)",
                             floor.gather_s, setup->spread.gpus)
