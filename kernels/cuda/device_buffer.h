@@ -7,14 +7,22 @@
 
 namespace rollout::cuda {
 
-// Owns one cudaMalloc allocation (256-byte aligned). Move-only. Not thread-safe.
-class DeviceBuffer {
+namespace device_buffer_internal {
+
+inline cudaError_t DeviceAlloc(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+inline cudaError_t DeviceFree(void* p) { return cudaFree(p); }
+inline cudaError_t PinnedAlloc(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
+inline cudaError_t PinnedFree(void* p) { return cudaFreeHost(p); }
+
+// Owns one allocation of `kAlloc`, freed by `kFree`. Move-only. Not thread-safe.
+template <cudaError_t (*kAlloc)(void**, size_t), cudaError_t (*kFree)(void*)>
+class Buffer {
  public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() { Reset(); }
-  DeviceBuffer(DeviceBuffer&& other) noexcept
+  Buffer() = default;
+  ~Buffer() { Reset(); }
+  Buffer(Buffer&& other) noexcept
       : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+  Buffer& operator=(Buffer&& other) noexcept {
     if (this != &other) {
       Reset();
       ptr_ = std::exchange(other.ptr_, nullptr);
@@ -22,14 +30,14 @@ class DeviceBuffer {
     }
     return *this;
   }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
 
   // Frees what it held, then allocates `bytes` (nothing for 0).
   cudaError_t Allocate(size_t bytes) {
     Reset();
     if (bytes == 0) return cudaSuccess;
-    const cudaError_t err = cudaMalloc(&ptr_, bytes);
+    const cudaError_t err = kAlloc(&ptr_, bytes);
     if (err != cudaSuccess) {
       ptr_ = nullptr;
       // The error is returned; clear the thread's last error too, so that the next kernel
@@ -41,7 +49,7 @@ class DeviceBuffer {
     return cudaSuccess;
   }
   void Reset() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
+    if (ptr_ != nullptr) kFree(ptr_);
     ptr_ = nullptr;
     bytes_ = 0;
   }
@@ -56,46 +64,17 @@ class DeviceBuffer {
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
 };
+
+}  // namespace device_buffer_internal
+
+// Owns one cudaMalloc allocation (256-byte aligned). Move-only. Not thread-safe.
+using DeviceBuffer =
+    device_buffer_internal::Buffer<device_buffer_internal::DeviceAlloc,
+                                   device_buffer_internal::DeviceFree>;
 
 // Owns one cudaMallocHost allocation (pinned host memory). Move-only. Not thread-safe.
-class PinnedHostBuffer {
- public:
-  PinnedHostBuffer() = default;
-  ~PinnedHostBuffer() { Reset(); }
-  PinnedHostBuffer(PinnedHostBuffer&& other) noexcept
-      : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-  PinnedHostBuffer(const PinnedHostBuffer&) = delete;
-  PinnedHostBuffer& operator=(const PinnedHostBuffer&) = delete;
-
-  cudaError_t Allocate(size_t bytes) {
-    Reset();
-    if (bytes == 0) return cudaSuccess;
-    const cudaError_t err = cudaMallocHost(&ptr_, bytes);
-    if (err != cudaSuccess) {
-      ptr_ = nullptr;
-      // The error is returned; clear the thread's last error too, so that the next kernel
-      // launch checked with cudaGetLastError() does not report this allocation's failure.
-      (void)cudaGetLastError();
-      return err;
-    }
-    bytes_ = bytes;
-    return cudaSuccess;
-  }
-  void Reset() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-    ptr_ = nullptr;
-    bytes_ = 0;
-  }
-
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+using PinnedHostBuffer =
+    device_buffer_internal::Buffer<device_buffer_internal::PinnedAlloc,
+                                   device_buffer_internal::PinnedFree>;
 
 }  // namespace rollout::cuda
