@@ -68,13 +68,11 @@ class Buffer {
 }  // namespace device_buffer_internal
 
 // Owns one cudaMalloc allocation (256-byte aligned). Move-only. Not thread-safe.
-using DeviceBuffer =
-    device_buffer_internal::Buffer<device_buffer_internal::DeviceAlloc,
-                                   device_buffer_internal::DeviceFree>;
+using DeviceBuffer = device_buffer_internal::Buffer<device_buffer_internal::DeviceAlloc,
+                                                    device_buffer_internal::DeviceFree>;
 
 // Owns one cudaMallocHost allocation (pinned host memory). Move-only. Not thread-safe.
-using PinnedHostBuffer =
-    device_buffer_internal::Buffer<device_buffer_internal::PinnedAlloc,
-                                   device_buffer_internal::PinnedFree>;
+using PinnedHostBuffer = device_buffer_internal::Buffer<device_buffer_internal::PinnedAlloc,
+                                                        device_buffer_internal::PinnedFree>;
 
 }  // namespace rollout::cuda
