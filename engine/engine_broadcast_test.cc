@@ -4,7 +4,6 @@
 // thread, the handshake, buckets, timeouts, digests and the atomic swap, without NCCL or a GPU.
 #include <atomic>
 #include <chrono>
-#include <cstring>
 #include <future>
 #include <memory>
 #include <optional>
@@ -69,17 +68,7 @@ std::unique_ptr<Engine> MakeEngine(FakeBroadcastGroup* group,
 
 // The checkpoint's bytes of `name`, each bf16 value times `scale`.
 HostTensor Scaled(const std::string& name, float scale) {
-  auto ck = Checkpoint::Open(ModelDir());
-  const TensorView* view = (*ck)->Find(name);
-  HostTensor t{name, view->dtype, view->shape,
-               std::vector<uint8_t>(view->data, view->data + view->nbytes)};
-  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
-    uint16_t v;
-    std::memcpy(&v, &t.bytes[i], 2);
-    v = F32ToBF16(BF16ToF32(v) * scale);
-    std::memcpy(&t.bytes[i], &v, 2);
-  }
-  return t;
+  return ScaledCheckpointTensor(ModelDir(), name, scale);
 }
 
 std::vector<BroadcastTensor> Declared(const std::vector<HostTensor>& tensors) {

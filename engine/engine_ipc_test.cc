@@ -3,7 +3,6 @@
 // validation before the runner is asked, the digest known before the policy acts, exports
 // closed on every path before the reply -- without a GPU.
 #include <atomic>
-#include <cstring>
 #include <future>
 #include <map>
 #include <memory>
@@ -155,17 +154,7 @@ std::unique_ptr<Engine> MakeEngine(std::shared_ptr<FakeIpcHost> host) {
 
 // The checkpoint's bytes of `name`, each bf16 value times `scale`.
 HostTensor Scaled(const std::string& name, float scale) {
-  auto ck = Checkpoint::Open(ModelDir());
-  const TensorView* view = (*ck)->Find(name);
-  HostTensor t{name, view->dtype, view->shape,
-               std::vector<uint8_t>(view->data, view->data + view->nbytes)};
-  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
-    uint16_t v;
-    std::memcpy(&v, &t.bytes[i], 2);
-    v = F32ToBF16(BF16ToF32(v) * scale);
-    std::memcpy(&t.bytes[i], &v, 2);
-  }
-  return t;
+  return ScaledCheckpointTensor(ModelDir(), name, scale);
 }
 
 // `tensors` exported as one allocation, at 256-byte aligned offsets after `lead` bytes (as a

@@ -13,6 +13,7 @@
 #include "engine/engine.h"
 #include "engine/forwarding_runner.h"
 #include "engine/model_runner.h"
+#include "model/safetensors.h"
 
 namespace rollout {
 
@@ -86,6 +87,28 @@ inline std::string Bits(const SampleCompletion& c) {
   }
   absl::StrAppend(&out, static_cast<int>(c.finish_reason));
   return out;
+}
+
+// A bf16 tensor with each value times `scale` (rounded to bf16): a pushed weight that differs
+// from the loaded one.
+inline HostTensor ScaledBf16(HostTensor t, float scale) {
+  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
+    uint16_t v;
+    std::memcpy(&v, &t.bytes[i], 2);
+    v = F32ToBF16(BF16ToF32(v) * scale);
+    std::memcpy(&t.bytes[i], &v, 2);
+  }
+  return t;
+}
+
+// Checkpoint tensor `name` (bf16) of the model at `model_dir`, scaled (ScaledBf16).
+inline HostTensor ScaledCheckpointTensor(const std::string& model_dir, const std::string& name,
+                                         float scale) {
+  auto ck = Checkpoint::Open(model_dir);
+  const TensorView* view = (*ck)->Find(name);
+  return ScaledBf16(HostTensor{name, view->dtype, view->shape,
+                               std::vector<uint8_t>(view->data, view->data + view->nbytes)},
+                    scale);
 }
 
 }  // namespace rollout

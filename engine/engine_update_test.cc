@@ -1,7 +1,6 @@
 // Weight updates and pause/resume, driven offline through the engine.
 #include <atomic>
 #include <condition_variable>
-#include <cstring>
 #include <functional>
 #include <future>
 #include <mutex>
@@ -62,16 +61,7 @@ HostTensor OriginalTensor(const std::string& dir = ModelDir()) {
   return t;
 }
 
-HostTensor ScaledTensor(float scale) {
-  HostTensor t = OriginalTensor();
-  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
-    uint16_t v;
-    std::memcpy(&v, &t.bytes[i], 2);
-    v = F32ToBF16(BF16ToF32(v) * scale);
-    std::memcpy(&t.bytes[i], &v, 2);
-  }
-  return t;
-}
+HostTensor ScaledTensor(float scale) { return ScaledCheckpointTensor(ModelDir(), kTensor, scale); }
 
 SampleSpec Spec(int32_t max_new_tokens = 12) {
   SampleSpec s;

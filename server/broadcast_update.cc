@@ -130,7 +130,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::JoinWeightSyncGroup(
         response->set_nccl_version(static_cast<uint32_t>(r.nccl_version));
         reactor->Finish(ToGrpcStatus(r.status));
       },
-      [context] { return context->IsCancelled(); });
+      [context] { return CallerGaveUp(context); });
   return reactor;
 }
 
@@ -198,7 +198,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromBroadcast(
       },
       // A caller that gives up stops the receive (the group is left) or, once received, gets
       // nothing applied.
-      [context] { return context->IsCancelled(); });
+      [context] { return CallerGaveUp(context); });
   return reactor;
 }
 

@@ -92,7 +92,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromIpc(
         reactor->Finish(ToGrpcStatus(r.status));
       },
       // A caller that gave up (deadline, cancel) before the swap gets nothing applied.
-      [context] { return context->IsCancelled(); });
+      [context] { return CallerGaveUp(context); });
   return reactor;
 }
 

@@ -227,11 +227,12 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
   // context and response live until reactor->Finish, which only this load calls.
   loader_->Post([this, context, reactor, response, path = request->path(),
                  version = request->version(), policy = request->policy()] {
-    if (context->IsCancelled()) {
+    if (CallerGaveUp(context)) {
       ReleaseUpdateSlot();
-      reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED,
-                                   "the call was cancelled before the checkpoint was read; "
-                                   "nothing was applied"));
+      reactor->Finish(grpc::Status(
+          grpc::StatusCode::CANCELLED,
+          "the call was cancelled (or past its deadline) before the checkpoint was read; "
+          "nothing was applied"));
       return;
     }
     const auto start = std::chrono::steady_clock::now();
@@ -240,7 +241,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
     CheckpointLoadTimes times;
     absl::StatusOr<WeightUpdate> update = LoadUpdateFromCheckpoint(
         engine_->weight_specs(), &weights_arena_, path, version, FromProto(policy),
-        [context] { return context->IsCancelled(); }, &times);
+        [context] { return CallerGaveUp(context); }, &times);
     if (!update.ok()) {
       LOG(WARNING) << "weight update from path '" << path << "' failed: " << update.status();
       if (metrics_ != nullptr) metrics_->RecordUpdate(0, false);
@@ -281,7 +282,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
           reactor->Finish(ToGrpcStatus(r.status));
         },
         // A caller that gave up (deadline, cancel) before the swap gets nothing applied.
-        [context] { return context->IsCancelled(); });
+        [context] { return CallerGaveUp(context); });
   });
   return reactor;
 }
@@ -306,9 +307,9 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Resume(grpc::CallbackServerContext
   return reactor;
 }
 
-grpc::ServerUnaryReactor* RolloutServiceImpl::ReleaseMemory(
-    grpc::CallbackServerContext* context, const v1::ReleaseMemoryRequest* request,
-    v1::ReleaseMemoryResponse* response) {
+grpc::ServerUnaryReactor* RolloutServiceImpl::ReleaseMemory(grpc::CallbackServerContext* context,
+                                                            const v1::ReleaseMemoryRequest* request,
+                                                            v1::ReleaseMemoryResponse* response) {
   if (auto* denied = DenyUnless(CheckAccess(context, true), context)) return denied;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const auto start = std::chrono::steady_clock::now();

@@ -5,6 +5,7 @@
 #include <iterator>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -170,10 +171,9 @@ absl::Status WeightsStaging::Place(Staged& staged, uint64_t begin, uint64_t size
   if (staged.received_bytes != staged.wire_bytes) return absl::OkStatus();
   for (const auto& [first, last] : staged.unaligned_ranges) {
     const uint64_t element = first / in, end_element = (last + in - 1) / in;
-    ROLLOUT_RETURN_IF_ERROR(CastFloats(staged.tensor.name, wire,
-                                       staged.unaligned.data() + element * in,
-                                       end_element - element, served,
-                                       staged.place + element * out, element));
+    ROLLOUT_RETURN_IF_ERROR(
+        CastFloats(staged.tensor.name, wire, staged.unaligned.data() + element * in,
+                   end_element - element, served, staged.place + element * out, element));
   }
   std::vector<uint8_t>().swap(staged.unaligned);
   staged.unaligned_ranges.clear();
@@ -281,8 +281,24 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
   if (absl::Status s = (*checkpoint)->CheckUnchanged(); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(s.message(), "; nothing was applied"));
   }
+  // Hashed a bounded batch at a time (a checkpoint's digest takes as long as its read), so that
+  // a caller that gave up meanwhile frees the update within one batch here too.
+  constexpr uint64_t kDigestBatchBytes = uint64_t{64} << 20;
   const auto digest_start = std::chrono::steady_clock::now();
-  update.digests = DigestTensors(update.tensors);
+  for (size_t i = 0; i < update.tensors.size();) {
+    if (cancelled && cancelled()) {
+      return absl::CancelledError(absl::StrCat("cancelled while the tensors of ", path,
+                                               " were hashed; nothing was applied"));
+    }
+    std::vector<HostTensorView> batch;
+    uint64_t batch_bytes = 0;
+    while (i < update.tensors.size() &&
+           (batch.empty() || batch_bytes + update.tensors[i].nbytes <= kDigestBatchBytes)) {
+      batch_bytes += update.tensors[i].nbytes;
+      batch.push_back(update.tensors[i++]);
+    }
+    update.digests.merge(DigestTensors(batch));
+  }
   times->digest_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - digest_start).count();
   update.bytes = *std::move(lease);

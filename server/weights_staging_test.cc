@@ -3,6 +3,8 @@
 #include "server/weights_staging.h"
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <string>
@@ -254,8 +256,7 @@ TEST(WeightsStagingTest, AnotherFloatDtypeIsCastToTheServedOneAndHashedAsServed)
   ASSERT_TRUE(staging.AddData(Data("b", 0, bf16)).ok());
   absl::StatusOr<WeightUpdate> u = staging.Finish();
   ASSERT_TRUE(u.ok()) << u.status();
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(u->tensors[0].data), 28),
-            F32Bytes(widened));
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(u->tensors[0].data), 28), F32Bytes(widened));
 }
 
 TEST(WeightsStagingTest, ACastTensorIsCheckedInItsDeclaredBytesAndOverflowIsRefused) {
@@ -268,8 +269,7 @@ TEST(WeightsStagingTest, ACastTensorIsCheckedInItsDeclaredBytesAndOverflowIsRefu
     ASSERT_TRUE(staging.SetHeader(header).ok());
     ASSERT_TRUE(staging.AddData(Data("a", 0, std::string(30, 'x'))).ok());
     const absl::Status s = staging.Finish().status();
-    EXPECT_NE(s.message().find("bytes from 30 on are missing (it has 60)"), std::string::npos)
-        << s;
+    EXPECT_NE(s.message().find("bytes from 30 on are missing (it has 60)"), std::string::npos) << s;
     EXPECT_FALSE(staging.AddData(Data("a", 60, "x")).ok()) << "beyond its 60 bytes";
   }
   {
@@ -286,6 +286,33 @@ TEST(WeightsStagingTest, ACastTensorIsCheckedInItsDeclaredBytesAndOverflowIsRefu
     EXPECT_NE(s.message().find("BF16"), std::string::npos) << s;
   }
   EXPECT_TRUE(ArenaIsFree(&arena));
+}
+
+// A checkpoint read from disk is hashed a bounded batch at a time, and a caller that gave up
+// after the reads stops the update there (the digest takes as long as the read: unchecked, it
+// held the update slot that long past the caller's deadline).
+TEST(WeightsStagingTest, ACheckpointLoadStopsBeforeHashingWhenTheCallerGaveUp) {
+  const std::string dir = ::testing::TempDir() + "weights-staging-hash-cancel";
+  std::filesystem::create_directories(dir);
+  std::vector<HostTensor> tensors;
+  for (const WeightSpec& spec : Specs()) {
+    tensors.push_back({spec.name, spec.dtype, spec.shape, std::vector<uint8_t>(spec.nbytes(), 7)});
+  }
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", tensors).ok());
+  std::ofstream(dir + "/config.json") << "{}";
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  // Every tensor here is one read chunk: the caller gives up once all three were read.
+  int checks = 0;
+  absl::StatusOr<WeightUpdate> update = LoadUpdateFromCheckpoint(
+      Specs(), &arena, dir, "v1", UpdatePolicy::kDrain, [&checks] { return ++checks > 3; });
+  ASSERT_FALSE(update.ok());
+  EXPECT_EQ(update.status().code(), absl::StatusCode::kCancelled) << update.status();
+  EXPECT_NE(update.status().message().find("hashed"), std::string::npos) << update.status();
+  // The arena is free again, and a caller that stays gets every tensor with its digest.
+  update = LoadUpdateFromCheckpoint(Specs(), &arena, dir, "v2", UpdatePolicy::kDrain,
+                                    [] { return false; });
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ(update->digests, DigestTensors(tensors));
 }
 
 }  // namespace

@@ -164,16 +164,6 @@ HostTensor ReadCheckpointTensor(const std::string& dir, const std::string& name)
                     std::vector<uint8_t>(view->data, view->data + view->nbytes)};
 }
 
-HostTensor ScaledBf16(HostTensor t, float scale) {
-  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
-    uint16_t v;
-    std::memcpy(&v, &t.bytes[i], 2);
-    v = F32ToBF16(BF16ToF32(v) * scale);
-    std::memcpy(&t.bytes[i], &v, 2);
-  }
-  return t;
-}
-
 v1::WeightsHeader MakeWeightsHeader(const std::string& version, v1::InFlightPolicy policy,
                                     const std::vector<HostTensor>& tensors) {
   v1::WeightsHeader header;

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/engine_test_util.h"
 #include "grpcpp/grpcpp.h"
 #include "model/safetensors.h"
 #include "rollout/v1/rollout.grpc.pb.h"
@@ -47,7 +48,7 @@ std::string HttpGet(int port, const std::string& path);
 
 // Weight updates.
 HostTensor ReadCheckpointTensor(const std::string& dir, const std::string& name);
-HostTensor ScaledBf16(HostTensor t, float scale);
+using ::rollout::ScaledBf16;  // engine/engine_test_util.h
 v1::WeightsHeader MakeWeightsHeader(const std::string& version, v1::InFlightPolicy policy,
                                     const std::vector<HostTensor>& tensors);
 std::vector<v1::WeightsChunk> MakeDataChunks(const std::vector<HostTensor>& tensors,
