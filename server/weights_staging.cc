@@ -5,7 +5,6 @@
 #include <iterator>
 #include <memory>
 #include <utility>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -281,23 +280,26 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
   if (absl::Status s = (*checkpoint)->CheckUnchanged(); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(s.message(), "; nothing was applied"));
   }
-  // Hashed a bounded batch at a time (a checkpoint's digest takes as long as its read), so that
-  // a caller that gave up meanwhile frees the update within one batch here too.
+  // Hashed a bounded batch at a time on one set of workers (a checkpoint's digest takes as long
+  // as its read), so that a caller that gave up meanwhile frees the update within one batch
+  // here too.
   constexpr uint64_t kDigestBatchBytes = uint64_t{64} << 20;
   const auto digest_start = std::chrono::steady_clock::now();
+  DigestQueue digests;
   for (size_t i = 0; i < update.tensors.size();) {
     if (cancelled && cancelled()) {
       return absl::CancelledError(absl::StrCat("cancelled while the tensors of ", path,
                                                " were hashed; nothing was applied"));
     }
-    std::vector<HostTensorView> batch;
-    uint64_t batch_bytes = 0;
-    while (i < update.tensors.size() &&
-           (batch.empty() || batch_bytes + update.tensors[i].nbytes <= kDigestBatchBytes)) {
-      batch_bytes += update.tensors[i].nbytes;
-      batch.push_back(update.tensors[i++]);
+    for (uint64_t batch_bytes = 0;
+         i < update.tensors.size() &&
+         (batch_bytes == 0 || batch_bytes + update.tensors[i].nbytes <= kDigestBatchBytes);
+         ++i) {
+      const HostTensorView& t = update.tensors[i];
+      digests.Add(t.name, t.data, t.nbytes);
+      batch_bytes += t.nbytes;
     }
-    update.digests.merge(DigestTensors(batch));
+    update.digests.merge(digests.Finish());
   }
   times->digest_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - digest_start).count();
