@@ -13,6 +13,7 @@
 #include "engine/engine.h"
 #include "engine/forwarding_runner.h"
 #include "engine/model_runner.h"
+#include "gtest/gtest.h"
 #include "model/safetensors.h"
 
 namespace rollout {
@@ -101,14 +102,23 @@ inline HostTensor ScaledBf16(HostTensor t, float scale) {
   return t;
 }
 
+// Tensor `name` of the checkpoint at `dir`, copied; a test failure (and an empty tensor) when
+// the checkpoint or the tensor is missing.
+inline HostTensor ReadCheckpointTensor(const std::string& dir, const std::string& name) {
+  auto checkpoint = Checkpoint::Open(dir);
+  EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
+  if (!checkpoint.ok()) return {};
+  const TensorView* view = (*checkpoint)->Find(name);
+  EXPECT_NE(view, nullptr) << name;
+  if (view == nullptr) return {};
+  return HostTensor{name, view->dtype, view->shape,
+                    std::vector<uint8_t>(view->data, view->data + view->nbytes)};
+}
+
 // Checkpoint tensor `name` (bf16) of the model at `model_dir`, scaled (ScaledBf16).
 inline HostTensor ScaledCheckpointTensor(const std::string& model_dir, const std::string& name,
                                          float scale) {
-  auto ck = Checkpoint::Open(model_dir);
-  const TensorView* view = (*ck)->Find(name);
-  return ScaledBf16(HostTensor{name, view->dtype, view->shape,
-                               std::vector<uint8_t>(view->data, view->data + view->nbytes)},
-                    scale);
+  return ScaledBf16(ReadCheckpointTensor(model_dir, name), scale);
 }
 
 }  // namespace rollout

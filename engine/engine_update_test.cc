@@ -54,11 +54,7 @@ std::unique_ptr<Engine> MakeEngine(const std::string& dir = ModelDir(), bool dig
 }
 
 HostTensor OriginalTensor(const std::string& dir = ModelDir()) {
-  auto ck = Checkpoint::Open(dir);
-  const TensorView* view = (*ck)->Find(kTensor);
-  HostTensor t{kTensor, view->dtype, view->shape,
-               std::vector<uint8_t>(view->data, view->data + view->nbytes)};
-  return t;
+  return ReadCheckpointTensor(dir, kTensor);
 }
 
 HostTensor ScaledTensor(float scale) { return ScaledCheckpointTensor(ModelDir(), kTensor, scale); }

@@ -153,17 +153,6 @@ std::string HttpGet(int port, const std::string& path) {
   return response;
 }
 
-HostTensor ReadCheckpointTensor(const std::string& dir, const std::string& name) {
-  auto checkpoint = Checkpoint::Open(dir);
-  EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
-  if (!checkpoint.ok()) return {};
-  const TensorView* view = (*checkpoint)->Find(name);
-  EXPECT_NE(view, nullptr) << name;
-  if (view == nullptr) return {};
-  return HostTensor{name, view->dtype, view->shape,
-                    std::vector<uint8_t>(view->data, view->data + view->nbytes)};
-}
-
 v1::WeightsHeader MakeWeightsHeader(const std::string& version, v1::InFlightPolicy policy,
                                     const std::vector<HostTensor>& tensors) {
   v1::WeightsHeader header;

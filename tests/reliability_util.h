@@ -47,8 +47,8 @@ int PickFreePort();
 std::string HttpGet(int port, const std::string& path);
 
 // Weight updates.
-HostTensor ReadCheckpointTensor(const std::string& dir, const std::string& name);
-using ::rollout::ScaledBf16;  // engine/engine_test_util.h
+using ::rollout::ReadCheckpointTensor;  // engine/engine_test_util.h
+using ::rollout::ScaledBf16;
 v1::WeightsHeader MakeWeightsHeader(const std::string& version, v1::InFlightPolicy policy,
                                     const std::vector<HostTensor>& tensors);
 std::vector<v1::WeightsChunk> MakeDataChunks(const std::vector<HostTensor>& tensors,
