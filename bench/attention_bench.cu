@@ -15,8 +15,8 @@
 // 2. Timing (CUDA events, median of repeats): one layer's decode attention for 256 sequences at
 //    context ~1536 (the benchmark's mean decode step), 32 at ~4K, 95 at 4K..8K, 47 at 8K..16K and
 //    16 at ~16K (the long-context steps of 4096/4096 and 8192/8192), and one layer's prefill
-//    attention for 8 x 1024 tokens, old vs new, kernel and split merge apart; the decode's K/V
-//    bytes per second against a measured device-to-device copy (bytes read + written).
+//    attention for 8 x 1024 and 4 x 4096 tokens, old vs new, kernel and split merge apart; the
+//    decode's K/V bytes per second against a measured device-to-device copy (bytes read + written).
 //
 // Built with --fmad=false like the kernel library, so the copy below compiles to the same
 // arithmetic as the library's kernel did. The sweep of staging variants behind the rework (ring
@@ -865,15 +865,15 @@ void TimeDecode(int batch, int lo, int hi, double copy_bw, bool quick) {
   }
 }
 
-// One layer's prefill attention for 8 x 1024 tokens, old vs new.
-void TimePrefill(bool quick) {
+// One layer's prefill attention for `sequences` x `length` tokens, old vs new.
+void TimePrefill(int sequences, int length, bool quick) {
   const Shape s{32, 8, 128, 32, 256};
   Problem pb;
-  Build(s, std::vector<int32_t>(8, 1024), /*decode=*/false, 5, &pb);
+  Build(s, std::vector<int32_t>(sequences, length), /*decode=*/false, 5, &pb);
   const int reps = quick ? 3 : 9;
   const int cap = cuda::AttentionItemTokens(s.nh / s.nkv);
-  std::printf("\n== prefill: 8 x 1024 tokens (%s), items of %d tokens, one layer; step = x%d\n",
-              Describe(s).c_str(), cap, kLayers);
+  std::printf("\n== prefill: %d x %d tokens (%s), items of %d tokens, one layer; step = x%d\n",
+              sequences, length, Describe(s).c_str(), cap, kLayers);
   const double merge = TimeMerge(pb, pb.max_splits, reps);
   std::printf("   merge of the splits: %.4f ms/layer = %.2f ms/step\n", merge, merge * kLayers);
   double cur_total = 0;  // x factors of kernel + merge against the old kernel's
@@ -909,6 +909,7 @@ int main(int argc, char** argv) {
   rollout::TimeDecode(95, 4096, 8192, copy_bw, quick);
   rollout::TimeDecode(47, 8192, 16384, copy_bw, quick);
   rollout::TimeDecode(16, 15360, 16384, copy_bw, quick);
-  rollout::TimePrefill(quick);
+  rollout::TimePrefill(8, 1024, quick);
+  rollout::TimePrefill(4, 4096, quick);  // the 16,384-token prefill step of 4096-token prompts
   return rollout::g_failures == 0 ? 0 : 1;
 }

@@ -49,6 +49,21 @@
 // L2 by MergeStoredSplits: the same bits, 369 of 369 bench checks) -- one warp folding its rows'
 // splits serially at the kernel's end was slower than the merge launch at every decode shape
 // (95 x 4K..8K: 0.597 ms/layer against 0.568 + 0.018).
+//
+// Prefill on warpgroup MMAs (session 18, same bits: bench/attention_bench.cu's 341 checks against
+// the old kernel + merge, and tests/gpu/kernels_test.cc). With head dim 128 and pages of 32 keys,
+// the folding kManyTokens block's four warps run as one warpgroup: S = Q K^T as one
+// wgmma.mma_async m64n32k16 per k-step (q still from registers, K from the staged tile) and
+// O += P V as one m64n128k16 per 16-key chunk (P from registers, V an MN-major operand), each
+// element's chain the mma.sync one's (16-wide k-steps in order into the same accumulator, whose
+// register layout per warp is mma.sync's) and the online softmax between them unchanged. The
+// tiles are staged in the 128-byte swizzle the descriptors name (two [32 keys][64 dims] halves)
+// and, a tile being one head-major page, copied as one contiguous run with no per-key lookup.
+// No ldmatrix, 10 MMA instructions a tile instead of 64 a warp: H200, one layer of the 8 x 1024
+// prefill 0.500 -> 0.421 ms; the 16,384-token prefill step of 4096-token prompts (rollout-bench
+// profile, the previous binary in the same lease) attention 152.1 -> 120.4 ms, the step 555.8 ->
+// 520.1 ms. ncu: issue slots 60% busy, 1.6 G instructions a layer (the softmax's expf chains and
+// the staging), not the tensor cores, bound the kernel now.
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -56,6 +71,7 @@
 #include "kernels/cuda/attention_fold.cuh"
 #include "kernels/cuda/mma_ptx.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/wgmma_ptx.cuh"
 
 namespace rollout::cuda {
 namespace {
@@ -117,9 +133,11 @@ __device__ __forceinline__ float RowUpdate(const float (&s)[8], float* m, float*
 }
 
 // A block's shape: kWarps warps of 16 query rows of one kv head, and a ring of kStages K/V tiles
-// in shared memory that all of them fill.
-template <int kHeadDim, int kWarps, int kStages, bool kFold>
+// in shared memory that all of them fill. kWgmma: the four warps are one warpgroup whose S and
+// P V run as wgmma.mma_async (kHeadDim 128; see the kernel).
+template <int kHeadDim, int kWarps, int kStages, bool kFold, bool kWgmma = false>
 struct MmaShape {
+  static_assert(!kWgmma || (kWarps == 4 && kHeadDim == 128), "one warpgroup, 2 x 64 dims");
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStride = kHeadDim;      // bf16 per staged key: no padding ...
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per key
@@ -128,15 +146,25 @@ struct MmaShape {
   // groups.
   static constexpr int kSwizzle = (kChunks < 8 ? kChunks : 8) - 1;
   __device__ static int Chunk(int key, int c) { return c ^ (key & kSwizzle); }
+  // The element offset of chunk c of key j in its staged tile. kWgmma: the tile is two
+  // [kTile keys][64 dims] halves (dims 64 h .. 64 h + 63), rows of 128 bytes in the 128-byte
+  // swizzle wgmma's descriptors name (chunk c' of row j at c' ^ (j % 8), from a 1024-byte aligned
+  // ring); else one row of kStride elements per key, swizzled by Chunk.
+  static constexpr int kHalfElems = kTile * 64;
+  __device__ static int Offset(int j, int c) {
+    if (kWgmma) return (c / 8) * kHalfElems + j * 64 + ((c % 8) ^ (j % 8)) * 8;
+    return j * kStride + Chunk(j, c) * 8;
+  }
   // One stage: K then V, each [kTile, kStride] bf16.
   static constexpr int kTileElems = kTile * kStride;
   static constexpr size_t kRingBytes = sizeof(bf16) * kStages * 2 * kTileElems;
+  static constexpr size_t kAlignBytes = kWgmma ? 1024 : 0;  // the ring's base rounded up to it
   // Folding blocks: each thread's running (M, L, O) of its 2 rows (O: kHeadDim / 4 dims each, of
   // the MMA layout), thread-private, [4 + kHeadDim / 2][kThreads] fp32 after the ring (registers
   // are full).
   static constexpr int kFoldElems = 4 + kHeadDim / 2;
   static constexpr size_t kSmemBytes =
-      kRingBytes + (kFold ? sizeof(float) * kFoldElems * kThreads : 0);
+      kAlignBytes + kRingBytes + (kFold ? sizeof(float) * kFoldElems * kThreads : 0);
   // Registers capped so that they admit as many warps per SM as shared memory does for one-stage
   // decode blocks (16 KB + 1 KB reserved each, 228 KB per SM: 13 blocks, 152 registers per
   // thread); four-warp blocks keep 168 (3 per SM).
@@ -154,10 +182,25 @@ __device__ __forceinline__ void IssueTile(const KvCacheView& cache, int tile_sta
     const int j = i / Shape::kChunks;  // key of the tile
     const int c = i % Shape::kChunks;
     const int64_t src = __shfl_sync(0xffffffffu, lane_row, j) + c * 8;
-    const int dst = j * Shape::kStride + Shape::Chunk(j, c) * 8;
+    const int dst = Shape::Offset(j, c);
     const bool valid = tile_start + j <= max_pos;
     CpAsync16(k_s + dst, cache.k + src, valid);
     CpAsync16(v_s + dst, cache.v + src, valid);
+  }
+}
+
+// The same for a tile that is one whole page (block_size == kTile) at the block's kv head: its
+// 32 keys' rows are contiguous in the head-major page from the cache offset `page_row`, so
+// thread i copies chunks i, i + kThreads, ... with no per-key lookup.
+template <class Shape>
+__device__ __forceinline__ void IssuePageTile(const KvCacheView& cache, int tile_start, int max_pos,
+                                              int64_t page_row, bf16* k_s, bf16* v_s) {
+  for (int i = threadIdx.x; i < kTile * Shape::kChunks; i += Shape::kThreads) {
+    const int j = i / Shape::kChunks;  // key of the tile
+    const int dst = Shape::Offset(j, i % Shape::kChunks);
+    const bool valid = tile_start + j <= max_pos;
+    CpAsync16(k_s + dst, cache.k + page_row + i * 8, valid);
+    CpAsync16(v_s + dst, cache.v + page_row + i * 8, valid);
   }
 }
 
@@ -169,16 +212,20 @@ __device__ __forceinline__ void IssueTile(const KvCacheView& cache, int tile_sta
 // partial into the row's (M, L, O) at the split's end with FoldRow / FoldElement in increasing
 // split order -- what MergeAttentionSplits does with the stored partials -- and writes
 // bf16(O / L) itself.
-template <int kHeadDim, int kWarps, int kStages, bool kFold>
-__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kThreads,
-                                  MmaShape<kHeadDim, kWarps, kStages, kFold>::kMinBlocks)
+template <int kHeadDim, int kWarps, int kStages, bool kFold, bool kWgmma>
+__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>::kThreads,
+                                  MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>::kMinBlocks)
     MmaAttentionKernel(AttentionParams p, KvCacheView cache) {
-  using Shape = MmaShape<kHeadDim, kWarps, kStages, kFold>;
+  using Shape = MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>;
   constexpr int kStride = Shape::kStride;
   constexpr int kSteps = kHeadDim / 16;    // k-steps of Q K^T
   constexpr int kDimTiles = kHeadDim / 8;  // n-tiles of P V
   extern __shared__ uint4 smem[];
   bf16* ring = reinterpret_cast<bf16*>(smem);  // [kStages][K, V][kTile, kStride]
+  if constexpr (kWgmma) {
+    ring = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(smem) + Shape::kAlignBytes - 1) &
+                                   ~uintptr_t{Shape::kAlignBytes - 1});
+  }
 
   const int num_kv_heads = cache.num_kv_heads;
   // Split-parallel grid: x = (item, split, kv head), kv heads fastest, so that the blocks that
@@ -210,7 +257,12 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
   const int num_tiles = (walk_end - walk_begin + kTile - 1) / kTile;
   const int32_t* table = p.tables + p.table_offsets[item.x];
   // The cache offset of lane l's key l of tile t (0 past max_pos, where no copy reads it).
+  // kWgmma (launched for pages of kTile keys only): of the tile's page.
   auto lane_row = [&](int t) -> int64_t {
+    if (kWgmma) {
+      if (t >= num_tiles) return 0;
+      return KvPageOffset(table[walk_begin / kTile + t], kv_head, 0, kTile, num_kv_heads, kHeadDim);
+    }
     const int key = walk_begin + t * kTile + lane;
     if (t >= num_tiles || key > max_pos) return 0;
     return KvPageOffset(table[key / cache.block_size], kv_head, key % cache.block_size,
@@ -221,8 +273,13 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
   // kStages - 1 groups are pending after tile t + kStages - 1 was issued.
   auto issue = [&](int t, int64_t row) {
     if (t < num_tiles) {
-      IssueTile<Shape>(cache, walk_begin + t * kTile, max_pos, row, k_stage(t),
-                       k_stage(t) + Shape::kTileElems);
+      if constexpr (kWgmma) {
+        IssuePageTile<Shape>(cache, walk_begin + t * kTile, max_pos, row, k_stage(t),
+                             k_stage(t) + Shape::kTileElems);
+      } else {
+        IssueTile<Shape>(cache, walk_begin + t * kTile, max_pos, row, k_stage(t),
+                         k_stage(t) + Shape::kTileElems);
+      }
     }
     CpAsyncCommit();
   };
@@ -299,25 +356,51 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
       issue(t + kStages - 1, next_row);
       next_row = lane_row(t + kStages);
       CpAsyncWait<kStages - 1>();  // this thread's copies of tile t have landed ...
-      __syncthreads();             // ... and every thread's
+      // ... (visible to the async proxy the wgmma reads through) ...
+      if (kWgmma) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      __syncthreads();  // ... and every thread's
       const int tile_start = walk_begin + t * kTile;
-      if (tile_start > warp_max_pos) continue;  // warp-uniform: no row of this warp reaches it
+      // Warp-uniform: no row of this warp reaches the tile. (A warpgroup's MMAs need all four
+      // warps: a warp past its rows runs the tile, every key masked -- p = 0, alpha = 1, o + 0,
+      // the bits of skipping it.)
+      if (!kWgmma && tile_start > warp_max_pos) continue;
       const bf16* k_s = k_stage(t);
       const bf16* v_s = k_s + Shape::kTileElems;
 
       // S = Q K^T: key tile j (keys 8j..8j+7), dims in increasing k-steps. ldmatrix.x4 gives each
       // lane the B fragments (key 8j + g, dims 16 kk + 2 t4 + {0, 1} and + 8) of two k-steps.
+      // kWgmma: the warpgroup's 64 rows x 32 keys as one m64n32k16 per k-step, in the same order
+      // into the same accumulator layout (wgmma's k16 step accumulates as mma.sync's).
       float acc[4][4];
+      if constexpr (kWgmma) {
+        float(&flat)[16] = reinterpret_cast<float(&)[16]>(acc);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-        const bf16* k_row = k_s + (8 * j + lane % 8) * kStride;
+        for (int i = 0; i < 16; ++i) flat[i] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < kSteps; kk += 2) {
-          uint32_t b[4];
-          LdMatrixX4(b, k_row + Shape::Chunk(lane % 8, 2 * kk + lane / 8) * 8);
-          Mma16816(acc[j], qa[kk], b[0], b[1]);
-          Mma16816(acc[j], qa[kk + 1], b[2], b[3]);
+        for (int i = 0; i < 16; ++i) ptx::FenceOperand(flat[i]);
+        ptx::WgmmaFence();
+#pragma unroll
+        for (int kk = 0; kk < kSteps; ++kk) {
+          const uint64_t desc =
+              ptx::SwizzledKMajorDescriptor(k_s + (kk / 4) * Shape::kHalfElems) + 2 * (kk % 4);
+          ptx::WgmmaRs<32, 0>::Mma(flat, qa[kk], desc);
+        }
+        ptx::WgmmaCommit();
+        ptx::WgmmaWait<0>();
+#pragma unroll
+        for (int i = 0; i < 16; ++i) ptx::FenceOperand(flat[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+          const bf16* k_row = k_s + (8 * j + lane % 8) * kStride;
+#pragma unroll
+          for (int kk = 0; kk < kSteps; kk += 2) {
+            uint32_t b[4];
+            LdMatrixX4(b, k_row + Shape::Chunk(lane % 8, 2 * kk + lane / 8) * 8);
+            Mma16816(acc[j], qa[kk], b[0], b[1]);
+            Mma16816(acc[j], qa[kk + 1], b[2], b[3]);
+          }
         }
       }
       float s0[8], s1[8];  // rows g and g + 8: keys 8j + 2 t4 + {0, 1}
@@ -367,15 +450,33 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold>::kT
         pa[kc][2] = PackBf16(p0[4 * kc + 2], p0[4 * kc + 3]);
         pa[kc][3] = PackBf16(p1[4 * kc + 2], p1[4 * kc + 3]);
       }
-      // O += P V: dim tile n, key chunks in increasing order.
+      // O += P V: dim tile n, key chunks in increasing order. kWgmma: all 128 dims of the
+      // warpgroup's rows as one m64n128k16 per key chunk, V an MN-major B (dims contiguous).
+      if constexpr (kWgmma) {
+        float(&flat)[4 * kDimTiles] = reinterpret_cast<float(&)[4 * kDimTiles]>(o);
 #pragma unroll
-      for (int n = 0; n < kDimTiles; ++n) {
+        for (int i = 0; i < 4 * kDimTiles; ++i) ptx::FenceOperand(flat[i]);
+        ptx::WgmmaFence();
 #pragma unroll
         for (int kc = 0; kc < 2; ++kc) {
-          uint32_t b0, b1;
-          LdMatrixX2Trans(&b0, &b1,
-                          v_s + (16 * kc + lane % 16) * kStride + Shape::Chunk(lane % 16, n) * 8);
-          Mma16816(o[n], pa[kc], b0, b1);
+          const uint64_t desc =
+              ptx::SwizzledMnMajorDescriptor(v_s, sizeof(bf16) * Shape::kHalfElems) + 128 * kc;
+          ptx::WgmmaRs<128, 1>::Mma(flat, pa[kc], desc);
+        }
+        ptx::WgmmaCommit();
+        ptx::WgmmaWait<0>();
+#pragma unroll
+        for (int i = 0; i < 4 * kDimTiles; ++i) ptx::FenceOperand(flat[i]);
+      } else {
+#pragma unroll
+        for (int n = 0; n < kDimTiles; ++n) {
+#pragma unroll
+          for (int kc = 0; kc < 2; ++kc) {
+            uint32_t b0, b1;
+            LdMatrixX2Trans(&b0, &b1,
+                            v_s + (16 * kc + lane % 16) * kStride + Shape::Chunk(lane % 16, n) * 8);
+            Mma16816(o[n], pa[kc], b0, b1);
+          }
         }
       }
     }
@@ -476,10 +577,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32) MergeItemsKernel(AttentionPa
   }
 }
 
-template <int kHeadDim, int kWarps, int kStages, bool kFold>
+template <int kHeadDim, int kWarps, int kStages, bool kFold, bool kWgmma = false>
 cudaError_t LaunchMma(const AttentionParams& p, KvCacheView cache, cudaStream_t stream) {
-  using Shape = MmaShape<kHeadDim, kWarps, kStages, kFold>;
-  auto kernel = MmaAttentionKernel<kHeadDim, kWarps, kStages, kFold>;
+  using Shape = MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>;
+  auto kernel = MmaAttentionKernel<kHeadDim, kWarps, kStages, kFold, kWgmma>;
   if (Shape::kSmemBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Shape::kSmemBytes));
@@ -497,7 +598,12 @@ cudaError_t LaunchMma(const AttentionParams& p, KvCacheView cache, cudaStream_t 
 template <int kHeadDim>
 cudaError_t LaunchMmaShape(const AttentionParams& p, AttentionBlockShape shape, KvCacheView cache,
                            cudaStream_t stream) {
-  if (p.partials == nullptr) return LaunchMma<kHeadDim, 4, 2, true>(p, cache, stream);
+  if (p.partials == nullptr) {
+    if constexpr (kHeadDim == 128) {
+      if (cache.block_size == kTile) return LaunchMma<kHeadDim, 4, 2, true, true>(p, cache, stream);
+    }
+    return LaunchMma<kHeadDim, 4, 2, true>(p, cache, stream);
+  }
   if (shape == AttentionBlockShape::kOneToken) {
     return LaunchMma<kHeadDim, 1, 1, false>(p, cache, stream);
   }

@@ -187,4 +187,15 @@ __device__ __forceinline__ uint64_t SwizzledKMajorDescriptor(const void* tile) {
          (uint64_t{1} << 62);
 }
 
+// The descriptor of an MN-major B operand (wgmma's transposed B: N contiguous) in the same
+// 128-byte swizzle: rows of 64 bf16 along N, one row per k (8-row groups of k 1024 bytes apart,
+// the stride byte offset), the next 64 columns of N `n_block_bytes` further (the leading byte
+// offset). The k16 slice j of the tile starts 16 rows (2048 bytes) further: the descriptor + 128 j.
+__device__ __forceinline__ uint64_t SwizzledMnMajorDescriptor(const void* tile,
+                                                              uint32_t n_block_bytes) {
+  const uint64_t addr = SharedAddress(tile);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t{n_block_bytes >> 4} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
 }  // namespace rollout::cuda::ptx
