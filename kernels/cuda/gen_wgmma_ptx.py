@@ -38,41 +38,36 @@ TAIL = '''
 '''
 
 
-def wrapper(n):
+def emit(struct, n, params, a_operand, a_inputs, tail):
+    """One wrapper: `struct` specialised, Mma(d, params...), the wgmma with A as `a_operand` (its
+    inline-asm inputs `a_inputs` numbered after the accumulators), then B and the immediates
+    `tail`."""
     regs = n // 2
     outs = ", ".join(f"%{i}" for i in range(regs))
-    lines = [f"template <>", f"struct Wgmma<{n}> {{",
-             f"  __device__ __forceinline__ static void Mma(float (&d)[{regs}], uint64_t a, uint64_t b) {{",
+    a = a_operand(regs)
+    b = regs + len(a_inputs)
+    lines = [f"template <>", f"struct {struct} {{",
+             f"  __device__ __forceinline__ static void Mma(float (&d)[{regs}], {params}) {{",
              "    asm volatile(",
-             '        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(regs + 2) + ', 0;\\n"',
+             '        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(b + 1) + ', 0;\\n"',
              f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, "',
-             f'        "%{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"']
+             f'        "{a}, %{b}, p, 1, 1, {tail};\\n}}\\n"']
     constraints = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     lines.append(f"        : {constraints}")
-    lines.append('        : "l"(a), "l"(b), "r"(1));')
+    lines.append(f'        : {", ".join(a_inputs)}, "l"(b), "r"(1));')
     lines.append("  }")
     lines.append("};")
     return "\n".join(lines) + "\n"
+
+
+def wrapper(n):
+    return emit(f"Wgmma<{n}>", n, "uint64_t a, uint64_t b", lambda r: f"%{r}", ['"l"(a)'], "0, 0")
 
 
 def rs_wrapper(n, trans_b):
-    regs = n // 2
-    outs = ", ".join(f"%{i}" for i in range(regs))
-    a = ", ".join(f"%{regs + i}" for i in range(4))
-    lines = [f"template <>", f"struct WgmmaRs<{n}, {trans_b}> {{",
-             "  __device__ __forceinline__ static void Mma("
-             f"float (&d)[{regs}], const uint32_t (&a)[4],",
-             "                                             uint64_t b) {",
-             "    asm volatile(",
-             '        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(regs + 5) + ', 0;\\n"',
-             f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, "',
-             f'        "{{{a}}}, %{regs + 4}, p, 1, 1, {trans_b};\\n}}\\n"']
-    constraints = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-    lines.append(f"        : {constraints}")
-    lines.append('        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));')
-    lines.append("  }")
-    lines.append("};")
-    return "\n".join(lines) + "\n"
+    return emit(f"WgmmaRs<{n}, {trans_b}>", n, "const uint32_t (&a)[4], uint64_t b",
+                lambda r: "{" + ", ".join(f"%{r + i}" for i in range(4)) + "}",
+                [f'"r"(a[{i}])' for i in range(4)], str(trans_b))
 
 
 print(HEAD)

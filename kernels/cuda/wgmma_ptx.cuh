@@ -82,8 +82,7 @@ struct Wgmma<256> {
 
 template <>
 struct WgmmaRs<32, 0> {
-  __device__ __forceinline__ static void Mma(float (&d)[16], const uint32_t (&a)[4],
-                                             uint64_t b) {
+  __device__ __forceinline__ static void Mma(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
@@ -95,8 +94,7 @@ struct WgmmaRs<32, 0> {
 
 template <>
 struct WgmmaRs<128, 1> {
-  __device__ __forceinline__ static void Mma(float (&d)[64], const uint32_t (&a)[4],
-                                             uint64_t b) {
+  __device__ __forceinline__ static void Mma(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
