@@ -25,6 +25,8 @@
 #         GPU over gloo) against Generate (needs rollout-server, rollout-cli,
 #         rollout-make-model, the module and librollout_trainer_cuda_ops.so in .gpu/).
 #   limits: rollout_gpu_test's LimitsTest.* (256 samples to the whole 40,960-token context).
+# The whole rollout_gpu_test outlasts one 10-minute command: shard it with GoogleTest's
+# GTEST_TOTAL_SHARDS / GTEST_SHARD_INDEX (passed through to it), one shard a command.
 set -uo pipefail
 OUT=${OUT:-/tmp/rollout-gpu}
 STEPS=${STEPS:-"hf test sweep bench"}
