@@ -63,12 +63,16 @@
 // prefill 0.500 -> 0.421 ms; the 16,384-token prefill step of 4096-token prompts (rollout-bench
 // profile, the previous binary in the same lease) attention 152.1 -> 120.4 ms, the step 555.8 ->
 // 520.1 ms. ncu: issue slots 60% busy, 1.6 G instructions a layer (the softmax's expf chains and
-// the staging), not the tensor cores, bound the kernel now.
+// the staging), not the tensor cores, bound the kernel now. The staging's copies then came from
+// PageTileCopies (attention_tiles.h: each thread's fixed chunk, keys 8 apart, no per-copy
+// division; the same copies, attention_tiles_test.cc): ~140 -> ~50 instructions a tile per
+// thread in the PTX, 167 registers, no spills -- not yet timed on a GPU.
 #include <climits>
 #include <cmath>
 #include <cstdint>
 
 #include "kernels/cuda/attention_fold.cuh"
+#include "kernels/cuda/attention_tiles.h"
 #include "kernels/cuda/mma_ptx.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/wgmma_ptx.cuh"
@@ -139,22 +143,12 @@ template <int kHeadDim, int kWarps, int kStages, bool kFold, bool kWgmma = false
 struct MmaShape {
   static_assert(!kWgmma || (kWarps == 4 && kHeadDim == 128), "one warpgroup, 2 x 64 dims");
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kStride = kHeadDim;      // bf16 per staged key: no padding ...
-  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per key
-  // ... the chunks of key j are stored XOR-swizzled: chunk c at position c ^ (j & kSwizzle), so
-  // that the 8 rows one ldmatrix reads (8 consecutive keys, one chunk each) hit 8 distinct bank
-  // groups.
-  static constexpr int kSwizzle = (kChunks < 8 ? kChunks : 8) - 1;
-  __device__ static int Chunk(int key, int c) { return c ^ (key & kSwizzle); }
-  // The element offset of chunk c of key j in its staged tile. kWgmma: the tile is two
-  // [kTile keys][64 dims] halves (dims 64 h .. 64 h + 63), rows of 128 bytes in the 128-byte
-  // swizzle wgmma's descriptors name (chunk c' of row j at c' ^ (j % 8), from a 1024-byte aligned
-  // ring); else one row of kStride elements per key, swizzled by Chunk.
-  static constexpr int kHalfElems = kTile * 64;
-  __device__ static int Offset(int j, int c) {
-    if (kWgmma) return (c / 8) * kHalfElems + j * 64 + ((c % 8) ^ (j % 8)) * 8;
-    return j * kStride + Chunk(j, c) * 8;
-  }
+  static constexpr int kStride = kHeadDim;  // bf16 per staged key: no padding ...
+  // ... the chunks of key j are stored XOR-swizzled (attention_tiles.h: SwizzledChunk, or, for
+  // kWgmma, two [kTile keys][64 dims] halves in the 128-byte swizzle wgmma's descriptors name,
+  // from a 1024-byte aligned ring).
+  __device__ static int Chunk(int key, int c) { return SwizzledChunk<kHeadDim>(key, c); }
+  __device__ static int Offset(int j, int c) { return StagedChunkOffset<kHeadDim, kWgmma>(j, c); }
   // One stage: K then V, each [kTile, kStride] bf16.
   static constexpr int kTileElems = kTile * kStride;
   static constexpr size_t kRingBytes = sizeof(bf16) * kStages * 2 * kTileElems;
@@ -178,9 +172,10 @@ struct MmaShape {
 template <class Shape>
 __device__ __forceinline__ void IssueTile(const KvCacheView& cache, int tile_start, int max_pos,
                                           int64_t lane_row, bf16* k_s, bf16* v_s) {
-  for (int i = threadIdx.x; i < kTile * Shape::kChunks; i += Shape::kThreads) {
-    const int j = i / Shape::kChunks;  // key of the tile
-    const int c = i % Shape::kChunks;
+  constexpr int kChunks = Shape::kStride / 8;  // 16-byte chunks per key
+  for (int i = threadIdx.x; i < kTile * kChunks; i += Shape::kThreads) {
+    const int j = i / kChunks;  // key of the tile
+    const int c = i % kChunks;
     const int64_t src = __shfl_sync(0xffffffffu, lane_row, j) + c * 8;
     const int dst = Shape::Offset(j, c);
     const bool valid = tile_start + j <= max_pos;
@@ -190,17 +185,22 @@ __device__ __forceinline__ void IssueTile(const KvCacheView& cache, int tile_sta
 }
 
 // The same for a tile that is one whole page (block_size == kTile) at the block's kv head: its
-// 32 keys' rows are contiguous in the head-major page from the cache offset `page_row`, so
-// thread i copies chunks i, i + kThreads, ... with no per-key lookup.
-template <class Shape>
+// 32 keys' rows are contiguous in the head-major page from the cache offset `page_row`, so a
+// thread's copies (PageTileCopies: the same chunk of keys kThreads / chunks apart) need no
+// per-key lookup. (As a loop over i = thread, thread + kThreads, ... with signed index arithmetic
+// it compiled to ~140 instructions a tile per thread for these 8 copies.)
+template <int kHeadDim, int kThreads, bool kWgmma>
 __device__ __forceinline__ void IssuePageTile(const KvCacheView& cache, int tile_start, int max_pos,
                                               int64_t page_row, bf16* k_s, bf16* v_s) {
-  for (int i = threadIdx.x; i < kTile * Shape::kChunks; i += Shape::kThreads) {
-    const int j = i / Shape::kChunks;  // key of the tile
-    const int dst = Shape::Offset(j, i % Shape::kChunks);
-    const bool valid = tile_start + j <= max_pos;
-    CpAsync16(k_s + dst, cache.k + page_row + i * 8, valid);
-    CpAsync16(v_s + dst, cache.v + page_row + i * 8, valid);
+  using Copies = PageTileCopies<kHeadDim, kThreads, kWgmma>;
+  const bf16* k = cache.k + page_row;
+  const bf16* v = cache.v + page_row;
+#pragma unroll
+  for (int r = 0; r < Copies::kCopies; ++r) {
+    const TileCopy copy = Copies::Copy(threadIdx.x, r);
+    const bool valid = tile_start + copy.key <= max_pos;
+    CpAsync16(k_s + copy.dst, k + copy.src, valid);
+    CpAsync16(v_s + copy.dst, v + copy.src, valid);
   }
 }
 
@@ -274,8 +274,9 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
   auto issue = [&](int t, int64_t row) {
     if (t < num_tiles) {
       if constexpr (kWgmma) {
-        IssuePageTile<Shape>(cache, walk_begin + t * kTile, max_pos, row, k_stage(t),
-                             k_stage(t) + Shape::kTileElems);
+        IssuePageTile<kHeadDim, Shape::kThreads, kWgmma>(cache, walk_begin + t * kTile, max_pos,
+                                                         row, k_stage(t),
+                                                         k_stage(t) + Shape::kTileElems);
       } else {
         IssueTile<Shape>(cache, walk_begin + t * kTile, max_pos, row, k_stage(t),
                          k_stage(t) + Shape::kTileElems);
@@ -382,7 +383,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
 #pragma unroll
         for (int kk = 0; kk < kSteps; ++kk) {
           const uint64_t desc =
-              ptx::SwizzledKMajorDescriptor(k_s + (kk / 4) * Shape::kHalfElems) + 2 * (kk % 4);
+              ptx::SwizzledKMajorDescriptor(k_s + (kk / 4) * kWgmmaHalfElems) + 2 * (kk % 4);
           ptx::WgmmaRs<32, 0>::Mma(flat, qa[kk], desc);
         }
         ptx::WgmmaCommit();
@@ -460,7 +461,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
 #pragma unroll
         for (int kc = 0; kc < 2; ++kc) {
           const uint64_t desc =
-              ptx::SwizzledMnMajorDescriptor(v_s, sizeof(bf16) * Shape::kHalfElems) + 128 * kc;
+              ptx::SwizzledMnMajorDescriptor(v_s, sizeof(bf16) * kWgmmaHalfElems) + 128 * kc;
           ptx::WgmmaRs<128, 1>::Mma(flat, pa[kc], desc);
         }
         ptx::WgmmaCommit();
