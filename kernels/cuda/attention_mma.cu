@@ -60,7 +60,8 @@
 // tiles are staged in the 128-byte swizzle the descriptors name (two [32 keys][64 dims] halves)
 // and, a tile being one head-major page, copied as one contiguous run with no per-key lookup.
 // No ldmatrix, 10 MMA instructions a tile instead of 64 a warp: H200, one layer of the 8 x 1024
-// prefill 0.500 -> 0.421 ms; the 16,384-token prefill step of 4096-token prompts (rollout-bench
+// prefill 0.500 -> 0.421 ms (two leases, the bench's old kernel + merge 1.267 / 1.283 ms in
+// them); the 16,384-token prefill step of 4096-token prompts (rollout-bench
 // profile, the previous binary in the same lease) attention 152.1 -> 120.4 ms, the step 555.8 ->
 // 520.1 ms. ncu: issue slots 60% busy, 1.6 G instructions a layer (the softmax's expf chains and
 // the staging), not the tensor cores, bound the kernel now. The staging's copies then came from
