@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
       next_row = lane_row(t + kStages);
       CpAsyncWait<kStages - 1>();  // this thread's copies of tile t have landed ...
       // ... (visible to the async proxy the wgmma reads through) ...
-      if (kWgmma) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      if (kWgmma) ptx::FenceProxyAsyncShared();
       __syncthreads();  // ... and every thread's
       const int tile_start = walk_begin + t * kTile;
       // Warp-uniform: no row of this warp reaches the tile. (A warpgroup's MMAs need all four
@@ -378,8 +378,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
         float(&flat)[16] = reinterpret_cast<float(&)[16]>(acc);
 #pragma unroll
         for (int i = 0; i < 16; ++i) flat[i] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) ptx::FenceOperand(flat[i]);
+        ptx::FenceOperands(flat);
         ptx::WgmmaFence();
 #pragma unroll
         for (int kk = 0; kk < kSteps; ++kk) {
@@ -389,8 +388,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
         }
         ptx::WgmmaCommit();
         ptx::WgmmaWait<0>();
-#pragma unroll
-        for (int i = 0; i < 16; ++i) ptx::FenceOperand(flat[i]);
+        ptx::FenceOperands(flat);
       } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -456,8 +454,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
       // warpgroup's rows as one m64n128k16 per key chunk, V an MN-major B (dims contiguous).
       if constexpr (kWgmma) {
         float(&flat)[4 * kDimTiles] = reinterpret_cast<float(&)[4 * kDimTiles]>(o);
-#pragma unroll
-        for (int i = 0; i < 4 * kDimTiles; ++i) ptx::FenceOperand(flat[i]);
+        ptx::FenceOperands(flat);
         ptx::WgmmaFence();
 #pragma unroll
         for (int kc = 0; kc < 2; ++kc) {
@@ -467,8 +464,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
         }
         ptx::WgmmaCommit();
         ptx::WgmmaWait<0>();
-#pragma unroll
-        for (int i = 0; i < 4 * kDimTiles; ++i) ptx::FenceOperand(flat[i]);
+        ptx::FenceOperands(flat);
       } else {
 #pragma unroll
         for (int n = 0; n < kDimTiles; ++n) {

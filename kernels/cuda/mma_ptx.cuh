@@ -175,16 +175,32 @@ __device__ __forceinline__ void WgmmaWait() {
 }
 // Keeps the compiler from moving reads or writes of `v` across the asynchronous MMAs around it.
 __device__ __forceinline__ void FenceOperand(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+// The same for each register of an accumulator.
+template <int N>
+__device__ __forceinline__ void FenceOperands(float (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) FenceOperand(v[i]);
+}
+// Makes this thread's generic-proxy writes to shared memory (cp.async copies once waited for)
+// visible to the async proxy that wgmma reads through.
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 
 // The shared-memory matrix descriptor of a K-major tile of 128-byte rows (64 bf16) stored with
 // the 128-byte swizzle (the TMA's CU_TENSOR_MAP_SWIZZLE_128B: 16-byte chunk c of row r at
 // c ^ (r % 8)), from a 1024-byte aligned base: 8-row groups 1024 bytes apart (stride byte
 // offset), the leading byte offset unused by swizzled K-major layouts. The k16 slice j of the
 // tile is the descriptor + 2 j (its start address + 32 j bytes, in 16-byte units).
-__device__ __forceinline__ uint64_t SwizzledKMajorDescriptor(const void* tile) {
+// (SwizzledDescriptor: either layout's fields, the leading byte offset given.)
+__device__ __forceinline__ uint64_t SwizzledDescriptor(const void* tile,
+                                                       uint32_t leading_byte_offset) {
   const uint64_t addr = SharedAddress(tile);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t{leading_byte_offset >> 4} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+__device__ __forceinline__ uint64_t SwizzledKMajorDescriptor(const void* tile) {
+  return SwizzledDescriptor(tile, 16);
 }
 
 // The descriptor of an MN-major B operand (wgmma's transposed B: N contiguous) in the same
@@ -193,9 +209,7 @@ __device__ __forceinline__ uint64_t SwizzledKMajorDescriptor(const void* tile) {
 // offset). The k16 slice j of the tile starts 16 rows (2048 bytes) further: the descriptor + 128 j.
 __device__ __forceinline__ uint64_t SwizzledMnMajorDescriptor(const void* tile,
                                                               uint32_t n_block_bytes) {
-  const uint64_t addr = SharedAddress(tile);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t{n_block_bytes >> 4} << 16) |
-         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+  return SwizzledDescriptor(tile, n_block_bytes);
 }
 
 }  // namespace rollout::cuda::ptx

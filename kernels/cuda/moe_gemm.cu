@@ -492,14 +492,13 @@ __global__ void __launch_bounds__(WgmmaWideGemm::kThreads, 1)
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     CpAsyncWait<kStages - 2>();
     // This thread's copies of stage kt are visible to the async proxy wgmma reads through.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    ptx::FenceProxyAsyncShared();
     __syncthreads();
     const bf16* a = staged + static_cast<int>(kt % kStages) * G::kStageElements;
     if (live) {
       const uint64_t a_desc = ptx::SwizzledKMajorDescriptor(a + 64 * wg * kBk);
       const uint64_t b_desc = ptx::SwizzledKMajorDescriptor(a + kBm * kBk);
-#pragma unroll
-      for (int j = 0; j < kBn / 2; ++j) ptx::FenceOperand(acc[j]);
+      ptx::FenceOperands(acc);
       ptx::WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kBk / 16; ++kk) {
@@ -508,8 +507,7 @@ __global__ void __launch_bounds__(WgmmaWideGemm::kThreads, 1)
       ptx::WgmmaCommit();
       // Stage kt - 1's MMAs are done; the refill below overwrites it.
       ptx::WgmmaWait<1>();
-#pragma unroll
-      for (int j = 0; j < kBn / 2; ++j) ptx::FenceOperand(acc[j]);
+      ptx::FenceOperands(acc);
     }
     __syncthreads();  // neither warpgroup still reads stage kt - 1
     const int64_t next = kt + kStages - 1;
@@ -517,8 +515,7 @@ __global__ void __launch_bounds__(WgmmaWideGemm::kThreads, 1)
     CpAsyncCommit();
   }
   ptx::WgmmaWait<0>();
-#pragma unroll
-  for (int j = 0; j < kBn / 2; ++j) ptx::FenceOperand(acc[j]);
+  ptx::FenceOperands(acc);
   CpAsyncWait<0>();
   if (!live) return;
   // acc[4 j + 2 h + {0, 1}]: row 16 (warp % 4) + lane / 4 + 8 h of the warpgroup's 64, columns

@@ -432,8 +432,7 @@ __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 
       const uint64_t x_desc = ptx::SwizzledKMajorDescriptor(xs + wg * kMt * 64 * kBk * 2);
 #pragma unroll
       for (int i = 0; i < kMt; ++i) {
-#pragma unroll
-        for (int j = 0; j < kN / 2; ++j) ptx::FenceOperand(acc[i][j]);
+        ptx::FenceOperands(acc[i]);
       }
       ptx::WgmmaFence();
       // Past K no instruction at all, not an add of zeros; a whole tile without a test.
@@ -462,8 +461,7 @@ __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 
       ptx::WgmmaCommit();
 #pragma unroll
       for (int i = 0; i < kMt; ++i) {
-#pragma unroll
-        for (int j = 0; j < kN / 2; ++j) ptx::FenceOperand(acc[i][j]);
+        ptx::FenceOperands(acc[i]);
       }
       // The group of stage kt - 1 is done: its stage may be refilled.
       ptx::WgmmaWait<1>();
@@ -473,8 +471,7 @@ __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 
   ptx::WgmmaWait<0>();
 #pragma unroll
   for (int i = 0; i < kMt; ++i) {
-#pragma unroll
-    for (int j = 0; j < kN / 2; ++j) ptx::FenceOperand(acc[i][j]);
+    ptx::FenceOperands(acc[i]);
   }
   if (my_tiles == 0) return;
   const int g = lane / 4, t = lane % 4, w_in = warp % 4;
