@@ -5,7 +5,7 @@ many to write by hand. Run from the repository root after changing N_VALUES:
     /usr/bin/python3 kernels/cuda/gen_wgmma_ptx.py > kernels/cuda/wgmma_ptx.cuh
 """
 
-N_VALUES = (48, 64, 128, 192, 256)
+N_VALUES = (48, 64, 96, 128, 192, 256)
 # (N, transposed B) of the register-A wrappers (the attention's S = Q K^T with K-major keys, and
 # O += P V with V's dims contiguous: an MN-major B).
 RS_VALUES = ((32, 0), (128, 1))

@@ -49,7 +49,10 @@ struct SmallMGemmConfig {
   // >= 1: the wgmma kernel, this many consumer warpgroups of max_m / 64 / warpgroups m64 tiles
   // each, fed by a TMA producer warp (warps_m = warpgroups, warps_n = 1, cluster = 0).
   int warpgroups = 0;
-  // "hand n32 m16 w1x4 s8", "tma n48 m96 w2x3 s8 c2", "wgmma n128 m128 g2 s6"
+  // The wgmma kernel only: at most one CTA an SM, each walking its tiles in turn through one
+  // ring (the next tile's stages fill while this one's results are stored).
+  bool persistent = false;
+  // "hand n32 m16 w1x4 s8", "tma n48 m96 w2x3 s8 c2", "wgmma n128 m128 g2 s6", "... s6 p"
   std::string Name() const;
   // Dynamic shared memory per CTA.
   size_t SharedBytes() const;
