@@ -6,6 +6,7 @@
 
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/residual_terms.cuh"
 
 namespace rollout::cuda {
 namespace {
@@ -179,23 +180,9 @@ __global__ void MoeCombineKernel(const float* y, const int32_t* slots, const flo
   const int64_t t = blockIdx.y;
   const int64_t c4 = static_cast<int64_t>(blockIdx.x) * kCombineThreads + threadIdx.x;
   if (c4 * 4 >= hidden) return;
-  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int j = 0; j < top_k; ++j) {
-    const float w = weights[t * top_k + j];
-    const float4 v = reinterpret_cast<const float4*>(
-        y + static_cast<int64_t>(slots[t * top_k + j]) * hidden)[c4];
-    acc.x = fmaf(w, v.x, acc.x);
-    acc.y = fmaf(w, v.y, acc.y);
-    acc.z = fmaf(w, v.z, acc.z);
-    acc.w = fmaf(w, v.w, acc.w);
-  }
+  const float4 acc = MoeCombine4(y, slots, weights, top_k, hidden, t, c4);
   float4* out = reinterpret_cast<float4*>(x + t * hidden) + c4;
-  float4 r = *out;
-  r.x = r.x + acc.x;
-  r.y = r.y + acc.y;
-  r.z = r.z + acc.z;
-  r.w = r.w + acc.w;
-  *out = r;
+  *out = Add4(*out, acc);
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -1,5 +1,6 @@
 // RMSNorm of hidden rows, and the attention input stage (bias, q/k RMSNorm, RoPE, KV write).
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/residual_terms.cuh"
 #include "kernels/cuda/warp_reduce.cuh"
 
 namespace rollout::cuda {
@@ -30,12 +31,69 @@ bool RunAligned(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % sizeof(Run<T, N>) == 0;
 }
 
+// Where a row's float4s come from. Load(i) gives float4 i of the row; Reread(i) gives it again
+// for the scaling pass (from memory: the same value Load(i) gave this thread).
+struct PlainRows {  // x[rows ? rows[r] : r], read only
+  const float* x;
+  const int32_t* rows;
+  int64_t dim;
+  struct Row {
+    const float4* xr;
+    __device__ float4 Load(int64_t i) const { return xr[i]; }
+    __device__ float4 Reread(int64_t i) const { return xr[i]; }
+  };
+  __device__ Row Of(int64_t r) const {
+    const int64_t src = rows != nullptr ? rows[r] : r;
+    return Row{reinterpret_cast<const float4*>(x + src * dim)};
+  }
+};
+
+// x[r] += a term (residual_terms.cuh), stored as it is loaded: the row after the add.
+template <class Term>
+struct AddedRows {
+  float* x;
+  int64_t dim;
+  Term term;
+  struct Row {
+    float4* xr;
+    int64_t r;
+    Term term;
+    __device__ float4 Load(int64_t i) const {
+      const float4 v = Add4(xr[i], term(r, i));
+      xr[i] = v;
+      return v;
+    }
+    __device__ float4 Reread(int64_t i) const { return xr[i]; }
+  };
+  __device__ Row Of(int64_t r) const { return Row{reinterpret_cast<float4*>(x + r * dim), r, term}; }
+};
+
+// The canonical K tree of row r's float4 i: parts [num_parts][rows, dim].
+template <int kParts>
+struct TreeTerm {
+  const float4* parts;
+  int64_t part_stride4, dim4;
+  __device__ float4 operator()(int64_t r, int64_t i) const {
+    return TreeSum4<kParts>(parts, part_stride4, r * dim4 + i);
+  }
+};
+
+struct MoeCombineTerm {
+  const float* y;
+  const int32_t* slots;
+  const float* weights;
+  int32_t top_k;
+  int64_t hidden;
+  __device__ float4 operator()(int64_t t, int64_t c4) const {
+    return MoeCombine4(y, slots, weights, top_k, hidden, t, c4);
+  }
+};
+
+template <class Rows>
 __global__ void __launch_bounds__(kNormThreads)
-    RmsNormKernel(const float* x, const int32_t* rows, int64_t dim, const float* weight, float eps,
-                  bf16* y) {
+    RmsNormKernel(Rows rows, int64_t dim, const float* weight, float eps, bf16* y) {
   const int64_t r = blockIdx.x;
-  const int64_t src = rows != nullptr ? rows[r] : r;
-  const float4* xr = reinterpret_cast<const float4*>(x + src * dim);  // [dim / 4]
+  const typename Rows::Row xr = rows.Of(r);
   const int64_t n4 = dim / 4;
   // This thread's first kNormCached float4s of the row (index tid + k * kNormThreads) stay in
   // registers for the scaling pass; the sum still takes all of its float4s in increasing index.
@@ -43,7 +101,7 @@ __global__ void __launch_bounds__(kNormThreads)
 #pragma unroll
   for (int k = 0; k < kNormCached; ++k) {
     const int64_t i = threadIdx.x + k * kNormThreads;
-    if (i < n4) cached[k] = xr[i];
+    if (i < n4) cached[k] = xr.Load(i);
   }
   float ss = 0.0f;
   auto add_squares = [&](float4 v) {
@@ -57,7 +115,7 @@ __global__ void __launch_bounds__(kNormThreads)
     if (threadIdx.x + k * kNormThreads < n4) add_squares(cached[k]);
   }
   for (int64_t i = threadIdx.x + kNormCached * kNormThreads; i < n4; i += kNormThreads) {
-    add_squares(xr[i]);
+    add_squares(xr.Load(i));
   }
   ss = WarpSum(ss);
   __shared__ float warp_sums[kNormWarps];
@@ -81,8 +139,17 @@ __global__ void __launch_bounds__(kNormThreads)
     if (i < n4) scale(i, cached[k]);
   }
   for (int64_t i = threadIdx.x + kNormCached * kNormThreads; i < n4; i += kNormThreads) {
-    scale(i, xr[i]);
+    scale(i, xr.Reread(i));
   }
+}
+
+template <class Rows>
+cudaError_t LaunchRmsNorm(const Rows& rows, int64_t num_rows, int64_t dim, const float* weight,
+                          float eps, bf16* y, cudaStream_t stream) {
+  if (num_rows == 0) return cudaSuccess;
+  RmsNormKernel<<<static_cast<unsigned>(num_rows), kNormThreads, 0, stream>>>(rows, dim, weight,
+                                                                              eps, y);
+  return cudaGetLastError();
 }
 
 constexpr int kQkvWarpsPerBlock = 8;
@@ -190,10 +257,49 @@ cudaError_t RmsNorm(const float* x, const int32_t* rows, int64_t num_rows, int64
   if (!RunAligned<4>(x) || !RunAligned<4>(weight) || !RunAligned<4>(y)) {
     return cudaErrorInvalidValue;
   }
-  if (num_rows == 0) return cudaSuccess;
-  RmsNormKernel<<<static_cast<unsigned>(num_rows), kNormThreads, 0, stream>>>(x, rows, dim, weight,
-                                                                              eps, y);
-  return cudaGetLastError();
+  return LaunchRmsNorm(PlainRows{x, rows, dim}, num_rows, dim, weight, eps, y, stream);
+}
+
+cudaError_t SumTreeRmsNorm(const float* parts, int num_parts, int64_t part_stride,
+                           int64_t num_rows, int64_t dim, float* x, const float* weight, float eps,
+                           bf16* y, cudaStream_t stream) {
+  if (dim % 4 != 0 || part_stride % 4 != 0 || part_stride < num_rows * dim) {
+    return cudaErrorInvalidValue;
+  }
+  if (!RunAligned<4>(parts) || !RunAligned<4>(x) || !RunAligned<4>(weight) || !RunAligned<4>(y)) {
+    return cudaErrorInvalidValue;
+  }
+  const float4* p = reinterpret_cast<const float4*>(parts);
+  const int64_t stride4 = part_stride / 4, dim4 = dim / 4;
+  switch (num_parts) {
+    case 1:
+      return LaunchRmsNorm(AddedRows<TreeTerm<1>>{x, dim, {p, stride4, dim4}}, num_rows, dim,
+                           weight, eps, y, stream);
+    case 2:
+      return LaunchRmsNorm(AddedRows<TreeTerm<2>>{x, dim, {p, stride4, dim4}}, num_rows, dim,
+                           weight, eps, y, stream);
+    case 4:
+      return LaunchRmsNorm(AddedRows<TreeTerm<4>>{x, dim, {p, stride4, dim4}}, num_rows, dim,
+                           weight, eps, y, stream);
+    case 8:
+      return LaunchRmsNorm(AddedRows<TreeTerm<8>>{x, dim, {p, stride4, dim4}}, num_rows, dim,
+                           weight, eps, y, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t MoeCombineRmsNorm(const float* expert_y, const int32_t* slots, const float* weights,
+                              int64_t num_tokens, int32_t top_k, int64_t hidden, float* x,
+                              const float* norm_weight, float eps, bf16* y, cudaStream_t stream) {
+  if (hidden % 4 != 0 || top_k < 1) return cudaErrorInvalidValue;
+  if (!RunAligned<4>(expert_y) || !RunAligned<4>(x) || !RunAligned<4>(norm_weight) ||
+      !RunAligned<4>(y)) {
+    return cudaErrorInvalidValue;
+  }
+  return LaunchRmsNorm(
+      AddedRows<MoeCombineTerm>{x, hidden, {expert_y, slots, weights, top_k, hidden}}, num_tokens,
+      hidden, norm_weight, eps, y, stream);
 }
 
 cudaError_t QkvNormRopeWriteKv(const QkvParams& params, KvCacheView cache, cudaStream_t stream) {

@@ -71,6 +71,24 @@ cudaError_t EmbeddingGather(const int32_t* token_ids, int64_t num_tokens, const 
 cudaError_t RmsNorm(const float* x, const int32_t* rows, int64_t num_rows, int64_t dim,
                     const float* weight, float eps, bf16* y, cudaStream_t stream);
 
+// A residual add and the next RMSNorm of the same rows in one launch, bitwise SumTree (or
+// MoeCombine) into x followed by RmsNorm(x) into y: each element of x gets the same operations
+// in the same order (kernels/cuda/residual_terms.cuh), and the norm's the same sums.
+//   SumTreeRmsNorm: x[r, :] = x[r, :] + T, T the canonical tree over parts[p * part_stride +
+//   r * dim + :], p < num_parts (SumTree's, tensor_parallel.h); then y = RmsNorm(x).
+//   REQUIRES: num_parts in {1, 2, 4, 8}; dim and part_stride multiples of 4, part_stride >=
+//   num_rows * dim; parts, x, weight 16-byte and y 8-byte aligned; x does not overlap parts.
+//   MoeCombineRmsNorm: x[t, :] += MoeCombine's sum of token t's top_k expert rows of expert_y
+//   (moe.h); then y = RmsNorm(x) with norm_weight. REQUIRES: hidden % 4 == 0, top_k >= 1,
+//   expert_y, x, norm_weight 16-byte and y 8-byte aligned.
+// cudaErrorInvalidValue (nothing launched) when a requirement fails.
+cudaError_t SumTreeRmsNorm(const float* parts, int num_parts, int64_t part_stride,
+                           int64_t num_rows, int64_t dim, float* x, const float* weight, float eps,
+                           bf16* y, cudaStream_t stream);
+cudaError_t MoeCombineRmsNorm(const float* expert_y, const int32_t* slots, const float* weights,
+                              int64_t num_tokens, int32_t top_k, int64_t hidden, float* x,
+                              const float* norm_weight, float eps, bf16* y, cudaStream_t stream);
+
 // The attention input stage of one layer, one warp per (token, head of q|k|v):
 //   + bias (if given); q and k: per-head RMSNorm (if norms given); RoPE (rotate_half, cos/sin
 //   from the tables); q -> q_out (fp32), k and v -> their cache slot (bf16).

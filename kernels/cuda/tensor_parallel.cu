@@ -3,6 +3,7 @@
 // each thread owns four floats.
 #include <algorithm>
 
+#include "kernels/cuda/residual_terms.cuh"
 #include "kernels/cuda/tensor_parallel.h"
 
 namespace rollout::cuda {
@@ -13,25 +14,13 @@ constexpr int kThreads = 256;
 // element, never what is computed for it.
 constexpr int64_t kMaxBlocks = 4096;
 
-__device__ __forceinline__ float4 Add4(float4 a, float4 b) {
-  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-}
-
 template <int kParts>
 __global__ void SumTreeKernel(const float4* parts, int64_t part_stride4, int64_t count4,
                               const float4* residual, float4* out) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count4;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float4 v[kParts];
-#pragma unroll
-    for (int p = 0; p < kParts; ++p) v[p] = parts[p * part_stride4 + i];
-      // The tree, level by level: neighbours first.
-#pragma unroll
-    for (int width = kParts; width > 1; width /= 2) {
-#pragma unroll
-      for (int p = 0; p < width / 2; ++p) v[p] = Add4(v[2 * p], v[2 * p + 1]);
-    }
-    out[i] = residual != nullptr ? Add4(residual[i], v[0]) : v[0];
+    const float4 tree = TreeSum4<kParts>(parts, part_stride4, i);
+    out[i] = residual != nullptr ? Add4(residual[i], tree) : tree;
   }
 }
 

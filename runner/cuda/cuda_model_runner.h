@@ -347,6 +347,13 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status EnqueueRowParallel(cuda_runner_internal::RankState& rk, int layer, bool mlp,
                                   int64_t n);
   absl::Status CombineRowParallel(int64_t n);
+  // Whether the RMSNorm before `layer`'s MLP (post) or attention (else) is taken by the kernel
+  // that added the previous term into x (cuda::SumTreeRmsNorm after the K tree at tp = 1,
+  // cuda::MoeCombineRmsNorm after a MoE layer's combine), which leaves it in xn: one launch and
+  // one pass over x fewer, the same bits. The RMSNorm that follows a layer's last term is
+  // NextNorm (nullptr: the last layer, whose final norm takes the logits rows).
+  bool NormIsFused(int layer, bool post) const;
+  const float* NextNorm(const cuda_runner_internal::RankState& rk, int layer, bool mlp) const;
   absl::Status EnqueueLogits(const cuda_runner_internal::SliceShape& shape, float* host_logits,
                              bool keep_on_device);
   // Replays (capturing it the first time) the decode graph of `shape`'s bucket. decode_graphs.cc.

@@ -162,9 +162,11 @@ absl::Status CudaModelRunner::EnqueueQkv(RankState& rk, int layer,
   const LayerWeights& l = rk.layers[layer];
   const cuda::KvCacheView cache = LayerCache(rk, layer, options_.kv_block_size, hd);
 
-  ROLLOUT_RETURN_IF_ERROR(CudaError(
-      cuda::RmsNorm(x, nullptr, n, h, l.input_norm, c.rms_norm_eps, xn, stream), "rmsnorm"));
-  ROLLOUT_RETURN_IF_ERROR(mark(kNorm));
+  if (!NormIsFused(layer, /*post=*/false)) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cuda::RmsNorm(x, nullptr, n, h, l.input_norm, c.rms_norm_eps, xn, stream), "rmsnorm"));
+    ROLLOUT_RETURN_IF_ERROR(mark(kNorm));
+  }
   ROLLOUT_RETURN_IF_ERROR(
       CublasError(rk.gemm_qkv->Run(xn, n, l.qkv, rk.qkv.get(), stream), "qkv projection"));
   ROLLOUT_RETURN_IF_ERROR(mark(kGemmQkv));
@@ -266,10 +268,13 @@ absl::Status CudaModelRunner::EnqueueMlp(RankState& rk, int layer, int64_t n) {
   const LayerWeights& l = rk.layers[layer];
   bf16* xn = rk.xn.get<bf16>();
   bf16* gate_up = rk.gate_up.get<bf16>();
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::RmsNorm(rk.x.get<float>(), nullptr, n, c.hidden_size,
-                                                  l.post_norm, c.rms_norm_eps, xn, rk.stream.get()),
-                                    "rmsnorm"));
-  ROLLOUT_RETURN_IF_ERROR(mark(kNorm));
+  if (!NormIsFused(layer, /*post=*/true)) {
+    ROLLOUT_RETURN_IF_ERROR(
+        CudaError(cuda::RmsNorm(rk.x.get<float>(), nullptr, n, c.hidden_size, l.post_norm,
+                                c.rms_norm_eps, xn, rk.stream.get()),
+                  "rmsnorm"));
+    ROLLOUT_RETURN_IF_ERROR(mark(kNorm));
+  }
   ROLLOUT_RETURN_IF_ERROR(CublasError(
       rk.gemm_gate_up->Run(xn, n, l.gate_up, gate_up, rk.stream.get()), "gate/up projection"));
   ROLLOUT_RETURN_IF_ERROR(mark(kGemmGateUp));
@@ -290,10 +295,12 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   const int32_t e = c.num_experts, k = c.num_experts_per_tok;
   const int64_t h = c.hidden_size, mi = c.moe_intermediate_size, a = n * k;
   bf16* xn = rk.xn.get<bf16>();
-  ROLLOUT_RETURN_IF_ERROR(CudaError(
-      cuda::RmsNorm(rk.x.get<float>(), nullptr, n, h, l.post_norm, c.rms_norm_eps, xn, stream),
-      "rmsnorm"));
-  ROLLOUT_RETURN_IF_ERROR(s.Mark(kNorm));
+  if (!NormIsFused(layer, /*post=*/true)) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cuda::RmsNorm(rk.x.get<float>(), nullptr, n, h, l.post_norm, c.rms_norm_eps, xn, stream),
+        "rmsnorm"));
+    ROLLOUT_RETURN_IF_ERROR(s.Mark(kNorm));
+  }
   float* logits = rk.router_logits.get<float>();
   ROLLOUT_RETURN_IF_ERROR(
       CublasError(rk.gemm_router->Run(xn, n, l.router, logits, stream), "router"));
@@ -337,10 +344,30 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   ROLLOUT_RETURN_IF_ERROR(CudaError(
       cuda::MoeExpertGemmForTiles(cuda::MoeDownGemm(mp, tile_rows), stream), "moe down"));
   ROLLOUT_RETURN_IF_ERROR(s.Mark(kMoeDown));
-  ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeCombine(rk.moe_y.get<float>(), grouping.slots, weights,
-                                                     n, k, h, rk.x.get<float>(), stream),
-                                    "moe combine"));
+  if (const float* next = NextNorm(rk, layer, /*mlp=*/true); next != nullptr) {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(
+        cuda::MoeCombineRmsNorm(rk.moe_y.get<float>(), grouping.slots, weights, n, k, h,
+                                rk.x.get<float>(), next, c.rms_norm_eps, xn, stream),
+        "moe combine + rmsnorm"));
+  } else {
+    ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeCombine(rk.moe_y.get<float>(), grouping.slots,
+                                                       weights, n, k, h, rk.x.get<float>(), stream),
+                                      "moe combine"));
+  }
   return s.Mark(kMoeCombine);
+}
+
+bool CudaModelRunner::NormIsFused(int layer, bool post) const {
+  const State& s = *state_;
+  if (post) return s.tp == 1 && s.canonical;
+  if (layer == 0) return false;
+  // MoE layers run at tp = 1 only (CheckSupported).
+  return config_.IsMoeLayer(layer - 1) || (s.tp == 1 && s.canonical);
+}
+
+const float* CudaModelRunner::NextNorm(const RankState& rk, int layer, bool mlp) const {
+  if (!mlp) return rk.layers[layer].post_norm;
+  return layer + 1 < config_.num_layers ? rk.layers[layer + 1].input_norm : nullptr;
 }
 
 // A rank's part of o_proj (mlp = false: input attn, K = heads * head_dim) or down_proj (mlp:
@@ -370,6 +397,11 @@ absl::Status CudaModelRunner::EnqueueRowParallel(RankState& rk, int layer, bool 
       gemm->RunBatched(in, k_local, seg, n, w, h * seg, leaves, count, local, rk.stream.get()),
       what));
   if (s.tp == 1) {
+    if (const float* next = NextNorm(rk, layer, mlp); next != nullptr) {
+      return CudaError(cuda::SumTreeRmsNorm(leaves, local, count, n, h, x, next, c.rms_norm_eps,
+                                            rk.xn.get<bf16>(), rk.stream.get()),
+                       "K tree + residual + rmsnorm");
+    }
     return CudaError(
         cuda::SumTree(leaves, local, count, count, x, /*accumulate=*/true, rk.stream.get()),
         "K tree + residual");

@@ -1,5 +1,6 @@
 // Every CUDA kernel against the CPU reference (kernels/cpu/ops.h) within tolerance, and the
 // attention kernel's prefill and decode block shapes against each other, bitwise.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -10,7 +11,9 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/compare.h"
 #include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/tensor_parallel.h"
 #include "model/rope.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -517,6 +520,84 @@ TEST_F(KernelsTest, AttentionPrefillAndDecodeAreBitwiseEqual) {
     // Close to the SIMT kernel (different roundings, same math).
     EXPECT_TRUE(AllClose(gpu_test::Widen(mma_decode), gpu_test::Widen(decode), 1e-2f, 1.0f / 32));
   }
+}
+
+// The fused residual add + RMSNorm kernels give bitwise what the two launches they replace give:
+// x after the add and the normed rows, for every tree width, rows past the norm's register cache
+// (dim 8192 = 2 x 4096) and a row count that is not a power of two.
+TEST_F(KernelsTest, FusedResidualAddAndRmsNormEqualTheTwoLaunches) {
+  auto bits_equal = [](const cuda::DeviceBuffer& a, const cuda::DeviceBuffer& b, size_t bytes) {
+    return Download<uint8_t>(a, bytes) == Download<uint8_t>(b, bytes);
+  };
+  int checked = 0;
+  for (int64_t dim : {2048, 4096, 8192}) {
+    std::vector<float> weight = gpu_test::RandomFloats(dim, 7, 0.1f);
+    for (float& w : weight) w += 1.0f;
+    auto d_w = Upload(weight);
+    for (int64_t rows : {1, 37}) {
+      const std::vector<float> x0 = gpu_test::RandomFloats(rows * dim, 3 + rows, 2.0f);
+      for (int parts : {1, 2, 4, 8}) {
+        // The leaves sit a stride apart that is larger than the rows (the runner's workspace).
+        const int64_t stride = rows * dim + 64;
+        auto d_parts = Upload(gpu_test::RandomFloats(parts * stride, 11 + parts, 1.0f));
+        auto x_ref = Upload(x0), x_got = Upload(x0);
+        cuda::DeviceBuffer y_ref, y_got;
+        ASSERT_CUDA_OK(y_ref.Allocate(rows * dim * 2));
+        ASSERT_CUDA_OK(y_got.Allocate(rows * dim * 2));
+        ASSERT_CUDA_OK(cuda::SumTree(d_parts.get<float>(), parts, stride, rows * dim,
+                                     x_ref.get<float>(), /*accumulate=*/true, nullptr));
+        ASSERT_CUDA_OK(cuda::RmsNorm(x_ref.get<float>(), nullptr, rows, dim, d_w.get<float>(),
+                                     1e-6f, y_ref.get<bf16>(), nullptr));
+        ASSERT_CUDA_OK(cuda::SumTreeRmsNorm(d_parts.get<float>(), parts, stride, rows, dim,
+                                            x_got.get<float>(), d_w.get<float>(), 1e-6f,
+                                            y_got.get<bf16>(), nullptr));
+        ASSERT_CUDA_OK(cudaDeviceSynchronize());
+        EXPECT_TRUE(bits_equal(x_ref, x_got, rows * dim * 4)) << dim << " " << rows << " " << parts;
+        EXPECT_TRUE(bits_equal(y_ref, y_got, rows * dim * 2)) << dim << " " << rows << " " << parts;
+        // Not vacuous: the add moved x.
+        EXPECT_NE(Download<float>(x_got, 1)[0], x0[0]);
+        ++checked;
+      }
+      // The MoE combine: 4 of 6 expert rows a token, in a scrambled slot order.
+      const int32_t top_k = 4;
+      const int64_t assignments = rows * top_k;
+      std::vector<int32_t> slots(assignments);
+      std::iota(slots.begin(), slots.end(), 0);
+      std::mt19937 rng(5);
+      std::shuffle(slots.begin(), slots.end(), rng);
+      auto d_slots = Upload(slots);
+      auto d_gates = Upload(gpu_test::RandomFloats(assignments, 17, 0.5f));
+      auto d_y = Upload(gpu_test::RandomFloats(assignments * dim, 19, 1.0f));
+      auto x_ref = Upload(x0), x_got = Upload(x0);
+      cuda::DeviceBuffer y_ref, y_got;
+      ASSERT_CUDA_OK(y_ref.Allocate(rows * dim * 2));
+      ASSERT_CUDA_OK(y_got.Allocate(rows * dim * 2));
+      ASSERT_CUDA_OK(cuda::MoeCombine(d_y.get<float>(), d_slots.get<int32_t>(),
+                                      d_gates.get<float>(), rows, top_k, dim, x_ref.get<float>(),
+                                      nullptr));
+      ASSERT_CUDA_OK(cuda::RmsNorm(x_ref.get<float>(), nullptr, rows, dim, d_w.get<float>(), 1e-6f,
+                                   y_ref.get<bf16>(), nullptr));
+      ASSERT_CUDA_OK(cuda::MoeCombineRmsNorm(d_y.get<float>(), d_slots.get<int32_t>(),
+                                             d_gates.get<float>(), rows, top_k, dim,
+                                             x_got.get<float>(), d_w.get<float>(), 1e-6f,
+                                             y_got.get<bf16>(), nullptr));
+      ASSERT_CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_TRUE(bits_equal(x_ref, x_got, rows * dim * 4)) << "moe " << dim << " " << rows;
+      EXPECT_TRUE(bits_equal(y_ref, y_got, rows * dim * 2)) << "moe " << dim << " " << rows;
+      EXPECT_NE(Download<float>(x_got, 1)[0], x0[0]);
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 3 * 2 * 5);
+  // Refused before launch: a tree width the tree does not have, a stride shorter than the rows.
+  cuda::DeviceBuffer buf;
+  ASSERT_CUDA_OK(buf.Allocate(8 * 4096 * 4));
+  EXPECT_EQ(cudaErrorInvalidValue,
+            cuda::SumTreeRmsNorm(buf.get<float>(), 3, 4096, 1, 4096, buf.get<float>(),
+                                 buf.get<float>(), 1e-6f, buf.get<bf16>(), nullptr));
+  EXPECT_EQ(cudaErrorInvalidValue,
+            cuda::SumTreeRmsNorm(buf.get<float>(), 2, 1024, 1, 4096, buf.get<float>(),
+                                 buf.get<float>(), 1e-6f, buf.get<bf16>(), nullptr));
 }
 
 TEST_F(KernelsTest, CountDifferentWordsCounts) {
