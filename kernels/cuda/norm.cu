@@ -1,4 +1,7 @@
-// RMSNorm of hidden rows, and the attention input stage (bias, q/k RMSNorm, RoPE, KV write).
+// RMSNorm of hidden rows (alone, or after the residual add it follows: the K tree, the MoE combine),
+// and the attention input stage (bias, q/k RMSNorm, RoPE, KV write).
+#include <type_traits>
+
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/residual_terms.cuh"
 #include "kernels/cuda/warp_reduce.cuh"
@@ -271,19 +274,20 @@ cudaError_t SumTreeRmsNorm(const float* parts, int num_parts, int64_t part_strid
   }
   const float4* p = reinterpret_cast<const float4*>(parts);
   const int64_t stride4 = part_stride / 4, dim4 = dim / 4;
+  auto launch = [&](auto parts_count) {
+    constexpr int kParts = decltype(parts_count)::value;
+    return LaunchRmsNorm(AddedRows<TreeTerm<kParts>>{x, dim, {p, stride4, dim4}}, num_rows, dim,
+                         weight, eps, y, stream);
+  };
   switch (num_parts) {
     case 1:
-      return LaunchRmsNorm(AddedRows<TreeTerm<1>>{x, dim, {p, stride4, dim4}}, num_rows, dim,
-                           weight, eps, y, stream);
+      return launch(std::integral_constant<int, 1>{});
     case 2:
-      return LaunchRmsNorm(AddedRows<TreeTerm<2>>{x, dim, {p, stride4, dim4}}, num_rows, dim,
-                           weight, eps, y, stream);
+      return launch(std::integral_constant<int, 2>{});
     case 4:
-      return LaunchRmsNorm(AddedRows<TreeTerm<4>>{x, dim, {p, stride4, dim4}}, num_rows, dim,
-                           weight, eps, y, stream);
+      return launch(std::integral_constant<int, 4>{});
     case 8:
-      return LaunchRmsNorm(AddedRows<TreeTerm<8>>{x, dim, {p, stride4, dim4}}, num_rows, dim,
-                           weight, eps, y, stream);
+      return launch(std::integral_constant<int, 8>{});
     default:
       return cudaErrorInvalidValue;
   }
