@@ -524,13 +524,14 @@ TEST_F(KernelsTest, AttentionPrefillAndDecodeAreBitwiseEqual) {
 
 // The fused residual add + RMSNorm kernels give bitwise what the two launches they replace give:
 // x after the add and the normed rows, for every tree width, rows past the norm's register cache
-// (dim 8192 = 2 x 4096) and a row count that is not a power of two.
+// (dim 8192 = 2 x 4096), a row that ends inside a thread's float4s (2052) and a row count that is
+// not a power of two.
 TEST_F(KernelsTest, FusedResidualAddAndRmsNormEqualTheTwoLaunches) {
   auto bits_equal = [](const cuda::DeviceBuffer& a, const cuda::DeviceBuffer& b, size_t bytes) {
     return Download<uint8_t>(a, bytes) == Download<uint8_t>(b, bytes);
   };
   int checked = 0;
-  for (int64_t dim : {2048, 4096, 8192}) {
+  for (int64_t dim : {2048, 2052, 4096, 8192}) {
     std::vector<float> weight = gpu_test::RandomFloats(dim, 7, 0.1f);
     for (float& w : weight) w += 1.0f;
     auto d_w = Upload(weight);
@@ -558,7 +559,7 @@ TEST_F(KernelsTest, FusedResidualAddAndRmsNormEqualTheTwoLaunches) {
         EXPECT_NE(Download<float>(x_got, 1)[0], x0[0]);
         ++checked;
       }
-      // The MoE combine: 4 of 6 expert rows a token, in a scrambled slot order.
+      // The MoE combine: 4 expert rows a token, each token's at scrambled slots.
       const int32_t top_k = 4;
       const int64_t assignments = rows * top_k;
       std::vector<int32_t> slots(assignments);
@@ -588,7 +589,7 @@ TEST_F(KernelsTest, FusedResidualAddAndRmsNormEqualTheTwoLaunches) {
       ++checked;
     }
   }
-  EXPECT_EQ(checked, 3 * 2 * 5);
+  EXPECT_EQ(checked, 4 * 2 * 5);
   // Refused before launch: a tree width the tree does not have, a stride shorter than the rows.
   cuda::DeviceBuffer buf;
   ASSERT_CUDA_OK(buf.Allocate(8 * 4096 * 4));
