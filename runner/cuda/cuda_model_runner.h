@@ -347,12 +347,12 @@ class CudaModelRunner final : public ModelRunner {
   absl::Status EnqueueRowParallel(cuda_runner_internal::RankState& rk, int layer, bool mlp,
                                   int64_t n);
   absl::Status CombineRowParallel(int64_t n);
-  // Whether the RMSNorm before `layer`'s MLP (post) or attention (else) is taken by the kernel
-  // that added the previous term into x (cuda::SumTreeRmsNorm after the K tree at tp = 1,
-  // cuda::MoeCombineRmsNorm after a MoE layer's combine), which leaves it in xn: one launch and
-  // one pass over x fewer, the same bits. The RMSNorm that follows a layer's last term is
-  // NextNorm (nullptr: the last layer, whose final norm takes the logits rows).
-  bool NormIsFused(int layer, bool post) const;
+  // xn = RmsNorm(x) with `weight`, unless the add before it already left exactly that in xn
+  // (rk.xn_norm == weight: the fused SumTreeRmsNorm / MoeCombineRmsNorm). Clears rk.xn_norm.
+  absl::Status NormIntoXn(cuda_runner_internal::RankState& rk, int64_t n, const float* weight);
+  // The RMSNorm that follows a layer's attention (mlp = false: its post norm) or MLP (the next
+  // layer's input norm; nullptr after the last layer, whose final norm takes the logits rows):
+  // the add into x that precedes it takes it too.
   const float* NextNorm(const cuda_runner_internal::RankState& rk, int layer, bool mlp) const;
   absl::Status EnqueueLogits(const cuda_runner_internal::SliceShape& shape, float* host_logits,
                              bool keep_on_device);

@@ -71,6 +71,8 @@ absl::Status CudaModelRunner::EnqueueSlice(const cuda_runner_internal::SliceShap
     }
     ROLLOUT_RETURN_IF_ERROR(s.SetDevice(s.ranks[0]));
   }
+  // The embedding writes x: no norm of it is in xn (one left by a slice that stopped at an error).
+  for (RankState& rk : s.ranks) rk.xn_norm = nullptr;
   ROLLOUT_RETURN_IF_ERROR(EnqueueEmbedding(shape));
   for (int layer = 0; layer < c.num_layers; ++layer) {
     for (RankState& rk : s.ranks) ROLLOUT_RETURN_IF_ERROR(EnqueueAttention(rk, layer, shape));
@@ -152,21 +154,16 @@ absl::Status CudaModelRunner::EnqueueQkv(RankState& rk, int layer,
                                          const cuda_runner_internal::SliceShape& shape) {
   const ModelConfig& c = config_;
   State& s = *state_;
-  const int64_t n = shape.n, h = c.hidden_size, hd = c.head_dim, nh = rk.heads, nkv = rk.kv_heads;
+  const int64_t n = shape.n, hd = c.head_dim, nh = rk.heads, nkv = rk.kv_heads;
   const int32_t* d = s.MetaOf(rk);
   cudaStream_t stream = rk.stream.get();
   // Profiling marks follow rank 0's stream.
   auto mark = [&](int family) { return rk.index == 0 ? s.Mark(family) : absl::OkStatus(); };
-  float* x = rk.x.get<float>();
   bf16* xn = rk.xn.get<bf16>();
   const LayerWeights& l = rk.layers[layer];
   const cuda::KvCacheView cache = LayerCache(rk, layer, options_.kv_block_size, hd);
 
-  if (!NormIsFused(layer, /*post=*/false)) {
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::RmsNorm(x, nullptr, n, h, l.input_norm, c.rms_norm_eps, xn, stream), "rmsnorm"));
-    ROLLOUT_RETURN_IF_ERROR(mark(kNorm));
-  }
+  ROLLOUT_RETURN_IF_ERROR(NormIntoXn(rk, n, l.input_norm));
   ROLLOUT_RETURN_IF_ERROR(
       CublasError(rk.gemm_qkv->Run(xn, n, l.qkv, rk.qkv.get(), stream), "qkv projection"));
   ROLLOUT_RETURN_IF_ERROR(mark(kGemmQkv));
@@ -261,20 +258,13 @@ absl::Status CudaModelRunner::EnqueuePagedAttention(RankState& rk, int layer,
 // One rank's MLP of `layer`: post-attention norm, its gate/up rows, SiLU * up, its part of
 // down_proj.
 absl::Status CudaModelRunner::EnqueueMlp(RankState& rk, int layer, int64_t n) {
-  const ModelConfig& c = config_;
   State& s = *state_;
   auto mark = [&](int family) { return rk.index == 0 ? s.Mark(family) : absl::OkStatus(); };
   ROLLOUT_RETURN_IF_ERROR(s.SetDevice(rk));  // the caller restores rank 0's
   const LayerWeights& l = rk.layers[layer];
   bf16* xn = rk.xn.get<bf16>();
   bf16* gate_up = rk.gate_up.get<bf16>();
-  if (!NormIsFused(layer, /*post=*/true)) {
-    ROLLOUT_RETURN_IF_ERROR(
-        CudaError(cuda::RmsNorm(rk.x.get<float>(), nullptr, n, c.hidden_size, l.post_norm,
-                                c.rms_norm_eps, xn, rk.stream.get()),
-                  "rmsnorm"));
-    ROLLOUT_RETURN_IF_ERROR(mark(kNorm));
-  }
+  ROLLOUT_RETURN_IF_ERROR(NormIntoXn(rk, n, l.post_norm));
   ROLLOUT_RETURN_IF_ERROR(CublasError(
       rk.gemm_gate_up->Run(xn, n, l.gate_up, gate_up, rk.stream.get()), "gate/up projection"));
   ROLLOUT_RETURN_IF_ERROR(mark(kGemmGateUp));
@@ -295,12 +285,7 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   const int32_t e = c.num_experts, k = c.num_experts_per_tok;
   const int64_t h = c.hidden_size, mi = c.moe_intermediate_size, a = n * k;
   bf16* xn = rk.xn.get<bf16>();
-  if (!NormIsFused(layer, /*post=*/true)) {
-    ROLLOUT_RETURN_IF_ERROR(CudaError(
-        cuda::RmsNorm(rk.x.get<float>(), nullptr, n, h, l.post_norm, c.rms_norm_eps, xn, stream),
-        "rmsnorm"));
-    ROLLOUT_RETURN_IF_ERROR(s.Mark(kNorm));
-  }
+  ROLLOUT_RETURN_IF_ERROR(NormIntoXn(rk, n, l.post_norm));
   float* logits = rk.router_logits.get<float>();
   ROLLOUT_RETURN_IF_ERROR(
       CublasError(rk.gemm_router->Run(xn, n, l.router, logits, stream), "router"));
@@ -349,6 +334,7 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
         cuda::MoeCombineRmsNorm(rk.moe_y.get<float>(), grouping.slots, weights, n, k, h,
                                 rk.x.get<float>(), next, c.rms_norm_eps, xn, stream),
         "moe combine + rmsnorm"));
+    rk.xn_norm = next;
   } else {
     ROLLOUT_RETURN_IF_ERROR(CudaError(cuda::MoeCombine(rk.moe_y.get<float>(), grouping.slots,
                                                        weights, n, k, h, rk.x.get<float>(), stream),
@@ -357,12 +343,16 @@ absl::Status CudaModelRunner::EnqueueMoe(RankState& rk, int layer, int64_t n, bo
   return s.Mark(kMoeCombine);
 }
 
-bool CudaModelRunner::NormIsFused(int layer, bool post) const {
-  const State& s = *state_;
-  if (post) return s.tp == 1 && s.canonical;
-  if (layer == 0) return false;
-  // MoE layers run at tp = 1 only (CheckSupported).
-  return config_.IsMoeLayer(layer - 1) || (s.tp == 1 && s.canonical);
+absl::Status CudaModelRunner::NormIntoXn(RankState& rk, int64_t n, const float* weight) {
+  const bool done = rk.xn_norm == weight;
+  rk.xn_norm = nullptr;
+  if (done) return absl::OkStatus();
+  ROLLOUT_RETURN_IF_ERROR(
+      CudaError(cuda::RmsNorm(rk.x.get<float>(), nullptr, n, config_.hidden_size, weight,
+                              config_.rms_norm_eps, rk.xn.get<bf16>(), rk.stream.get()),
+                "rmsnorm"));
+  // Profiling marks follow rank 0's stream.
+  return rk.index == 0 ? state_->Mark(kNorm) : absl::OkStatus();
 }
 
 const float* CudaModelRunner::NextNorm(const RankState& rk, int layer, bool mlp) const {
@@ -398,9 +388,12 @@ absl::Status CudaModelRunner::EnqueueRowParallel(RankState& rk, int layer, bool 
       what));
   if (s.tp == 1) {
     if (const float* next = NextNorm(rk, layer, mlp); next != nullptr) {
-      return CudaError(cuda::SumTreeRmsNorm(leaves, local, count, n, h, x, next, c.rms_norm_eps,
-                                            rk.xn.get<bf16>(), rk.stream.get()),
-                       "K tree + residual + rmsnorm");
+      ROLLOUT_RETURN_IF_ERROR(
+          CudaError(cuda::SumTreeRmsNorm(leaves, local, count, n, h, x, next, c.rms_norm_eps,
+                                         rk.xn.get<bf16>(), rk.stream.get()),
+                    "K tree + residual + rmsnorm"));
+      rk.xn_norm = next;
+      return absl::OkStatus();
     }
     return CudaError(
         cuda::SumTree(leaves, local, count, count, x, /*accumulate=*/true, rk.stream.get()),

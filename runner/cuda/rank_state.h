@@ -89,6 +89,10 @@ struct RankState : RankShard {
   // Activations for max_batch_tokens tokens.
   cuda::DeviceBuffer x;           // [tokens, hidden] fp32: the residual stream (replicated)
   cuda::DeviceBuffer xn;          // [tokens, hidden] bf16: normed GEMM input
+  // The norm weight with which xn already holds RmsNorm(x), left by the kernel that added the
+  // last term into x (cuda::SumTreeRmsNorm, cuda::MoeCombineRmsNorm); nullptr when none. Host
+  // state of the enqueue: set by that add, taken (and cleared) by the next NormIntoXn.
+  const float* xn_norm = nullptr;
   cuda::DeviceBuffer qkv;         // [tokens, (heads + 2 * kv_heads) * head_dim] fp32
   cuda::DeviceBuffer q;           // [tokens, heads, head_dim] fp32
   cuda::DeviceBuffer attn;        // [tokens, heads * head_dim] bf16
