@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/device_rates.h"
 #include "kernels/cuda/attention_fold.cuh"
 #include "kernels/cuda/compare.h"
 #include "kernels/cuda/device_buffer.h"
@@ -706,19 +707,6 @@ double MedianMs(int reps, F f) {
   return ms[ms.size() / 2];
 }
 
-// Device-to-device copy rate, bytes read + written per second.
-double CopyBandwidth() {
-  const size_t bytes = size_t{1} << 31;
-  DeviceBuffer a, b;
-  Check(a.Allocate(bytes), "allocate");
-  Check(b.Allocate(bytes), "allocate");
-  Check(cudaMemset(a.get(), 1, bytes), "memset");
-  const double ms = MedianMs(5, [&] {
-    Check(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice), "copy");
-  });
-  return 2.0 * bytes / (ms * 1e-3);
-}
-
 constexpr int kLayers = 36;  // Qwen3-8B: figures per step are one layer's times 36
 
 // Read-rate probes, no math: how fast the device streams bytes it only reads, linearly and in
@@ -901,7 +889,7 @@ int main(int argc, char** argv) {
   // ROLLOUT_ATTENTION_BENCH_TIMES_ONLY=1 skips the bit checks (for profilers: the first launch
   // of the library kernel is then the first decode problem's).
   if (std::getenv("ROLLOUT_ATTENTION_BENCH_TIMES_ONLY") == nullptr) rollout::CheckBits(quick);
-  const double copy_bw = rollout::CopyBandwidth();
+  const double copy_bw = rollout::bench::MeasureCopyBandwidth();
   rollout::TimeDecode(256, 1473, 1600, copy_bw, quick);  // the benchmark's mean decode step
   rollout::TimeDecode(32, 3800, 4096, copy_bw, quick);
   // Long contexts (issue 16): the decode steps of 4096/4096 (95 running, contexts 4K..8K) and

@@ -37,6 +37,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "bench/device_rates.h"
 #include "bench/rollout_floor.h"
 #include "bench/rollout_workload.h"
 #include "bench/timed_runner.h"
@@ -124,88 +125,6 @@ void Check(const absl::Status& s) {
     std::fprintf(stderr, "forward failed: %s\n", s.ToString().c_str());
     std::exit(1);
   }
-}
-
-// Device-to-device copy, bytes read + written per second (how the floor's 4.3 TB/s is counted).
-double MeasureCopyBandwidth() {
-  const size_t bytes = size_t{4} << 30;
-  cuda::DeviceBuffer a, b;
-  CHECK_CUDA(a.Allocate(bytes));
-  CHECK_CUDA(b.Allocate(bytes));
-  CHECK_CUDA(cudaMemset(a.get(), 1, bytes));
-  const double ms = cuda::MeanMilliseconds(
-      [&] { cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice); }, /*reps=*/10,
-      /*warmups=*/2);
-  return 2.0 * bytes / (ms * 1e-3);
-}
-
-// Peer copy from GPU `src` into GPU `dst` (NVLink on the H200 hosts), bytes per second into dst.
-double MeasurePeerBandwidth(int dst, int src) {
-  const size_t bytes = size_t{1} << 30;
-  int can = 0;
-  CHECK_CUDA(cudaDeviceCanAccessPeer(&can, dst, src));
-  cuda::DeviceBuffer a, b;
-  CHECK_CUDA(cudaSetDevice(src));
-  CHECK_CUDA(a.Allocate(bytes));
-  CHECK_CUDA(cudaMemset(a.get(), 1, bytes));
-  CHECK_CUDA(cudaSetDevice(dst));
-  if (can) cudaDeviceEnablePeerAccess(src, 0);  // already enabled is fine
-  cudaGetLastError();
-  CHECK_CUDA(b.Allocate(bytes));
-  const double ms = cuda::MeanMilliseconds(
-      [&] { cudaMemcpyPeerAsync(b.get(), dst, a.get(), src, bytes); }, /*reps=*/10,
-      /*warmups=*/2);
-  CHECK_CUDA(cudaSetDevice(0));
-  return bytes / (ms * 1e-3);
-}
-
-// bf16 GEMM 8192^3 (fp32 accumulation) with cuBLASLt's heuristic and a 64 MiB workspace: what
-// the tensor cores reach on random data, the FLOP rate of the floor.
-double MeasureGemmFlops() {
-  const int64_t n = 8192;
-  cuda::DeviceBuffer a, b, c, ws;
-  CHECK_CUDA(a.Allocate(n * n * 2));
-  CHECK_CUDA(b.Allocate(n * n * 2));
-  CHECK_CUDA(c.Allocate(n * n * 2));
-  CHECK_CUDA(ws.Allocate(64 << 20));
-  // Random bits in [-1, 1)-ish bf16: fill bytes with a pattern that gives finite values.
-  std::vector<uint16_t> host(n * n);
-  std::mt19937 rng(1);
-  for (auto& v : host) v = static_cast<uint16_t>(0x3c00 + (rng() % 0x300)) | ((rng() & 1) << 15);
-  CHECK_CUDA(cudaMemcpy(a.get(), host.data(), n * n * 2, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(b.get(), host.data(), n * n * 2, cudaMemcpyHostToDevice));
-  cublasLtHandle_t lt;
-  cublasLtCreate(&lt);
-  cublasLtMatmulDesc_t desc;
-  cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
-  const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
-  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
-  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt));
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, n, n, n);
-  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, n, n, n);
-  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, n, n, n);
-  cublasLtMatmulPreference_t pref;
-  cublasLtMatmulPreferenceCreate(&pref);
-  const uint64_t wsb = 64 << 20;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb,
-                                       sizeof(wsb));
-  cublasLtMatmulHeuristicResult_t result;
-  int found = 0;
-  cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &result, &found);
-  const float alpha = 1.0f, beta = 0.0f;
-  auto run = [&] {
-    cublasLtMatmul(lt, desc, &alpha, a.get(), la, b.get(), lb, &beta, c.get(), lc, c.get(), lc,
-                   found > 0 ? &result.algo : nullptr, ws.get(), wsb, nullptr);
-  };
-  const double ms = cuda::MeanMilliseconds(run, /*reps=*/10, /*warmups=*/3);
-  cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(lc);
-  cublasLtMatmulDescDestroy(desc);
-  cublasLtDestroy(lt);
-  return 2.0 * n * n * n / (ms * 1e-3);
 }
 
 // A batch of `seqs` sequences, each with blocks [i * per_seq, (i + 1) * per_seq), taking tokens
@@ -372,8 +291,8 @@ absl::StatusOr<Setup> MakeSetup() {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, %.1f GiB\n", prop.name, prop.multiProcessorCount,
               prop.totalGlobalMem / double(1 << 30));
-  setup.bw = MeasureCopyBandwidth();
-  setup.flops = MeasureGemmFlops();
+  setup.bw = bench::MeasureCopyBandwidth();
+  setup.flops = bench::MeasureGemmFlops();
   std::printf("measured: device copy %.2f TB/s (read + write), bf16 GEMM 8192^3 %.0f TFLOP/s\n",
               setup.bw / 1e12, setup.flops / 1e12);
 
@@ -402,7 +321,7 @@ absl::StatusOr<Setup> MakeSetup() {
   options.nccl_library = absl::GetFlag(FLAGS_nccl_library);
   if (options.devices.size() > 1) {
     setup.spread.gpus = static_cast<int>(options.devices.size());
-    setup.spread.link_bw = MeasurePeerBandwidth(options.devices[0], options.devices[1]);
+    setup.spread.link_bw = bench::MeasurePeerBandwidth(options.devices[0], options.devices[1]);
     std::printf("tp %d on GPUs %s: peer copy GPU %d -> GPU %d %.1f GB/s (the all-gathers' rate)\n",
                 options.tensor_parallel, absl::StrJoin(options.devices, ",").c_str(),
                 options.devices[1], options.devices[0], setup.spread.link_bw / 1e9);
