@@ -9,22 +9,11 @@
 #include <random>
 #include <vector>
 
+#include "bench/check_cuda.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/event_timer.h"
 
 namespace rollout::bench {
-namespace {
-
-#define CHECK_CUDA(expr)                                                      \
-  do {                                                                        \
-    const cudaError_t _e = (expr);                                            \
-    if (_e != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(_e)); \
-      std::exit(1);                                                           \
-    }                                                                         \
-  } while (0)
-
-}  // namespace
 
 double MeasureCopyBandwidth() {
   const size_t bytes = size_t{4} << 30;
@@ -104,6 +93,5 @@ double MeasureGemmFlops() {
   return 2.0 * n * n * n / (ms * 1e-3);
 }
 
-#undef CHECK_CUDA
 
 }  // namespace rollout::bench

@@ -37,6 +37,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "bench/check_cuda.h"
 #include "bench/device_rates.h"
 #include "bench/rollout_floor.h"
 #include "bench/rollout_workload.h"
@@ -111,14 +112,6 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-#define CHECK_CUDA(expr)                                                      \
-  do {                                                                        \
-    const cudaError_t _e = (expr);                                            \
-    if (_e != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(_e)); \
-      std::exit(1);                                                           \
-    }                                                                         \
-  } while (0)
 
 void Check(const absl::Status& s) {
   if (!s.ok()) {
