@@ -112,7 +112,6 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-
 void Check(const absl::Status& s) {
   if (!s.ok()) {
     std::fprintf(stderr, "forward failed: %s\n", s.ToString().c_str());

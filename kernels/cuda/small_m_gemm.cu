@@ -418,7 +418,8 @@ std::vector<Entry> HandEntries() {
 const std::vector<Entry>& Entries() {
   static const std::vector<Entry> entries = [] {
     std::vector<Entry> e = HandEntries();
-    for (const Entry& w : WgmmaEntries()) e.push_back(w);
+    const std::vector<Entry> wgmma = WgmmaEntries();
+    e.insert(e.end(), wgmma.begin(), wgmma.end());
     return e;
   }();
   return entries;

@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 #include <cuda.h>
@@ -9,24 +8,6 @@
 
 namespace rollout::cuda::small_m {
 namespace {
-
-// The current device's SM count, asked of the runtime once per device (a launch on the step path
-// asks it each time).
-cudaError_t MultiprocessorCount(int* sms) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> counts[kMaxDevices];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < kMaxDevices && (*sms = counts[device].load(std::memory_order_relaxed)) > 0) {
-    return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && device < kMaxDevices) {
-    counts[device].store(*sms, std::memory_order_relaxed);
-  }
-  return err;
-}
 
 // The warpgroup kernel: the same per-element order (one fp32 accumulator, the k16 chunks of K in
 // increasing order), issued as wgmma.mma_async m64nNk16 from shared memory, for the m where
@@ -212,8 +193,11 @@ cudaError_t LaunchWgmma(const Launch& l) {
   dim3 grid(col_blocks, l.batch);
   if (kPersistent) {
     // One CTA an SM (the ring fills its shared memory), never more CTAs than tiles.
-    int sms = 0;
-    err = MultiprocessorCount(&sms);
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
     if (err != cudaSuccess) return err;
     grid = dim3(static_cast<unsigned>(std::min<int64_t>(int64_t{col_blocks} * l.batch, sms)), 1);
   }
