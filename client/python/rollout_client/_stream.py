@@ -223,8 +223,13 @@ class SharedStream:
             while True:
                 with self._cond:
                     k = self._position[i]
-                    while k >= self._produced and not self._finished and self._error is None:
+                    while (k >= self._produced and not self._finished and self._error is None
+                           and self._active[i]):
                         self._cond.wait()
+                    # Stopped: its call has ended (gRPC may still ask its request thread for
+                    # one more message) and the buckets it had not reached may be dropped.
+                    if not self._active[i]:
+                        return
                     if self._error is not None:
                         raise self._error
                     if k >= self._produced:

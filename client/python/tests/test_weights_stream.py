@@ -84,6 +84,20 @@ class SharedStreamTest(unittest.TestCase):
                 bits = prepare([(name, value)], "BF16")[0].payload().tobytes()
                 self.assertEqual(bytes(got[name]), bits, (bucket_bytes, name))
 
+    def test_a_consumer_stopped_while_its_iterator_runs_ends_it_quietly(self):
+        # A refused call ends (stop) while gRPC's request thread still pulls from messages(i):
+        # once every consumer has stopped the buckets are dropped, and the iterator must end,
+        # not read a dropped bucket (a KeyError that Fleet raised in place of the FleetError).
+        stream = self.make(_tensors(4, 500), 2, bucket_bytes=1000)
+        it = stream.messages(0)
+        next(it)  # the header; conversion starts
+        with stream._cond:
+            while stream._produced == 0 and not stream._finished:
+                stream._cond.wait()
+        stream.stop(0)
+        stream.stop(1)
+        self.assertEqual(list(it), [])
+
     def test_consumers_get_the_same_bytes_and_conversion_stays_bounded(self):
         named = _tensors(40, 500)   # 1000 bytes each in BF16: 40 buckets of 1000 bytes
         stream = self.make(named, 3, bucket_bytes=1000, ahead=2)
