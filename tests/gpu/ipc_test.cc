@@ -51,13 +51,20 @@ std::string ExporterPath() {
 class Exporter {
  public:
   explicit Exporter(const std::vector<uint8_t>& bytes) {
+    const std::string exe = ExporterPath();
+    if (access(exe.c_str(), X_OK) != 0) {
+      ADD_FAILURE() << exe << " is not an executable (set ROLLOUT_IPC_EXPORTER to its path)";
+      return;
+    }
     const std::string file = ::testing::TempDir() + "/ipc_export_" + std::to_string(getpid()) +
                              "_" + std::to_string(counter_++);
     std::ofstream(file, std::ios::binary)
         .write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    // A child that died (a bad path, a crash) must fail the test, not end the binary: writes to
+    // its pipe then return EPIPE instead of raising SIGPIPE.
+    signal(SIGPIPE, SIG_IGN);
     int to_child[2], from_child[2];
     if (pipe(to_child) != 0 || pipe(from_child) != 0) return;
-    const std::string exe = ExporterPath();
     pid_ = fork();
     if (pid_ == 0) {  // exec at once: the child touches nothing of this process's CUDA state
       dup2(to_child[0], 0);
@@ -93,6 +100,10 @@ class Exporter {
   const std::string& uuid() const { return uuid_; }
   // Frees the exported allocation (the handle then names nothing).
   void Free() {
+    if (in_ == nullptr || handle_.empty()) {
+      ADD_FAILURE() << "the exporter holds no allocation to free";
+      return;
+    }
     std::fputs("free\n", in_);
     std::fflush(in_);
     EXPECT_EQ(ReadLine(), "freed");

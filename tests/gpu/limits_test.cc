@@ -1,8 +1,9 @@
 // The engine at the largest context and batch its limits allow, on the GPU: the server's default
 // max_running_samples (256) samples, each to the model's whole context (Qwen3-8B's
 // max_position_embeddings, 40960 tokens), in one step budget of the server's default
-// max_batch_tokens (16384), all of them decoding together at the end, in a KV pool sized to hold exactly all of them at once (two layers of
-// Qwen3-8B's shapes: 8 KiB a token, 80 GiB). Every sample ends with all its tokens -- none
+// max_batch_tokens (16384), all of them decoding together at the end, in a KV pool sized to hold
+// exactly all of them at once (two layers of Qwen3-8B's shapes, 8 KiB a token: 80 GiB on an H200;
+// one layer, 40 GiB, on a card that cannot hold that, an 80 GB H100). Every sample ends with all its tokens -- none
 // aborted, none preempted, no token recomputed -- the decode steps at 256 x 40960 run (the
 // attention partials at the largest split count were planned at load: before the memory plan,
 // such steps failed with "allocating attention partials: out of memory"), device memory taken
@@ -64,15 +65,18 @@ SampleSpec Spec(int i, int64_t max_context, int32_t vocab) {
 TEST(LimitsTest, EverySampleOfAFullBatchAtTheWholeContextCompletesWithTheBitsOfItsRunAlone) {
   if (!gpu_test::HaveGpu()) GTEST_SKIP() << "no CUDA device";
   ModelConfig config = *PresetConfig("qwen3-8b");
-  config.num_layers = 2;
   const int64_t max_context = config.max_position_embeddings;
   CudaRunnerOptions o;
   o.max_batch_tokens = kBatchTokens;
   const int64_t blocks_per_sample = (max_context + o.kv_block_size - 1) / o.kv_block_size;
-  const int64_t bytes_per_block = int64_t{2} * config.num_layers * config.num_key_value_heads *
-                                  config.head_dim * 2 * o.kv_block_size;
   // Every sample's blocks, and a few for the pool's own (the graphs' pad block).
-  o.kv_cache_bytes = (kSamples * blocks_per_sample + 8) * bytes_per_block;
+  auto pool_bytes = [&](int layers) {
+    return (kSamples * blocks_per_sample + 8) * int64_t{2} * layers *
+           config.num_key_value_heads * config.head_dim * 2 * o.kv_block_size;
+  };
+  // Two layers where they fit beside the weights and the step's workspaces (a few GiB).
+  config.num_layers = pool_bytes(2) + (int64_t{6} << 30) <= FreeDeviceMemory() ? 2 : 1;
+  o.kv_cache_bytes = pool_bytes(config.num_layers);
   const auto t_load = std::chrono::steady_clock::now();
   auto runner = CudaModelRunner::CreateSynthetic(config, 3, o);
   ASSERT_TRUE(runner.ok()) << runner.status();
@@ -86,9 +90,9 @@ TEST(LimitsTest, EverySampleOfAFullBatchAtTheWholeContextCompletesWithTheBitsOfI
   std::unique_ptr<Engine> engine = *std::move(created);
   ASSERT_EQ(engine->max_context(), max_context) << "the pool holds a whole context";
   const int64_t free_at_start = FreeDeviceMemory();
-  std::printf("loaded in %.1f s: KV pool %.2f GiB (%d blocks), weights %.2f GiB, %.2f GiB left "
+  std::printf("%d layer(s); loaded in %.1f s: KV pool %.2f GiB (%d blocks), weights %.2f GiB, %.2f GiB left "
               "free on the device\n",
-              Seconds(t_load), GiB(cuda->kv_cache_bytes()), cuda->num_kv_blocks(),
+              config.num_layers, Seconds(t_load), GiB(cuda->kv_cache_bytes()), cuda->num_kv_blocks(),
               GiB(cuda->weight_bytes()), GiB(free_at_start));
   ASSERT_GE(cuda->num_kv_blocks(), kSamples * blocks_per_sample);
 
