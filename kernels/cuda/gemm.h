@@ -104,11 +104,17 @@ class PinnedGemm {
   // multiple of 16) that give this gemm's bits on the same probe are timed at the range's ends
   // and representative m against what serves each of those m so far (a cuBLASLt rung or the
   // pin; L2 flushed before each timed run); the fastest over the three becomes a hand rung over
-  // the range if it is no slower at the representative m and 3% faster over the three. The pin competes too: where it wins, the range goes
-  // back to it (a coarse rung timed at one m can lose to the pin elsewhere in its range). Without hand rungs the ladder is the cuBLASLt one
-  // alone. Allocates (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the memory,
-  // no ladder (Describe says so). `diagnostics` receives one line per range.
-  cublasStatus_t BuildLadder(std::string* diagnostics = nullptr, bool hand_kernels = true);
+  // the range if it is no slower at the representative m and 3% faster over the three. The pin
+  // competes too: where it wins, the range goes back to it (a coarse rung timed at one m can lose
+  // to the pin elsewhere in its range). Without hand rungs the ladder is the cuBLASLt one alone.
+  // Allocates (and frees) probe buffers of up to ~3.3 GiB (lm_head); without the memory, no ladder
+  // (Describe says so). `diagnostics` receives one line per range. step_m: the largest m a step
+  // runs (the runner's max_batch_tokens); where it passes the last range's representative, that
+  // range is asked and timed there (as far as the probe reaches): prefill runs its steps at that m,
+  // and a rung timed at 4096 was admitted in one run and not in the next while it was 14% faster at
+  // 16384 (qkv, an H100, session 21).
+  cublasStatus_t BuildLadder(std::string* diagnostics = nullptr, bool hand_kernels = true,
+                             int64_t step_m = 0);
   // The same rungs as `from`'s (a gemm of another n with the same k and pin: a rank's slice of a
   // column-parallel weight), each admitted again by the probe on this gemm's shape.
   cublasStatus_t CopyLadder(const PinnedGemm& from, std::string* diagnostics = nullptr);

@@ -32,7 +32,7 @@ struct GemmProbe {
   cudaError_t Init(int64_t n_, int64_t k_, int batch_, GemmOutput output_) {
     n = n_, k = k_, batch = batch_, output = output_;
     constexpr int64_t kMaxOutputBytes = int64_t{1} << 30;
-    max_m = std::clamp<int64_t>(kMaxOutputBytes / static_cast<int64_t>(OutBytes(1)), 1, 8192);
+    max_m = std::clamp<int64_t>(kMaxOutputBytes / static_cast<int64_t>(OutBytes(1)), 1, 16384);
     cudaError_t err = x.Allocate(static_cast<size_t>(max_m) * batch * k * 2);
     if (err == cudaSuccess) err = w.Allocate(static_cast<size_t>(batch) * n * k * 2);
     if (err == cudaSuccess) err = a.Allocate(OutBytes(max_m));
@@ -283,7 +283,8 @@ bool PinnedGemm::InitProbe(GemmProbe& probe) {
   return false;
 }
 
-cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kernels) {
+cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kernels,
+                                       int64_t step_m) {
   if (mode_ != Mode::kPinned) return CUBLAS_STATUS_INVALID_VALUE;
   rungs_.clear();
   GemmProbe probe;
@@ -292,7 +293,8 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kerne
   for (size_t i = 0; i < ladder.size(); ++i) {
     const int64_t min_m = ladder[i].min_m;
     const int64_t end_m = i + 1 < ladder.size() ? ladder[i + 1].min_m : INT64_MAX;
-    const int64_t rep = ladder[i].representative_m;
+    const bool last = i + 1 == ladder.size();
+    const int64_t rep = std::max(ladder[i].representative_m, last ? step_m : int64_t{0});
     std::vector<cublasLtMatmulAlgo_t> algos;
     ROLLOUT_RETURN_IF_FAILED(Candidates(handle_, n_, k_, output_, rep, kLadderCandidates, &algos),
                              CUBLAS_STATUS_SUCCESS);

@@ -53,9 +53,9 @@ absl::Status CudaModelRunner::PinGemms() {
           CublasError(cuda::PinnedGemm::CreateHeuristic(s.lt.get(), g.n, g.k, g.output, g.gemm),
                       absl::StrCat("creating the GEMM for ", g.name)));
     } else if (options_.gemm_ladder) {
-      ROLLOUT_RETURN_IF_ERROR(
-          CublasError((*g.gemm)->BuildLadder(nullptr, options_.gemm_hand_kernels),
-                      absl::StrCat("the GEMM ladder for ", g.name)));
+      ROLLOUT_RETURN_IF_ERROR(CublasError(
+          (*g.gemm)->BuildLadder(nullptr, options_.gemm_hand_kernels, options_.max_batch_tokens),
+          absl::StrCat("the GEMM ladder for ", g.name)));
     }
     s.gemm_descriptions.push_back(
         absl::StrFormat("%-8s n=%-6d k=%-6d %s", g.name, g.n, g.k, (*g.gemm)->Describe()));
@@ -109,8 +109,9 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
           g.name, g.n, g.k, why));
     }
     if (options_.gemm_ladder) {
-      ROLLOUT_RETURN_IF_ERROR(CublasError(full->BuildLadder(nullptr, options_.gemm_hand_kernels),
-                                          absl::StrCat("the GEMM ladder for ", g.name)));
+      ROLLOUT_RETURN_IF_ERROR(CublasError(
+          full->BuildLadder(nullptr, options_.gemm_hand_kernels, options_.max_batch_tokens),
+          absl::StrCat("the GEMM ladder for ", g.name)));
     }
     s.pin_lines.push_back(cuda::DescribePin(g.contract_name, *full));
     for (RankState& rk : s.ranks) {
@@ -161,9 +162,9 @@ absl::Status CudaModelRunner::PinMoeGemms() {
                                                       &rk.gemm_router),
                     "creating the GEMM for router"));
   } else if (options_.gemm_ladder) {
-    ROLLOUT_RETURN_IF_ERROR(
-        CublasError(rk.gemm_router->BuildLadder(nullptr, options_.gemm_hand_kernels),
-                    "the GEMM ladder for router"));
+    ROLLOUT_RETURN_IF_ERROR(CublasError(
+        rk.gemm_router->BuildLadder(nullptr, options_.gemm_hand_kernels, options_.max_batch_tokens),
+        "the GEMM ladder for router"));
   }
   s.gemm_descriptions.push_back(
       absl::StrFormat("%-8s n=%-6d k=%-6d %s", "router", n, k, rk.gemm_router->Describe()));
