@@ -427,7 +427,13 @@ void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
   PrintProfile("prefill step profile", runner.profile(), prefill.num_tokens());
   const int batch = std::min(requests, absl::GetFlag(FLAGS_max_running));
   const int ctx = in + out / 2;
-  if (static_cast<int64_t>(batch) * ((ctx + bs) / bs + 1) <= runner.num_kv_blocks()) {
+  const int64_t blocks = static_cast<int64_t>(batch) * ((ctx + bs) / bs + 1);
+  if (blocks > runner.num_kv_blocks()) {
+    std::printf(
+        "\nno decode step profile: %d sequences at the mean context %d need %ld KV blocks, "
+        "the pool holds %d (lower --num_requests or --max_running)\n",
+        batch, ctx, static_cast<long>(blocks), runner.num_kv_blocks());
+  } else {
     ForwardBatch decode = SyntheticBatch(batch, ctx, ctx + 1, bs, vocab, rng);
     Check(runner.ForwardToHost(decode, &logits));
     runner.ResetProfile();
