@@ -221,7 +221,7 @@ cublasStatus_t PinnedGemm::Admit(int64_t min_m, int64_t end_m, int64_t represent
     if (diagnostics != nullptr) *diagnostics += "    refused by the checks:\n" + why;
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
-  std::vector<int64_t> ms = {min_m, representative_m, std::min<int64_t>(end_m - 1, 8192)};
+  std::vector<int64_t> ms = {min_m, representative_m, end_m - 1};
   for (int64_t& m : ms) m = std::min(m, probe.max_m);
   for (int64_t m : ms) {
     bool same = false;
@@ -293,15 +293,17 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kerne
   for (size_t i = 0; i < ladder.size(); ++i) {
     const int64_t min_m = ladder[i].min_m;
     const int64_t end_m = i + 1 < ladder.size() ? ladder[i + 1].min_m : INT64_MAX;
-    const bool last = i + 1 == ladder.size();
-    const int64_t rep = std::max(ladder[i].representative_m, last ? step_m : int64_t{0});
+    const int64_t rep = ladder[i].representative_m;
+    // The m the candidates are asked for and timed at: the last range's at the step's m.
+    const int64_t asked_m = i + 1 == ladder.size() ? std::max(rep, step_m) : rep;
     std::vector<cublasLtMatmulAlgo_t> algos;
-    ROLLOUT_RETURN_IF_FAILED(Candidates(handle_, n_, k_, output_, rep, kLadderCandidates, &algos),
-                             CUBLAS_STATUS_SUCCESS);
-    // The fastest admitted candidate at the representative m (as far as the probe reaches),
-    // if it beats the pin there by 3%: which one wins is a matter of speed only, every
-    // candidate gives the pin's bits.
-    const int64_t timed_m = std::min(rep, probe.max_m);
+    ROLLOUT_RETURN_IF_FAILED(
+        Candidates(handle_, n_, k_, output_, asked_m, kLadderCandidates, &algos),
+        CUBLAS_STATUS_SUCCESS);
+    // The fastest admitted candidate at that m (as far as the probe reaches), if it beats the
+    // pin there by 3%: which one wins is a matter of speed only, every candidate gives the pin's
+    // bits.
+    const int64_t timed_m = std::min(asked_m, probe.max_m);
     double best_us = 0.97 * probe.Microseconds(probe.Of(*this), timed_m);
     std::unique_ptr<PinnedGemm> best;
     std::string why;

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -56,6 +57,17 @@ class Exporter {
       ADD_FAILURE() << exe << " is not an executable (set ROLLOUT_IPC_EXPORTER to its path)";
       return;
     }
+    int to_child[2], from_child[2];
+    if (pipe(to_child) != 0) {
+      ADD_FAILURE() << "pipe: " << std::strerror(errno);
+      return;
+    }
+    if (pipe(from_child) != 0) {
+      ADD_FAILURE() << "pipe: " << std::strerror(errno);
+      close(to_child[0]);
+      close(to_child[1]);
+      return;
+    }
     const std::string file = ::testing::TempDir() + "/ipc_export_" + std::to_string(getpid()) +
                              "_" + std::to_string(counter_++);
     std::ofstream(file, std::ios::binary)
@@ -63,10 +75,9 @@ class Exporter {
     // A child that died (a bad path, a crash) must fail the test, not end the binary: writes to
     // its pipe then return EPIPE instead of raising SIGPIPE.
     signal(SIGPIPE, SIG_IGN);
-    int to_child[2], from_child[2];
-    if (pipe(to_child) != 0 || pipe(from_child) != 0) return;
     pid_ = fork();
     if (pid_ == 0) {  // exec at once: the child touches nothing of this process's CUDA state
+      signal(SIGPIPE, SIG_DFL);  // an ignored signal would stay ignored across the exec
       dup2(to_child[0], 0);
       dup2(from_child[1], 1);
       close(to_child[1]);
