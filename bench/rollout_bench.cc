@@ -47,6 +47,7 @@
 #include "engine/engine.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/event_timer.h"
+#include "kernels/cuda/tensor_parallel.h"
 #include "model/random_model.h"
 #include "runner/cuda/cuda_model_runner.h"
 #include "runner/host_logits.h"
@@ -410,6 +411,27 @@ void CompareSampling(CudaModelRunner& runner, const ForwardBatch& decode, int ba
       static_cast<int>(std::thread::hardware_concurrency()));
 }
 
+// The prefill step's GEMMs at the measured rate and, with the canonical K tree, what its fp32
+// leaves cost at the copy rate: o_proj's and every dense down_proj's eight [tokens, hidden]
+// leaves are written and read back by the tree kernel (at decode's rows they are small).
+void PrintPrefillFloor(const Setup& setup, int64_t tokens) {
+  const ModelConfig& c = setup.config;
+  const int g = setup.spread.gpus;
+  const double gemm_ms = 2.0 * GemmParams(c) * tokens / setup.flops / g * 1e3;
+  std::string tree;
+  if (setup.options.canonical_k_tree) {
+    int row_parallel = 0;
+    for (int layer = 0; layer < c.num_layers; ++layer) row_parallel += c.IsMoeLayer(layer) ? 1 : 2;
+    const double bytes = 2.0 * row_parallel * cuda::kNumKSegments * tokens * c.hidden_size * 4 / g;
+    tree = absl::StrFormat(
+        "; the K tree's fp32 leaves: %.2f GB written and read = %.2f ms at the "
+        "copy rate",
+        bytes / 1e9, bytes / setup.bw * 1e3);
+  }
+  std::printf("  floor of this step: GEMMs %.2f ms at the measured rate%s\n", gemm_ms,
+              tree.c_str());
+}
+
 // Per-kernel profiles: one full prefill step, one decode step of the whole batch at the mean
 // decode context, each beside its floor.
 void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
@@ -425,6 +447,7 @@ void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
   runner.ResetProfile();
   for (int i = 0; i < 3; ++i) Check(runner.Forward(prefill, &logits));
   PrintProfile("prefill step profile", runner.profile(), prefill.num_tokens());
+  PrintPrefillFloor(setup, prefill.num_tokens());
   const int batch = std::min(requests, absl::GetFlag(FLAGS_max_running));
   const int ctx = in + out / 2;
   const int64_t blocks = static_cast<int64_t>(batch) * ((ctx + bs) / bs + 1);
