@@ -338,8 +338,7 @@ absl::StatusOr<Setup> MakeSetup() {
     std::printf("  pinned %s\n", line.c_str());
   }
   setup.batch1_floor_ms =
-      2.0 * (StepWeightParams(config, 1) + double(config.vocab_size) * config.hidden_size) /
-          (setup.bw * setup.spread.gpus) * 1e3 +
+      DecodeStepGemmSeconds(config, 1, setup.flops, setup.bw, setup.spread.gpus) * 1e3 +
       (setup.spread.gpus > 1
            ? TpGatherBytes(config, setup.spread.gpus, 1, 1) / setup.spread.link_bw * 1e3
            : 0.0);
@@ -417,15 +416,15 @@ void CompareSampling(CudaModelRunner& runner, const ForwardBatch& decode, int ba
 void PrintPrefillFloor(const Setup& setup, int64_t tokens) {
   const ModelConfig& c = setup.config;
   const int g = setup.spread.gpus;
-  const double gemm_ms = 2.0 * GemmParams(c) * tokens / setup.flops / g * 1e3;
+  const double gemm_ms = PrefillGemmSeconds(c, tokens, setup.flops, g) * 1e3;
   std::string tree;
   if (setup.options.canonical_k_tree) {
     int row_parallel = 0;
     for (int layer = 0; layer < c.num_layers; ++layer) row_parallel += c.IsMoeLayer(layer) ? 1 : 2;
     const double bytes = 2.0 * row_parallel * cuda::kNumKSegments * tokens * c.hidden_size * 4 / g;
     tree = absl::StrFormat(
-        "; the K tree's fp32 leaves: %.2f GB written and read = %.2f ms at the "
-        "copy rate",
+        "; the K tree's fp32 leaves: %.2f GB written and read = %.2f ms at "
+        "the copy rate",
         bytes / 1e9, bytes / setup.bw * 1e3);
   }
   std::printf("  floor of this step: GEMMs %.2f ms at the measured rate%s\n", gemm_ms,
@@ -465,16 +464,16 @@ void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
                  batch);
     const int g = setup.spread.gpus;
     const double kv_ms = double(batch) * ctx * KvBytesPerTokenPerGpu(config, g) / setup.bw * 1e3;
-    const double lm = double(vocab) * config.hidden_size;
-    const double read = 2.0 * (StepWeightParams(config, batch) + lm);
-    const double compute = 2.0 * (GemmParams(config) + lm) * batch;
-    const double gemm_ms = std::max(read / setup.bw, compute / setup.flops) / g * 1e3;
+    const double gemm_ms = DecodeStepGemmSeconds(config, batch, setup.flops, setup.bw, g) * 1e3;
     const double gather_ms =
         g > 1 ? TpGatherBytes(config, g, batch, batch) / setup.spread.link_bw * 1e3 : 0.0;
     std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms%s = %.2f ms\n", gemm_ms,
                 kv_ms, g > 1 ? absl::StrFormat(" + all-gathers %.2f ms", gather_ms).c_str() : "",
                 gemm_ms + kv_ms + gather_ms);
     if (config.is_moe()) {
+      const double lm = double(vocab) * config.hidden_size;
+      const double read = 2.0 * (StepWeightParams(config, batch) + lm);
+      const double compute = 2.0 * (GemmParams(config) + lm) * batch;
       std::printf(
           "  (MoE: %.2f GB of weights touched = %.1f experts per layer of %d read once, %.2f "
           "TFLOP)\n",

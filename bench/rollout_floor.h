@@ -93,6 +93,20 @@ inline double TpGatherBytes(const ModelConfig& c, int gpus, int64_t tokens, int6
          ((2.0 * c.num_layers + 1.0) * node + static_cast<double>(logit_rows) * vocab_rows * 4);
 }
 
+// A prefill of `tokens` tokens: its GEMMs' FLOPs at the measured rate, on each of `gpus` GPUs.
+inline double PrefillGemmSeconds(const ModelConfig& c, int64_t tokens, double flops, int gpus) {
+  return 2.0 * GemmParams(c) * tokens / (flops * gpus);
+}
+
+// One decode step of `batch` rows: the weights it touches (lm_head included) read once at the
+// copy rate, or its FLOPs at the GEMM rate where those take longer, on each of `gpus` GPUs.
+inline double DecodeStepGemmSeconds(const ModelConfig& c, int64_t batch, double flops, double bw,
+                                    int gpus) {
+  const double p = GemmParams(c), lm = static_cast<double>(c.vocab_size) * c.hidden_size;
+  const double read = StepWeightParams(c, batch) + lm;
+  return std::max(2.0 * read / (bw * gpus), 2.0 * (p + lm) * batch / (flops * gpus));
+}
+
 // prefill_tokens: the prompt tokens to compute (a prompt shared by samples counts once);
 // lengths: every sample's generated tokens after `in` prompt tokens. spread: across GPUs, each
 // GPU's share of the weights, FLOPs and KV (a lower bound: replicated KV heads' weights count
@@ -102,8 +116,7 @@ inline Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t 
                           double bw, const TpSpread& spread = {}) {
   Floor f;
   const int g = std::max(1, spread.gpus);
-  const double p = GemmParams(c), lm = static_cast<double>(c.vocab_size) * c.hidden_size;
-  f.prefill_s = 2.0 * p * prefill_tokens / (flops * g);
+  f.prefill_s = PrefillGemmSeconds(c, prefill_tokens, flops, g);
   const auto gather = [&](int64_t tokens, int64_t rows) {
     return g > 1 ? TpGatherBytes(c, g, tokens, rows) / spread.link_bw : 0.0;
   };
@@ -111,13 +124,12 @@ inline Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t 
   const double kv_bytes = KvBytesPerTokenPerGpu(c, g);
   // Each decode step: its GEMMs (the weights it touches read once -- for a MoE model the experts
   // its tokens route to --, or compute-bound) and one read of the KV.
-  ForEachOracleDecodeStep(
-      lengths, static_cast<int>(in), kv_capacity_tokens, [&](int64_t batch, int64_t kv_tokens) {
-        const double read = StepWeightParams(c, batch) + lm;
-        f.decode_gemm_s += std::max(2.0 * read / (bw * g), 2.0 * (p + lm) * batch / (flops * g));
-        f.decode_kv_s += kv_tokens * kv_bytes / bw;
-        f.gather_s += gather(batch, batch);
-      });
+  ForEachOracleDecodeStep(lengths, static_cast<int>(in), kv_capacity_tokens,
+                          [&](int64_t batch, int64_t kv_tokens) {
+                            f.decode_gemm_s += DecodeStepGemmSeconds(c, batch, flops, bw, g);
+                            f.decode_kv_s += kv_tokens * kv_bytes / bw;
+                            f.gather_s += gather(batch, batch);
+                          });
   return f;
 }
 

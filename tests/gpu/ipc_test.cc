@@ -57,15 +57,12 @@ class Exporter {
       ADD_FAILURE() << exe << " is not an executable (set ROLLOUT_IPC_EXPORTER to its path)";
       return;
     }
-    int to_child[2], from_child[2];
-    if (pipe(to_child) != 0) {
+    int to_child[2] = {-1, -1}, from_child[2];
+    if (pipe(to_child) != 0 || pipe(from_child) != 0) {
       ADD_FAILURE() << "pipe: " << std::strerror(errno);
-      return;
-    }
-    if (pipe(from_child) != 0) {
-      ADD_FAILURE() << "pipe: " << std::strerror(errno);
-      close(to_child[0]);
-      close(to_child[1]);
+      for (int fd : to_child) {
+        if (fd >= 0) close(fd);
+      }
       return;
     }
     const std::string file = ::testing::TempDir() + "/ipc_export_" + std::to_string(getpid()) +

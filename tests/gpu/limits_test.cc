@@ -3,12 +3,12 @@
 // max_position_embeddings, 40960 tokens), in one step budget of the server's default
 // max_batch_tokens (16384), all of them decoding together at the end, in a KV pool sized to hold
 // exactly all of them at once (two layers of Qwen3-8B's shapes, 8 KiB a token: 80 GiB on an H200;
-// one layer, 40 GiB, on a card that cannot hold that, an 80 GB H100). Every sample ends with all its tokens -- none
-// aborted, none preempted, no token recomputed -- the decode steps at 256 x 40960 run (the
-// attention partials at the largest split count were planned at load: before the memory plan,
-// such steps failed with "allocating attention partials: out of memory"), device memory taken
-// during the run stays within what the start-up plan left free, and the first, middle and last
-// samples are bitwise those of the same sample run alone (D1 at the limits).
+// one layer, 40 GiB, on a card that cannot hold that, an 80 GB H100). Every sample ends with all
+// its tokens -- none aborted, none preempted, no token recomputed -- the decode steps at 256 x
+// 40960 run (the attention partials at the largest split count were planned at load: before the
+// memory plan, such steps failed with "allocating attention partials: out of memory"), device
+// memory taken during the run stays within what the start-up plan left free, and the first, middle
+// and last samples are bitwise those of the same sample run alone (D1 at the limits).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -90,10 +90,10 @@ TEST(LimitsTest, EverySampleOfAFullBatchAtTheWholeContextCompletesWithTheBitsOfI
   std::unique_ptr<Engine> engine = *std::move(created);
   ASSERT_EQ(engine->max_context(), max_context) << "the pool holds a whole context";
   const int64_t free_at_start = FreeDeviceMemory();
-  std::printf("%d layer(s); loaded in %.1f s: KV pool %.2f GiB (%d blocks), weights %.2f GiB, %.2f GiB left "
-              "free on the device\n",
-              config.num_layers, Seconds(t_load), GiB(cuda->kv_cache_bytes()), cuda->num_kv_blocks(),
-              GiB(cuda->weight_bytes()), GiB(free_at_start));
+  std::printf("%d layer(s); loaded in %.1f s: KV pool %.2f GiB (%d blocks), weights %.2f GiB, "
+              "%.2f GiB left free on the device\n",
+              config.num_layers, Seconds(t_load), GiB(cuda->kv_cache_bytes()),
+              cuda->num_kv_blocks(), GiB(cuda->weight_bytes()), GiB(free_at_start));
   ASSERT_GE(cuda->num_kv_blocks(), kSamples * blocks_per_sample);
 
   std::vector<SampleSpec> specs;
