@@ -308,15 +308,16 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> RolloutClient::OwnConnection() co
 
 absl::StatusOr<UpdateWeightsResponse> RolloutClient::StreamTensors(
     const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context,
-    const WeightsHeader& header, const std::vector<TensorSource>& tensors,
-    const std::vector<size_t>& indices, size_t chunk_bytes, const UploadProgress& progress,
-    uint64_t total, uint64_t* sent, std::mutex* progress_mu) {
+    client_internal::SliceTracker* tracker, const WeightsHeader& header,
+    const std::vector<TensorSource>& tensors, const std::vector<size_t>& indices,
+    size_t chunk_bytes, const UploadProgress& progress, uint64_t total, uint64_t* sent,
+    std::mutex* progress_mu) {
   size_t next = 0;      // into indices: the tensor being sent
   uint64_t offset = 0;  // next byte of it
   uint64_t handed = 0;  // bytes handed out by the last call; written, since we are called again
   // The chunks' bytes go to gRPC where they are, not copied into messages (weights_stream.h).
   return client_internal::StreamUpdateWeights(
-      channel, context, header, [&](client_internal::RawChunk* chunk) {
+      channel, context, tracker, header, [&](client_internal::RawChunk* chunk) {
         if (handed > 0) {
           std::lock_guard<std::mutex> lock(*progress_mu);
           *sent += handed;
@@ -394,27 +395,33 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
   std::mutex progress_mu;
   uint64_t sent = 0;
   if (progress) progress(0, total);
-  std::vector<grpc::ClientContext> contexts(parts);
-  for (grpc::ClientContext& context : contexts) PrepareContext(&context);
+  client_internal::SliceTracker tracker;
   std::vector<absl::StatusOr<UpdateWeightsResponse>> results(parts, absl::UnknownError("not sent"));
   std::mutex failure_mu;
   std::optional<absl::Status> first_failure;  // guarded by failure_mu
-  auto run_part = [&](int p) {
-    results[p] = StreamTensors(channels[p], &contexts[p], headers[p], tensors, split[p],
-                               chunk_bytes, progress, total, &sent, &progress_mu);
-    if (results[p].ok()) return;
-    std::lock_guard<std::mutex> lock(failure_mu);
-    if (first_failure.has_value()) return;
-    first_failure = results[p].status();
-    // The server fails every part anyway; the others need not send on.
-    for (int q = 0; q < parts; ++q) {
-      if (q != p) contexts[q].TryCancel();
-    }
-  };
-  std::vector<std::thread> threads;
-  for (int p = 1; p < parts; ++p) threads.emplace_back(run_part, p);
-  run_part(0);
-  for (std::thread& t : threads) t.join();
+  {
+    std::vector<grpc::ClientContext> contexts(parts);
+    for (grpc::ClientContext& context : contexts) PrepareContext(&context);
+    auto run_part = [&](int p) {
+      results[p] = StreamTensors(channels[p], &contexts[p], &tracker, headers[p], tensors, split[p],
+                                 chunk_bytes, progress, total, &sent, &progress_mu);
+      if (results[p].ok()) return;
+      std::lock_guard<std::mutex> lock(failure_mu);
+      if (first_failure.has_value()) return;
+      first_failure = results[p].status();
+      // The server fails every part anyway; the others need not send on.
+      for (int q = 0; q < parts; ++q) {
+        if (q != p) contexts[q].TryCancel();
+      }
+    };
+    std::vector<std::thread> threads;
+    for (int p = 1; p < parts; ++p) threads.emplace_back(run_part, p);
+    run_part(0);
+    for (std::thread& t : threads) t.join();
+  }
+  // The calls are gone with their contexts, and gRPC with them lets go of the slices over
+  // chunks it had not sent; after this the caller's bytes are free.
+  tracker.WaitForNone();
   if (first_failure.has_value()) return *first_failure;
   return results[0];
 }

@@ -18,6 +18,9 @@
 #include "rollout/v1/rollout.pb.h"
 
 namespace rollout {
+namespace client_internal {
+class SliceTracker;  // client/weights_stream.h
+}  // namespace client_internal
 
 inline constexpr int kDefaultMaxReceiveMessageBytes = 256 * 1024 * 1024;
 
@@ -178,13 +181,15 @@ class RolloutClient {
                                      const Request& request);
 
   // One part of UpdateWeightsFromTensors: `header` and the bytes of `tensors[indices]`, on
-  // `channel`, through `context` (prepared); *sent counts the bytes written (guarded by
+  // `channel`, through `context` (prepared), the chunks' slices registered with `tracker`
+  // (client_internal::StreamUpdateWeights); *sent counts the bytes written (guarded by
   // progress_mu, as the progress calls are).
   absl::StatusOr<rollout::v1::UpdateWeightsResponse> StreamTensors(
       const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context,
-      const rollout::v1::WeightsHeader& header, const std::vector<TensorSource>& tensors,
-      const std::vector<size_t>& indices, size_t chunk_bytes, const UploadProgress& progress,
-      uint64_t total, uint64_t* sent, std::mutex* progress_mu);
+      client_internal::SliceTracker* tracker, const rollout::v1::WeightsHeader& header,
+      const std::vector<TensorSource>& tensors, const std::vector<size_t>& indices,
+      size_t chunk_bytes, const UploadProgress& progress, uint64_t total, uint64_t* sent,
+      std::mutex* progress_mu);
   // A new channel to the server with a connection of its own; UNAVAILABLE if it does not connect
   // within the connect timeout.
   absl::StatusOr<std::shared_ptr<grpc::Channel>> OwnConnection() const;

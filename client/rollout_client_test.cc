@@ -13,6 +13,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
+#include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -1025,6 +1027,42 @@ TEST_F(RolloutClientTest, UpdateWeightsFromTensorsCoversEveryByteOnceInBoundedCh
   using P = std::pair<uint64_t, uint64_t>;
   EXPECT_THAT(progress, ::testing::ElementsAre(P{0, 20}, P{4, 20}, P{8, 20}, P{10, 20}, P{14, 20},
                                                P{17, 20}, P{20, 20}));
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsFromTensorsReturnsAnEarlyRefusalWhileChunksAreQueued) {
+  // The server refuses the header without reading on, as it does a checkpoint of other shapes.
+  // The client's chunk slices that gRPC still holds must not keep it from returning the answer.
+  service_.ScriptUpdateStream(/*fail_after_messages=*/1);
+  service_.ScriptUnary(rollout::v1::UpdateWeightsResponse(),
+                       grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                    "tensor 'w': shape [8, 8] given; nothing was applied"));
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const std::string bytes(64 << 20, 'w');
+  const auto* base = reinterpret_cast<const uint8_t*>(bytes.data());
+  const std::vector<TensorSource> tensors = {
+      {"w", "BF16", {bytes.size() / 4}, base, bytes.size() / 2},
+      {"v", "BF16", {bytes.size() / 4}, base + bytes.size() / 2, bytes.size() / 2}};
+  for (int streams : {1, 2}) {
+    std::promise<absl::Status> done;
+    std::future<absl::Status> result = done.get_future();
+    std::thread([&client, &tensors, &done, streams] {
+      done.set_value(client
+                         ->UpdateWeightsFromTensors("v2", rollout::v1::IN_FLIGHT_POLICY_DRAIN,
+                                                    tensors, /*chunk_bytes=*/1 << 20, nullptr,
+                                                    streams)
+                         .status());
+    }).detach();
+    if (result.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+      // Nothing to join or clean: the call is stuck.
+      std::cerr << "UpdateWeightsFromTensors over " << streams
+                << " stream(s) did not return within 30 s of the server's refusal\n";
+      std::_Exit(1);
+    }
+    EXPECT_EQ(result.get(),
+              absl::InvalidArgumentError("tensor 'w': shape [8, 8] given; nothing was applied"))
+        << streams << " stream(s)";
+  }
 }
 
 TEST_F(RolloutClientTest, UpdateWeightsFromTensorsRejectsBadInputWithoutCallingTheServer) {

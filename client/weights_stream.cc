@@ -92,8 +92,8 @@ grpc::ByteBuffer DataChunkMessage(const RawChunk& chunk, SliceTracker* tracker) 
 
 absl::StatusOr<rollout::v1::UpdateWeightsResponse> StreamUpdateWeights(
     const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context,
-    const rollout::v1::WeightsHeader& header, const std::function<bool(RawChunk*)>& next_chunk) {
-  SliceTracker tracker;
+    SliceTracker* tracker, const rollout::v1::WeightsHeader& header,
+    const std::function<bool(RawChunk*)>& next_chunk) {
   grpc::Status status;
   grpc::ByteBuffer answer;
   bool answered = false, write_ok = false;
@@ -113,7 +113,7 @@ absl::StatusOr<rollout::v1::UpdateWeightsResponse> StreamUpdateWeights(
       while (write_ok) {
         chunk = RawChunk{};
         if (!next_chunk(&chunk)) break;
-        call->Write(DataChunkMessage(chunk, &tracker), ops.tag());
+        call->Write(DataChunkMessage(chunk, tracker), ops.tag());
         write_ok = ops.Wait();
       }
       // A failed write means the call has ended, nearly always because the server answered
@@ -129,8 +129,6 @@ absl::StatusOr<rollout::v1::UpdateWeightsResponse> StreamUpdateWeights(
     call->Finish(&status, ops.tag());
     ops.Wait();
   }
-  // The call is gone; gRPC drops the slices it still held as it lets go of the stream.
-  tracker.WaitForNone();
   if (!status.ok()) return FromGrpc(status);
   if (!write_ok) {
     // Not expected from a correct server: it must read the whole stream before answering OK.
