@@ -10,7 +10,6 @@
 
 #include "absl/strings/str_format.h"
 #include "common/build_info.h"
-#include "common/status.h"
 #include "glog/logging.h"
 #include "server/generate_reactor.h"
 #include "server/score_reactor.h"
@@ -97,39 +96,12 @@ void RolloutServiceImpl::ReleaseUpdateSlot() {
 
 namespace {
 
-constexpr uint32_t kMaxUpdateParts = 64;
-constexpr size_t kMaxUpdateIdBytes = 128;
 constexpr size_t kEndedUpdatesKept = 16;
-
-// The part fields of `header` on their own (the assembly checks them against its siblings).
-absl::Status CheckPartFields(const v1::WeightsHeader& header) {
-  if (header.part_count() > kMaxUpdateParts) {
-    return absl::InvalidArgumentError(absl::StrFormat("header.part_count is %d; at most %d parts",
-                                                      header.part_count(), kMaxUpdateParts));
-  }
-  if (header.part_count() <= 1) {
-    if (header.part_index() != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "header.part_index is %d but part_count is %d (a single-stream update); set "
-          "part_count for a multi-part update",
-          header.part_index(), header.part_count()));
-    }
-    return absl::OkStatus();
-  }
-  if (header.update_id().empty() || header.update_id().size() > kMaxUpdateIdBytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "header.update_id is %d bytes; a multi-part update needs one of 1 to %d bytes, the same "
-        "in every part and new for each attempt",
-        header.update_id().size(), kMaxUpdateIdBytes));
-  }
-  return absl::OkStatus();
-}
 
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<UpdateAssembly>> RolloutServiceImpl::JoinUpdate(
     const v1::WeightsHeader& header) {
-  ROLLOUT_RETURN_IF_ERROR(CheckPartFields(header));
   const bool multi_part = header.part_count() > 1;
   std::lock_guard<std::mutex> lock(mu_);
   if (multi_part && assembly_ != nullptr && assembly_->update_id() == header.update_id()) {
@@ -164,9 +136,9 @@ absl::StatusOr<std::shared_ptr<UpdateAssembly>> RolloutServiceImpl::JoinUpdate(
   return assembly_;
 }
 
-void RolloutServiceImpl::FailUpdatePart(const v1::WeightsHeader& header,
+bool RolloutServiceImpl::FailUpdatePart(const v1::WeightsHeader& header,
                                         const absl::Status& status) {
-  if (header.part_count() <= 1 || !CheckPartFields(header).ok()) return;
+  if (header.part_count() <= 1 || !CheckPartFields(header).ok()) return false;
   const absl::Status failure(
       status.code(), absl::StrFormat("part %d of the %d of update '%s': %s", header.part_index(),
                                      header.part_count(), header.update_id(), status.message()));
@@ -176,12 +148,21 @@ void RolloutServiceImpl::FailUpdatePart(const v1::WeightsHeader& header,
     if (assembly_ != nullptr && assembly_->update_id() == header.update_id()) {
       assembly = assembly_;
     } else {
+      // An update that ended already (a sibling refused alike, or a retry of an applied one)
+      // keeps its first outcome, which JoinUpdate tells its late parts, and is counted once.
+      for (const auto& [id, outcome] : ended_updates_) {
+        if (id == header.update_id()) return true;
+      }
       ended_updates_.emplace_back(header.update_id(), failure);
       if (ended_updates_.size() > kEndedUpdatesKept) ended_updates_.pop_front();
-      return;
     }
   }
-  assembly->Fail(nullptr, failure);
+  if (assembly != nullptr) {
+    assembly->Fail(nullptr, failure);  // counts the failure, unless the update ended already
+  } else if (metrics_ != nullptr) {
+    metrics_->RecordUpdate(0, false);  // no part joined: nothing was received
+  }
+  return true;
 }
 
 void RolloutServiceImpl::EndUpdate(const UpdateAssembly* assembly, absl::StatusCode code,

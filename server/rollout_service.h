@@ -129,13 +129,15 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   absl::Status ClaimUpdateSlot();
   void ReleaseUpdateSlot();
   // The UpdateWeights update that `header` starts (claiming the update slot), or the multi-part
-  // one it is a part of (the same update_id as the one assembling). This call alone is refused:
-  // INVALID_ARGUMENT for a bad part_count, part_index or update_id; ABORTED while another update
-  // holds the slot, or for the update_id of one that ended recently.
+  // one it is a part of (the same update_id as the one assembling). This call alone is refused,
+  // always on another update's account: ABORTED while another update holds the slot; for the
+  // update_id of one that ended recently, that update's outcome.
+  // REQUIRES: CheckPartFields(header).ok().
   absl::StatusOr<std::shared_ptr<UpdateAssembly>> JoinUpdate(const v1::WeightsHeader& header);
   // A part whose header was refused before it joined (`status`): fails the multi-part update it
-  // names, now, or when its siblings come.
-  void FailUpdatePart(const v1::WeightsHeader& header, const absl::Status& status);
+  // names, now, or when its siblings come. Returns whether the header named one (part fields
+  // valid, part_count > 1); that update then counts the failure in the metrics, once.
+  bool FailUpdatePart(const v1::WeightsHeader& header, const absl::Status& status);
   // `assembly` ended with `code` and `message`: the slot is free; its update_id is remembered.
   void EndUpdate(const UpdateAssembly* assembly, absl::StatusCode code,
                  const std::string& message);

@@ -14,11 +14,37 @@
 namespace rollout {
 namespace {
 
+constexpr uint32_t kMaxUpdateParts = 64;
+constexpr size_t kMaxUpdateIdBytes = 128;
+
 double SecondsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
 }  // namespace
+
+absl::Status CheckPartFields(const v1::WeightsHeader& header) {
+  if (header.part_count() > kMaxUpdateParts) {
+    return absl::InvalidArgumentError(absl::StrFormat("header.part_count is %d; at most %d parts",
+                                                      header.part_count(), kMaxUpdateParts));
+  }
+  if (header.part_count() <= 1) {
+    if (header.part_index() != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "header.part_index is %d but part_count is %d (a single-stream update); set "
+          "part_count for a multi-part update",
+          header.part_index(), header.part_count()));
+    }
+    return absl::OkStatus();
+  }
+  if (header.update_id().empty() || header.update_id().size() > kMaxUpdateIdBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "header.update_id is %d bytes; a multi-part update needs one of 1 to %d bytes, the same "
+        "in every part and new for each attempt",
+        header.update_id().size(), kMaxUpdateIdBytes));
+  }
+  return absl::OkStatus();
+}
 
 UpdateAssembly::UpdateAssembly(RolloutServiceImpl* service, std::string update_id,
                                uint32_t part_count)
@@ -223,6 +249,10 @@ void UpdateAssembly::Fail(UpdatePart* part, const absl::Status& status) {
     // Under the same lock as the state: a part joining now hears this failure, never an
     // ended update without a reason (which reads as "being applied").
     failure_ = absl::Status(status.code(), message);
+    // Once per update, however many of its parts fail: the state leaves kAssembling once.
+    if (service_->metrics() != nullptr) {
+      service_->metrics()->RecordUpdate(has_first_ ? SecondsSince(start_) : 0, false);
+    }
   }
   LOG(WARNING) << "weight update" << (part_count_ > 1 ? " '" + update_id_ + "'" : "")
                << " failed: " << absl::StatusCodeToString(status.code()) << ": " << message;

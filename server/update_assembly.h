@@ -36,6 +36,11 @@ class UpdatePart {
   virtual bool Cancelled() const = 0;
 };
 
+// The fields of `header` that place its stream in an update (part_count, part_index,
+// update_id), on their own: INVALID_ARGUMENT naming the field. The assembly checks them against
+// its other parts.
+absl::Status CheckPartFields(const v1::WeightsHeader& header);
+
 // One weight update staged by one or more concurrent UpdateWeights calls (its parts; docs/api.md,
 // "One update over several streams"): it holds the service's update slot and the staging
 // arena's lease for all of them, checks each part's header against the others (the same
@@ -75,8 +80,9 @@ class UpdateAssembly : public std::enable_shared_from_this<UpdateAssembly> {
   // update goes to the engine.
   void PartReceived(WeightUpdate update, uint64_t bytes_received, double digest_wait_seconds);
   // Fails the whole update with `status` (a message naming the failing part is added for the
-  // siblings). A no-op once the update has failed or been handed to the engine (the engine then
-  // asks Cancelled() right before the swap).
+  // siblings), and counts it once as a failed update in the service's metrics. A no-op once the
+  // update has failed or been handed to the engine (the engine then asks Cancelled() right
+  // before the swap; its answer is counted).
   void Fail(UpdatePart* part, const absl::Status& status);
 
   const std::string& update_id() const { return update_id_; }

@@ -89,14 +89,23 @@ absl::Status UpdateWeightsReactor::StartPart(const v1::WeightsHeader& header) {
     if (abandoned_) return absl::OkStatus();
     checked = staging_.CheckHeader(header);
   }
+  if (checked.ok()) checked = CheckPartFields(header);
   if (!checked.ok()) {
     // A second header fails this part's update (Fail); a first one refused on its own also fails
-    // the multi-part update it names, so that its siblings hear at once.
-    if (assembly() == nullptr) service_->FailUpdatePart(header, checked);
+    // the multi-part update it names, so that its siblings hear at once, and that update counts
+    // the failure.
+    if (assembly() == nullptr && service_->FailUpdatePart(header, checked)) {
+      count_failure_ = false;
+    }
     return checked;
   }
   absl::StatusOr<std::shared_ptr<UpdateAssembly>> assembly = service_->JoinUpdate(header);
-  if (!assembly.ok()) return assembly.status();  // this call only; no update was joined
+  if (!assembly.ok()) {
+    // This call only, refused on another update's account (the slot is taken, or this part's
+    // update ended, counted then): no update of its own failed.
+    count_failure_ = false;
+    return assembly.status();
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     assembly_ = *assembly;
@@ -107,6 +116,7 @@ absl::Status UpdateWeightsReactor::StartPart(const v1::WeightsHeader& header) {
   if (!joined) {
     std::lock_guard<std::mutex> lock(mu_);
     assembly_.reset();  // it ended before this part came: refused on its own
+    count_failure_ = false;  // as that update's late part, counted when it ended
   }
   if (!lease.ok()) return lease.status();  // once joined, the failure finished every call
   std::lock_guard<std::mutex> lock(stage_mu_);
@@ -138,7 +148,7 @@ void UpdateWeightsReactor::EndOfStream() {
 
 void UpdateWeightsReactor::Fail(const absl::Status& status) {
   if (std::shared_ptr<UpdateAssembly> update = assembly()) {
-    update->Fail(this, status);  // finishes every part's call, this one's too
+    update->Fail(this, status);  // finishes every part's call, this one's too, and counts it
     return;
   }
   std::string message(status.message());
@@ -147,6 +157,10 @@ void UpdateWeightsReactor::Fail(const absl::Status& status) {
   }
   LOG(WARNING) << "weight update stream failed: " << absl::StatusCodeToString(status.code()) << ": "
                << message;
+  if (count_failure_ && service_->metrics() != nullptr) {
+    service_->metrics()->RecordUpdate(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(), false);
+  }
   FinishOnce(ToGrpcStatus(absl::Status(status.code(), message)));
 }
 

@@ -61,7 +61,8 @@ class UpdateWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
   absl::Status StartPart(const v1::WeightsHeader& header);
   // The client half-closed: this part is complete (or fails the update).
   void EndOfStream();
-  // Fails this call, and the whole update once the part has joined one.
+  // Fails this call, and the whole update once the part has joined one; counts the failed
+  // update in the metrics once (ServiceMetrics::RecordUpdate).
   void Fail(const absl::Status& status);
   void FinishOnce(const grpc::Status& status);
   std::shared_ptr<UpdateAssembly> assembly() {
@@ -81,6 +82,10 @@ class UpdateWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
   std::vector<grpc::Slice> slices_;  // message_'s, while it is staged
   v1::WeightsChunk chunk_;
   uint64_t messages_read_ = 0;
+  // Whether a failure before this call joined an update counts as a failed update of its own
+  // in the metrics: not when it was refused on another update's account, or when the
+  // multi-part update its header names counts it.
+  bool count_failure_ = true;
 
   std::mutex stage_mu_;     // held while the staging is written, hashed or given back
   WeightsStaging staging_;  // guarded by stage_mu_

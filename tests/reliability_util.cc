@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -151,6 +152,14 @@ std::string HttpGet(int port, const std::string& path) {
   while ((n = ::recv(fd, buffer, sizeof(buffer), 0)) > 0) response.append(buffer, n);
   ::close(fd);
   return response;
+}
+
+uint64_t MetricValue(const std::string& page, const std::string& series) {
+  // At a line's start only: one series' name may end another's.
+  const std::string line = absl::StrCat("\n", series, " ");
+  const size_t at = page.find(line);
+  if (at == std::string::npos) return 0;
+  return std::strtoull(page.c_str() + at + line.size(), nullptr, 10);
 }
 
 v1::WeightsHeader MakeWeightsHeader(const std::string& version, v1::InFlightPolicy policy,

@@ -46,6 +46,11 @@ int PickFreePort();
 // line, headers and body), or "" on a connection error.
 std::string HttpGet(int port, const std::string& path);
 
+// The value of `series` (a metric's full name with its labels, as the exposition writes it:
+// `rollout_weight_updates_total{outcome="failed"}`) on a /metrics `page` HttpGet returned; 0
+// when the page has no such line (counters not yet written, or no page).
+uint64_t MetricValue(const std::string& page, const std::string& series);
+
 // Weight updates.
 using ::rollout::ReadCheckpointTensor;  // engine/engine_test_util.h
 using ::rollout::ScaledBf16;

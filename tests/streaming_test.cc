@@ -2,7 +2,6 @@
 // completions only) carry the same tokens and logprob bits, and a stream that ends early is
 // still counted in the metrics. Against a real server on loopback.
 #include <chrono>
-#include <cstdlib>
 #include <map>
 #include <string>
 #include <thread>
@@ -25,13 +24,6 @@ using std::chrono::seconds;
 using Clock = std::chrono::steady_clock;
 
 const std::vector<uint32_t> kPrompt = {17, 4, 901, 33, 2048, 7, 250, 3999, 12};
-
-// The value of `key` (a full series name with labels) on a /metrics page; 0 if absent.
-uint64_t MetricValue(const std::string& page, const std::string& key) {
-  const size_t at = page.find(key + " ");
-  if (at == std::string::npos) return 0;
-  return std::strtoull(page.c_str() + at + key.size() + 1, nullptr, 10);
-}
 
 // A sample's tokens, logprobs and top logprobs as one TokenChunk; serialized, so that equal
 // strings mean equal bits.
@@ -159,7 +151,7 @@ TEST(StreamMetricsTest, ACancelledGenerateStreamCountsItsSamplesAsAborted) {
   std::unique_ptr<TestServer> server = StartTestServer(options);
   ASSERT_NE(server, nullptr);
   const std::string aborted = "rollout_samples_total{finish_reason=\"abort\"}";
-  ASSERT_EQ(MetricValue(rel::HttpGet(options.metrics_port, "/metrics"), aborted), 0u);
+  ASSERT_EQ(rel::MetricValue(rel::HttpGet(options.metrics_port, "/metrics"), aborted), 0u);
 
   v1::GenerateRequest request;
   *request.add_rollouts() = MakeRollout(kPrompt, 3, 3000, 1.0f);
@@ -178,7 +170,7 @@ TEST(StreamMetricsTest, ACancelledGenerateStreamCountsItsSamplesAsAborted) {
   uint64_t count = 0;
   const auto deadline = Clock::now() + seconds(30);
   while (count < 4 && Clock::now() < deadline) {
-    count = MetricValue(rel::HttpGet(options.metrics_port, "/metrics"), aborted);
+    count = rel::MetricValue(rel::HttpGet(options.metrics_port, "/metrics"), aborted);
     if (count < 4) std::this_thread::sleep_for(milliseconds(20));
   }
   EXPECT_EQ(count, 4u);

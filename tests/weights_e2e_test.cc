@@ -62,13 +62,29 @@ std::string Generate(v1::RolloutService::Stub* stub, std::string* version = null
 class WeightsE2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    server_ = StartTestServer();
+    ServerOptions options;
+    options.metrics_port = reliability::PickFreePort();
+    ASSERT_GT(options.metrics_port, 0);
+    metrics_port_ = options.metrics_port;
+    server_ = StartTestServer(options);
     ASSERT_NE(server_, nullptr);
     original_ = ReadCheckpointTensor(server_->server->model_dir(), kTensor);
   }
   v1::RolloutService::Stub* stub() { return server_->stub.get(); }
+  // The weight-update counters on /metrics now.
+  struct UpdateCounts {
+    uint64_t ok = 0, failed = 0, timed = 0;  // timed: rollout_weight_update_seconds_count
+  };
+  UpdateCounts ScrapeUpdateCounts() const {
+    const std::string page = reliability::HttpGet(metrics_port_, "/metrics");
+    EXPECT_FALSE(page.empty()) << "no answer on port " << metrics_port_;
+    return {reliability::MetricValue(page, "rollout_weight_updates_total{outcome=\"ok\"}"),
+            reliability::MetricValue(page, "rollout_weight_updates_total{outcome=\"failed\"}"),
+            reliability::MetricValue(page, "rollout_weight_update_seconds_count")};
+  }
   std::unique_ptr<TestServer> server_;
   HostTensor original_;
+  int metrics_port_ = 0;
 };
 
 TEST_F(WeightsE2eTest, PushChangesOutputsAndVersionAndOriginalBytesRestoreThemBitwise) {
@@ -216,6 +232,82 @@ TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
   EXPECT_EQ(Generate(stub()), before);
 }
 
+// Alerts on failed pushes read rollout_weight_updates_total{outcome="failed"}: a stream the
+// server refuses counts there once (and once in the update-time histogram), wherever it failed
+// -- at its header (before any update slot is taken), on a chunk, at its end, or cancelled --
+// like a failed UpdateWeightsFromPath. Streamed refusals once went uncounted.
+TEST_F(WeightsE2eTest, EachFailedStreamCountsOnceAsAFailedUpdate) {
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
+  const std::vector<v1::WeightsChunk> data = MakeDataChunks(changed, 4096);
+  auto header = [&changed] {
+    return MakeWeightsHeader("bad", v1::IN_FLIGHT_POLICY_DRAIN, changed);
+  };
+  struct Case {
+    std::string name;
+    std::function<grpc::Status()> push;
+    grpc::StatusCode code;
+  };
+  const std::vector<Case> cases = {
+      {"wrong shape",
+       [&] {
+         v1::WeightsHeader h = header();
+         h.mutable_tensors(0)->set_shape(0, 3);
+         return Push(stub(), h, data).status;
+       },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"unknown tensor",
+       [&] {
+         v1::WeightsHeader h = header();
+         h.mutable_tensors(0)->set_name("model.layers.1.mlp.missing.weight");
+         return Push(stub(), h, data).status;
+       },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"no header", [&] { return reliability::PushChunks(stub(), data); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"overlapping chunk",
+       [&] {
+         std::vector<v1::WeightsChunk> d = data;
+         d.at(2).mutable_data()->set_offset(d.at(2).data().offset() - 10);
+         return Push(stub(), header(), d).status;
+       },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"truncated",
+       [&] {
+         std::vector<v1::WeightsChunk> d = data;
+         d.pop_back();
+         return Push(stub(), header(), d).status;
+       },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"cancelled midway",
+       [&] { return Push(stub(), header(), data, "", /*cancel_midway=*/true).status; },
+       grpc::StatusCode::CANCELLED},
+  };
+  for (const Case& c : cases) {
+    const UpdateCounts before = ScrapeUpdateCounts();
+    const grpc::Status status = c.push();
+    EXPECT_EQ(status.error_code(), c.code) << c.name << ": " << status.error_message();
+    // The server counts a failure before it answers; a cancel it learns of some time after the
+    // client.
+    UpdateCounts after = ScrapeUpdateCounts();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (after.failed == before.failed && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      after = ScrapeUpdateCounts();
+    }
+    EXPECT_EQ(after.failed, before.failed + 1) << c.name;
+    EXPECT_EQ(after.timed, before.timed + 1) << c.name;
+    EXPECT_EQ(after.ok, before.ok) << c.name;
+  }
+  // A good push counts as ok, and not as failed.
+  const UpdateCounts before = ScrapeUpdateCounts();
+  ASSERT_TRUE(Push(stub(), MakeWeightsHeader("good", v1::IN_FLIGHT_POLICY_DRAIN, changed), data)
+                  .status.ok());
+  const UpdateCounts after = ScrapeUpdateCounts();
+  EXPECT_EQ(after.ok, before.ok + 1);
+  EXPECT_EQ(after.failed, before.failed);
+  EXPECT_EQ(after.timed, before.timed + 1);
+}
+
 TEST_F(WeightsE2eTest, ASecondConcurrentUpdateIsRefusedWhileTheFirstStreams) {
   const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
   grpc::ClientContext context;
@@ -238,6 +330,8 @@ TEST_F(WeightsE2eTest, ASecondConcurrentUpdateIsRefusedWhileTheFirstStreams) {
   }
   EXPECT_EQ(second.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_NE(second.error_message().find("another weight update"), std::string::npos);
+  // As for UpdateWeightsFromPath, a call refused for the update in progress failed no update.
+  EXPECT_EQ(ScrapeUpdateCounts().failed, 0u);
   for (const v1::WeightsChunk& c : MakeDataChunks(changed, 1 << 20)) ASSERT_TRUE(writer->Write(c));
   writer->WritesDone();
   ASSERT_TRUE(writer->Finish().ok());

@@ -109,6 +109,9 @@ class WeightsMultipartE2eTest : public ::testing::Test {
   void SetUp() override {
     ServerOptions options;
     options.update_limits.part_timeout = kPartTimeout;
+    options.metrics_port = reliability::PickFreePort();
+    ASSERT_GT(options.metrics_port, 0);
+    metrics_port_ = options.metrics_port;
     server_ = StartTestServer(options);
     ASSERT_NE(server_, nullptr);
     for (const std::string& name : kTensors) {
@@ -141,7 +144,14 @@ class WeightsMultipartE2eTest : public ::testing::Test {
     }
   }
 
+  // rollout_weight_updates_total{outcome="failed"} now.
+  uint64_t FailedUpdates() const {
+    return reliability::MetricValue(reliability::HttpGet(metrics_port_, "/metrics"),
+                                    "rollout_weight_updates_total{outcome=\"failed\"}");
+  }
+
   std::unique_ptr<TestServer> server_;
+  int metrics_port_ = 0;
   std::vector<HostTensor> original_, changed_;
   std::string served_version_, served_digest_, served_bits_;
 };
@@ -289,6 +299,60 @@ TEST_F(WeightsMultipartE2eTest, AnotherUpdateIsRefusedWhileOneAssemblesAndALateP
   EXPECT_NE(late.status.error_message().find("has ended already"), std::string::npos)
       << late.status.error_message();
   EXPECT_EQ(FetchServerInfo(stub()).weight_version(), "assembling");
+}
+
+// A failed multi-part update is one failed update on /metrics however many of its parts hear
+// of it: parts that failed together, a part refused on its own before any joined (and a second
+// one like it), the siblings refused after it, and a part missing at the timeout.
+TEST_F(WeightsMultipartE2eTest, AFailedUpdateCountsOnceAsFailedHoweverManyPartsFail) {
+  struct Case {
+    std::string name;
+    std::function<void(const std::string& id)> push;
+  };
+  const std::vector<Case> cases = {
+      {"mismatched header",
+       [&](const std::string& id) {
+         std::vector<Part> parts = SplitUpdate("mismatch", id, 3, changed_);
+         parts[1].header.set_version("other");
+         ExpectAllFailed(PushParts(address(), parts), grpc::StatusCode::INVALID_ARGUMENT, "differs",
+                         id);
+       }},
+      {"bad chunk",
+       [&](const std::string& id) {
+         std::vector<Part> parts = SplitUpdate("bad-chunk", id, 3, changed_);
+         parts[1].data.at(2).mutable_data()->set_offset(parts[1].data.at(2).data().offset() - 10);
+         ExpectAllFailed(PushParts(address(), parts), grpc::StatusCode::INVALID_ARGUMENT,
+                         "overlaps", id);
+       }},
+      {"two bad headers, then the sibling",
+       [&](const std::string& id) {
+         std::vector<Part> parts = SplitUpdate("bad-header", id, 3, changed_);
+         for (int p : {0, 1}) {
+           parts[p].header.mutable_tensors(0)->set_name("model.layers.1.mlp.missing.weight");
+         }
+         ExpectAllFailed(
+             {PushPart(stub(), parts[0]), PushPart(stub(), parts[1]), PushPart(stub(), parts[2])},
+             grpc::StatusCode::INVALID_ARGUMENT, "not a weight of the served model", id);
+       }},
+      {"missing part",
+       [&](const std::string& id) {
+         std::vector<Part> parts = SplitUpdate("missing", id, 3, changed_);
+         parts.pop_back();
+         ExpectAllFailed(PushParts(address(), parts), grpc::StatusCode::DEADLINE_EXCEEDED,
+                         "only 2 of its 3 parts arrived", id);
+       }},
+  };
+  for (const Case& c : cases) {
+    const uint64_t before = FailedUpdates();
+    c.push(c.name);
+    EXPECT_EQ(FailedUpdates(), before + 1) << c.name;
+    // A late part of the failed update is refused with its failure and counts no second time.
+    const Outcome late = PushPart(stub(), SplitUpdate("late", c.name, 3, changed_)[2]);
+    EXPECT_NE(late.status.error_message().find("has ended already"), std::string::npos)
+        << c.name << ": " << late.status.error_message();
+    EXPECT_EQ(FailedUpdates(), before + 1) << c.name << ", after a late part";
+  }
+  ExpectUnchanged("failed updates");
 }
 
 }  // namespace
