@@ -5,7 +5,9 @@
 #include <memory>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 #include "engine/engine_internal.h"
 #include "engine/weight_sync_agent.h"
 #include "glog/logging.h"
@@ -18,11 +20,13 @@ using engine_internal::MemoryOrder;
 using engine_internal::PendingUpdate;
 using engine_internal::WeightSyncAgent;
 
-namespace {
-
-constexpr int32_t kMaxTopLogprobs = 20;
-
-}  // namespace
+absl::Status CheckTopLogprobs(const char* field, int64_t top_logprobs) {
+  if (top_logprobs < 0 || top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s = %d; at most %d are returned", field, top_logprobs, kMaxTopLogprobs));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<ModelRunner> runner,
                                                        const EngineOptions& options) {
@@ -93,13 +97,9 @@ absl::Status Engine::Validate(const SampleSpec& spec) const {
   } else if (p.max_new_tokens < 1) {
     return absl::InvalidArgumentError("sampling.max_new_tokens must be >= 1");
   }
-  const int64_t total =
-      static_cast<int64_t>(spec.prompt.size()) + (spec.score_start != 0 ? 0 : p.max_new_tokens);
-  if (total > max_context()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "prompt (%d tokens) + sampling.max_new_tokens (%d) = %d exceeds the maximum context "
-        "of %d tokens",
-        spec.prompt.size(), p.max_new_tokens, total, max_context()));
+  if (spec.score_start == 0) {
+    ROLLOUT_RETURN_IF_ERROR(
+        CheckGenerationLength(static_cast<int64_t>(spec.prompt.size()), p.max_new_tokens));
   }
   if (!std::isfinite(p.temperature) || p.temperature < 0 ||
       (p.temperature > 0 && p.temperature < kMinTemperature)) {
@@ -127,25 +127,42 @@ absl::Status Engine::Validate(const SampleSpec& spec) const {
                           p.stop_token_ids[i], vocab));
     }
   }
-  if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "sampling.top_logprobs = %d; at most %d are returned", p.top_logprobs, kMaxTopLogprobs));
-  }
+  // A scoring sample's field is its sequence's own; a generated one's is in its sampling.
+  ROLLOUT_RETURN_IF_ERROR(CheckTopLogprobs(
+      spec.score_start != 0 ? "top_logprobs" : "sampling.top_logprobs", p.top_logprobs));
   return ValidateRouting(spec);
+}
+
+absl::Status Engine::CheckGenerationLength(int64_t prompt_tokens, int64_t max_new_tokens) const {
+  const int64_t total = prompt_tokens + max_new_tokens;
+  if (total > max_context()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "prompt (%d tokens) + sampling.max_new_tokens (%d) = %d exceeds the maximum context "
+        "of %d tokens",
+        prompt_tokens, max_new_tokens, total, max_context()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::CheckRoutingReplay() const {
+  if (!config_.is_moe()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "routing replay needs a mixture-of-experts model; the served %s has no experts",
+        config_.architecture));
+  }
+  if (!routing_replay_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the %s backend does not implement MoE routing replay; serve with --backend cpu",
+        backend_name_));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Engine::ValidateRouting(const SampleSpec& spec) const {
   if (!spec.return_routing && spec.forced_routing.empty()) return absl::OkStatus();
   const char* field = spec.forced_routing.empty() ? "return_routing" : "routing";
-  if (!config_.is_moe()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: routing replay needs a mixture-of-experts model; the served %s has no experts",
-        field, config_.architecture));
-  }
-  if (!routing_replay_) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: the %s backend does not implement MoE routing replay; serve with --backend cpu",
-        field, backend_name_));
+  if (absl::Status s = CheckRoutingReplay(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
   }
   if (spec.forced_routing.empty()) return absl::OkStatus();
   if (spec.score_start == 0) {

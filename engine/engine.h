@@ -267,6 +267,11 @@ struct MemoryResult {
   int32_t aborted_samples = 0;
 };
 
+// Validate's bound on top logprobs, for a value as wide as a request's (a caller checks before
+// narrowing it to SamplingParams' int32): INVALID_ARGUMENT naming `field` as the caller spells
+// it (e.g. "sampling.top_logprobs") and the bound.
+absl::Status CheckTopLogprobs(const char* field, int64_t top_logprobs);
+
 // The inference engine. One thread, the engine thread, owns the scheduler, the KV blocks and the
 // model runner, and loops: take what callers posted, apply it between two steps (updates,
 // admissions, aborts, cache flushes, pause), run one step (schedule -> launch -> collect ->
@@ -295,6 +300,12 @@ class Engine {
   // Checks one sample against the model and limits; the message names the field and the
   // bound, for the caller to prefix with where the sample came from.
   absl::Status Validate(const SampleSpec& spec) const;
+  // Validate's parts that a caller also checks on its own wider values, before narrowing them:
+  // a generation's length within max_context() (naming `prompt` and `sampling.max_new_tokens`,
+  // as Validate does), and whether routing replay can serve (the message names no field; the
+  // caller prefixes the one that asked).
+  absl::Status CheckGenerationLength(int64_t prompt_tokens, int64_t max_new_tokens) const;
+  absl::Status CheckRoutingReplay() const;
   // Whether this engine's runner implements MoE routing replay (ModelRunner).
   bool routing_replay() const { return routing_replay_; }
 

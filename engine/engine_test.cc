@@ -638,6 +638,24 @@ TEST(EngineScoreTest, ScoreRejectsAStartOutsideTheSequence) {
   EXPECT_NE(job.status().message().find("start = 3"), std::string::npos) << job.status();
 }
 
+// top_logprobs is the sampling's field for a generated sample and the sequence's own for a
+// scored one (a ScoreSequence has no sampling); either way the message gives the bound.
+TEST(EngineScoreTest, TopLogprobsBeyondTheBoundNameEachKindsFieldAndTheBound) {
+  std::unique_ptr<Engine> engine = MakeEngine({});
+  SampleSpec generate = Workload()[0];
+  generate.params.top_logprobs = kMaxTopLogprobs + 1;
+  EXPECT_EQ(std::string(engine->Validate(generate).message()),
+            "sampling.top_logprobs = 21; at most 20 are returned");
+  SampleSpec score;
+  score.prompt = {1, 2, 3};
+  score.score_start = 1;
+  score.params.top_logprobs = kMaxTopLogprobs + 1;
+  EXPECT_EQ(std::string(engine->Validate(score).message()),
+            "top_logprobs = 21; at most 20 are returned");
+  score.params.top_logprobs = kMaxTopLogprobs;
+  EXPECT_TRUE(engine->Validate(score).ok());
+}
+
 TEST(EngineTest, AbortOfOneRolloutLeavesTheOthersRunning) {
   std::unique_ptr<Engine> engine = MakeEngine({});
   std::vector<SampleSpec> specs = Workload();

@@ -12,6 +12,9 @@ namespace rollout {
 // times 1000). Smaller positive temperatures are refused; 0 asks for greedy.
 inline constexpr float kMinTemperature = 1e-3f;
 
+// The most top logprobs one position returns (SamplingParams::top_logprobs).
+inline constexpr int32_t kMaxTopLogprobs = 20;
+
 // How one sample picks its next token. Validated by the server before it reaches the engine;
 // see docs/api.md for the exact definitions.
 struct SamplingParams {
@@ -22,7 +25,7 @@ struct SamplingParams {
   int32_t max_new_tokens = 16;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
-  int32_t top_logprobs = 0;  // top-N logprobs per generated position
+  int32_t top_logprobs = 0;  // top-N logprobs per generated position, at most kMaxTopLogprobs
 };
 
 }  // namespace rollout

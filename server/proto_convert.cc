@@ -54,6 +54,13 @@ absl::StatusOr<std::vector<SampleSpec>> ToSampleSpecs(const v1::GenerateRequest&
     }
   }
 
+  // The request's field, not a rollout's: named as such, once.
+  if (request.return_routing()) {
+    if (absl::Status st = engine.CheckRoutingReplay(); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("return_routing: ", st.message()));
+    }
+  }
+
   std::vector<SampleSpec> specs;
   specs.reserve(total);
   for (int i = 0; i < request.rollouts_size(); ++i) {
@@ -84,11 +91,15 @@ absl::StatusOr<std::vector<SampleSpec>> ToSampleSpecs(const v1::GenerateRequest&
       return absl::InvalidArgumentError(
           absl::StrFormat("rollouts[%d].sampling.max_new_tokens is 0; it must be >= 1", i));
     }
-    if (s.max_new_tokens() > static_cast<uint32_t>(std::numeric_limits<int32_t>::max()) ||
-        s.top_logprobs() > 1024) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "rollouts[%d].sampling: max_new_tokens = %d or top_logprobs = %d is out of range", i,
-          s.max_new_tokens(), s.top_logprobs()));
+    // Validate's bounds on the wire values, each naming its field: within them (max_context()
+    // is an int32's) neither wraps when narrowed.
+    if (absl::Status st =
+            engine.CheckGenerationLength(r.prompt_token_ids_size(), s.max_new_tokens());
+        !st.ok()) {
+      return RolloutError(i, st);
+    }
+    if (absl::Status st = CheckTopLogprobs("sampling.top_logprobs", s.top_logprobs()); !st.ok()) {
+      return RolloutError(i, st);
     }
     spec.prompt.assign(r.prompt_token_ids().begin(), r.prompt_token_ids().end());
     SamplingParams& p = spec.params;
@@ -149,9 +160,9 @@ absl::StatusOr<std::vector<SampleSpec>> ToScoreSpecs(const v1::ScoreRequest& req
           "(below, logits / temperature leave fp32's range)",
           i, seq.temperature(), kMinTemperature));
     }
-    if (seq.top_logprobs() > 1024) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "sequences[%d].top_logprobs = %d is out of range", i, seq.top_logprobs()));
+    // On the wire value, so that none wraps when narrowed.
+    if (absl::Status st = CheckTopLogprobs("top_logprobs", seq.top_logprobs()); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("sequences[", i, "].", st.message()));
     }
     SampleSpec spec;
     spec.rollout_index = i;

@@ -249,18 +249,26 @@ TEST_F(ReliabilityBadInputTest, GenerateBoundariesNameTheRolloutAndField) {
          sampling(r, 1)->set_max_new_tokens(context - static_cast<int>(kPrompt.size()) + 1);
        },
        {"rollouts[1].", "exceeds the maximum context", absl::StrCat(context)}},
+      // Beyond int32 too, the field and the bound it exceeds (once "max_new_tokens = ... or
+      // top_logprobs = 0 is out of range", blaming a field left unset).
       {"max_new_tokens wraps int32",
        [&](v1::GenerateRequest* r) { sampling(r, 0)->set_max_new_tokens(4294967295u); },
-       {"rollouts[0].", "max_new_tokens = 4294967295", "out of range"}},
+       {"rollouts[0].prompt (", "sampling.max_new_tokens (4294967295)",
+        absl::StrCat("exceeds the maximum context of ", context, " tokens")}},
       {"max_new_tokens 2^31",
        [&](v1::GenerateRequest* r) { sampling(r, 1)->set_max_new_tokens(2147483648u); },
-       {"rollouts[1].", "max_new_tokens"}},
+       {"rollouts[1].prompt (", "sampling.max_new_tokens (2147483648)",
+        absl::StrCat("exceeds the maximum context of ", context, " tokens")}},
       {"top_logprobs one past 20",
        [&](v1::GenerateRequest* r) { sampling(r, 1)->set_top_logprobs(21); },
-       {"rollouts[1].sampling.top_logprobs = 21", "at most 20"}},
+       {"rollouts[1].sampling.top_logprobs = 21; at most 20 are returned"}},
+      // Past the wire check's old 1024 the bound is the same 20.
+      {"top_logprobs 1025",
+       [&](v1::GenerateRequest* r) { sampling(r, 1)->set_top_logprobs(1025); },
+       {"rollouts[1].sampling.top_logprobs = 1025; at most 20 are returned"}},
       {"top_logprobs huge",
        [&](v1::GenerateRequest* r) { sampling(r, 0)->set_top_logprobs(4000000000u); },
-       {"rollouts[0].", "top_logprobs"}},
+       {"rollouts[0].sampling.top_logprobs = 4000000000; at most 20 are returned"}},
       {"infinite temperature",
        [&](v1::GenerateRequest* r) {
          sampling(r, 1)->set_temperature(std::numeric_limits<float>::infinity());
@@ -366,9 +374,16 @@ TEST_F(ReliabilityBadInputTest, ScoreBoundariesNameTheSequenceAndField) {
          r->mutable_sequences(0)->set_temperature(std::numeric_limits<float>::infinity());
        },
        {"sequences[0].temperature"}},
+      // ScoreSequence's own field (it has no `sampling`), and the bound.
       {"top_logprobs one past 20",
        [](v1::ScoreRequest* r) { r->mutable_sequences(1)->set_top_logprobs(21); },
-       {"sequences[1].", "top_logprobs = 21"}},
+       {"sequences[1].top_logprobs = 21; at most 20 are returned"}},
+      {"top_logprobs 2000",
+       [](v1::ScoreRequest* r) { r->mutable_sequences(0)->set_top_logprobs(2000); },
+       {"sequences[0].top_logprobs = 2000; at most 20 are returned"}},
+      {"top_logprobs max uint32",
+       [](v1::ScoreRequest* r) { r->mutable_sequences(1)->set_top_logprobs(4294967295u); },
+       {"sequences[1].top_logprobs = 4294967295; at most 20 are returned"}},
       {"max uint32 token",
        [](v1::ScoreRequest* r) { r->mutable_sequences(1)->set_token_ids(0, 4294967295u); },
        {"sequences[1].token_ids[0] = 4294967295", "outside the vocabulary"}},

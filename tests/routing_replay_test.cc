@@ -17,6 +17,7 @@ namespace rollout::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 // moe-small: 3 MoE layers (0, 2, 3) of 8 experts, 2 per token.
 constexpr int kMoeLayers = 3, kTopK = 2, kExperts = 8, kRouting = kMoeLayers * kTopK;
@@ -241,9 +242,10 @@ TEST(RoutingReplayDenseTest, ADenseModelRefusesRoutingRequests) {
   request.set_return_routing(true);
   GenerateOutcome out = RunGenerate(server->stub.get(), request);
   EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // GenerateRequest's field, not a rollout's.
   EXPECT_THAT(out.status.error_message(),
-              HasSubstr("rollouts[0].return_routing: routing replay needs a mixture-of-experts "
-                        "model; the served Qwen3ForCausalLM has no experts"));
+              StartsWith("return_routing: routing replay needs a mixture-of-experts model; the "
+                         "served Qwen3ForCausalLM has no experts"));
   v1::ScoreSequence s;
   for (uint32_t t : {1u, 2u, 3u}) s.add_token_ids(t);
   s.set_start(1);
@@ -252,6 +254,14 @@ TEST(RoutingReplayDenseTest, ADenseModelRefusesRoutingRequests) {
   EXPECT_EQ(call.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(call.status.error_message(),
               HasSubstr("sequences[0].routing: routing replay needs a mixture-of-experts model"));
+  // ScoreSequence.return_routing is the sequence's own.
+  s.clear_routing();
+  s.set_return_routing(true);
+  const ScoreCall asked = Score(server->stub.get(), {s});
+  EXPECT_EQ(asked.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(asked.status.error_message(),
+              StartsWith("sequences[0].return_routing: routing replay needs a mixture-of-experts "
+                         "model"));
 }
 
 }  // namespace
