@@ -66,9 +66,10 @@ ABSL_FLAG(bool, decode_lookahead, true,
           "cuda backend: launch decode step N + 1 before step N's results are applied (its "
           "tokens fed on the device); false: one step at a time. Never changes a bit");
 ABSL_FLAG(std::string, auth_token_file, "",
-          "file holding the bearer token that control RPCs (UpdateWeights*, Join/Leave"
-          "WeightSyncGroup, Pause, Resume, "
-          "Abort, FlushCache) require");
+          "file holding the bearer token that control RPCs (UpdateWeights, UpdateWeightsFromPath, "
+          "UpdateWeightsFromIpc, UpdateWeightsFromBroadcast, JoinWeightSyncGroup, "
+          "LeaveWeightSyncGroup, Pause, Resume, ReleaseMemory, ResumeMemory, Abort, FlushCache) "
+          "require");
 ABSL_FLAG(std::string, auth_token, "",
           "the bearer token itself (visible in the process list; prefer --auth_token_file)");
 ABSL_FLAG(bool, auth_all_rpcs, false, "require the token for Generate, Score, GetServerInfo too");

@@ -5,12 +5,15 @@
 // file may end its line in CRLF (the '\r' was once kept, so a correct token was refused).
 #include <sys/wait.h>
 
+#include <cctype>
 #include <chrono>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/descriptor.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/reliability_util.h"
@@ -68,6 +71,59 @@ TEST(ReliabilityCommandLineTest, HelpListsEachBinarysOwnFlags) {
     for (const std::string& flag : c.flags) {
       EXPECT_TRUE(Contains(run.output, "    " + flag)) << c.binary << " lacks " << flag << ":\n"
                                                        << run.output;
+    }
+  }
+}
+
+// The words (RPC names among them) of one flag's entry in `help`: from "--flag (" to the next
+// flag's entry.
+std::set<std::string> FlagHelpWords(const std::string& help, const std::string& flag) {
+  std::set<std::string> words;
+  const size_t begin = help.find("    --" + flag + " (");
+  if (begin == std::string::npos) return words;
+  const size_t end = help.find("\n    --", begin + 1);
+  std::string word;
+  for (char c : help.substr(begin, end == std::string::npos ? std::string::npos : end - begin)) {
+    if (std::isalnum(static_cast<unsigned char>(c)) || c == '_') {
+      word += c;
+    } else if (!word.empty()) {
+      words.insert(word);
+      word.clear();
+    }
+  }
+  return words;
+}
+
+// --help names the RPCs the token guards as the server guards them: each RPC that a caller
+// without the token is refused (UNAUTHENTICATED) in --auth_token_file's entry, each other one in
+// --auth_all_rpcs's (it once left out ReleaseMemory and ResumeMemory).
+TEST(ReliabilityCommandLineTest, TheTokenFlagsHelpNamesEveryRpcTheTokenGuards) {
+  const BinaryRun run = RunBinary({ROLLOUT_SERVER_BIN, "--help"});
+  const std::set<std::string> control = FlagHelpWords(run.output, "auth_token_file");
+  const std::set<std::string> all = FlagHelpWords(run.output, "auth_all_rpcs");
+  ASSERT_FALSE(control.empty()) << run.output;
+  ASSERT_FALSE(all.empty()) << run.output;
+
+  ServerOptions options;
+  options.auth_token = "s3cret";
+  std::unique_ptr<TestServer> server = StartTestServer(options);
+  ASSERT_NE(server, nullptr);
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          "rollout.v1.RolloutService");
+  ASSERT_NE(service, nullptr);
+  for (int m = 0; m < service->method_count(); ++m) {
+    const std::string name = service->method(m)->name();
+    // An empty request, without the token: the access check answers first.
+    const grpc::Status status = rel::RawCall(
+        server->channel, absl::StrCat("/rollout.v1.RolloutService/", name), "", seconds(30));
+    if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      EXPECT_EQ(control.count(name), 1u) << name << " needs the token; --auth_token_file's help:\n"
+                                         << run.output;
+    } else {
+      EXPECT_EQ(all.count(name), 1u) << name << " is open without --auth_all_rpcs; its help:\n"
+                                     << run.output;
+      EXPECT_EQ(control.count(name), 0u) << name << " needs no token";
     }
   }
 }
