@@ -13,11 +13,15 @@
 namespace rollout {
 
 // Opens the checkpoint directory `dir` (config.json plus model.safetensors, or an index with
-// shards) here, memory-mapped, and streams every tensor in it to the server in name order,
-// as `version` with `policy`, in chunks of at most chunk_bytes, over `streams` concurrent
-// streams (RolloutClient::UpdateWeightsFromTensors). A checkpoint that cannot be
-// opened fails before anything is sent, with the reader's error; the server checks names,
-// dtypes and shapes against the served model and applies nothing unless every tensor arrived.
+// shards) here, memory-mapped, and streams the served model's tensors from it to the server in
+// name order, as `version` with `policy`, in chunks of at most chunk_bytes, over `streams`
+// concurrent streams (RolloutClient::UpdateWeightsFromTensors): every tensor of the model, as
+// UpdateWeightsFromPath reads one, and no other (a tied model's lm_head.weight stays home).
+// Before anything is sent: a checkpoint that cannot be opened fails with the reader's error;
+// one whose config.json describes another model than GetServerInfo's (architecture, sizes,
+// experts, tied embeddings), or that lacks one of the model's tensors, is FAILED_PRECONDITION
+// naming the field or tensor. The server then checks dtypes and shapes and applies nothing
+// unless every tensor arrived.
 absl::StatusOr<rollout::v1::UpdateWeightsResponse> UpdateWeightsFromCheckpoint(
     RolloutClient& client, const std::string& dir, const std::string& version,
     rollout::v1::InFlightPolicy policy, size_t chunk_bytes = kDefaultWeightsChunkBytes,

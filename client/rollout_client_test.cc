@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -27,6 +28,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/checkpoint_upload.h"
+#include "model/model_config.h"
+#include "model/random_model.h"
 #include "model/safetensors.h"
 #include "tests/testdata/test_pki.h"
 
@@ -128,10 +131,20 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
                              const rollout::v1::GetServerInfoRequest* request,
                              rollout::v1::ServerInfo* info) override {
     Record(context, *request);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (info_.has_value()) {
+      *info = *info_;
+      return grpc::Status::OK;
+    }
     info->set_backend("cpu");
     info->set_weight_version("w-7");
     info->mutable_model()->set_vocab_size(1000);
     return grpc::Status::OK;
+  }
+  // What GetServerInfo answers from now on.
+  void ScriptServerInfo(const rollout::v1::ServerInfo& info) {
+    std::lock_guard<std::mutex> lock(mu_);
+    info_ = info;
   }
 
   grpc::Status Score(grpc::ServerContext* context, const rollout::v1::ScoreRequest* request,
@@ -256,6 +269,7 @@ class ScriptedService final : public rollout::v1::RolloutService::Service {
   }
 
   std::mutex mu_;
+  std::optional<rollout::v1::ServerInfo> info_;
   std::vector<GenerateResponse> responses_;
   grpc::Status status_;
   bool hang_ = false;
@@ -1094,57 +1108,155 @@ std::string MakeTempDir(const std::string& name) {
   return dir;
 }
 
-HostTensor HostTensorOf(const std::string& name, DType dtype, std::vector<int64_t> shape,
-                        uint8_t seed) {
-  HostTensor t{name, dtype, std::move(shape), {}};
-  size_t n = DTypeSize(dtype);
-  for (int64_t d : t.shape) n *= static_cast<size_t>(d);
-  for (size_t i = 0; i < n; ++i) t.bytes.push_back(static_cast<uint8_t>(seed + 7 * i));
-  return t;
+// GetServerInfo's model as a server of `config` reports it.
+rollout::v1::ServerInfo InfoServing(const ModelConfig& config) {
+  rollout::v1::ServerInfo info;
+  rollout::v1::ModelInfo* m = info.mutable_model();
+  m->set_architecture(config.architecture);
+  m->set_num_layers(config.num_layers);
+  m->set_hidden_size(config.hidden_size);
+  m->set_intermediate_size(config.intermediate_size);
+  m->set_num_attention_heads(config.num_attention_heads);
+  m->set_num_key_value_heads(config.num_key_value_heads);
+  m->set_head_dim(config.head_dim);
+  m->set_vocab_size(config.vocab_size);
+  m->set_tie_word_embeddings(config.tie_word_embeddings);
+  m->set_num_experts(config.num_experts);
+  m->set_num_experts_per_tok(config.num_experts_per_tok);
+  m->set_moe_intermediate_size(config.moe_intermediate_size);
+  for (int32_t layer = 0; layer < config.num_layers; ++layer) {
+    if (config.IsMoeLayer(layer)) m->add_moe_layers(layer);
+  }
+  return info;
 }
 
-TEST_F(RolloutClientTest, UpdateWeightsFromCheckpointStreamsEveryTensorOfTheDirectory) {
+TEST_F(RolloutClientTest, UpdateWeightsFromCheckpointStreamsEveryTensorOfTheServedModel) {
   const std::string dir = MakeTempDir("ckpt");
-  { std::ofstream(dir + "/config.json") << "{}"; }
-  const std::vector<HostTensor> written = {
-      HostTensorOf("model.norm.weight", DType::kF32, {5}, 1),
-      HostTensorOf("lm_head.weight", DType::kBF16, {3, 7}, 2),
-      HostTensorOf("model.embed_tokens.weight", DType::kF16, {2, 3}, 3),
-  };
+  RandomModelOptions options;
+  options.preset = "tiny";
+  options.tie_word_embeddings = true;
+  ASSERT_TRUE(WriteRandomModel(options, dir).ok());
+  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(dir);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  absl::StatusOr<ModelConfig> config = ReadModelConfig(**checkpoint);
+  ASSERT_TRUE(config.ok()) << config.status();
+  // A tensor the served model does not have (a tied model's lm_head, as the Hub often ships
+  // one) stays home.
+  std::vector<HostTensor> written;
+  for (const std::string& name : (*checkpoint)->TensorNames()) {
+    const TensorView* v = (*checkpoint)->Find(name);
+    written.push_back(
+        {name, v->dtype, v->shape, std::vector<uint8_t>(v->data, v->data + v->nbytes)});
+  }
+  checkpoint->reset();
+  HostTensor extra = written.front();
+  extra.name = "lm_head.weight";
+  written.push_back(extra);
   ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", written).ok());
+
+  service_.ScriptServerInfo(InfoServing(*config));
   service_.ScriptUnary(*UnaryCaseNamed("UpdateWeights").response, grpc::Status::OK);
   std::unique_ptr<RolloutClient> client = Connect();
   ASSERT_NE(client, nullptr);
   uint64_t last_sent = 0, last_total = 0;
   absl::StatusOr<rollout::v1::UpdateWeightsResponse> response =
       UpdateWeightsFromCheckpoint(*client, dir, "step-7", rollout::v1::IN_FLIGHT_POLICY_CONTINUE,
-                                  /*chunk_bytes=*/8, [&](uint64_t sent, uint64_t total) {
+                                  /*chunk_bytes=*/4096, [&](uint64_t sent, uint64_t total) {
                                     EXPECT_GE(sent, last_sent);
                                     last_sent = sent;
                                     last_total = total;
                                   });
   ASSERT_TRUE(response.ok()) << response.status();
-  EXPECT_EQ(last_sent, 20u + 42u + 12u);
-  EXPECT_EQ(last_total, 20u + 42u + 12u);
+  uint64_t model_bytes = 0;
+  std::map<std::string, std::string> expected;
+  for (const HostTensor& t : written) {
+    if (t.name == "lm_head.weight") continue;
+    model_bytes += t.bytes.size();
+    expected[t.name].assign(t.bytes.begin(), t.bytes.end());
+  }
+  EXPECT_EQ(last_sent, model_bytes);
+  EXPECT_EQ(last_total, model_bytes);
 
   const std::vector<rollout::v1::WeightsChunk> seen = service_.update_messages();
   ASSERT_FALSE(seen.empty());
   ASSERT_TRUE(seen[0].has_header());
   EXPECT_EQ(seen[0].header().version(), "step-7");
   EXPECT_EQ(seen[0].header().policy(), rollout::v1::IN_FLIGHT_POLICY_CONTINUE);
-  std::vector<std::string> decls;
+  // Every tensor of the model, in name order, with the safetensors dtype names the server
+  // expects.
+  std::vector<std::string> decls, want;
   for (const rollout::v1::TensorDecl& decl : seen[0].header().tensors()) {
     decls.push_back(
         absl::StrCat(decl.name(), " ", decl.dtype(), " ", absl::StrJoin(decl.shape(), "x")));
   }
-  // In name order, with the safetensors dtype names the server expects.
-  EXPECT_THAT(decls,
-              ::testing::ElementsAre("lm_head.weight BF16 3x7", "model.embed_tokens.weight F16 2x3",
-                                     "model.norm.weight F32 5"));
-  for (size_t i = 1; i < seen.size(); ++i) EXPECT_LE(seen[i].data().data().size(), 8u) << i;
-  std::map<std::string, std::string> expected;
-  for (const HostTensor& t : written) expected[t.name].assign(t.bytes.begin(), t.bytes.end());
+  for (const TensorSpec& spec : ExpectedTensors(*config)) {
+    want.push_back(absl::StrCat(spec.name, " BF16 ", absl::StrJoin(spec.shape, "x")));
+  }
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(decls, want);
+  for (size_t i = 1; i < seen.size(); ++i) EXPECT_LE(seen[i].data().data().size(), 4096u) << i;
   EXPECT_EQ(Reassemble(seen), expected);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(RolloutClientTest, UpdateWeightsFromCheckpointRefusesAnotherModelBeforeSending) {
+  const std::string dir = MakeTempDir("other_ckpt");
+  RandomModelOptions options;
+  options.preset = "tiny";
+  ASSERT_TRUE(WriteRandomModel(options, dir).ok());
+  absl::StatusOr<ModelConfig> tiny = PresetConfig("tiny");
+  ASSERT_TRUE(tiny.ok());
+  struct Case {
+    std::string name;
+    std::function<void(rollout::v1::ModelInfo*)> serve;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"architecture", [](rollout::v1::ModelInfo* m) { m->set_architecture("LlamaForCausalLM"); },
+       "has architecture Qwen3ForCausalLM; the served model has LlamaForCausalLM"},
+      {"hidden size", [](rollout::v1::ModelInfo* m) { m->set_hidden_size(2048); }, "hidden_size"},
+      {"layers", [](rollout::v1::ModelInfo* m) { m->set_num_layers(48); }, "num_hidden_layers"},
+      {"experts", [](rollout::v1::ModelInfo* m) { m->set_num_experts(8); }, "num_experts"},
+      {"tied embeddings",
+       [](rollout::v1::ModelInfo* m) { m->set_tie_word_embeddings(!m->tie_word_embeddings()); },
+       "tie_word_embeddings"},
+  };
+  std::unique_ptr<RolloutClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  for (const Case& c : cases) {
+    rollout::v1::ServerInfo info = InfoServing(*tiny);
+    c.serve(info.mutable_model());
+    service_.ScriptServerInfo(info);
+    const int calls = service_.calls();
+    absl::StatusOr<rollout::v1::UpdateWeightsResponse> response =
+        UpdateWeightsFromCheckpoint(*client, dir, "v", rollout::v1::IN_FLIGHT_POLICY_DRAIN);
+    EXPECT_EQ(response.status().code(), absl::StatusCode::kFailedPrecondition) << c.name;
+    EXPECT_THAT(response.status().message(), HasSubstr(c.expect)) << c.name;
+    EXPECT_THAT(response.status().message(), HasSubstr(dir + "/config.json")) << c.name;
+    EXPECT_EQ(service_.calls(), calls + 1) << c.name << ": more than GetServerInfo was called";
+  }
+  // The model's config, but a tensor of it missing.
+  {
+    absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(dir);
+    ASSERT_TRUE(checkpoint.ok());
+    std::vector<HostTensor> kept;
+    for (const std::string& name : (*checkpoint)->TensorNames()) {
+      if (name == "model.layers.0.self_attn.k_norm.weight") continue;
+      const TensorView* v = (*checkpoint)->Find(name);
+      kept.push_back(
+          {name, v->dtype, v->shape, std::vector<uint8_t>(v->data, v->data + v->nbytes)});
+    }
+    checkpoint->reset();
+    ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", kept).ok());
+  }
+  service_.ScriptServerInfo(InfoServing(*tiny));
+  const int calls = service_.calls();
+  absl::StatusOr<rollout::v1::UpdateWeightsResponse> response =
+      UpdateWeightsFromCheckpoint(*client, dir, "v", rollout::v1::IN_FLIGHT_POLICY_DRAIN);
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kFailedPrecondition) << response.status();
+  EXPECT_THAT(response.status().message(),
+              HasSubstr("lacks tensor 'model.layers.0.self_attn.k_norm.weight'"));
+  EXPECT_EQ(service_.calls(), calls + 1);
   std::filesystem::remove_all(dir);
 }
 

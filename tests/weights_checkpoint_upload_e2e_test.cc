@@ -1,0 +1,94 @@
+// The C++ client's weight uploads against the real server, where a user found them wrong: a
+// checkpoint of another model streamed as if it were the served one (a Llama directory onto a
+// Qwen3 server once updated the 39 tensors whose names the two share and kept the rest), and a
+// refused stream whose unsent chunks kept rollout-cli update-weights waiting for ever.
+#include <chrono>
+#include <future>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/checkpoint_upload.h"
+#include "client/rollout_client.h"
+#include "gtest/gtest.h"
+#include "model/random_model.h"
+#include "tests/reliability_util.h"
+#include "tests/test_server.h"
+
+namespace rollout::testing {
+namespace {
+
+namespace rel = ::rollout::testing::reliability;
+
+std::unique_ptr<RolloutClient> ConnectTo(const TestServer& server) {
+  absl::StatusOr<std::unique_ptr<RolloutClient>> client =
+      RolloutClient::Connect(server.address(), ClientOptions());
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? *std::move(client) : nullptr;
+}
+
+TEST(WeightsCheckpointUploadE2eTest, ACheckpointOfAnotherModelIsRefusedBeforeAnythingIsSent) {
+  std::unique_ptr<TestServer> server = StartTestServer();
+  ASSERT_NE(server, nullptr);
+  std::unique_ptr<RolloutClient> client = ConnectTo(*server);
+  ASSERT_NE(client, nullptr);
+  const v1::ServerInfo before = rel::FetchServerInfo(server->stub.get());
+  ASSERT_EQ(before.model().architecture(), "Qwen3ForCausalLM");
+  const struct {
+    std::string preset, expect;
+  } cases[] = {
+      // Its tensor names are a subset of Qwen3's (no q/k norms); the shapes match.
+      {"llama3-small", "has architecture LlamaForCausalLM; the served model has Qwen3ForCausalLM"},
+      {"tiny", "has num_hidden_layers 2; the served model has 4"},
+  };
+  for (const auto& c : cases) {
+    absl::StatusOr<std::string> dir = TestPresetDir(c.preset);
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    absl::StatusOr<v1::UpdateWeightsResponse> pushed =
+        UpdateWeightsFromCheckpoint(*client, *dir, "other", v1::IN_FLIGHT_POLICY_DRAIN);
+    EXPECT_EQ(pushed.status().code(), absl::StatusCode::kFailedPrecondition) << pushed.status();
+    EXPECT_NE(pushed.status().message().find(c.expect), std::string::npos) << pushed.status();
+    const v1::ServerInfo after = rel::FetchServerInfo(server->stub.get());
+    EXPECT_EQ(after.weight_version(), before.weight_version()) << c.preset;
+    EXPECT_EQ(after.weight_digest(), before.weight_digest()) << c.preset;
+    EXPECT_EQ(after.counters().weight_updates(), 0u) << c.preset;
+  }
+  // The served model's own checkpoint goes through.
+  absl::StatusOr<v1::UpdateWeightsResponse> same = UpdateWeightsFromCheckpoint(
+      *client, server->server->model_dir(), "same", v1::IN_FLIGHT_POLICY_DRAIN);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(same->tensors_updated(), 47u);
+  EXPECT_EQ(rel::FetchServerInfo(server->stub.get()).weight_digest(), before.weight_digest());
+}
+
+TEST(WeightsCheckpointUploadE2eTest, AStreamRefusedAtItsHeaderReturnsTheRefusalAtOnce) {
+  std::unique_ptr<TestServer> server = StartTestServer();
+  ASSERT_NE(server, nullptr);
+  std::unique_ptr<RolloutClient> client = ConnectTo(*server);
+  ASSERT_NE(client, nullptr);
+  // 64 MiB declared in another shape than the served embedding's: the server answers after the
+  // header, while most chunks are still queued in the client.
+  const std::vector<uint8_t> bytes(size_t{64} << 20, 0);
+  const std::vector<TensorSource> tensors = {
+      {"model.embed_tokens.weight", "BF16", {16384, 2048}, bytes.data(), bytes.size()}};
+  std::promise<absl::Status> done;
+  std::future<absl::Status> result = done.get_future();
+  std::thread([&] {
+    done.set_value(client
+                       ->UpdateWeightsFromTensors("wrong", v1::IN_FLIGHT_POLICY_DRAIN, tensors,
+                                                  /*chunk_bytes=*/1 << 20)
+                       .status());
+  }).detach();
+  if (result.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::cerr << "UpdateWeightsFromTensors did not return within 60 s of the refusal\n";
+    std::_Exit(1);  // nothing to join: the call is stuck
+  }
+  const absl::Status status = result.get();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("shape [16384, 2048] given"), std::string::npos) << status;
+  EXPECT_EQ(rel::FetchServerInfo(server->stub.get()).weight_version(), "0");
+}
+
+}  // namespace
+}  // namespace rollout::testing
