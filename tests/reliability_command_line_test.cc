@@ -129,7 +129,7 @@ TEST(ReliabilityCommandLineTest, TheTokenFlagsHelpNamesEveryRpcTheTokenGuards) {
 }
 
 TEST(ReliabilityCommandLineTest, VersionNamesTheProjectVersionCommitAndBuildType) {
-  for (const std::string& binary : {ROLLOUT_SERVER_BIN, ROLLOUT_MAKE_MODEL_BIN}) {
+  for (const char* binary : {ROLLOUT_SERVER_BIN, ROLLOUT_MAKE_MODEL_BIN}) {
     const BinaryRun run = RunBinary({binary, "--version"});
     EXPECT_EQ(run.exit_code, 0) << run.output;
     EXPECT_TRUE(Contains(run.output, "rollout 0.1.0 (commit ")) << run.output;

@@ -412,7 +412,9 @@ TEST_F(WeightsE2eTest, TheResponseSplitsTheTimeAndOnlyTheFirstUpdateSetsUpTheSta
     // The engine's wait and copy are parts of the swap the reactor timed around them.
     EXPECT_GE(r.swap_seconds() + 1e-3, r.engine_wait_seconds() + r.device_copy_seconds()) << i;
     EXPECT_LE(r.staging_setup_seconds(), r.receive_seconds()) << i;
-    if (i > 0) EXPECT_EQ(r.staging_setup_seconds(), 0.0) << "update " << i << " allocated";
+    if (i > 0) {
+      EXPECT_EQ(r.staging_setup_seconds(), 0.0) << "update " << i << " allocated";
+    }
   }
 }
 
