@@ -111,6 +111,17 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // gRPC and civetweb take a port modulo 65536 (70000 listened on 4464, logged as 70000).
+  auto not_a_port = [](const char* flag, int32_t port, const char* zero) {
+    if (port >= 0 && port <= 65535) return false;
+    std::fprintf(stderr, "rollout-server: --%s %d is not a port: give 0 to 65535 (0 %s)\n", flag,
+                 port, zero);
+    return true;
+  };
+  if (not_a_port("port", absl::GetFlag(FLAGS_port), "picks a free one") ||
+      not_a_port("metrics_port", absl::GetFlag(FLAGS_metrics_port), "turns them off")) {
+    return 1;
+  }
   rollout::ServerOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
   options.address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", absl::GetFlag(FLAGS_port));

@@ -82,6 +82,26 @@ TEST(ReliabilityStartupTest, ATakenGrpcPortStopsTheSecondServerNamingThePort) {
   }
 }
 
+// A port beyond 65535 is refused naming the flag (gRPC took 70000 as 4464, silently).
+TEST(ReliabilityStartupTest, APortBeyond65535IsRefusedNamingTheFlag) {
+  const struct {
+    std::vector<std::string> args;
+    std::string expect;
+  } cases[] = {
+      {{"--port=70000", "--metrics_port=0"}, "--port 70000 is not a port: give 0 to 65535"},
+      {{"--port=-1", "--metrics_port=0"}, "--port -1 is not a port"},
+      {{"--port=0", "--metrics_port=65536"}, "--metrics_port 65536 is not a port"},
+  };
+  for (const auto& c : cases) {
+    rel::ServerProcess server = rel::StartServerProcess(c.args);
+    EXPECT_EQ(server.port, 0) << c.expect << ": the server listens";
+    const int status = server.child->Wait(seconds(60));
+    ASSERT_NE(status, -1) << "still running:\n" << server.child->output();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << server.child->output();
+    EXPECT_TRUE(Contains(server.child->output(), c.expect)) << server.child->output();
+  }
+}
+
 // A metrics port in use stops the start (exit 1) with an error naming the port.
 TEST(ReliabilityStartupTest, AMetricsPortThatCannotBeBoundStopsTheStartNamingThePort) {
   HeldPort held;
