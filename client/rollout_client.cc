@@ -118,7 +118,7 @@ void RolloutClient::PrepareContext(grpc::ClientContext* context) const {
   if (options_.call_timeout.has_value()) {
     context->set_deadline(std::chrono::system_clock::now() + *options_.call_timeout);
   }
-  if (options_.bearer_token.has_value()) {
+  if (options_.bearer_token.has_value() && !options_.bearer_token->empty()) {
     // Plain metadata rather than grpc::AccessTokenCredentials: call credentials are refused on
     // insecure channels, and a loopback deployment may still want the token checked.
     context->AddMetadata("authorization", absl::StrCat("Bearer ", *options_.bearer_token));

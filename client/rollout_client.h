@@ -34,7 +34,7 @@ struct ClientOptions {
   // A Generate stream carries one sample's chunk per message, but a Completion with many
   // top-logprobs can be large; gRPC's 4 MiB default is too small for that.
   int max_receive_message_bytes = kDefaultMaxReceiveMessageBytes;
-  // Sent as "authorization: Bearer <token>" metadata on every call when set.
+  // Sent as "authorization: Bearer <token>" metadata on every call when set and not empty.
   std::optional<std::string> bearer_token;
   // PEM file of the root certificates to trust; when set the channel uses TLS, else plaintext.
   std::optional<std::string> tls_root_cert_path;

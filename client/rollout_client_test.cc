@@ -433,6 +433,15 @@ TEST_F(RolloutClientTest, SendsBearerTokenOnEveryCallOnlyWhenSet) {
   ASSERT_NE(without_token, nullptr);
   ASSERT_TRUE(without_token->GetServerInfo().ok());
   EXPECT_EQ(service_.last_authorization(), "<none>");
+
+  // An empty token is none (rollout-cli without a token flag): a bare "Bearer " would make the
+  // server say the token is wrong instead of that the call needs one.
+  ClientOptions empty;
+  empty.bearer_token = "";
+  std::unique_ptr<RolloutClient> empty_token = Connect(empty);
+  ASSERT_NE(empty_token, nullptr);
+  ASSERT_TRUE(empty_token->GetServerInfo().ok());
+  EXPECT_EQ(service_.last_authorization(), "<none>");
 }
 
 TEST_F(RolloutClientTest, CallTimeoutEndsAStuckStreamWithDeadlineExceeded) {
