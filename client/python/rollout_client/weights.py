@@ -111,6 +111,18 @@ def _np_source_kind(a) -> str:
             "uint16": "U16", "int16": "U16"}.get(name, "")
 
 
+def _check_cast_range(name: str, before, after, dtype: str) -> None:
+    """Refuses a cast that made a finite value infinite, as the server refuses one it casts
+    itself (docs/api.md, "Models": never served as infinity)."""
+    np = _np()
+    bad = np.isfinite(np.asarray(before)) & ~np.isfinite(np.asarray(after))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        value = float(np.asarray(before).reshape(-1)[i])
+        raise ValueError(f"tensor '{name}': element {i} ({value:g}) is beyond the range of "
+                         f"{dtype}; nothing was sent")
+
+
 def _numpy_bytes(name: str, a, target: Optional[str]):
     """Returns (dtype, shape, ndarray whose little-endian bytes are the payload)."""
     np = _np()
@@ -143,9 +155,14 @@ def _numpy_bytes(name: str, a, target: Optional[str]):
     if target == "F32":
         return target, shape, np.ascontiguousarray(a, dtype=np.float32)
     if target == "F16":
-        return target, shape, np.ascontiguousarray(a.astype(np.float16))
+        with np.errstate(over="ignore"):
+            half = np.ascontiguousarray(a.astype(np.float16))
+        _check_cast_range(name, a, half, "F16")
+        return target, shape, half
     # target BF16 from F32 or F16
-    return target, shape, f32_to_bf16_bits(a.astype(np.float32)).reshape(shape)
+    bits = f32_to_bf16_bits(a.astype(np.float32)).reshape(shape)
+    _check_cast_range(name, a, bf16_bits_to_f32(bits).reshape(shape), "BF16")
+    return target, shape, bits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +185,15 @@ def _torch_bytes(name: str, t, target: Optional[str]):
         raise TypeError(f"tensor '{name}': unsupported torch dtype {t.dtype}")
     dst = target or src
     to_torch = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    src_t = t
     t = t.to(device="cpu", dtype=to_torch[dst]).contiguous()
+    if dst != src:
+        bad = torch.isfinite(src_t.to("cpu")) & ~torch.isfinite(t)
+        if bool(bad.any()):
+            i = int(bad.reshape(-1).nonzero()[0])
+            value = float(src_t.reshape(-1)[i])
+            raise ValueError(f"tensor '{name}': element {i} ({value:g}) is beyond the range of "
+                             f"{dst}; nothing was sent")
     shape = tuple(int(d) for d in t.shape)
     if sys.byteorder != "little":  # pragma: no cover
         raise RuntimeError("rollout_client: big-endian hosts are not supported for torch tensors")

@@ -504,6 +504,20 @@ class ConversionTest(unittest.TestCase):
         self.assertEqual(f32_to_bf16_bits(bf16_bits_to_f32(bits))[finite].tolist(),
                          bits[finite].tolist())
 
+    def test_a_cast_that_makes_a_finite_value_infinite_is_refused(self):
+        # As the server refuses one it casts itself: 70000 is beyond F16, max float beyond BF16.
+        from rollout_client.weights import to_bytes
+        big = np.array([1.0, 70000.0, 2.0], dtype=np.float32)
+        with self.assertRaisesRegex(ValueError, r"tensor 'w': element 1 \(70000\) is beyond "
+                                                r"the range of F16; nothing was sent"):
+            to_bytes("w", big, "F16")
+        top = np.array([np.finfo(np.float32).max], dtype=np.float32)
+        with self.assertRaisesRegex(ValueError, "element 0 .* beyond the range of BF16"):
+            to_bytes("w", top, "BF16")
+        # In range, and an infinity that was given, go through.
+        dtype, _, half = to_bytes("w", np.array([65504.0, np.inf], dtype=np.float32), "F16")
+        self.assertEqual((dtype, half.tolist()), ("F16", [65504.0, np.inf]))
+
     def test_raw_tensor_checks_size(self):
         with self.assertRaises(ValueError):
             RawTensor(b"\0" * 6, "BF16", (2, 2))
