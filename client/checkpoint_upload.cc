@@ -27,10 +27,6 @@ absl::Status CheckSameModel(const std::string& dir, const ModelConfig& config,
   if (config.architecture != served.architecture()) {
     return differs("architecture", config.architecture, served.architecture());
   }
-  std::vector<uint32_t> moe_layers;
-  for (int32_t layer = 0; layer < config.num_layers; ++layer) {
-    if (config.IsMoeLayer(layer)) moe_layers.push_back(static_cast<uint32_t>(layer));
-  }
   const struct {
     const char* field;
     int64_t ours, theirs;
@@ -52,6 +48,7 @@ absl::Status CheckSameModel(const std::string& dir, const ModelConfig& config,
       return differs(s.field, absl::StrCat(s.ours), absl::StrCat(s.theirs));
     }
   }
+  const std::vector<int32_t> moe_layers = config.MoeLayers();
   if (!std::equal(moe_layers.begin(), moe_layers.end(), served.moe_layers().begin(),
                   served.moe_layers().end())) {
     return differs("MoE layers", absl::StrCat("[", absl::StrJoin(moe_layers, ","), "]"),

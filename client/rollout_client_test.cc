@@ -1133,9 +1133,7 @@ rollout::v1::ServerInfo InfoServing(const ModelConfig& config) {
   m->set_num_experts(config.num_experts);
   m->set_num_experts_per_tok(config.num_experts_per_tok);
   m->set_moe_intermediate_size(config.moe_intermediate_size);
-  for (int32_t layer = 0; layer < config.num_layers; ++layer) {
-    if (config.IsMoeLayer(layer)) m->add_moe_layers(layer);
-  }
+  for (int32_t layer : config.MoeLayers()) m->add_moe_layers(layer);
   return info;
 }
 

@@ -389,6 +389,14 @@ int32_t ModelConfig::NumMoeLayers() const {
   return n;
 }
 
+std::vector<int32_t> ModelConfig::MoeLayers() const {
+  std::vector<int32_t> layers;
+  for (int32_t i = 0; i < num_layers; ++i) {
+    if (IsMoeLayer(i)) layers.push_back(i);
+  }
+  return layers;
+}
+
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text) {
   try {
     json j = json::parse(json_text, nullptr, /*allow_exceptions=*/false);

@@ -58,6 +58,7 @@ struct ModelConfig {
   // Transformers' rule: num_experts > 0, layer not in mlp_only_layers and
   // (layer + 1) % decoder_sparse_step == 0.
   bool IsMoeLayer(int32_t layer) const;
+  std::vector<int32_t> MoeLayers() const;  // the MoE layers' indices, ascending
   int32_t NumMoeLayers() const;
   // The ids of one token's routing (engine/model_runner.h): at every MoE layer (ascending), its
   // num_experts_per_tok experts in rank order. 0 for a dense model.

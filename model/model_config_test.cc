@@ -582,6 +582,7 @@ TEST(ModelConfigTest, IsMoeLayerFollowsSparseStepAndMlpOnlyLayers) {
   for (int i = 0; i < 6; ++i) moe.push_back(c->IsMoeLayer(i));
   EXPECT_EQ(moe, std::vector<bool>({false, true, false, false, false, true}));
   EXPECT_EQ(c->NumMoeLayers(), 2);
+  EXPECT_EQ(c->MoeLayers(), std::vector<int32_t>({1, 5}));
   EXPECT_EQ(c->RoutingSize(), 4);
 }
 

@@ -360,9 +360,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   m->set_num_experts(static_cast<uint32_t>(c.num_experts));
   m->set_num_experts_per_tok(static_cast<uint32_t>(c.num_experts_per_tok));
   m->set_moe_intermediate_size(static_cast<uint32_t>(c.moe_intermediate_size));
-  for (int32_t layer = 0; layer < c.num_layers; ++layer) {
-    if (c.IsMoeLayer(layer)) m->add_moe_layers(static_cast<uint32_t>(layer));
-  }
+  for (int32_t layer : c.MoeLayers()) m->add_moe_layers(static_cast<uint32_t>(layer));
   m->set_routing_replay(c.is_moe() && engine_->routing_replay());
   for (int32_t eos : c.eos_token_ids) m->add_eos_token_ids(static_cast<uint32_t>(eos));
   m->set_source(model_.source);

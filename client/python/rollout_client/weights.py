@@ -19,6 +19,7 @@ first (as torch does for bfloat16). With dtype=None a tensor is sent in its own 
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
@@ -111,16 +112,22 @@ def _np_source_kind(a) -> str:
             "uint16": "U16", "int16": "U16"}.get(name, "")
 
 
-def _check_cast_range(name: str, before, after, dtype: str) -> None:
-    """Refuses a cast that made a finite value infinite, as the server refuses one it casts
-    itself (docs/api.md, "Models": never served as infinity)."""
+# The bits of +-infinity in a 16-bit float, sign masked off by 0x7FFF.
+_INF_BITS = {"F16": 0x7C00, "BF16": 0x7F80}
+
+
+def _check_cast_range(name: str, before, bits, dtype: str) -> None:
+    """Refuses a cast to a 16-bit `dtype` (its result as uint16 `bits`) that made a finite value
+    of `before` infinite, as the server refuses one it casts itself (docs/api.md, "Models":
+    never served as infinity). Reads `before` only where the result is infinite."""
     np = _np()
-    bad = np.isfinite(np.asarray(before)) & ~np.isfinite(np.asarray(after))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        value = float(np.asarray(before).reshape(-1)[i])
-        raise ValueError(f"tensor '{name}': element {i} ({value:g}) is beyond the range of "
-                         f"{dtype}; nothing was sent")
+    infinite = np.flatnonzero((bits.reshape(-1) & 0x7FFF) == _INF_BITS[dtype])
+    flat = before.reshape(-1) if infinite.size else None
+    for i in infinite:
+        value = float(flat[int(i)])
+        if math.isfinite(value):
+            raise ValueError(f"tensor '{name}': element {int(i)} ({value:g}) is beyond the "
+                             f"range of {dtype}; nothing was sent")
 
 
 def _numpy_bytes(name: str, a, target: Optional[str]):
@@ -157,11 +164,11 @@ def _numpy_bytes(name: str, a, target: Optional[str]):
     if target == "F16":
         with np.errstate(over="ignore"):
             half = np.ascontiguousarray(a.astype(np.float16))
-        _check_cast_range(name, a, half, "F16")
+        _check_cast_range(name, a, half.view(np.uint16), "F16")
         return target, shape, half
     # target BF16 from F32 or F16
     bits = f32_to_bf16_bits(a.astype(np.float32)).reshape(shape)
-    _check_cast_range(name, a, bf16_bits_to_f32(bits).reshape(shape), "BF16")
+    _check_cast_range(name, a, bits, "BF16")
     return target, shape, bits
 
 
@@ -187,13 +194,8 @@ def _torch_bytes(name: str, t, target: Optional[str]):
     to_torch = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     src_t = t
     t = t.to(device="cpu", dtype=to_torch[dst]).contiguous()
-    if dst != src:
-        bad = torch.isfinite(src_t.to("cpu")) & ~torch.isfinite(t)
-        if bool(bad.any()):
-            i = int(bad.reshape(-1).nonzero()[0])
-            value = float(src_t.reshape(-1)[i])
-            raise ValueError(f"tensor '{name}': element {i} ({value:g}) is beyond the range of "
-                             f"{dst}; nothing was sent")
+    if dst != src and dst in _INF_BITS:
+        _check_cast_range(name, src_t, t.view(torch.int16).numpy().view(_np().uint16), dst)
     shape = tuple(int(d) for d in t.shape)
     if sys.byteorder != "little":  # pragma: no cover
         raise RuntimeError("rollout_client: big-endian hosts are not supported for torch tensors")
