@@ -7,6 +7,7 @@
 #include "absl/strings/str_format.h"
 #include "civetweb.h"
 #include "common/build_info.h"
+#include "grpcpp/server_context.h"
 
 namespace rollout {
 namespace {
@@ -72,12 +73,18 @@ std::string EscapeLabel(const std::string& v) {
 
 class MetricsInterceptor : public grpc::experimental::Interceptor {
  public:
-  MetricsInterceptor(ServiceMetrics* metrics, std::string method)
-      : metrics_(metrics), method_(std::move(method)) {}
+  MetricsInterceptor(ServiceMetrics* metrics, std::string method, grpc::ServerContextBase* context)
+      : metrics_(metrics), method_(std::move(method)), context_(context) {}
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(
             grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
-      metrics_->RecordCall(method_, methods->GetSendStatus().error_code());
+      // A call its client cancelled (or whose deadline passed) counts as CANCELLED, whatever
+      // the handler then sends: gRPC's health service ends a cancelled Watch UNKNOWN, which
+      // would read as a server error. (Every service here uses the callback API, where
+      // IsCancelled is safe to call.)
+      const bool cancelled = context_ != nullptr && context_->IsCancelled();
+      metrics_->RecordCall(
+          method_, cancelled ? grpc::StatusCode::CANCELLED : methods->GetSendStatus().error_code());
     }
     methods->Proceed();
   }
@@ -85,6 +92,7 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
  private:
   ServiceMetrics* const metrics_;
   const std::string method_;
+  grpc::ServerContextBase* const context_;
 };
 
 }  // namespace
@@ -189,7 +197,7 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
 
 grpc::experimental::Interceptor* MetricsInterceptorFactory::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {
-  return new MetricsInterceptor(metrics_, info->method());
+  return new MetricsInterceptor(metrics_, info->method(), info->server_context());
 }
 
 int MetricsHttpServer::HandleRequest(struct mg_connection* conn, void* self) {

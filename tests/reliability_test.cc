@@ -26,6 +26,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -1794,6 +1795,36 @@ TEST(ReliabilityMetricsTest, MetricsEndpointServesCountersHistogramsAndTheWeight
   }
   EXPECT_EQ(samples, 3u);
   EXPECT_EQ(rel::HttpGet(options.metrics_port, "/nothing-here").rfind("HTTP/1.1 404", 0), 0u);
+}
+
+// A client health watch ends when its channel closes (every trainer restart): gRPC's health
+// service then sends UNKNOWN, which the metrics counted as a server error (review23 finding 5).
+TEST(ReliabilityMetricsTest, AHealthWatchTheClientCancelsCountsAsCancelledNotAsAnError) {
+  ServerOptions options;
+  options.metrics_port = rel::PickFreePort();
+  ASSERT_GT(options.metrics_port, 0);
+  std::unique_ptr<TestServer> server = StartTestServer(options);
+  ASSERT_NE(server, nullptr);
+  auto health = grpc::health::v1::Health::NewStub(server->channel);
+  for (int i = 0; i < 2; ++i) {
+    grpc::ClientContext context;
+    auto reader = health->Watch(&context, grpc::health::v1::HealthCheckRequest());
+    grpc::health::v1::HealthCheckResponse response;
+    ASSERT_TRUE(reader->Read(&response));
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+    context.TryCancel();
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  const std::string key =
+      "rollout_rpcs_total{method=\"/grpc.health.v1.Health/Watch\",code=\"CANCELLED\"} 2";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::string page = rel::HttpGet(options.metrics_port, "/metrics");
+  while (page.find(key) == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the server ends it after
+    page = rel::HttpGet(options.metrics_port, "/metrics");
+  }
+  EXPECT_NE(page.find(key), std::string::npos) << page;
+  EXPECT_EQ(page.find("Health/Watch\",code=\"UNKNOWN\""), std::string::npos) << page;
 }
 
 }  // namespace
