@@ -203,7 +203,7 @@ bool EngineCore::LookaheadReady(const LaunchedStep& step) {
   // then comes a step later, as for a sample that arrives while a step is launched ahead.)
   if (alive != scheduler_.num_running()) return false;
   if (scheduler_.num_waiting() > 0 &&
-      static_cast<int32_t>(scheduler_.num_running()) < options_.max_running_samples) {
+      scheduler_.num_unpaused_running() < options_.max_running_samples) {
     if (ends_by_length || scheduler_.NextScheduleCouldAdmit()) return false;
   }
   if (!runner_->CanFeed(tasks)) return false;

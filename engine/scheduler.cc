@@ -139,9 +139,7 @@ bool Scheduler::NextScheduleCouldAdmit() const {
       break;
     }
   }
-  if (head == nullptr || static_cast<int32_t>(running_.size()) >= options_.max_running) {
-    return false;
-  }
+  if (head == nullptr || num_unpaused_running() >= options_.max_running) return false;
   if (blocks_->BlocksFor(head->num_tokens()) > RoomBlocks()) return false;
   if (options_.admission == AdmissionPolicy::kOptimistic) return true;
   const double ratio = NextNewTokenRatio();
@@ -250,9 +248,12 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
   int64_t budget = options_.max_batch_tokens;
   AdvanceNewTokenRatio();
   // Two passes over the running set: decoders (one token each) before prefills, so that long
-  // prompts cannot stall the streams of sequences already generating.
+  // prompts cannot stall the streams of sequences already generating. At most max_running
+  // sequences take part: paused ones do not count against it, so more may be running once
+  // they resume; the latest arrivals then wait for a place in the step, keeping their KV.
+  int32_t taken = 0;
   for (bool decode_pass : {true, false}) {
-    for (size_t i = 0; i < running_.size() && budget > 0;) {
+    for (size_t i = 0; i < running_.size() && budget > 0 && taken < options_.max_running;) {
       Sequence* seq = running_[i];
       const bool decoding = seq->num_computed == seq->num_tokens() - 1;
       if (decoding != decode_pass || seq->paused) {
@@ -273,11 +274,12 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
       }
       Take(seq, end, &chunks);
       budget -= end - seq->num_computed;
+      ++taken;
       ++i;
     }
   }
-  for (size_t w = 0; w < waiting_.size() && budget > 0 &&
-                     static_cast<int32_t>(running_.size()) < options_.max_running;) {
+  int32_t unpaused = num_unpaused_running();
+  for (size_t w = 0; w < waiting_.size() && budget > 0 && unpaused < options_.max_running;) {
     Sequence* seq = waiting_[w];
     if (seq->paused) {
       ++w;
@@ -286,9 +288,15 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
     if (!Admit(seq, budget, &chunks)) break;
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(w));
     InsertByArrival(seq, &running_);
+    ++unpaused;
     budget -= chunks.back().end - chunks.back().begin;
   }
   return chunks;
+}
+
+int32_t Scheduler::num_unpaused_running() const {
+  return static_cast<int32_t>(std::count_if(running_.begin(), running_.end(),
+                                            [](const Sequence* s) { return !s->paused; }));
 }
 
 bool Scheduler::has_unpaused() const {

@@ -13,7 +13,7 @@
 namespace rollout {
 
 struct SchedulerOptions {
-  int32_t max_running = 64;        // sequences holding KV and taking part in steps
+  int32_t max_running = 64;        // sequences taking part in steps (paused ones aside)
   int32_t max_batch_tokens = 512;  // tokens computed in one step (decode + prefill chunks)
   int32_t split_size = 64;         // prefill chunks end at multiples of this, or at the prompt end
   AdmissionPolicy admission = AdmissionPolicy::kEstimate;
@@ -68,15 +68,17 @@ class Scheduler {
   // Picks this step's work. Running decoders first (oldest first), then running prefills, then
   // new admissions in arrival order while the head of the queue fits under the admission policy
   // (strict FCFS); an admission first takes the longest cached prefix, and the head waits
-  // while a running sequence is still computing pages of a longer prefix they share. When a block is needed
-  // and none is free, unlocked cached pages are evicted (LRU); if that is not enough for a
-  // running sequence (not under kReserve), the one that loses least gives way: the running
+  // while a running sequence is still computing pages of a longer prefix they share. When a block
+  // is needed and none is free, unlocked cached pages are evicted (LRU); if that is not enough for
+  // a running sequence (not under kReserve), the one that loses least gives way: the running
   // sequence not in this step with the fewest computed tokens (ties: the latest arrival). Its
   // blocks are freed, its computed whole pages stay cached (most recently used, so evicted
   // last), and it goes back to the queue, to be resumed from what the cache still holds.
   // Paused sequences (Sequence::paused) are left out: running ones keep their blocks (and,
   // under kReserve, what they may still take), waiting ones their place, and the queue's order
-  // holds among the others.
+  // holds among the others. They do not count against max_running, so others are admitted in
+  // their place; at most max_running running sequences take part in a step (the earliest
+  // arrivals), and none is admitted while that many are running unpaused.
   std::vector<ScheduledChunk> Schedule();
 
   // Whether the next Schedule() would admit a waiting sequence (the first one not paused) if
@@ -95,6 +97,9 @@ class Scheduler {
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
   bool idle() const { return running_.empty() && waiting_.empty(); }
+  // Running sequences that are not paused: what max_running bounds (a paused one keeps its KV
+  // but leaves its place in the steps to others).
+  int32_t num_unpaused_running() const;
   // Whether a sequence that is not paused runs or waits (there may be a step to schedule).
   bool has_unpaused() const;
   uint64_t num_preemptions() const { return num_preemptions_; }

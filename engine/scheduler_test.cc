@@ -350,6 +350,48 @@ TEST(SchedulerTest, PausedSequencesAreLeftOutKeepingTheirBlocksAndTheOthersKeepT
   EXPECT_FALSE(scheduler.idle());
 }
 
+TEST(SchedulerTest, PausedSequencesLeaveTheirPlaceUnderMaxRunningToOthers) {
+  KvBlockManager blocks(100, 16);
+  PrefixCache cache(&blocks);
+  Scheduler scheduler({/*max_running=*/2, 64, 32}, &blocks, &cache, "v");
+  auto a = MakeSeq(0, 10), b = MakeSeq(1, 10), c = MakeSeq(2, 10), d = MakeSeq(3, 10);
+  scheduler.Add(a.get());
+  scheduler.Add(b.get());
+  scheduler.Add(c.get());
+  Apply(scheduler.Schedule());
+  EXPECT_EQ(scheduler.num_running(), 2u);
+  EXPECT_FALSE(scheduler.NextScheduleCouldAdmit()) << "two run unpaused";
+  a->paused = true;
+  b->paused = true;
+  EXPECT_EQ(scheduler.num_unpaused_running(), 0);
+  EXPECT_TRUE(scheduler.NextScheduleCouldAdmit());
+  scheduler.Add(d.get());
+  std::vector<ScheduledChunk> chunks = scheduler.Schedule();
+  ASSERT_EQ(chunks.size(), 2u) << "c and d run while a and b are paused";
+  EXPECT_EQ(chunks[0].seq, c.get());
+  EXPECT_EQ(chunks[1].seq, d.get());
+  Apply(chunks);
+  EXPECT_EQ(scheduler.num_running(), 4u);
+  // Resumed, four run and two take part in each step: the earliest arrivals.
+  a->paused = false;
+  b->paused = false;
+  chunks = scheduler.Schedule();
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[0].seq, a.get());
+  EXPECT_EQ(chunks[1].seq, b.get());
+  auto e = MakeSeq(4, 10);
+  scheduler.Add(e.get());
+  EXPECT_FALSE(scheduler.NextScheduleCouldAdmit());
+  Apply(chunks);
+  scheduler.Remove(a.get());
+  scheduler.Remove(b.get());
+  chunks = scheduler.Schedule();
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[0].seq, c.get());
+  EXPECT_EQ(chunks[1].seq, d.get());
+  EXPECT_EQ(scheduler.num_waiting(), 1u) << "e waits while two run unpaused";
+}
+
 TEST(SchedulerTest, AnAdmissionDoesNotWaitForThePrefillOfAPausedSequenceItShares) {
   KvBlockManager blocks(100, 16);
   PrefixCache cache(&blocks);

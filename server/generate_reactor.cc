@@ -94,23 +94,30 @@ void GenerateReactor::ApplyBackpressure() {
   const StreamLimits& limits = service_->stream_limits();
   if (!s.paused && s.queued_bytes > limits.max_buffered_bytes && s.completions_left > 0) {
     s.paused = true;
-    const uint64_t pause = ++s.pauses;
     service_->engine()->PauseJob(job_id_);
-    std::shared_ptr<Stream> stream = stream_;
-    stall_alarm_ = std::make_unique<grpc::Alarm>();
-    stall_alarm_->Set(std::chrono::system_clock::now() + limits.max_paused,
-                      [stream, pause](bool rang) {
-                        if (rang) OnStallAlarm(stream, pause);  // not when cancelled
-                      });
+    ArmStallAlarmLocked();
   } else if (s.paused && s.queued_bytes <= limits.max_buffered_bytes / 2) {
     s.paused = false;
     service_->engine()->ResumeJob(job_id_);
   }
 }
 
-void GenerateReactor::OnStallAlarm(const std::shared_ptr<Stream>& stream, uint64_t pause) {
+void GenerateReactor::ArmStallAlarmLocked() {
+  Stream& s = *stream_;
+  const uint64_t alarm = ++s.alarms;
+  s.alarm_armed_at = std::chrono::steady_clock::now();
+  std::shared_ptr<Stream> stream = stream_;
+  // Replacing the alarm cancels the one before (its callback sees rang == false).
+  stall_alarm_ = std::make_unique<grpc::Alarm>();
+  stall_alarm_->Set(std::chrono::system_clock::now() + service_->stream_limits().max_paused,
+                    [stream, alarm](bool rang) {
+                      if (rang) OnStallAlarm(stream, alarm);  // not when cancelled
+                    });
+}
+
+void GenerateReactor::OnStallAlarm(const std::shared_ptr<Stream>& stream, uint64_t alarm) {
   std::lock_guard<std::mutex> lock(stream->mu);
-  if (stream->reactor == nullptr || !stream->paused || stream->pauses != pause) return;
+  if (stream->reactor == nullptr || !stream->paused || stream->alarms != alarm) return;
   stream->reactor->EndStalledLocked();
 }
 
@@ -129,11 +136,7 @@ void GenerateReactor::EndStalledLocked() {
                       static_cast<double>(limits.max_paused.count()) / 1000));
   LOG(WARNING) << "Generate job " << job_id_ << ": " << s.stalled->error_message();
   service_->engine()->Abort(job_id_);
-  // Only the message in flight stays: gRPC holds it until the client reads or goes.
-  while (s.queue.size() > (s.writing ? 1u : 0u)) {
-    s.queued_bytes -= s.queue.back().bytes;
-    s.queue.pop_back();
-  }
+  // What is queued (at most the bound) stays for the client, the status after it.
   if (!s.writing) FinishLocked(*s.stalled);
 }
 
@@ -143,22 +146,27 @@ void GenerateReactor::OnWriteDone(bool ok) {
   s.queued_bytes -= s.queue.front().bytes;
   s.queue.pop_front();
   s.writing = false;
-  if (s.stalled.has_value()) {
-    FinishLocked(*s.stalled);
-    return;
-  }
   if (!ok || s.cancelled) {
     // The client is gone; nothing more can be delivered.
     s.cancelled = true;
-    if (submitted_) service_->engine()->Abort(job_id_);
-    FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+    if (submitted_ && !s.stalled.has_value()) service_->engine()->Abort(job_id_);
+    FinishLocked(
+        s.stalled.value_or(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")));
     return;
   }
   if (!s.queue.empty()) {
     s.writing = true;
     StartWrite(&s.queue.front().message);
+  } else if (s.stalled.has_value()) {
+    FinishLocked(*s.stalled);
   } else if (s.completions_left == 0) {
     FinishLocked(grpc::Status::OK);
+  }
+  if (s.stalled.has_value()) return;
+  // A paused stream whose client reads is not stalled: its timeout runs from the last read
+  // (re-armed at most once a second).
+  if (s.paused && std::chrono::steady_clock::now() - s.alarm_armed_at >= std::chrono::seconds(1)) {
+    ArmStallAlarmLocked();
   }
   ApplyBackpressure();
 }

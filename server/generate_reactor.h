@@ -1,5 +1,6 @@
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -25,8 +26,9 @@ namespace rollout {
 // Backpressure: a write completes only as the client reads, so a client slower than its samples
 // makes the queue grow. Past StreamLimits::max_buffered_bytes the job is paused in the engine
 // (its samples wait, keeping their KV and their bits) and resumed once the queue is down to
-// half; a stream paused for StreamLimits::max_paused ends RESOURCE_EXHAUSTED, its samples
-// aborted and its queue dropped.
+// half; a paused stream whose client reads nothing for StreamLimits::max_paused (a second more
+// at most) ends RESOURCE_EXHAUSTED: its samples are aborted, and the status follows what was
+// queued.
 class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
   // `caller`: the caller's access check (a failure finishes the call at once) and whose
@@ -53,10 +55,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     bool writing = false;
     bool finished = false;  // Finish has been called
     bool cancelled = false;
-    // Set when the client stalled: the status to finish with once the write in flight is done.
+    // Set when the client stalled: the status to finish with once the queue is written.
     std::optional<grpc::Status> stalled;
     bool paused = false;  // the job is paused in the engine
-    uint64_t pauses = 0;  // how many times it was; names the pause a stall alarm is for
+    uint64_t alarms = 0;  // stall alarms armed; names the one that counts (the latest)
+    std::chrono::steady_clock::time_point alarm_armed_at;
     size_t completions_left = 0;
     std::optional<StreamShaper> shaper;  // set once the request is valid
   };
@@ -65,10 +68,12 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   // Pauses the job when the queue passed the bound, resumes it once it is down to half.
   // REQUIRES: stream_->mu held.
   void ApplyBackpressure();
-  // The stall alarm of pause `pause` rang (on a gRPC thread).
-  static void OnStallAlarm(const std::shared_ptr<Stream>& stream, uint64_t pause);
-  // Ends a stalled stream: aborts its samples, drops what is queued, finishes once no write is
-  // in flight. REQUIRES: stream_->mu held.
+  // Arms the stall alarm anew (StreamLimits::max_paused from now). REQUIRES: stream_->mu held.
+  void ArmStallAlarmLocked();
+  // Stall alarm number `alarm` rang (on a gRPC thread).
+  static void OnStallAlarm(const std::shared_ptr<Stream>& stream, uint64_t alarm);
+  // Ends a stalled stream: aborts its samples and finishes once what is queued is written.
+  // REQUIRES: stream_->mu held.
   void EndStalledLocked();
   // REQUIRES: stream_->mu held, no write in flight.
   void FinishLocked(const grpc::Status& status);
@@ -79,8 +84,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   std::vector<std::string> request_ids_;  // per rollout, in caller_'s scope; released in OnDone
   uint64_t job_id_ = 0;
   bool submitted_ = false;
-  // The alarm of the current pause (a new one per pause; destroying one cancels it). Guarded
-  // by stream_->mu.
+  // The stall alarm of the current pause (a new one per pause, and while the client reads;
+  // destroying one cancels it). Guarded by stream_->mu.
   std::unique_ptr<grpc::Alarm> stall_alarm_;
 };
 

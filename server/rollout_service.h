@@ -39,8 +39,8 @@ struct StreamLimits {
   // In-memory bytes of the messages queued for the client (protobuf's SpaceUsedLong) at which
   // the stream's samples pause (Engine::PauseJob); they resume once it is down to half.
   int64_t max_buffered_bytes = int64_t{16} << 20;
-  // A stream paused this long ends: its samples are aborted and the call finishes
-  // RESOURCE_EXHAUSTED naming the bound.
+  // A paused stream whose client reads nothing this long ends: its samples are aborted and the
+  // call finishes RESOURCE_EXHAUSTED naming the bound, after what was queued.
   std::chrono::milliseconds max_paused{60'000};
 };
 

@@ -85,8 +85,8 @@ ABSL_FLAG(int64_t, stream_buffer_mb, 16,
           "backpressure: MiB of unread messages one Generate stream may queue before its "
           "samples pause (they resume at half)");
 ABSL_FLAG(int32_t, stream_stall_timeout_s, 60,
-          "a Generate stream paused this long (its client reads nothing) ends "
-          "RESOURCE_EXHAUSTED, its samples aborted");
+          "a paused Generate stream whose client reads nothing for this long ends "
+          "RESOURCE_EXHAUSTED after what was queued, its samples aborted");
 ABSL_FLAG(double, update_part_timeout_s, 60,
           "a multi-part UpdateWeights (header.part_count > 1) fails, nothing applied, unless "
           "every part's header arrives within this many seconds of the first's");

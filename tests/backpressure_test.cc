@@ -108,10 +108,12 @@ uint64_t WaitUntilGenerationStops(v1::RolloutService::Stub* stub) {
   return last;
 }
 
+// The stalled call's 24 samples fill --max_running_samples: paused, they leave their places to
+// other calls (which waited for the stall timeout when paused samples still counted).
 TEST(ReliabilityBackpressureTest,
      AStalledReaderPausesItsSamplesInBoundedMemoryThenGetsTheSameBits) {
-  std::unique_ptr<Child> child =
-      StartChild({"--stream_buffer_mb=1", "--stream_stall_timeout_s=300"});
+  std::unique_ptr<Child> child = StartChild(
+      {"--stream_buffer_mb=1", "--stream_stall_timeout_s=300", "--max_running_samples=24"});
   ASSERT_NE(child, nullptr);
   v1::RolloutService::Stub* stub = child->stub.get();
   const GenerateOutcome reference = RunGenerate(stub, LongRequest());
@@ -132,9 +134,12 @@ TEST(ReliabilityBackpressureTest,
   EXPECT_EQ(rel::FetchServerInfo(stub).counters().running_samples(), 24u);
   const int64_t rss = ResidentKiB(child->process->pid());
 
-  // Another stream meanwhile runs normally, with its bits.
+  // Another stream meanwhile runs normally, at once, with its bits.
+  const auto other_start = Clock::now();
   const GenerateOutcome other = RunGenerate(stub, ShortRequest());
   ASSERT_TRUE(other.status.ok()) << other.status.error_message();
+  const auto other_s = std::chrono::duration_cast<seconds>(Clock::now() - other_start).count();
+  EXPECT_LT(other_s, 30) << "the other call waited for the paused samples";
   EXPECT_EQ(Fingerprints(other), Fingerprints(short_reference));
   std::this_thread::sleep_for(seconds(1));
   EXPECT_LT(ResidentKiB(child->process->pid()) - rss, 8 << 10) << "KiB grown while paused";
@@ -175,13 +180,52 @@ TEST(ReliabilityBackpressureTest, AReaderStalledPastTheTimeoutEndsResourceExhaus
   EXPECT_LT(generated, 24u * 800);
   EXPECT_TRUE(RunGenerate(stub, ShortRequest()).status.ok());
 
-  // What the client still reads is what was in flight, then the status.
-  while (reader->Read(&response)) {
-  }
+  // What the client still reads is every token generated for it, then the status.
+  uint64_t received = response.chunk().token_ids_size();
+  while (reader->Read(&response)) received += response.chunk().token_ids_size();
+  EXPECT_EQ(received, generated) << "tokens queued for the stalled client were dropped";
   const grpc::Status status = reader->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
   EXPECT_NE(status.error_message().find("--stream_buffer_mb"), std::string::npos)
       << status.error_message();
+}
+
+// A client that reads steadily, just slower than its samples come, is not stalled, even where
+// draining half the bound (where its samples resume) takes it longer than the stall timeout.
+TEST(ReliabilityBackpressureTest, AReaderThatReadsSlowlyIsNotTakenForStalled) {
+  std::unique_ptr<Child> child = StartChild({"--stream_buffer_mb=4", "--stream_stall_timeout_s=8"});
+  ASSERT_NE(child, nullptr);
+  v1::RolloutService::Stub* stub = child->stub.get();
+  v1::GenerateRequest request = LongRequest();
+  request.mutable_rollouts(0)->set_num_samples(48);  // about 6 MiB of messages
+  const GenerateOutcome reference = RunGenerate(stub, request);
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  const uint64_t before = rel::FetchServerInfo(stub).counters().generated_tokens();
+  std::unique_ptr<v1::RolloutService::Stub> stingy = StingyStub(child->address);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + seconds(300));
+  auto reader = stingy->Generate(&context, request);
+  v1::GenerateResponse response;
+  ASSERT_TRUE(reader->Read(&response));
+  const uint64_t paused_at = WaitUntilGenerationStops(stub);  // 4 MiB queued
+  ASSERT_LT(paused_at - before, 48u * 800) << "the samples did not pause";
+
+  // One message a millisecond for the first 16000. Half the bound is about 13000 messages
+  // (13 s); the server sees reads as the stingy client's window opens: first after about 5 s
+  // (what gRPC buffered), then each 1 to 2 s.
+  GenerateOutcome slow;
+  slow.completions.resize(1);
+  slow.completions[0].resize(48);
+  int read = 0;
+  do {
+    if (response.has_completion()) {
+      slow.completions[0][response.completion().sample_index()] = response.completion();
+    }
+    if (++read < 16000) std::this_thread::sleep_for(milliseconds(1));
+  } while (reader->Read(&response));
+  const grpc::Status status = reader->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(Fingerprints(slow), Fingerprints(reference));
 }
 
 }  // namespace
