@@ -122,6 +122,23 @@ int main(int argc, char** argv) {
       not_a_port("metrics_port", absl::GetFlag(FLAGS_metrics_port), "turns them off")) {
     return 1;
   }
+  // Counts and durations outside what they can mean (a MiB count past 2^43 would overflow).
+  auto out_of_range = [](const char* flag, int64_t value, int64_t low, int64_t high) {
+    if (value >= low && value <= high) return false;
+    std::fprintf(stderr, "rollout-server: --%s %lld is out of range: give %lld to %lld\n", flag,
+                 static_cast<long long>(value), static_cast<long long>(low),
+                 static_cast<long long>(high));
+    return true;
+  };
+  if (out_of_range("threads", absl::GetFlag(FLAGS_threads), 0, 4096) ||
+      out_of_range("shutdown_grace_s", absl::GetFlag(FLAGS_shutdown_grace_s), 0, 86400) ||
+      out_of_range("max_queued_samples", absl::GetFlag(FLAGS_max_queued_samples), 1,
+                   int64_t{1} << 32) ||
+      out_of_range("stream_buffer_mb", absl::GetFlag(FLAGS_stream_buffer_mb), 1, 1 << 20) ||
+      out_of_range("stream_stall_timeout_s", absl::GetFlag(FLAGS_stream_stall_timeout_s), 1,
+                   86400)) {
+    return 1;
+  }
   rollout::ServerOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
   options.address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", absl::GetFlag(FLAGS_port));
@@ -181,12 +198,6 @@ int main(int argc, char** argv) {
   options.stream_limits.max_buffered_bytes = absl::GetFlag(FLAGS_stream_buffer_mb) << 20;
   options.stream_limits.max_paused =
       std::chrono::seconds(absl::GetFlag(FLAGS_stream_stall_timeout_s));
-  if (options.stream_limits.max_buffered_bytes <= 0 ||
-      options.stream_limits.max_paused.count() <= 0) {
-    std::fprintf(stderr,
-                 "rollout-server: --stream_buffer_mb and --stream_stall_timeout_s must be > 0\n");
-    return 1;
-  }
   const double part_timeout_s = absl::GetFlag(FLAGS_update_part_timeout_s);
   if (!(part_timeout_s > 0 && part_timeout_s <= 86400)) {
     std::fprintf(stderr, "rollout-server: --update_part_timeout_s must be in (0, 86400]\n");

@@ -82,8 +82,9 @@ TEST(ReliabilityStartupTest, ATakenGrpcPortStopsTheSecondServerNamingThePort) {
   }
 }
 
-// A port beyond 65535 is refused naming the flag (gRPC took 70000 as 4464, silently).
-TEST(ReliabilityStartupTest, APortBeyond65535IsRefusedNamingTheFlag) {
+// A port beyond 65535 is refused naming the flag (gRPC took 70000 as 4464, silently), as are
+// counts and durations it cannot mean (--threads -2 ran, --stream_buffer_mb overflowed).
+TEST(ReliabilityStartupTest, APortBeyond65535OrACountOutOfRangeIsRefusedNamingTheFlag) {
   const struct {
     std::vector<std::string> args;
     std::string expect;
@@ -91,6 +92,12 @@ TEST(ReliabilityStartupTest, APortBeyond65535IsRefusedNamingTheFlag) {
       {{"--port=70000", "--metrics_port=0"}, "--port 70000 is not a port: give 0 to 65535"},
       {{"--port=-1", "--metrics_port=0"}, "--port -1 is not a port"},
       {{"--port=0", "--metrics_port=65536"}, "--metrics_port 65536 is not a port"},
+      {{"--port=0", "--threads=-2"}, "--threads -2 is out of range: give 0 to 4096"},
+      {{"--port=0", "--shutdown_grace_s=-1"}, "--shutdown_grace_s -1 is out of range"},
+      {{"--port=0", "--max_queued_samples=0"}, "--max_queued_samples 0 is out of range"},
+      {{"--port=0", "--stream_buffer_mb=9000000000000"},
+       "--stream_buffer_mb 9000000000000 is out of range: give 1 to 1048576"},
+      {{"--port=0", "--stream_stall_timeout_s=0"}, "--stream_stall_timeout_s 0 is out of range"},
   };
   for (const auto& c : cases) {
     rel::ServerProcess server = rel::StartServerProcess(c.args);
