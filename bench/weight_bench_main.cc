@@ -186,6 +186,11 @@ int Main() {
     std::fprintf(stderr, "--updates must be >= 2, --chunk_mb >= 1 and --streams in [1, 64]\n");
     return 2;
   }
+  if (backend != "cpu" && backend != "cuda") {
+    // Before the floors: they take seconds, and the server would refuse it after them.
+    std::fprintf(stderr, "--backend '%s': give cpu or cuda\n", backend.c_str());
+    return 2;
+  }
 
   // Floors first, before the server takes the GPU's memory.
   const size_t floor_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_floor_mb)) << 20;

@@ -17,4 +17,9 @@ rc=$?
 echo "$out" | tail -3
 [[ $rc -eq 1 ]] || { echo "with a wrong expected digest: exit $rc, expected 1"; exit 1; }
 if grep -q "^RESULT" <<<"$out"; then echo "a RESULT despite the digest mismatch"; exit 1; fi
+out=$("$bench" --backend=tpu --preset=tiny --updates=2 --floor_mb=16 2>&1)
+rc=$?
+echo "$out" | tail -3
+[[ $rc -eq 2 ]] || { echo "with --backend=tpu: exit $rc, expected 2"; exit 1; }
+if grep -q "^floors:" <<<"$out"; then echo "--backend=tpu measured the floors first"; exit 1; fi
 echo "weight_bench_smoke: ok"
