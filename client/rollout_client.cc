@@ -97,9 +97,20 @@ absl::StatusOr<std::unique_ptr<RolloutClient>> RolloutClient::Connect(
   // Without this wait a wrong address only shows up as a vague failure of the first call.
   const auto deadline = std::chrono::system_clock::now() + options.connect_timeout;
   if (!channel->WaitForConnected(deadline)) {
+    // A TLS mismatch looks the same as nothing listening: name what could be wrong.
+    const char* hint =
+        !options.tls_root_cert_path.has_value() && !options.tls_client_cert_path.has_value()
+            ? "is a server listening there? (a server with TLS needs a TLS client: its CA's "
+              "certificate, rollout-cli --tls_root_cert)"
+        : !options.tls_client_cert_path.has_value()
+            ? "is a TLS server listening there, with a certificate this CA signed? (a server "
+              "that verifies clients needs a client certificate and key: --tls_client_cert, "
+              "--tls_client_key)"
+            : "is a TLS server listening there, with a certificate this CA signed, that trusts "
+              "this client certificate's CA? (and is the key the certificate's?)";
     return absl::UnavailableError(
-        absl::StrFormat("could not connect to %s within %g s", target,
-                        std::chrono::duration<double>(options.connect_timeout).count()));
+        absl::StrFormat("could not connect to %s within %g s: %s", target,
+                        std::chrono::duration<double>(options.connect_timeout).count(), hint));
   }
   return std::unique_ptr<RolloutClient>(
       new RolloutClient(target, options, *std::move(credentials), std::move(channel)));

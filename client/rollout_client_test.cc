@@ -373,7 +373,32 @@ TEST(ConnectTest, FailsWithUnavailableNamingTheAddressWhenNothingListens) {
   absl::StatusOr<std::unique_ptr<RolloutClient>> client =
       RolloutClient::Connect("127.0.0.1:1", options);
   EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(client.status().message(), "could not connect to 127.0.0.1:1 within 0.3 s");
+  EXPECT_EQ(client.status().message(),
+            "could not connect to 127.0.0.1:1 within 0.3 s: is a server listening there? (a "
+            "server with TLS needs a TLS client: its CA's certificate, rollout-cli "
+            "--tls_root_cert)");
+}
+
+// A TLS mismatch fails as nothing listening does; the message names what to check.
+TEST(ConnectTest, AFailedTlsConnectionNamesWhatToCheck) {
+  const std::string pem = ::testing::TempDir() + "connect-test.pem";
+  std::ofstream(pem) << "not a certificate\n";
+  ClientOptions options;
+  options.connect_timeout = std::chrono::milliseconds(300);
+  options.tls_root_cert_path = pem;
+  absl::StatusOr<std::unique_ptr<RolloutClient>> client =
+      RolloutClient::Connect("127.0.0.1:1", options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(client.status().message().find("a server that verifies clients needs a client "
+                                           "certificate and key: --tls_client_cert"),
+            std::string::npos)
+      << client.status().message();
+  options.tls_client_cert_path = pem;
+  options.tls_client_key_path = pem;
+  client = RolloutClient::Connect("127.0.0.1:1", options);
+  EXPECT_NE(client.status().message().find("that trusts this client certificate's CA"),
+            std::string::npos)
+      << client.status().message();
 }
 
 TEST(ConnectTest, RejectsEmptyTarget) {

@@ -72,12 +72,14 @@ absl::Status CheckPem(const std::string& text, const std::string& file, const ch
   const bool has_cert = text.find("-----BEGIN CERTIFICATE-----") != std::string::npos;
   const bool has_key = text.find("PRIVATE KEY-----") != std::string::npos;
   if (certificate ? has_cert : has_key) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(flag, " ", file, " holds no PEM ", certificate ? "certificate" : "private key",
-                   (certificate ? has_key : has_cert)
-                       ? absl::StrCat(" but a ", certificate ? "private key" : "certificate",
-                                      ": are --tls_cert and --tls_key swapped?")
-                       : ""));
+  const bool client_ca = absl::string_view(flag) == "--tls_client_ca";
+  return absl::InvalidArgumentError(absl::StrCat(
+      flag, " ", file, " holds no PEM ", certificate ? "certificate" : "private key",
+      (certificate ? has_key : has_cert)
+          ? absl::StrCat(" but a ", certificate ? "private key" : "certificate",
+                         client_ca ? ": give the certificate of the CA that signs the clients'"
+                                   : ": are --tls_cert and --tls_key swapped?")
+          : ""));
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
@@ -103,6 +105,10 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (!options.tls_client_ca_file.empty()) {
     absl::StatusOr<std::string> ca = ReadFile(options.tls_client_ca_file, "TLS client CA");
     if (!ca.ok()) return ca.status();
+    if (absl::Status s = CheckPem(*ca, options.tls_client_ca_file, "--tls_client_ca", true);
+        !s.ok()) {
+      return s;
+    }
     ssl.pem_root_certs = *ca;
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }

@@ -151,7 +151,8 @@ void WriteFile(const std::string& path, const std::string& text) {
 }
 
 // Swapped certificate and key files say so; a key that is not the certificate's is reported as
-// a TLS problem, not as an address in use; a FIFO is refused, not waited on.
+// a TLS problem, not as an address in use; a FIFO is refused, not waited on; a client CA file
+// that holds a key is named.
 TEST(ReliabilityStartupTest, SwappedOrMismatchedTlsFilesAreReportedAsATlsProblem) {
   const std::string dir = ::testing::TempDir() + "reliability-startup-tls/";
   std::filesystem::create_directories(dir);
@@ -161,6 +162,7 @@ TEST(ReliabilityStartupTest, SwappedOrMismatchedTlsFilesAreReportedAsATlsProblem
   struct Case {
     std::string name, cert, key;
     std::vector<std::string> expect;
+    std::string client_ca = "";
   };
   const std::vector<Case> cases = {
       {"swapped",
@@ -178,6 +180,14 @@ TEST(ReliabilityStartupTest, SwappedOrMismatchedTlsFilesAreReportedAsATlsProblem
        dir + "fifo.pem",
        dir + "server.key",
        {"cannot read the TLS certificate file: " + dir + "fifo.pem is not a regular file"}},
+      // It blamed --tls_key.
+      {"a key as the client CA",
+       dir + "server.pem",
+       dir + "server.key",
+       {"--tls_client_ca " + dir +
+        "client.key holds no PEM certificate but a private key: give "
+        "the certificate of the CA that signs the clients'"},
+       dir + "client.key"},
   };
   std::filesystem::remove(dir + "fifo.pem");
   ASSERT_EQ(::mkfifo((dir + "fifo.pem").c_str(), 0600), 0);
@@ -187,6 +197,7 @@ TEST(ReliabilityStartupTest, SwappedOrMismatchedTlsFilesAreReportedAsATlsProblem
     options.address = "127.0.0.1:0";
     options.tls_cert_file = c.cert;
     options.tls_key_file = c.key;
+    options.tls_client_ca_file = c.client_ca;
     absl::StatusOr<std::unique_ptr<RolloutServer>> server = RolloutServer::Start(options);
     ASSERT_FALSE(server.ok()) << c.name;
     EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
