@@ -39,27 +39,97 @@ def channel_options(options: Sequence[Tuple[str, Any]]) -> List[Tuple[str, Any]]
     ] + list(options)
 
 
-def open_channel(grpc_module: Any, target: str, tls_root_cert: Union[None, str, bytes],
+PemSource = Union[None, str, bytes, os.PathLike]  # a PEM file's path, or the PEM
+
+
+def channel_credentials(tls_root_cert: PemSource = None, tls_client_cert: PemSource = None,
+                        tls_client_key: PemSource = None) -> Optional[grpc.ChannelCredentials]:
+    """The credentials of a client's channels: TLS trusting `tls_root_cert`, presenting
+    `tls_client_cert` with its `tls_client_key` to a server that verifies clients (mutual TLS,
+    its --tls_client_ca); None (plaintext) without any. Each is a PEM path or PEM bytes, read
+    here, once. ValueError for a client certificate without its key (or the key without the
+    certificate), or either without tls_root_cert; OSError naming a file that cannot be read."""
+    has_cert, has_key = tls_client_cert is not None, tls_client_key is not None
+    # Either alone would fail the handshake later with an obscure message; say so now.
+    if has_cert != has_key:
+        raise ValueError("tls_client_cert (the client's certificate chain) needs "
+                         "tls_client_key (its private key) as well" if has_cert else
+                         "tls_client_key (a private key) needs tls_client_cert (its certificate "
+                         "chain) as well")
+    if has_cert and tls_root_cert is None:
+        raise ValueError("tls_client_cert and tls_client_key need tls_root_cert as well: the "
+                         "PEM of the CA that signed the server's certificate (for the "
+                         "system's roots, their bundle, e.g. /etc/ssl/certs/ca-certificates.crt)")
+    if tls_root_cert is None:
+        return None
+    root = read_pem(tls_root_cert, "tls_root_cert")
+    if not has_cert:
+        return grpc.ssl_channel_credentials(root_certificates=root)
+    chain = read_pem(tls_client_cert, "tls_client_cert")
+    key = read_pem(tls_client_key, "tls_client_key")
+    return grpc.ssl_channel_credentials(root_certificates=root, private_key=key,
+                                        certificate_chain=chain)
+
+
+def open_channel(grpc_module: Any, target: str, credentials: Optional[grpc.ChannelCredentials],
                  options: Sequence[Tuple[str, Any]]) -> Any:
     """A channel to `target` from `grpc_module` (grpc, or grpc.aio for the asyncio client):
-    TLS with `tls_root_cert` (a PEM path or PEM bytes), else plaintext."""
+    TLS with `credentials` (channel_credentials), else plaintext."""
     channel_opts = channel_options(options)
-    if tls_root_cert is None:
+    if credentials is None:
         return grpc_module.insecure_channel(target, options=channel_opts)
-    credentials = grpc.ssl_channel_credentials(root_certificates=read_pem(tls_root_cert))
     return grpc_module.secure_channel(target, credentials, options=channel_opts)
 
 
+_TOKEN_SPACE = " \t\n\v\f\r"  # what the server strips around its token (absl's ASCII space)
+
+
 def bearer_metadata(token: Optional[str]) -> Tuple[Tuple[str, str], ...]:
-    """The metadata every call carries: `authorization: Bearer <token>`, or none."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    """The metadata every call carries: `authorization: Bearer <token>`, or none (token None or
+    ""). The token's line end and surrounding whitespace are left out, as the server and
+    rollout-cli read --auth_token_file (docs/operations.md, "One spelling for the token"): so
+    token=open(path).read() works. ValueError naming `token` for what gRPC metadata cannot carry
+    (e.g. a line end inside it); the message never shows the token."""
+    if token is None:
+        return ()
+    if not isinstance(token, str):
+        raise TypeError(f"token must be a str (got {type(token).__name__})")
+    if not token:
+        return ()
+    stripped = token.strip(_TOKEN_SPACE)
+    if not stripped:
+        raise ValueError("token holds only whitespace or a line end (an empty token file?)")
+    for i, ch in enumerate(stripped):
+        if not " " <= ch <= "~":
+            raise ValueError(f"token: character {ord(ch):#04x} at index {i} cannot go in gRPC "
+                             "metadata (printable ASCII only); was a whole file given instead of "
+                             "its first line?")
+    return (("authorization", f"Bearer {stripped}"),)
 
 
-def read_pem(tls_root_cert: Union[str, bytes]) -> bytes:
-    if isinstance(tls_root_cert, str):
-        with open(tls_root_cert, "rb") as f:
-            return f.read()
-    return tls_root_cert
+def read_pem(source: PemSource, what: str) -> bytes:
+    """The PEM of `source` (a path, or the PEM bytes themselves); `what` names the parameter in
+    errors. An empty one is refused: gRPC would take an empty root PEM for "the default roots"
+    and an empty client certificate for "none", neither of which a caller naming it asked for."""
+    if isinstance(source, (bytes, bytearray)):
+        if not source:
+            raise ValueError(f"{what} is empty (PEM bytes expected, or a PEM file's path)")
+        return bytes(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a PEM file's path or PEM bytes "
+                        f"(got {type(source).__name__})")
+    path = os.fspath(source)
+    if not path:
+        raise ValueError(f"{what} is an empty path (give a PEM file's path or PEM bytes; None "
+                         "for none)")
+    try:
+        with open(path, "rb") as f:
+            pem = f.read()
+    except OSError as e:
+        raise OSError(e.errno, f"cannot read the {what} file {path}: {e.strerror}") from None
+    if not pem:
+        raise ValueError(f"the {what} file {path} is empty")
+    return pem
 
 
 def policy(value: Optional[str]) -> int:

@@ -38,14 +38,17 @@ class RolloutClient:
 
     def __init__(self, target: str = "127.0.0.1:50051", token: Optional[str] = None,
                  timeout: Optional[float] = None,
-                 tls_root_cert: Union[None, str, bytes] = None,
-                 options: Sequence[Tuple[str, Any]] = ()):
+                 tls_root_cert: _wire.PemSource = None,
+                 options: Sequence[Tuple[str, Any]] = (), *,
+                 tls_client_cert: _wire.PemSource = None,
+                 tls_client_key: _wire.PemSource = None):
         self.target = target
         self.timeout = timeout
         self._metadata = _wire.bearer_metadata(token)
-        self._tls_root_cert = tls_root_cert
+        self._credentials = _wire.channel_credentials(tls_root_cert, tls_client_cert,
+                                                      tls_client_key)
         self._options = list(options)
-        self._channel = _wire.open_channel(grpc.aio, target, tls_root_cert, options)
+        self._channel = _wire.open_channel(grpc.aio, target, self._credentials, options)
         self._stub = pb2_grpc.RolloutServiceStub(self._channel)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -182,7 +185,7 @@ class RolloutClient:
         loop = asyncio.get_running_loop()
         # Part 0 on this client's channel, every other on a channel (a connection) of its own.
         channels = [self._channel] + [
-            _wire.open_channel(grpc.aio, self.target, self._tls_root_cert,
+            _wire.open_channel(grpc.aio, self.target, self._credentials,
                                self._options + [("grpc.use_local_subchannel_pool", 1)])
             for _ in parts[1:]]
         first: List[BaseException] = []  # the first failure: a conversion error or the server's

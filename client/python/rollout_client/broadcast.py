@@ -196,25 +196,28 @@ class TorchNcclTransport:
 class WeightBroadcaster:
     """The source rank of an NCCL weight-sync group of rollout servers (see the module doc).
 
-    targets: server addresses (RolloutClients are made with token, tls_root_cert, options) or
-    RolloutClient objects. device: the CUDA device whose tensors are broadcast (default: the
-    current one). timeout: seconds any wait may take (the join; each bucket). The constructor
-    joins: it makes the unique id, calls JoinWeightSyncGroup on every server at once (they wait
-    for each other) while it initializes its own communicator; BroadcastError says who failed,
-    and the servers that joined are left again. close() (or the with block) leaves the group.
-    One thread at a time.
+    targets: server addresses (RolloutClients are made with token, tls_root_cert, options,
+    tls_client_cert, tls_client_key) or RolloutClient objects. device: the CUDA device whose
+    tensors are broadcast (default: the current one). timeout: seconds any wait may take (the
+    join; each bucket). The constructor joins: it makes the unique id, calls
+    JoinWeightSyncGroup on every server at once (they wait for each other) while it initializes
+    its own communicator; BroadcastError says who failed, and the servers that joined are left
+    again. close() (or the with block) leaves the group. One thread at a time.
     """
 
     def __init__(self, targets: Sequence[Any], device: Any = None, *, token: Optional[str] = None,
                  timeout: float = 60.0, nccl_library: Optional[str] = None,
-                 tls_root_cert: Union[None, str, bytes] = None,
-                 options: Sequence[Tuple[str, Any]] = (), transport: Any = None):
+                 tls_root_cert: _wire.PemSource = None,
+                 options: Sequence[Tuple[str, Any]] = (), transport: Any = None,
+                 tls_client_cert: _wire.PemSource = None, tls_client_key: _wire.PemSource = None):
         from .client import RolloutClient
         targets = list(targets)
         if not targets:
             raise ValueError("WeightBroadcaster: no servers given")
         self.clients = [t if hasattr(t, "join_weight_sync_group") else
-                        RolloutClient(t, token, None, tls_root_cert, options) for t in targets]
+                        RolloutClient(t, token, None, tls_root_cert, options,
+                                      tls_client_cert=tls_client_cert,
+                                      tls_client_key=tls_client_key) for t in targets]
         self.targets = [getattr(c, "target", str(c)) for c in self.clients]
         if len(set(self.targets)) != len(self.targets):
             raise ValueError("WeightBroadcaster: a server is listed twice")

@@ -31,21 +31,27 @@ class RolloutClient:
     Failures raise RolloutError(code, message) with the gRPC status code name and the server's
     message; bad Python arguments raise TypeError/ValueError before anything is sent.
     `timeout` (seconds) is the default deadline of every call (None: none); each method also
-    takes `timeout=`. `token` is sent as `authorization: Bearer <token>` on every call.
-    `tls_root_cert` (a PEM path or PEM bytes) makes the channel TLS; otherwise plaintext.
+    takes `timeout=`. `token` is sent as `authorization: Bearer <token>` on every call (its
+    line end left out: token=open(path).read() works). `tls_root_cert` (a PEM path or PEM
+    bytes) makes the channel TLS; otherwise plaintext. `tls_client_cert` and `tls_client_key`
+    (both, with tls_root_cert) present a client certificate, for a server that verifies
+    clients (its --tls_client_ca: mutual TLS); the files are read here, once.
     rollout_client.aio.RolloutClient has the same methods for asyncio.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", token: Optional[str] = None,
                  timeout: Optional[float] = None,
-                 tls_root_cert: Union[None, str, bytes] = None,
-                 options: Sequence[Tuple[str, Any]] = ()):
+                 tls_root_cert: _wire.PemSource = None,
+                 options: Sequence[Tuple[str, Any]] = (), *,
+                 tls_client_cert: _wire.PemSource = None,
+                 tls_client_key: _wire.PemSource = None):
         self.target = target
         self.timeout = timeout
         self._metadata = _wire.bearer_metadata(token)
-        self._tls_root_cert = tls_root_cert
+        self._credentials = _wire.channel_credentials(tls_root_cert, tls_client_cert,
+                                                      tls_client_key)
         self._options = list(options)
-        self._channel = _wire.open_channel(grpc, target, tls_root_cert, options)
+        self._channel = _wire.open_channel(grpc, target, self._credentials, options)
         self._stub = pb2_grpc.RolloutServiceStub(self._channel)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -248,7 +254,7 @@ class RolloutClient:
         """The parts of one update at once, part 0 on this client's channel and each other on a
         channel of its own (a local subchannel pool: its own connection)."""
         channels = [self._channel] + [
-            _wire.open_channel(grpc, self.target, self._tls_root_cert,
+            _wire.open_channel(grpc, self.target, self._credentials,
                                self._options + [("grpc.use_local_subchannel_pool", 1)])
             for _ in parts[1:]]
         lock = threading.Lock()

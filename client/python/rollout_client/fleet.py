@@ -55,15 +55,19 @@ class Fleet:
 
     def __init__(self, targets: Sequence[str], token: Optional[str] = None,
                  timeout: Optional[float] = None,
-                 tls_root_cert: Union[None, str, bytes] = None,
-                 options: Sequence[Tuple[str, Any]] = ()):
+                 tls_root_cert: _wire.PemSource = None,
+                 options: Sequence[Tuple[str, Any]] = (), *,
+                 tls_client_cert: _wire.PemSource = None,
+                 tls_client_key: _wire.PemSource = None):
         targets = list(targets)
         if not targets:
             raise ValueError("Fleet: no targets given")
         if len(set(targets)) != len(targets):
             raise ValueError("Fleet: a target is listed twice")
         self.targets = targets
-        self.clients = [RolloutClient(t, token, timeout, tls_root_cert, options) for t in targets]
+        self.clients = [RolloutClient(t, token, timeout, tls_root_cert, options,
+                                      tls_client_cert=tls_client_cert,
+                                      tls_client_key=tls_client_key) for t in targets]
 
     def subset(self, targets: Iterable[str]) -> "Fleet":
         """A Fleet of some of these replicas (sharing their channels), e.g. the failed ones of
