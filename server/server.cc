@@ -429,6 +429,9 @@ void RolloutServer::Shutdown() {
 void RolloutServer::HealthSwitch::Attach(grpc::Server* s) {
   std::lock_guard<std::mutex> lock(mu);
   server = s;
+  // By the service's name too, as meshes and grpc_health_probe -service ask; SetServingStatus
+  // (bool) from then on sets both.
+  s->GetHealthCheckService()->SetServingStatus(v1::RolloutService::service_full_name(), !unusable);
   s->GetHealthCheckService()->SetServingStatus(!unusable);
 }
 

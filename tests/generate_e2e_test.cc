@@ -329,6 +329,12 @@ TEST_F(GenerateE2eTest, HealthServiceAnswersServing) {
   grpc::health::v1::HealthCheckResponse response;
   ASSERT_TRUE(health->Check(&context, request, &response).ok());
   EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  // By the service's name too (grpc_health_probe -service, meshes): it was NOT_FOUND.
+  grpc::ClientContext by_name;
+  request.set_service("rollout.v1.RolloutService");
+  const grpc::Status status = health->Check(&by_name, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
 v1::ServerInfo Info(v1::RolloutService::Stub* stub) {

@@ -1489,6 +1489,8 @@ TEST(ReliabilityShutdownTest, SigtermUnderLoadEndsEveryRolloutAndExitsZero) {
       EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
       saw_draining_message = refused.error_message().find("shutting down") != std::string::npos;
       if (saw_draining_message) {
+        EXPECT_FALSE(rel::IsServing(channel)) << "draining is NOT_SERVING";
+        EXPECT_FALSE(rel::IsServing(channel, "rollout.v1.RolloutService"));
         v1::ScoreResponse score;
         grpc::ClientContext score_context;
         EXPECT_EQ(stub->Score(&score_context, GoodScoreRequest(), &score).error_code(),

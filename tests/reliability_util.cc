@@ -53,11 +53,12 @@ bool WaitForQuiescence(v1::RolloutService::Stub* stub, std::chrono::milliseconds
   }
 }
 
-bool IsServing(const std::shared_ptr<grpc::Channel>& channel) {
+bool IsServing(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
   auto health = grpc::health::v1::Health::NewStub(channel);
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
   return health->Check(&context, request, &response).ok() &&
          response.status() == grpc::health::v1::HealthCheckResponse::SERVING;

@@ -29,8 +29,8 @@ bool WaitForQuiescence(v1::RolloutService::Stub* stub,
                        std::chrono::milliseconds timeout = std::chrono::seconds(30),
                        std::string* last = nullptr);
 
-// grpc.health.v1 Check of the whole server ("" service). SERVING -> true.
-bool IsServing(const std::shared_ptr<grpc::Channel>& channel);
+// grpc.health.v1 Check of `service` ("": the whole server). SERVING -> true.
+bool IsServing(const std::shared_ptr<grpc::Channel>& channel, const std::string& service = "");
 
 // One call of `method` (e.g. "/rollout.v1.RolloutService/Generate") that sends `payload` as a
 // single raw message, half-closes, reads every response and returns the final status. Works for
