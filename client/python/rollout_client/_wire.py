@@ -47,8 +47,10 @@ def channel_credentials(tls_root_cert: PemSource = None, tls_client_cert: PemSou
     """The credentials of a client's channels: TLS trusting `tls_root_cert`, presenting
     `tls_client_cert` with its `tls_client_key` to a server that verifies clients (mutual TLS,
     its --tls_client_ca); None (plaintext) without any. Each is a PEM path or PEM bytes, read
-    here, once. ValueError for a client certificate without its key (or the key without the
-    certificate), or either without tls_root_cert; OSError naming a file that cannot be read."""
+    here, once. A client certificate turns TLS on by itself: without tls_root_cert the server
+    is checked against gRPC's default roots (as rollout-cli does). ValueError for a client
+    certificate without its key (or the key without the certificate); OSError naming a file
+    that cannot be read."""
     has_cert, has_key = tls_client_cert is not None, tls_client_key is not None
     # Either alone would fail the handshake later with an obscure message; say so now.
     if has_cert != has_key:
@@ -56,13 +58,9 @@ def channel_credentials(tls_root_cert: PemSource = None, tls_client_cert: PemSou
                          "tls_client_key (its private key) as well" if has_cert else
                          "tls_client_key (a private key) needs tls_client_cert (its certificate "
                          "chain) as well")
-    if has_cert and tls_root_cert is None:
-        raise ValueError("tls_client_cert and tls_client_key need tls_root_cert as well: the "
-                         "PEM of the CA that signed the server's certificate (for the "
-                         "system's roots, their bundle, e.g. /etc/ssl/certs/ca-certificates.crt)")
-    if tls_root_cert is None:
+    if tls_root_cert is None and not has_cert:
         return None
-    root = read_pem(tls_root_cert, "tls_root_cert")
+    root = None if tls_root_cert is None else read_pem(tls_root_cert, "tls_root_cert")
     if not has_cert:
         return grpc.ssl_channel_credentials(root_certificates=root)
     chain = read_pem(tls_client_cert, "tls_client_cert")
