@@ -45,7 +45,9 @@ TEST(WeightsArenaTest, OnlyTheFirstUpdateAllocatesAndEveryOneGetsTheSamePlaces) 
     double setup = -1;
     absl::StatusOr<std::shared_ptr<WeightsArena::Lease>> lease = arena.Acquire(&setup);
     ASSERT_TRUE(lease.ok()) << lease.status();
-    if (update > 0) EXPECT_EQ(setup, 0.0) << "update " << update << " allocated nothing";
+    if (update > 0) {
+      EXPECT_EQ(setup, 0.0) << "update " << update << " allocated nothing";
+    }
     for (const WeightSpec& spec : Specs()) {
       uint8_t* place = (*lease)->TensorBytes(spec.name);
       ASSERT_NE(place, nullptr) << spec.name;
