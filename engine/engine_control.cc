@@ -239,6 +239,12 @@ void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
     tensor_digests_ = std::move(pending.update.digests);
     digest_ = WeightsDigest(runner_->weight_specs(), tensor_digests_);
     scheduler_.set_cache_version(version_);
+    // CONTINUE: a sample without a generated token yet starts again on the new weights (its
+    // prompt's KV would be the old ones', under a span that says new).
+    const int32_t restarted = scheduler_.RestartUnstarted();
+    if (restarted > 0) {
+      LOG(INFO) << restarted << " samples without a generated token restart on the new weights";
+    }
     // KV of the old weights must never serve the new ones; pages still used by running
     // samples (CONTINUE) are detached and freed when those end.
     cache_.Flush();

@@ -347,6 +347,45 @@ TEST(EngineUpdateTest, ContinueRecordsTheVersionOfEveryToken) {
   EXPECT_EQ(c.version_spans[1].last_token, 299);
 }
 
+// A CONTINUE update while a sample's prompt is being prefilled: the sample starts again on the
+// new weights, so its one version span is true and its bits are those of the new weights alone.
+// (Its prompt's first chunks kept the old weights' KV: the completion said "all v1" with
+// logprobs of neither version; review24 finding 1.)
+TEST(EngineUpdateTest, AContinueUpdateDuringAPromptsPrefillRestartsItOnTheNewWeights) {
+  auto make = [] {
+    auto ck = Checkpoint::Open(SmallModelDir());
+    EXPECT_TRUE(ck.ok());
+    auto runner = CpuModelRunner::Create(**ck, {});
+    EXPECT_TRUE(runner.ok());
+    EngineOptions options;
+    options.weight_version = "v0";
+    options.max_running_samples = 4;
+    options.max_batch_tokens = 64;  // the prompt prefills over 30 steps
+    auto engine = Engine::Create(*std::move(runner), options);
+    EXPECT_TRUE(engine.ok());
+    return *std::move(engine);
+  };
+  const HostTensor v1 = ScaledCheckpointTensor(SmallModelDir(), kTensor, 2.0f);
+  SampleSpec spec = Spec(6);
+  spec.prompt.clear();
+  for (int32_t i = 0; i < 1900; ++i) spec.prompt.push_back((i * 7919 + 13) % 4000 + 3);
+
+  std::unique_ptr<Engine> reference_engine = make();
+  ASSERT_TRUE(Update(reference_engine.get(), "v1", UpdatePolicy::kContinue, {v1}).status.ok());
+  const SampleCompletion reference = RunJob(reference_engine.get(), {spec})[0];
+
+  std::unique_ptr<Engine> engine = make();
+  auto in_flight = std::async(std::launch::async, [&] { return RunJob(engine.get(), {spec}); });
+  while (engine->counters().prefilled_tokens < 256) std::this_thread::yield();
+  ASSERT_TRUE(Update(engine.get(), "v1", UpdatePolicy::kContinue, {v1}).status.ok());
+  const SampleCompletion c = in_flight.get()[0];
+  ASSERT_EQ(c.version_spans.size(), 1u) << "the update came after the prefill: proves nothing";
+  EXPECT_EQ(c.version_spans[0].version, "v1");
+  EXPECT_EQ(c.weight_version, "v1");
+  EXPECT_EQ(Bits(c), Bits(reference)) << "the prompt kept KV of the old weights";
+  EXPECT_EQ(engine->counters().preemptions, 0u) << "a restart is not a preemption";
+}
+
 TEST(EngineUpdateTest, AnUpdateCancelledBeforeItActsAppliesNothingWhateverItsPolicy) {
   std::unique_ptr<Engine> engine = MakeEngine();
   auto in_flight =

@@ -42,6 +42,22 @@ int32_t Scheduler::RequeueRunning() {
   return n;
 }
 
+int32_t Scheduler::RestartUnstarted() {
+  int32_t n = 0;
+  for (size_t i = 0; i < running_.size();) {
+    Sequence* seq = running_[i];
+    if (!seq->is_score() && seq->num_generated() > 0) {
+      ++i;
+      continue;
+    }
+    ForgetComputed(seq);
+    running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+    InsertByArrival(seq, &waiting_);
+    ++n;
+  }
+  return n;
+}
+
 void Scheduler::ForgetComputed(Sequence* seq) {
   ReleaseKv(seq);
   seq->num_computed = 0;

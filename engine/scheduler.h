@@ -51,6 +51,12 @@ class Scheduler {
   // cache then holds, with the same bits), but not counted as one: the engine's ReleaseMemory,
   // which needs every block free. Returns how many there were.
   int32_t RequeueRunning();
+  // The running sequences that have computed KV but no generated token yet (a prompt partly or
+  // wholly prefilled; a Score sequence, whatever it has scored) give their KV blocks back and
+  // return to the queue, to be computed again from their start: the engine's CONTINUE update,
+  // so that such a sample is wholly of the new weights, as its one version span says (its
+  // prompt's KV of the old ones stayed). Not counted as preemptions. Returns how many.
+  int32_t RestartUnstarted();
 
   // Adds the sequence's newly computed whole pages to the prefix cache (after a step), unless
   // its KV was computed by other weights than the current ones. A scoring sequence replaying a
