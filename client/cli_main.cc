@@ -105,8 +105,8 @@ ABSL_FLAG(std::string, policy, "drain",
           "(finish them on the old weights first), abort (end them now) or continue (go on with "
           "the new weights).");
 ABSL_FLAG(uint32_t, chunk_mb, 4,
-          "update-weights: MiB of tensor data per message (the server accepts messages up to "
-          "64 MiB).");
+          "update-weights: MiB of tensor data per message, 1 to 63 (the server accepts "
+          "messages up to 64 MiB).");
 ABSL_FLAG(int32_t, streams, 1,
           "update-weights: concurrent streams (each on its own connection) the update is spread "
           "over, its tensors split by bytes; the server swaps once, when all arrived (1 to 64; "
@@ -400,7 +400,12 @@ void RunUpdateWeights() {
   const std::string version = WeightVersionFromFlags("update-weights");
   const rollout::v1::InFlightPolicy policy = PolicyFromFlags();
   const uint32_t chunk_mb = absl::GetFlag(FLAGS_chunk_mb);
-  if (chunk_mb == 0) Fail(absl::InvalidArgumentError("--chunk_mb must be positive"));
+  if (chunk_mb == 0 || chunk_mb > (kMaxWeightsChunkBytes >> 20)) {
+    Fail(absl::InvalidArgumentError(absl::StrFormat(
+        "--chunk_mb %u: give 1 to %u (the server accepts messages up to 64 MiB, a chunk's "
+        "fields included)",
+        chunk_mb, kMaxWeightsChunkBytes >> 20)));
+  }
   std::unique_ptr<RolloutClient> client = ConnectFromFlags();
   ProgressLine progress;
   absl::StatusOr<rollout::v1::UpdateWeightsResponse> response = UpdateWeightsFromCheckpoint(

@@ -358,7 +358,12 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
     const std::string& version, rollout::v1::InFlightPolicy policy,
     const std::vector<TensorSource>& tensors, size_t chunk_bytes, const UploadProgress& progress,
     int streams) {
-  if (chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes must be positive");
+  if (chunk_bytes == 0 || chunk_bytes > kMaxWeightsChunkBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a chunk of %u bytes: give 1 to %u (63 MiB: the server takes messages of up to 64 MiB, "
+        "a chunk's fields included)",
+        chunk_bytes, kMaxWeightsChunkBytes));
+  }
   if (streams < 1 || streams > 64) {
     return absl::InvalidArgumentError(
         absl::StrFormat("streams is %d; give 1 to 64 (the server takes up to 64 parts)", streams));

@@ -49,6 +49,9 @@ struct ClientOptions {
 // 30-57 MB/s with 32 MiB ones, whose messages gRPC copies and flow-controls in one piece); far
 // under the server's 64 MiB message limit.
 inline constexpr size_t kDefaultWeightsChunkBytes = size_t{4} << 20;
+// The most tensor bytes one chunk may carry: the server takes messages of up to 64 MiB, and a
+// chunk's fields add a few bytes (the Python client's bound too).
+inline constexpr size_t kMaxWeightsChunkBytes = size_t{63} << 20;
 
 // One tensor to upload, borrowed from memory the caller keeps alive during the call.
 struct TensorSource {
@@ -126,8 +129,9 @@ class RolloutClient {
 
   // UpdateWeights of in-memory tensors: declares them all in the header, then sends every byte
   // exactly once, tensor by tensor in the given order, in chunks of at most chunk_bytes (which
-  // never span two tensors). INVALID_ARGUMENT, before anything is sent, for chunk_bytes 0 or a
-  // tensor without data. progress, when set, is called as documented at UploadProgress.
+  // never span two tensors). INVALID_ARGUMENT, before anything is sent, for chunk_bytes 0 or
+  // above kMaxWeightsChunkBytes, or a tensor without data. progress, when set, is called as
+  // documented at UploadProgress.
   //
   // streams > 1 spreads the update over that many concurrent calls (docs/api.md, "One update
   // over several streams"), each on a channel of its own, so on its own TCP connection: one

@@ -1123,6 +1123,14 @@ TEST_F(RolloutClientTest, UpdateWeightsFromTensorsRejectsBadInputWithoutCallingT
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
+  // 64 MiB of data and the chunk's fields are more than the server takes in one message.
+  const absl::Status too_big =
+      client
+          ->UpdateWeightsFromTensors("v", rollout::v1::IN_FLIGHT_POLICY_DRAIN,
+                                     {{"w", "F32", {1}, &byte, 1}}, /*chunk_bytes=*/64 << 20)
+          .status();
+  EXPECT_EQ(too_big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(too_big.message(), HasSubstr("give 1 to 66060288"));
   absl::Status no_data = client
                              ->UpdateWeightsFromTensors("v", rollout::v1::IN_FLIGHT_POLICY_DRAIN,
                                                         {{"w", "F32", {1}, nullptr, 4}})

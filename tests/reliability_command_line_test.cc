@@ -128,6 +128,20 @@ TEST(ReliabilityCommandLineTest, TheTokenFlagsHelpNamesEveryRpcTheTokenGuards) {
   }
 }
 
+// --chunk_mb 64 read as allowed ("the server accepts messages up to 64 MiB"), then failed with
+// gRPC's raw "Received message larger than max" on a tensor over 64 MiB (review24 finding 2).
+// Refused before any connection, so no server is needed.
+TEST(ReliabilityCommandLineTest, UpdateWeightsRefusesAChunkTheServerCouldNotTake) {
+  for (const char* mb : {"64", "0"}) {
+    const BinaryRun run = RunBinary({ROLLOUT_CLI_BIN, "--server=127.0.0.1:1",
+                                     "--connect_timeout_s=1", "--from=/nonexistent", "--version=v",
+                                     std::string("--chunk_mb=") + mb, "update-weights"});
+    EXPECT_EQ(run.exit_code, 1) << run.output;
+    EXPECT_TRUE(Contains(run.output, std::string("--chunk_mb ") + mb + ": give 1 to 63"))
+        << run.output;
+  }
+}
+
 TEST(ReliabilityCommandLineTest, VersionNamesTheProjectVersionCommitAndBuildType) {
   for (const char* binary : {ROLLOUT_SERVER_BIN, ROLLOUT_MAKE_MODEL_BIN}) {
     const BinaryRun run = RunBinary({binary, "--version"});
