@@ -69,6 +69,7 @@ GenerateReactor::GenerateReactor(RolloutServiceImpl* service, const v1::Generate
 
 void GenerateReactor::OnEvents(std::vector<SampleEvent> events) {
   // Called with stream_->mu held, on the engine's delivery thread.
+  service_->EndSamples(job_id_, events);
   Stream& s = *stream_;
   if (s.finished || s.cancelled || s.stalled.has_value()) return;
   std::vector<v1::GenerateResponse> responses;

@@ -5,6 +5,7 @@
 #include <deque>
 #include <functional>
 #include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -449,6 +450,8 @@ absl::StatusOr<uint64_t> RolloutServiceImpl::StartGenerate(
           id));
     }
   }
+  InFlightJob rollouts{caller, request_ids, std::vector<uint32_t>(request_ids.size(), 0)};
+  for (const SampleSpec& spec : samples) ++rollouts.samples_left.at(spec.rollout_index);
   absl::StatusOr<uint64_t> job = engine_->SubmitValidated(std::move(samples), std::move(sink));
   if (!job.ok()) return job.status();
   for (size_t i = 0; i < request_ids.size(); ++i) {
@@ -456,8 +459,30 @@ absl::StatusOr<uint64_t> RolloutServiceImpl::StartGenerate(
       in_flight_ids_[{caller, request_ids[i]}] = InFlight{*job, static_cast<int32_t>(i)};
     }
   }
-  in_flight_jobs_[*job] = static_cast<int32_t>(request_ids.size());
+  in_flight_jobs_[*job] = std::move(rollouts);
   return job;
+}
+
+void RolloutServiceImpl::EndRolloutLocked(uint64_t job_id, InFlightJob* job, int32_t rollout) {
+  job->samples_left[rollout] = 0;
+  const std::string& id = job->request_ids[rollout];
+  if (id.empty()) return;
+  auto it = in_flight_ids_.find({job->caller, id});
+  if (it != in_flight_ids_.end() && it->second.job_id == job_id &&
+      it->second.rollout_index == rollout) {
+    in_flight_ids_.erase(it);
+  }
+}
+
+void RolloutServiceImpl::EndSamples(uint64_t job_id, const std::vector<SampleEvent>& events) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto job = in_flight_jobs_.find(job_id);
+  if (job == in_flight_jobs_.end()) return;
+  for (const SampleEvent& event : events) {
+    if (!event.completion.has_value()) continue;
+    uint32_t& left = job->second.samples_left.at(event.rollout_index);
+    if (left > 0 && --left == 0) EndRolloutLocked(job_id, &job->second, event.rollout_index);
+  }
 }
 
 absl::StatusOr<uint64_t> RolloutServiceImpl::StartScore(std::vector<SampleSpec> samples,
@@ -501,22 +526,37 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Abort(grpc::CallbackServerContext*
     return reactor;
   }
   std::lock_guard<std::mutex> lock(mu_);
+  // Counted: the rollouts still running (not those of a call that ended already, nor one named
+  // twice). An aborted rollout's id is free at once, for its resubmission.
   if (request->all()) {
-    int32_t rollouts = 0;
-    for (const auto& [job, n] : in_flight_jobs_) rollouts += n;
-    response->set_aborted_rollouts(static_cast<uint32_t>(rollouts));
+    uint32_t rollouts = 0;
+    for (auto& [job_id, job] : in_flight_jobs_) {
+      for (size_t r = 0; r < job.samples_left.size(); ++r) {
+        if (job.samples_left[r] == 0) continue;
+        ++rollouts;
+        EndRolloutLocked(job_id, &job, static_cast<int32_t>(r));
+      }
+    }
+    response->set_aborted_rollouts(rollouts);
     engine_->AbortAll();
   } else {
     // Abort is a control RPC: its caller carries the token, and reaches the ids of callers
     // that did (those of calls without it are theirs alone).
+    std::set<std::string> seen;
     for (const std::string& id : request->request_ids()) {
+      if (!seen.insert(id).second) continue;
       auto it = in_flight_ids_.find({CallerScope::kTrusted, id});
       if (it == in_flight_ids_.end()) {
         response->add_unknown_request_ids(id);
         continue;
       }
-      engine_->Abort(it->second.job_id, it->second.rollout_index);
+      const InFlight rollout = it->second;
+      engine_->Abort(rollout.job_id, rollout.rollout_index);
       response->set_aborted_rollouts(response->aborted_rollouts() + 1);
+      auto job = in_flight_jobs_.find(rollout.job_id);
+      if (job != in_flight_jobs_.end()) {
+        EndRolloutLocked(rollout.job_id, &job->second, rollout.rollout_index);
+      }
     }
   }
   reactor->Finish(grpc::Status::OK);

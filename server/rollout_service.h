@@ -153,6 +153,10 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   // Forgets a finished call's job and request ids.
   void EndGenerate(CallerScope caller, uint64_t job_id,
                    const std::vector<std::string>& request_ids);
+  // Of a Generate call's job, the samples that ended (its events with a completion): a rollout
+  // whose samples all ended leaves Abort's reach, and its request id is free again, while the
+  // call's other rollouts run on.
+  void EndSamples(uint64_t job_id, const std::vector<SampleEvent>& events);
   // Submits a Score call's sequences as one engine job, within the same limits as Generate.
   // REQUIRES: `samples` passed Engine::Validate (ToScoreSpecs does it).
   absl::StatusOr<uint64_t> StartScore(std::vector<SampleSpec> samples, EventSink sink);
@@ -174,6 +178,16 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
     uint64_t job_id;
     int32_t rollout_index;
   };
+  // A Generate call's job: per rollout, its request id and how many of its samples run (0: the
+  // rollout ended, or Abort named it).
+  struct InFlightJob {
+    CallerScope caller;
+    std::vector<std::string> request_ids;
+    std::vector<uint32_t> samples_left;
+  };
+  // Rollout `rollout` of `job` (job id `job_id`) ended: it no longer counts, and its id is
+  // forgotten. REQUIRES: mu_ held.
+  void EndRolloutLocked(uint64_t job_id, InFlightJob* job, int32_t rollout);
 
   // UNAVAILABLE once admission stopped, RESOURCE_EXHAUSTED when `num_samples` more would pass
   // max_unfinished_samples_. REQUIRES: mu_ held (so that checks and submissions are ordered).
@@ -199,7 +213,7 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   std::deque<std::pair<std::string, absl::Status>> ended_updates_;
   // Guarded by mu_.
   std::map<std::pair<CallerScope, std::string>, InFlight> in_flight_ids_;
-  std::map<uint64_t, int32_t> in_flight_jobs_;  // job id -> number of rollouts
+  std::map<uint64_t, InFlightJob> in_flight_jobs_;
 };
 
 }  // namespace rollout

@@ -122,5 +122,56 @@ TEST(ReliabilityRequestIdTest, CallersWithoutTheTokenCannotProbeTakeOrAbortATrai
   EXPECT_TRUE(rel::WaitForQuiescence(stub, seconds(30), &last)) << last;
 }
 
+// Abort counts the rollouts it ends: not one of the call that finished already (it is unknown,
+// and its id free for a resubmission while the call's other rollout runs), nor one named twice,
+// nor again in an Abort of all. (All three counted, and the finished rollout's id answered
+// ALREADY_EXISTS until its whole call ended; review24 finding 4.)
+TEST(ReliabilityRequestIdTest, AbortCountsOnlyRunningRolloutsOnceAndAnEndedRolloutsIdIsFree) {
+  ServerOptions options;
+  options.auth_token = kToken;
+  std::unique_ptr<TestServer> server = StartTestServer(options);
+  ASSERT_NE(server, nullptr);
+  v1::RolloutService::Stub* stub = server->stub.get();
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + seconds(120));
+  context.AddMetadata("authorization", std::string("Bearer ") + kToken);
+  v1::GenerateRequest request;
+  *request.add_rollouts() = MakeRollout(kPrompt, 1, 3000, 1.0f, "long");
+  *request.add_rollouts() = MakeRollout(kPrompt, 2, 2, 1.0f, "short");
+  request.mutable_rollouts(0)->mutable_sampling()->set_ignore_eos(true);
+  request.mutable_rollouts(1)->mutable_sampling()->set_ignore_eos(true);
+  auto reader = stub->Generate(&context, request);
+  v1::GenerateResponse response;
+  bool short_done = false;
+  while (!short_done && reader->Read(&response)) {
+    short_done = response.has_completion() && response.completion().rollout_index() == 1;
+  }
+  ASSERT_TRUE(short_done);
+
+  v1::AbortResponse ended = AbortIds(stub, {"short"});
+  EXPECT_EQ(ended.aborted_rollouts(), 0u);
+  ASSERT_EQ(ended.unknown_request_ids_size(), 1);
+  EXPECT_EQ(ended.unknown_request_ids(0), "short");
+  std::unique_ptr<Call> again = StartCall(stub, "short", /*with_token=*/true);
+  EXPECT_TRUE(again->started) << "the ended rollout's id is still taken: "
+                              << again->outcome.get().status.error_message();
+  EXPECT_EQ(AbortIds(stub, {"short"}).aborted_rollouts(), 1u);  // the resubmission's
+
+  const v1::AbortResponse twice = AbortIds(stub, {"long", "long", "nope", "nope"});
+  EXPECT_EQ(twice.aborted_rollouts(), 1u);
+  EXPECT_EQ(twice.unknown_request_ids_size(), 1) << "named twice, listed twice";
+  grpc::ClientContext all_context;
+  all_context.AddMetadata("authorization", std::string("Bearer ") + kToken);
+  v1::AbortRequest all;
+  all.set_all(true);
+  v1::AbortResponse all_response;
+  ASSERT_TRUE(stub->Abort(&all_context, all, &all_response).ok());
+  EXPECT_EQ(all_response.aborted_rollouts(), 0u) << "aborted rollouts counted again";
+  while (reader->Read(&response)) {
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_TRUE(again->outcome.get().status.ok());
+}
+
 }  // namespace
 }  // namespace rollout::testing
