@@ -5,8 +5,10 @@ No calls are made here."""
 from __future__ import annotations
 
 import numbers
+import operator
 import os
-from typing import Any, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import grpc
 
@@ -137,35 +139,166 @@ def policy(value: Optional[str]) -> int:
     return _POLICIES[key]
 
 
-def _ids(seq: Any, what: str) -> List[int]:
-    """A 1-D sequence of token ids (list, tuple, numpy array, torch tensor) as a list of int."""
-    if hasattr(seq, "tolist"):
-        seq = seq.tolist()
-    if isinstance(seq, (int, str, bytes)) or not hasattr(seq, "__iter__"):
-        raise TypeError(f"{what} must be a sequence of token ids (got {type(seq).__name__})")
-    out = [int(t) for t in seq]
-    if any(t < 0 for t in out):
-        raise ValueError(f"{what}: token ids must be >= 0")
+_ID_BOUND = 1 << 32  # ids are uint32 on the wire
+
+
+def integer(value: Any, name: str, bits: int = 32, signed: bool = False) -> int:
+    """`value` as an int in the range of a proto (u)int`bits` field: TypeError naming `name` for
+    anything but an integer (Python int, numpy integer, an integer 0-d tensor; not bool, not a
+    float even when whole), ValueError naming `name` and the bound outside the range."""
+    if isinstance(value, bool) or _dtype_kind(value) == "b":
+        raise TypeError(f"{name} must be an integer (got bool {value!r})")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer (got {type(value).__name__} "
+                        f"{value!r})") from None
+    lo, hi = (-(1 << (bits - 1)), 1 << (bits - 1)) if signed else (0, 1 << bits)
+    if not lo <= v < hi:
+        bounds = f"[-2**{bits - 1}, 2**{bits - 1})" if signed else f"[0, 2**{bits})"
+        raise ValueError(f"{name} = {v} is out of range: it must be in {bounds}")
+    return v
+
+
+def _dtype_kind(x: Any) -> Optional[str]:
+    """numpy's dtype kind of an array or tensor x ('i', 'u', 'f', 'b', ...; torch dtypes
+    mapped to the same letters), or None for what has no dtype. torch is never imported."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return None
+    kind = getattr(dtype, "kind", None)  # numpy (and what uses numpy's dtypes: jax, cupy)
+    if isinstance(kind, str):
+        return kind
+    if getattr(dtype, "is_floating_point", False):  # torch
+        return "f"
+    if getattr(dtype, "is_complex", False):
+        return "c"
+    if str(dtype) == "torch.bool":
+        return "b"
+    return "i" if str(dtype).startswith(("torch.int", "torch.uint")) else "?"
+
+
+def _id_error(what: str, j: int, t: Any, noun: str, kind: str = "") -> Exception:
+    """The error of element j of `what`, t: not an integer, or out of [0, 2**32)."""
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        shown = repr(t) if isinstance(t, (str, bytes)) else str(t)  # numpy 2's repr: np.float64(..)
+        return TypeError(f"{what}[{j}] = {shown}: {noun} must be integers, not "
+                         f"{kind or type(t).__name__}")
+    bound = "must be >= 0" if t < 0 else f"must be < 2**32 ({_ID_BOUND})"
+    return ValueError(f"{what}[{j}] = {t}: {noun} {bound}")
+
+
+def _list_ids(seq: Any, what: str, noun: str) -> List[int]:
+    out = list(seq)
+    # The common case in C: Python ints only (not bool: its type is not int), in range.
+    if set(map(type, out)) <= {int} and (not out or (min(out) >= 0 and max(out) < _ID_BOUND)):
+        return out
+    for j, t in enumerate(out):
+        if type(t) is not int:
+            if isinstance(t, bool) or _dtype_kind(t) == "b":
+                raise _id_error(what, j, t, noun, "bool")
+            try:
+                t = operator.index(t)  # numpy integers, integer 0-d tensors
+            except TypeError:
+                raise _id_error(what, j, t, noun) from None
+            out[j] = t
+        if not 0 <= t < _ID_BOUND:
+            raise _id_error(what, j, t, noun)
     return out
 
 
+def _lists_ids(values: Any, what: str, noun: str, batch: bool) -> Any:
+    """An array's values (its tolist()) checked element by element."""
+    if batch:
+        return [_list_ids(row, f"{what}[{i}]", noun) for i, row in enumerate(values)]
+    return _list_ids(values, what, noun)
+
+
+def _array_ids(a: Any, what: str, noun: str, batch: bool) -> Union[List[int], List[List[int]]]:
+    """The ids of a numpy array or torch tensor (1-D; 2-D, a batch of rows, when `batch`),
+    checked vectorised: its dtype's kind, then its min and max."""
+    shape = tuple(a.shape)
+    if len(shape) != (2 if batch else 1):
+        raise TypeError(f"{what} must be a {'2' if batch else '1'}-D array of {noun} (got shape "
+                        f"{shape}){'' if batch or shape else '; wrap a single id as [id]'}")
+    kind = _dtype_kind(a)
+    if kind == "O":  # numpy's Python objects: each checked as a list's
+        return _lists_ids(a.tolist(), what, noun, batch)
+    count = 1
+    for d in shape:
+        count *= int(d)
+    if count == 0:
+        return a.tolist()
+    cols = int(shape[-1])
+
+    def where(flat: int) -> Tuple[str, int]:
+        return (f"{what}[{flat // cols}]", flat % cols) if batch else (what, flat)
+
+    if kind not in ("i", "u"):
+        flat = a.reshape(-1)
+        values = flat.tolist()  # the error's path: the first value that is not whole, if any
+        k = next((k for k, v in enumerate(values)
+                  if not isinstance(v, (int, float)) or v != v or v % 1), 0)
+        w, j = where(k)
+        first = flat[k] if isinstance(getattr(a.dtype, "kind", None), str) else values[k]
+        raise TypeError(f"{w}[{j}] = {str(first)}: {noun} must be integers, not an array of "
+                        f"{a.dtype}" + (" (refused, not truncated: give an integer dtype)"
+                                        if kind == "f" else ""))
+    try:
+        lo, hi = int(a.min()), int(a.max())
+    except (RuntimeError, TypeError, NotImplementedError):  # e.g. a torch uint32 without min
+        return _lists_ids(a.tolist(), what, noun, batch)
+    if lo < 0 or hi >= _ID_BOUND:
+        k = int(a.argmin()) if lo < 0 else int(a.argmax())  # an index into the flat array
+        w, j = where(k)
+        raise _id_error(w, j, lo if lo < 0 else hi, noun)
+    return a.tolist()
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "dtype") and hasattr(x, "shape") and hasattr(x, "tolist")
+
+
+def ids(seq: Any, what: str, noun: str = "token ids") -> List[int]:
+    """A 1-D sequence of ids (list, tuple, numpy array, torch tensor) as a list of int, each in
+    [0, 2**32). TypeError naming `what`, the element's index and its value for a non-integer
+    (a float, even a whole one; a bool; a float array or tensor), ValueError for one out of
+    range. Arrays and tensors are checked vectorised (dtype, min, max), lists in one pass."""
+    if _is_array(seq):
+        return _array_ids(seq, what, noun, batch=False)  # type: ignore[return-value]
+    if isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__"):
+        raise TypeError(f"{what} must be a sequence of {noun} (got {type(seq).__name__})")
+    return _list_ids(seq, what, noun)
+
+
 def sequences(seqs: Any, what: str) -> List[List[int]]:
-    if hasattr(seqs, "tolist"):
-        seqs = seqs.tolist()
+    """A batch of token-id sequences (a list of them, or a 2-D array or tensor) as lists of
+    int, checked as `ids` checks one (what[i][j] in errors)."""
+    if _is_array(seqs):
+        if len(tuple(seqs.shape)) == 1:
+            raise TypeError(f"{what} must be a list of token-id lists; wrap a single one as [ids]")
+        return _array_ids(seqs, what, "token ids", batch=True)  # type: ignore[return-value]
+    if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
+        raise TypeError(f"{what} must be a list of token-id lists (got {type(seqs).__name__})")
     seqs = list(seqs)
-    if seqs and isinstance(seqs[0], int):
+    if seqs and isinstance(seqs[0], numbers.Number):
         raise TypeError(f"{what} must be a list of token-id lists; wrap a single one as [ids]")
-    return [_ids(s, f"{what}[{i}]") for i, s in enumerate(seqs)]
+    return [ids(s, f"{what}[{i}]") for i, s in enumerate(seqs)]
 
 
-def per_item(value: Any, n: int, name: str) -> List[Any]:
+def per_item(value: Any, n: int, name: str,
+             check: Optional[Callable[[Any, str], Any]] = None) -> List[Any]:
+    """One value per item: `value` for all of them, or its n values; `check(v, name)` (e.g.
+    integer) converts each, named `name` or `name[i]`."""
     if hasattr(value, "tolist"):  # numpy / torch values
         value = value.tolist()
     if value is None or isinstance(value, (numbers.Number, str)):
-        return [value] * n
+        return [value if check is None else check(value, name)] * n
     value = list(value)
     if len(value) != n:
         raise ValueError(f"{name}: {len(value)} values for {n} items")
+    if check is not None:
+        value = [check(v, f"{name}[{i}]") for i, v in enumerate(value)]
     return value
 
 
@@ -180,45 +313,55 @@ def generate_request(prompts, num_samples, seed, temperature, top_k, top_p, min_
                      max_new_tokens, stop_token_ids, ignore_eos, top_logprobs, request_ids,
                      completions_only: bool = False, chunk_tokens: int = 0,
                      chunk_interval_ms: int = 0, return_routing: bool = False):
-    """The GenerateRequest, and the request id of each rollout ("" when none)."""
+    """The GenerateRequest, and the request id of each rollout ("" when none). Every argument
+    is checked here (integers in their field's range, token ids integers in [0, 2**32)), so a
+    bad one raises TypeError/ValueError naming it before anything is sent."""
     if max_new_tokens is None:
         raise TypeError("generate: max_new_tokens is required")
     if completions_only and (chunk_tokens or chunk_interval_ms):
         raise ValueError("generate: completions_only excludes chunk_tokens and chunk_interval_ms")
-    if int(chunk_tokens) < 0 or int(chunk_interval_ms) < 0:
-        raise ValueError("generate: chunk_tokens and chunk_interval_ms must be >= 0")
+
+    def uint(bits: int) -> Callable[[Any, str], int]:
+        return lambda v, name: integer(v, f"generate: {name}", bits)
+
+    chunk_tokens = uint(32)(chunk_tokens, "chunk_tokens")
+    chunk_interval_ms = uint(32)(chunk_interval_ms, "chunk_interval_ms")
+    max_new_tokens = uint(32)(max_new_tokens, "max_new_tokens")
+    top_logprobs = uint(32)(top_logprobs, "top_logprobs")
+    if top_k is not None:
+        top_k = integer(top_k, "generate: top_k", 32, signed=True)
     prompts = sequences(prompts, "prompts")
     n = len(prompts)
-    seeds = per_item(seed, n, "seed")
-    samples = per_item(num_samples, n, "num_samples")
-    ids = per_item(request_ids, n, "request_ids")
-    stop = [int(t) for t in stop_token_ids]
+    seeds = per_item(seed, n, "seed", uint(64))
+    samples = per_item(num_samples, n, "num_samples", uint(32))
+    ids_ = per_item(request_ids, n, "request_ids")
+    stop = ids(stop_token_ids, "stop_token_ids")
     request = pb2.GenerateRequest()
     request.stream.completions_only = bool(completions_only)
-    request.stream.chunk_tokens = int(chunk_tokens)
-    request.stream.chunk_interval_ms = int(chunk_interval_ms)
+    request.stream.chunk_tokens = chunk_tokens
+    request.stream.chunk_interval_ms = chunk_interval_ms
     request.return_routing = bool(return_routing)
     for i, prompt in enumerate(prompts):
         r = request.rollouts.add()
-        if ids[i] is not None:
-            r.request_id = str(ids[i])
+        if ids_[i] is not None:
+            r.request_id = str(ids_[i])
         r.prompt_token_ids.extend(prompt)
-        r.seed = int(seeds[i])
-        r.num_samples = int(samples[i])
+        r.seed = seeds[i]
+        r.num_samples = samples[i]
         s = r.sampling
         if temperature is not None:
             s.temperature = float(temperature)
         if top_k is not None:
-            s.top_k = int(top_k)
+            s.top_k = top_k
         if top_p is not None:
             s.top_p = float(top_p)
         if min_p is not None:
             s.min_p = float(min_p)
-        s.max_new_tokens = int(max_new_tokens)
+        s.max_new_tokens = max_new_tokens
         s.stop_token_ids.extend(stop)
         s.ignore_eos = bool(ignore_eos)
-        s.top_logprobs = int(top_logprobs)
-    return request, [("" if x is None else str(x)) for x in ids]
+        s.top_logprobs = top_logprobs
+    return request, [("" if x is None else str(x)) for x in ids_]
 
 
 def completion(c, request_ids: List[str]) -> Completion:
@@ -278,23 +421,26 @@ class CompletionTable:
 
 def score_request(sequences_, starts, temperature, top_logprobs, routings=None,
                   return_routing: bool = False):
+    """The ScoreRequest; arguments checked as generate_request checks its own."""
     seqs = sequences(sequences_, "sequences")
-    starts_list = per_item(starts, len(seqs), "starts")
+    starts_list = per_item(starts, len(seqs), "starts",
+                           lambda v, name: integer(v, f"score: {name}"))
     temps = per_item(temperature, len(seqs), "temperature")
+    top_logprobs = integer(top_logprobs, "score: top_logprobs")
     if routings is None:
         routings = [None] * len(seqs)
     elif len(routings) != len(seqs):
         raise ValueError(f"score: routings has {len(routings)} entries for {len(seqs)} sequences")
     request = pb2.ScoreRequest()
-    for ids, start, t, routing in zip(seqs, starts_list, temps, routings):
+    for i, (token_ids, start, t, routing) in enumerate(zip(seqs, starts_list, temps, routings)):
         s = request.sequences.add()
-        s.token_ids.extend(ids)
-        s.start = int(start)
+        s.token_ids.extend(token_ids)
+        s.start = start
         if t is not None:
             s.temperature = float(t)
-        s.top_logprobs = int(top_logprobs)
+        s.top_logprobs = top_logprobs
         if routing is not None:
-            s.routing.extend(int(e) for e in routing)
+            s.routing.extend(ids(routing, f"routings[{i}]", "expert ids"))
         s.return_routing = bool(return_routing)
     return request
 
@@ -435,10 +581,12 @@ def join_request(unique_id: bytes, rank: int, world_size: int, group_timeout: fl
     if len(unique_id) != broadcast_plan.UNIQUE_ID_BYTES:
         raise ValueError(f"join_weight_sync_group: unique_id has {len(unique_id)} bytes; an "
                          "ncclUniqueId has 128 (the source's ncclGetUniqueId, unchanged)")
+    rank = integer(rank, "join_weight_sync_group: rank")
+    world_size = integer(world_size, "join_weight_sync_group: world_size")
     if not 0 <= rank < world_size:
         raise ValueError(f"join_weight_sync_group: rank {rank} is not in [0, {world_size})")
-    return pb2.JoinWeightSyncGroupRequest(unique_id=unique_id, rank=int(rank),
-                                          world_size=int(world_size),
+    return pb2.JoinWeightSyncGroupRequest(unique_id=unique_id, rank=rank,
+                                          world_size=world_size,
                                           timeout_seconds=float(group_timeout))
 
 
@@ -465,9 +613,11 @@ def broadcast_request(tensors: Sequence[Any], version: str, policy_name: Optiona
             bucket_bytes % broadcast_plan.ALIGNMENT:
         raise ValueError(f"update_weights_from_broadcast: bucket_bytes = {bucket_bytes!r}; it "
                          f"must be a positive multiple of {broadcast_plan.ALIGNMENT}")
+    source_rank = integer(source_rank, "update_weights_from_broadcast: source_rank")
     request = pb2.UpdateWeightsFromBroadcastRequest(
-        version=str(version), policy=policy(policy_name), bucket_bytes=bucket_bytes,
-        source_rank=int(source_rank), timeout_seconds=float(broadcast_timeout or 0.0),
+        version=str(version), policy=policy(policy_name),
+        bucket_bytes=integer(bucket_bytes, "update_weights_from_broadcast: bucket_bytes", 64),
+        source_rank=source_rank, timeout_seconds=float(broadcast_timeout or 0.0),
         expected_weight_digest=expected_weight_digest or "")
     for t in broadcast_tensor_specs(tensors):
         request.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape))

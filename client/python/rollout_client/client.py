@@ -135,7 +135,11 @@ class RolloutClient:
         """Samples completions of token-id prompts.
 
         prompts: a list of prompts, each a sequence of token ids (lists, numpy arrays, torch
-        tensors; a 2-D array/tensor is a batch of equal-length prompts).
+        tensors; a 2-D array/tensor is a batch of equal-length prompts). Ids (stop_token_ids
+        too) are integers in [0, 2**32): ints, numpy integers, arrays/tensors of an integer
+        dtype; a float (even 2.0), a float array or tensor, or a bool raises TypeError naming
+        prompts[i][j] and its value, never truncated. Integer arguments are checked against
+        their field's range (seed [0, 2**64), counts [0, 2**32)): ValueError naming them.
         seed, num_samples, request_ids: one value for every prompt, or a list with one per
         prompt. Sample j of a prompt with seed s uses the seed sample_seed(s, j) (see
         docs/api.md), reported as Completion.sample_seed; sample 0 uses s itself.
@@ -179,6 +183,7 @@ class RolloutClient:
         with start = len(prompt) gives exactly the logprobs Generate returned, bitwise, at the
         same temperature and weights).
 
+        Token ids, starts and top_logprobs are checked as generate checks its arguments.
         Returns a list (per sequence) of logprob lists; with details=True a list of
         ScoreResult (logprobs, top_logprobs, weight_version, cached_tokens, routing).
         routings (MoE models): per sequence None or the routing its scored tokens' rows use

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import unittest
 
+import numpy as np
+
 import rollout_client
 import rollout_client.aio
 from rollout_client import RolloutClient, RolloutError, read_safetensors
@@ -187,3 +189,34 @@ class AioTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class AioArgumentCheckTest(unittest.TestCase):
+    """Token ids and integer arguments are checked as the blocking client checks them, before
+    anything is sent: the target answers nothing, so an unchecked one would fail UNAVAILABLE."""
+
+    def test_bad_token_ids_and_integers_raise_at_the_call(self):
+        async def main():
+            async with rollout_client.aio.RolloutClient("127.0.0.1:1", timeout=5) as client:
+                with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[0\] = 1\.5: token ids "
+                                                       r"must be integers, not float"):
+                    client.generate([[1.5, 2.9]], max_new_tokens=3, temperature=0)
+                with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[0\] = 1\.7: .*float32"):
+                    client.generate([np.array([1.7, 2.2], np.float32)], max_new_tokens=3,
+                                    stream=True)
+                with self.assertRaisesRegex(ValueError, r"^prompts\[0\]\[0\] = 1099511627776: "
+                                                        r"token ids must be < 2\*\*32"):
+                    client.generate([np.array([2**40])], max_new_tokens=3)
+                with self.assertRaisesRegex(ValueError, r"^generate: seed = -1 .*2\*\*64"):
+                    client.generate([[1, 2]], max_new_tokens=3, seed=-1)
+                with self.assertRaisesRegex(ValueError, r"^generate: seed = 18446744073709551616"):
+                    client.generate([[1, 2]], max_new_tokens=3, seed=2**64)
+                with self.assertRaisesRegex(ValueError, r"^generate: num_samples = -1 .*2\*\*32"):
+                    client.generate([[1, 2]], max_new_tokens=3, num_samples=-1)
+                with self.assertRaisesRegex(ValueError, r"^stop_token_ids\[0\] = -5: "):
+                    client.generate([[1, 2]], max_new_tokens=3, stop_token_ids=[-5])
+                with self.assertRaisesRegex(TypeError, r"^sequences\[0\]\[0\] = 1\.9: token ids "
+                                                       r"must be integers, not float"):
+                    await client.score([[1.9, 2.5, 3.99]], starts=1)
+
+        run(main())

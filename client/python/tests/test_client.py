@@ -468,6 +468,137 @@ class FakeServerTest(unittest.TestCase):
                 c.update_weights([("r", b"\0\0")], version="v")
 
 
+# ---------------------------------------------------------------------------------------------
+# Token ids and integer arguments are checked before anything is sent: no server needed (the
+# client's target answers nothing, so an unchecked argument fails as UNAVAILABLE instead).
+
+
+class ArgumentCheckTest(unittest.TestCase):
+    def setUp(self):
+        self.client = RolloutClient("127.0.0.1:1", timeout=5)
+
+    def tearDown(self):
+        self.client.close()
+
+    def generate(self, prompts, **kwargs):
+        kwargs.setdefault("max_new_tokens", 3)
+        return self.client.generate(prompts, **kwargs)
+
+    def test_float_token_ids_in_lists_are_refused_not_truncated(self):
+        with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[0\] = 1\.5: token ids must "
+                                               r"be integers, not float"):
+            self.generate([[1.5, 2.9]], temperature=0)
+        with self.assertRaisesRegex(TypeError, r"^prompts\[1\]\[2\] = 3\.0: .* not float"):
+            self.generate([[1, 2], [1, 2, 3.0]])  # a whole float too
+        with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[1\] = 2\.5: .* not float64"):
+            self.generate([[np.int64(1), np.float64(2.5)]])
+        with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[0\] = True: .* not bool"):
+            self.generate([[True, 2]])
+        with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[1\] = '2': .* not str"):
+            self.generate([[1, "2"]])
+        with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[1\] = 2\.0"):
+            self.generate([[1, 2.0]], stream=True)
+
+    def test_a_float_numpy_array_of_token_ids_is_refused(self):
+        with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[0\] = 1\.7: token ids must "
+                                               r"be integers, not an array of float32"):
+            self.generate([np.array([1.7, 2.2], np.float32)])
+        with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[0\] = 1\.0: .*float64"):
+            self.generate([np.array([1.0, 2.0])])  # whole values: still refused
+        # A 2-D batch: the row and the column of the first value that is not whole.
+        with self.assertRaisesRegex(TypeError, r"^prompts\[1\]\[1\] = 4\.5: .*float64"):
+            self.generate(np.array([[1, 2], [3, 4.5]]))
+        with self.assertRaisesRegex(TypeError, r"^prompts\[0\]\[0\] = True: .*bool"):
+            self.generate([np.array([True, False])])
+        # Integer arrays of any width go as they are, 1-D or a 2-D batch.
+        from rollout_client._wire import sequences
+        for dtype in (np.int8, np.uint16, np.int32, np.uint32, np.int64, np.uint64):
+            self.assertEqual(sequences([np.array([5, 6], dtype)], "p"), [[5, 6]])
+            self.assertEqual(sequences(np.array([[5], [6]], dtype), "p"), [[5], [6]])
+
+    def test_score_refuses_float_token_ids(self):
+        with self.assertRaisesRegex(TypeError, r"^sequences\[0\]\[0\] = 1\.9: token ids must "
+                                               r"be integers, not float"):
+            self.client.score([[1.9, 2.5, 3.99]], starts=1)
+        with self.assertRaisesRegex(TypeError, r"^sequences\[1\]\[0\] = 1\.0: .*float32"):
+            self.client.score([[1, 2], np.array([1, 2], np.float32)], starts=1)
+        with self.assertRaisesRegex(TypeError, r"^routings\[0\]\[1\] = 2\.0: expert ids"):
+            self.client.score([[1, 2, 3]], starts=1, routings=[[1, 2.0]])
+        with self.assertRaisesRegex(ValueError, r"^sequences\[0\]\[2\] = 4294967296: token "
+                                                r"ids must be < 2\*\*32"):
+            self.client.score([[1, 2, 2**32]], starts=1)
+        with self.assertRaisesRegex(ValueError, r"^score: starts = -1 .* \[0, 2\*\*32\)"):
+            self.client.score([[1, 2, 3]], starts=-1)
+        with self.assertRaisesRegex(TypeError, r"^score: starts\[0\] must be an integer "
+                                               r"\(got float 1\.0\)"):
+            self.client.score([[1, 2, 3]], starts=[1.0])
+        with self.assertRaisesRegex(ValueError, r"^score: top_logprobs = -1 .* \[0, 2\*\*32\)"):
+            self.client.score([[1, 2, 3]], starts=1, top_logprobs=-1)
+
+    def test_token_ids_beyond_uint32_name_the_prompt_and_element(self):
+        with self.assertRaisesRegex(ValueError, r"^prompts\[0\]\[0\] = 1099511627776: token "
+                                                r"ids must be < 2\*\*32 \(4294967296\)$"):
+            self.generate([np.array([2**40])])
+        with self.assertRaisesRegex(ValueError, r"^prompts\[1\]\[1\] = 4294967296: "):
+            self.generate(np.array([[1, 2], [3, 2**32]], np.uint64))
+        with self.assertRaisesRegex(ValueError, r"^prompts\[1\]\[0\] = -3: token ids must "
+                                                r"be >= 0$"):
+            self.generate(np.array([[1, 2], [-3, 4]]))
+        with self.assertRaisesRegex(ValueError, r"^prompts\[0\]\[1\] = 4294967296: "):
+            self.generate([[1, 2**32]])
+        from rollout_client._wire import sequences
+        self.assertEqual(sequences([[0, 2**32 - 1]], "p"), [[0, 2**32 - 1]])
+        self.assertEqual(sequences([np.array([0, 2**32 - 1], np.uint64)], "p"),
+                         [[0, 2**32 - 1]])
+
+    def test_seed_out_of_uint64_range_names_seed_and_bound(self):
+        with self.assertRaisesRegex(ValueError, r"^generate: seed = -1 is out of range: it must "
+                                                r"be in \[0, 2\*\*64\)$"):
+            self.generate([[1, 2]], seed=-1)
+        with self.assertRaisesRegex(ValueError, r"^generate: seed = 18446744073709551616 .*"
+                                                r"\[0, 2\*\*64\)"):
+            self.generate([[1, 2]], seed=2**64)
+        with self.assertRaisesRegex(ValueError, r"^generate: seed\[1\] = -2 "):
+            self.generate([[1, 2], [3]], seed=[1, -2])
+        with self.assertRaisesRegex(TypeError, r"^generate: seed must be an integer "
+                                               r"\(got float 1\.5\)"):
+            self.generate([[1, 2]], seed=1.5)
+        from rollout_client._wire import generate_request
+        request, _ = generate_request([[1]], 1, 2**64 - 1, None, None, None, None, 3, (), False,
+                                      0, None)
+        self.assertEqual(request.rollouts[0].seed, 2**64 - 1)
+
+    def test_negative_num_samples_and_other_counts_name_the_parameter(self):
+        with self.assertRaisesRegex(ValueError, r"^generate: num_samples = -1 is out of range: "
+                                                r"it must be in \[0, 2\*\*32\)$"):
+            self.generate([[1, 2]], num_samples=-1)
+        with self.assertRaisesRegex(ValueError, r"^generate: num_samples\[0\] = 4294967296 "):
+            self.generate([[1, 2]], num_samples=np.array([2**32]))
+        bad = [
+            (dict(max_new_tokens=2**32), ValueError, r"^generate: max_new_tokens = 4294967296 "),
+            (dict(max_new_tokens=-1), ValueError, r"^generate: max_new_tokens = -1 "),
+            (dict(max_new_tokens=4.0), TypeError, r"^generate: max_new_tokens must be an integer"),
+            (dict(top_logprobs=-1), ValueError, r"^generate: top_logprobs = -1 "),
+            (dict(top_k=2**31), ValueError, r"^generate: top_k = 2147483648 .*\[-2\*\*31, "),
+            (dict(chunk_tokens=-1, stream=True), ValueError, r"^generate: chunk_tokens = -1 "),
+            (dict(chunk_interval_ms=2**32, stream=True), ValueError,
+             r"^generate: chunk_interval_ms = 4294967296 "),
+        ]
+        for kwargs, error, pattern in bad:
+            with self.subTest(**{k: v for k, v in kwargs.items() if k != "stream"}):
+                with self.assertRaisesRegex(error, pattern):
+                    self.generate([[1, 2]], **kwargs)
+
+    def test_negative_stop_token_id_names_its_index(self):
+        with self.assertRaisesRegex(ValueError, r"^stop_token_ids\[0\] = -5: token ids must "
+                                                r"be >= 0$"):
+            self.generate([[1, 2]], stop_token_ids=[-5])
+        with self.assertRaisesRegex(ValueError, r"^stop_token_ids\[1\] = 4294967296: "):
+            self.generate([[1, 2]], stop_token_ids=np.array([3, 2**32]))
+        with self.assertRaisesRegex(TypeError, r"^stop_token_ids\[0\] = 2\.0: .* not float"):
+            self.generate([[1, 2]], stop_token_ids=[2.0])
+
+
 class ConversionTest(unittest.TestCase):
     def test_bf16_round_to_nearest_even(self):
         cases = {
@@ -591,6 +722,28 @@ class TorchConversionTest(unittest.TestCase):
         from rollout_client._wire import sequences
         self.assertEqual(sequences(torch.tensor([[1, 2], [3, 4]]), "p"), [[1, 2], [3, 4]])
         self.assertEqual(sequences([torch.tensor([5, 6, 7])], "p"), [[5, 6, 7]])
+
+    def test_float_torch_prompts_are_refused(self):
+        import torch
+        from rollout_client._wire import generate_request, sequences
+        client = RolloutClient("127.0.0.1:1", timeout=5)  # nothing is sent
+        try:
+            with self.assertRaisesRegex(TypeError, r"prompts\[0\]\[0\] = 1\.5.*float32"):
+                client.generate([torch.tensor([1.5, 2.0])], max_new_tokens=3)
+            with self.assertRaisesRegex(TypeError, r"prompts\[1\]\[0\] = 3\.5"):
+                client.generate(torch.tensor([[1.0, 2.0], [3.5, 4.0]]), max_new_tokens=3)
+            with self.assertRaisesRegex(TypeError, r"prompts\[0\]\[0\] = True: .*torch.bool"):
+                client.generate([torch.tensor([True, True])], max_new_tokens=3)
+            with self.assertRaisesRegex(ValueError, r"prompts\[0\]\[1\] = 1099511627776"):
+                client.generate([torch.tensor([1, 2**40])], max_new_tokens=3)
+        finally:
+            client.close()
+        for dtype in (torch.int32, torch.int64, torch.uint8):
+            self.assertEqual(sequences([torch.tensor([5, 6], dtype=dtype)], "p"), [[5, 6]])
+        request, _ = generate_request([[1]], 1, torch.tensor(7), None, None, None, None, 3,
+                                      torch.tensor([4, 5]), False, 0, None)
+        self.assertEqual((request.rollouts[0].seed,
+                          list(request.rollouts[0].sampling.stop_token_ids)), (7, [4, 5]))
 
 
 # ---------------------------------------------------------------------------------------------
