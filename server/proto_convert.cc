@@ -37,6 +37,11 @@ absl::StatusOr<std::vector<SampleSpec>> ToSampleSpecs(const v1::GenerateRequest&
   size_t total = 0;
   for (int i = 0; i < request.rollouts_size(); ++i) {
     const v1::RolloutRequest& r = request.rollouts(i);
+    if (r.request_id().size() > kMaxRequestIdBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("rollouts[%d].request_id is %d bytes; at most %d", i,
+                          r.request_id().size(), kMaxRequestIdBytes));
+    }
     if (!r.request_id().empty() && !ids.insert(r.request_id()).second) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "rollouts[%d].request_id '%s' is used by an earlier rollout of this request", i,

@@ -11,6 +11,8 @@ namespace rollout {
 // Upper bounds on one Generate call, so that a single request cannot hold the server.
 inline constexpr uint32_t kMaxSamplesPerRollout = 1024;
 inline constexpr size_t kMaxSamplesPerRequest = 16384;
+// A request id is a key the server holds while its rollout runs (as a weight version is).
+inline constexpr size_t kMaxRequestIdBytes = 256;
 
 // Expands a GenerateRequest into the engine's samples (rollout i, sample j, in that order),
 // applying the API defaults and validating everything up front. Errors are INVALID_ARGUMENT

@@ -328,6 +328,12 @@ TEST_F(ReliabilityBadInputTest, GenerateBoundariesNameTheRolloutAndField) {
          r->mutable_rollouts(2)->set_request_id("dup");
        },
        {"rollouts[2].request_id 'dup'", "earlier rollout"}},
+      // Held as a key while the rollout runs: 100,000 bytes were taken.
+      {"request id beyond 256 bytes",
+       [&](v1::GenerateRequest* r) {
+         r->mutable_rollouts(1)->set_request_id(std::string(257, 'x'));
+       },
+       {"rollouts[1].request_id is 257 bytes; at most 256"}},
   };
   for (const Case& c : cases) {
     v1::GenerateRequest request;
