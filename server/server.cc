@@ -252,6 +252,18 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   if (absl::Status s = CheckWeightVersion(options.weight_version); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--weight_version: ", s.message()));
   }
+  // The engine checks these too, once the model is loaded (minutes, for a large checkpoint).
+  if (options.max_running_samples < 1) {
+    return absl::InvalidArgumentError("--max_running_samples must be >= 1");
+  }
+  const bool below_split = options.max_batch_tokens < options.attention_split_size;
+  if (below_split || options.max_batch_tokens < options.max_running_samples) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--max_batch_tokens %d is below %s %d: every prefill chunk ends on a split boundary, "
+        "and every running sample decodes one token a step",
+        options.max_batch_tokens, below_split ? "--attention_split_size" : "--max_running_samples",
+        below_split ? options.attention_split_size : options.max_running_samples));
+  }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(options);
   if (!credentials.ok()) return credentials.status();

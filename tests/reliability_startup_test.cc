@@ -98,6 +98,11 @@ TEST(ReliabilityStartupTest, APortBeyond65535OrACountOutOfRangeIsRefusedNamingTh
       {{"--port=0", "--stream_buffer_mb=9000000000000"},
        "--stream_buffer_mb 9000000000000 is out of range: give 1 to 1048576"},
       {{"--port=0", "--stream_stall_timeout_s=0"}, "--stream_stall_timeout_s 0 is out of range"},
+      // Before the model loads (it was refused once loaded and hashed: minutes, for 60 GB).
+      {{"--port=0", "--max_batch_tokens=33", "--model=/nonexistent"},
+       "--max_batch_tokens 33 is below --attention_split_size 64"},
+      {{"--port=0", "--max_batch_tokens=64", "--max_running_samples=65", "--model=/nonexistent"},
+       "--max_batch_tokens 64 is below --max_running_samples 65"},
   };
   for (const auto& c : cases) {
     rel::ServerProcess server = rel::StartServerProcess(c.args);
