@@ -68,23 +68,39 @@ std::string FormatTopLogprobs(const rollout::v1::TopLogprobs& top) {
 // One row of a per-token table. Cells are formatted before any is printed so the columns can
 // be sized to their widest entry.
 struct TokenRow {
-  std::string pos, token, logprob, top;
+  std::string pos, token, logprob, top, routing;
 };
 
-// The rows under a header row, right-aligned, with the top column only when has_top.
-void AppendTokenRows(const std::vector<TokenRow>& rows, bool has_top, std::string* out) {
-  const TokenRow header{"pos", "token", "logprob", "top"};
+// Row i's cell of a routing laid out [token][MoE layer][experts per token] over `tokens` rows:
+// its ids, comma-separated, in layout order; "?" where the routing is short or uneven.
+std::string RoutingCell(const google::protobuf::RepeatedField<uint32_t>& routing, int tokens,
+                        int i) {
+  if (tokens <= 0 || routing.size() % tokens != 0) return "?";
+  const int per_token = routing.size() / tokens;
+  return absl::StrJoin(routing.begin() + i * per_token, routing.begin() + (i + 1) * per_token, ",");
+}
+
+// The rows under a header row, right-aligned, with the top column only when has_top, and the
+// routing column (the experts of every MoE layer, layers ascending) only when has_routing.
+void AppendTokenRows(const std::vector<TokenRow>& rows, bool has_top, bool has_routing,
+                     std::string* out) {
+  const TokenRow header{"pos", "token", "logprob", "top", "experts (MoE layers ascending)"};
   size_t pos_w = header.pos.size(), token_w = header.token.size(),
-         logprob_w = header.logprob.size();
+         logprob_w = header.logprob.size(), top_w = header.top.size();
   for (const TokenRow& row : rows) {
     pos_w = std::max(pos_w, row.pos.size());
     token_w = std::max(token_w, row.token.size());
     logprob_w = std::max(logprob_w, row.logprob.size());
+    top_w = std::max(top_w, row.top.size());
   }
   auto append_row = [&](const TokenRow& row) {
     absl::StrAppendFormat(out, "  %*s | %*s | %*s", pos_w, row.pos, token_w, row.token, logprob_w,
                           row.logprob);
-    if (has_top) absl::StrAppend(out, " | ", row.top);
+    if (has_top) {
+      absl::StrAppend(out, " | ", row.top);
+      if (has_routing) absl::StrAppend(out, std::string(top_w - row.top.size(), ' '));
+    }
+    if (has_routing) absl::StrAppend(out, " | ", row.routing);
     absl::StrAppend(out, "\n");
   };
   append_row(header);
@@ -124,9 +140,10 @@ void AppendCompletion(const rollout::v1::Completion& c, std::string* out) {
     // A server that sends fewer logprobs than tokens is buggy; show the gap, don't hide it.
     row.logprob = i < c.logprobs_size() ? FormatLogprob(c.logprobs(i)) : "?";
     if (has_top) row.top = i < c.top_logprobs_size() ? FormatTopLogprobs(c.top_logprobs(i)) : "?";
+    row.routing = RoutingCell(c.routing(), c.token_ids_size(), i);
     rows.push_back(std::move(row));
   }
-  AppendTokenRows(rows, has_top, out);
+  AppendTokenRows(rows, has_top, c.routing_size() > 0, out);
 }
 
 // One sequence of a Score call; either side may be missing when the server answered with a
@@ -170,9 +187,10 @@ void AppendScoredSequence(int index, const rollout::v1::ScoreSequence* sequence,
     if (has_top) {
       row.top = j < result->top_logprobs_size() ? FormatTopLogprobs(result->top_logprobs(j)) : "?";
     }
+    row.routing = RoutingCell(result->routing(), n, j);
     rows.push_back(std::move(row));
   }
-  AppendTokenRows(rows, has_top, out);
+  AppendTokenRows(rows, has_top, result->routing_size() > 0, out);
 }
 
 // "key  value" lines with every value in one column; a row with an empty value is a heading.

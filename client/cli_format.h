@@ -29,7 +29,8 @@ absl::StatusOr<std::vector<std::string>> ParseRequestIds(std::string_view text);
 // sample seed, weight version and cached prompt tokens, then, when the sample's tokens came from
 // more than one weight version (a CONTINUE update mid-sample), a line with the version of each
 // span of tokens, then one "pos | token | logprob" row per generated token, with the top-N
-// logprobs in a fourth column when the server sent them.
+// logprobs in a fourth column when the server sent them, and the token's routing (its experts
+// at every MoE layer) in the last when the server sent one.
 std::string FormatCompletionTable(const GenerateResult& result);
 
 // One line of JSON with the proto field names and every primitive field, zero or not, so that
@@ -42,7 +43,8 @@ std::string FormatServerInfoTable(const rollout::v1::ServerInfo& info);
 
 // Per sequence a header (start, temperature, weight version, cached tokens), then one
 // "pos | token | logprob" row per scored token, where pos indexes the request's token_ids, with
-// the top-N logprobs in a fourth column when the server sent them. The request supplies the
+// the top-N logprobs in a fourth column when the server sent them (and the routing, as for
+// FormatCompletionTable). The request supplies the
 // tokens the response's logprobs belong to.
 std::string FormatScoreTable(const rollout::v1::ScoreRequest& request,
                              const rollout::v1::ScoreResponse& response);

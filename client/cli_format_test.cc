@@ -184,6 +184,25 @@ TEST(FormatCompletionTableTest, AddsTopLogprobsColumnOnlyWhenPresent) {
   EXPECT_THAT(table, HasSubstr("| 3:-1.000000 9:-2.500000\n"));
 }
 
+// --return_routing printed nothing of the routing in the table (only --json had it).
+TEST(FormatCompletionTableTest, AddsAnExpertsColumnOnlyWhenTheRoutingCame) {
+  rollout::v1::Completion c = MakeCompletion(0, 0);
+  for (uint32_t token : {3u, 4u}) {
+    c.add_token_ids(token);
+    c.add_logprobs(-1.0f);
+  }
+  GenerateResult plain;
+  plain.completions = {{c}};
+  EXPECT_THAT(FormatCompletionTable(plain), Not(HasSubstr("experts")));
+  for (uint32_t id : {6u, 7u, 6u, 3u, 1u, 0u, 2u, 5u}) c.add_routing(id);  // 2 tokens x 4 ids
+  GenerateResult routed;
+  routed.completions = {{c}};
+  const std::string table = FormatCompletionTable(routed);
+  EXPECT_THAT(table, HasSubstr("| experts (MoE layers ascending)\n"));
+  EXPECT_THAT(table, HasSubstr("| 6,7,6,3\n"));
+  EXPECT_THAT(table, HasSubstr("| 1,0,2,5\n"));
+}
+
 TEST(FormatCompletionTableTest, ShowsMissingLogprobsInsteadOfHidingThem) {
   rollout::v1::Completion c = MakeCompletion(0, 0);
   c.add_token_ids(1);
@@ -437,6 +456,16 @@ TEST(FormatScoreTableTest, MatchesGoldenLayoutWithPositionsIndexingTheRequestTok
             "  pos |  token |    logprob\n"
             "    2 |      3 |  -0.500000\n"
             "    3 | 151645 | -12.250000\n");
+}
+
+TEST(FormatScoreTableTest, AddsAnExpertsColumnWhenTheRoutingCame) {
+  rollout::v1::ScoreResponse response;
+  rollout::v1::ScoredSequence scored = MakeScored({-0.5f, -1.5f});
+  for (uint32_t id : {4u, 1u, 0u, 2u}) scored.add_routing(id);  // 2 scored tokens x 2 ids
+  *response.add_results() = scored;
+  const std::string table = FormatScoreTable(MakeScoreRequest({1, 2, 3, 9}, 2), response);
+  EXPECT_THAT(table, HasSubstr("| -0.500000 | 4,1\n"));
+  EXPECT_THAT(table, HasSubstr("| -1.500000 | 0,2\n"));
 }
 
 TEST(FormatScoreTableTest, ShowsTheRequestedTemperature) {

@@ -59,7 +59,8 @@ ABSL_FLAG(std::string, request_id, "", "Request id (generate); default cli-<pid>
 ABSL_FLAG(std::string, tokens, "", "Token ids of the sequence to score, \"1,2,3\" or \"1 2 3\".");
 ABSL_FLAG(bool, return_routing, false,
           "MoE models: also return the experts each token's row used (generate: "
-          "Completion.routing; score: ScoredSequence.routing; docs/api.md, \"Routing replay\").");
+          "Completion.routing; score: ScoredSequence.routing; docs/api.md, \"Routing replay\"): "
+          "an experts column, each token's ids of every MoE layer, layers ascending.");
 ABSL_FLAG(std::string, routing, "",
           "score, MoE models: replay this routing (ScoreSequence.routing: for each token from "
           "--start, the expert ids of every MoE layer, as Completion.routing), \"5,1,0,3\".");
