@@ -384,6 +384,49 @@ TEST(EngineUpdateTest, AContinueUpdateDuringAPromptsPrefillRestartsItOnTheNewWei
   EXPECT_EQ(c.weight_version, "v1");
   EXPECT_EQ(Bits(c), Bits(reference)) << "the prompt kept KV of the old weights";
   EXPECT_EQ(engine->counters().preemptions, 0u) << "a restart is not a preemption";
+  EXPECT_EQ(engine->counters().recomputed_tokens, 0u) << "nor recomputation (a KV alert's)";
+}
+
+// The same for a Score sequence with its routing asked for: scored again from its start, its
+// routing holds each scored row once (the first pass's rows stayed in it, shifting every row
+// after them: a routing longer than its tokens).
+TEST(EngineUpdateTest, AScoreRestartedByAContinueUpdateReturnsEachRowsRoutingOnce) {
+  static const std::string dir = WriteModel("moe-small");
+  auto make = [] {
+    auto ck = Checkpoint::Open(dir);
+    EXPECT_TRUE(ck.ok());
+    auto runner = CpuModelRunner::Create(**ck, {});
+    EXPECT_TRUE(runner.ok());
+    EngineOptions options;
+    options.weight_version = "v0";
+    options.max_running_samples = 4;
+    options.max_batch_tokens = 64;
+    auto engine = Engine::Create(*std::move(runner), options);
+    EXPECT_TRUE(engine.ok());
+    return *std::move(engine);
+  };
+  const HostTensor v1 = ScaledCheckpointTensor(dir, "model.norm.weight", 2.0f);
+  SampleSpec score;
+  for (int32_t i = 0; i < 1500; ++i) score.prompt.push_back((i * 7919 + 13) % 4000 + 3);
+  score.score_start = 1;
+  score.return_routing = true;
+
+  std::unique_ptr<Engine> reference_engine = make();
+  ASSERT_TRUE(Update(reference_engine.get(), "v1", UpdatePolicy::kContinue, {v1}).status.ok());
+  const SampleCompletion reference = RunJob(reference_engine.get(), {score})[0];
+  ASSERT_FALSE(reference.routing.empty());
+  ASSERT_EQ(reference.routing.size() % reference.logprobs.size(), 0u);
+
+  std::unique_ptr<Engine> engine = make();
+  auto in_flight = std::async(std::launch::async, [&] { return RunJob(engine.get(), {score}); });
+  while (engine->counters().prefilled_tokens < 256) std::this_thread::yield();
+  ASSERT_TRUE(Update(engine.get(), "v1", UpdatePolicy::kContinue, {v1}).status.ok());
+  const SampleCompletion c = in_flight.get()[0];
+  EXPECT_EQ(c.weight_version, "v1");
+  EXPECT_EQ(c.logprobs.size(), reference.logprobs.size());
+  EXPECT_EQ(c.routing.size(), reference.routing.size()) << "rows of the first pass stayed";
+  EXPECT_EQ(c.routing, reference.routing);
+  EXPECT_EQ(Bits(c), Bits(reference));
 }
 
 TEST(EngineUpdateTest, AnUpdateCancelledBeforeItActsAppliesNothingWhateverItsPolicy) {

@@ -51,6 +51,7 @@ int32_t Scheduler::RestartUnstarted() {
       continue;
     }
     ForgetComputed(seq);
+    seq->max_computed = 0;  // what it computes again is new weights' work, not recomputation
     running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
     InsertByArrival(seq, &waiting_);
     ++n;
@@ -66,6 +67,7 @@ void Scheduler::ForgetComputed(Sequence* seq) {
   if (seq->is_score()) {
     seq->logprobs.clear();
     seq->top_logprobs.clear();
+    seq->routing.clear();  // the routing of its scored rows, appended as they are applied
   }
 }
 
