@@ -106,8 +106,12 @@ absl::StatusOr<std::unique_ptr<RolloutClient>> RolloutClient::Connect(
             ? "is a TLS server listening there, with a certificate this CA signed? (a server "
               "that verifies clients needs a client certificate and key: --tls_client_cert, "
               "--tls_client_key)"
-            : "is a TLS server listening there, with a certificate this CA signed, that trusts "
-              "this client certificate's CA? (and is the key the certificate's?)";
+        : options.tls_root_cert_path.has_value()
+            ? "is a TLS server listening there, with a certificate this CA signed, that trusts "
+              "this client certificate's CA? (and is the key the certificate's?)"
+            : "is a TLS server listening there, with a certificate the default roots trust (else "
+              "give its CA: --tls_root_cert), that trusts this client certificate's CA? (and is "
+              "the key the certificate's?)";
     return absl::UnavailableError(
         absl::StrFormat("could not connect to %s within %g s: %s", target,
                         std::chrono::duration<double>(options.connect_timeout).count(), hint));

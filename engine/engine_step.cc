@@ -201,7 +201,8 @@ bool EngineCore::LookaheadReady(const LaunchedStep& step) {
   // pool with samples queued) and no sequence of the step ends by length, freeing its KV for
   // the next schedule. (One that stops on a sampled token frees it too; the admission it allows
   // then comes a step later, as for a sample that arrives while a step is launched ahead.)
-  if (alive != scheduler_.num_running()) return false;
+  // (Paused sequences are in no step: they do not keep the others from running ahead.)
+  if (alive != static_cast<size_t>(scheduler_.num_unpaused_running())) return false;
   if (scheduler_.num_waiting() > 0 &&
       scheduler_.num_unpaused_running() < options_.max_running_samples) {
     if (ends_by_length || scheduler_.NextScheduleCouldAdmit()) return false;

@@ -268,7 +268,8 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
   // Two passes over the running set: decoders (one token each) before prefills, so that long
   // prompts cannot stall the streams of sequences already generating. At most max_running
   // sequences take part: paused ones do not count against it, so more may be running once
-  // they resume; the latest arrivals then wait for a place in the step, keeping their KV.
+  // they resume; the rest (prefills before decoders, later arrivals before earlier) then wait
+  // for a place in a step, keeping their KV.
   int32_t taken = 0;
   for (bool decode_pass : {true, false}) {
     for (size_t i = 0; i < running_.size() && budget > 0 && taken < options_.max_running;) {

@@ -83,8 +83,8 @@ class Scheduler {
   // Paused sequences (Sequence::paused) are left out: running ones keep their blocks (and,
   // under kReserve, what they may still take), waiting ones their place, and the queue's order
   // holds among the others. They do not count against max_running, so others are admitted in
-  // their place; at most max_running running sequences take part in a step (the earliest
-  // arrivals), and none is admitted while that many are running unpaused.
+  // their place; at most max_running running sequences take part in a step (decoders first, then
+  // prefills, each by arrival), and none is admitted while that many are running unpaused.
   std::vector<ScheduledChunk> Schedule();
 
   // Whether the next Schedule() would admit a waiting sequence (the first one not paused) if

@@ -96,21 +96,23 @@ void GenerateReactor::ApplyBackpressure() {
   if (!s.paused && s.queued_bytes > limits.max_buffered_bytes && s.completions_left > 0) {
     s.paused = true;
     service_->engine()->PauseJob(job_id_);
-    ArmStallAlarmLocked();
+    s.last_read = std::chrono::steady_clock::now();  // the stall timeout runs from here
+    ArmStallAlarmLocked(limits.max_paused);
   } else if (s.paused && s.queued_bytes <= limits.max_buffered_bytes / 2) {
     s.paused = false;
     service_->engine()->ResumeJob(job_id_);
   }
 }
 
-void GenerateReactor::ArmStallAlarmLocked() {
+void GenerateReactor::ArmStallAlarmLocked(std::chrono::steady_clock::duration after) {
   Stream& s = *stream_;
   const uint64_t alarm = ++s.alarms;
-  s.alarm_armed_at = std::chrono::steady_clock::now();
   std::shared_ptr<Stream> stream = stream_;
-  // Replacing the alarm cancels the one before (its callback sees rang == false).
+  // Replacing the alarm cancels the one before (its callback sees rang == false, or, if it
+  // rang already, an older alarm number); one that is ringing keeps its own reference.
   stall_alarm_ = std::make_unique<grpc::Alarm>();
-  stall_alarm_->Set(std::chrono::system_clock::now() + service_->stream_limits().max_paused,
+  stall_alarm_->Set(std::chrono::system_clock::now() +
+                        std::chrono::duration_cast<std::chrono::system_clock::duration>(after),
                     [stream, alarm](bool rang) {
                       if (rang) OnStallAlarm(stream, alarm);  // not when cancelled
                     });
@@ -118,8 +120,25 @@ void GenerateReactor::ArmStallAlarmLocked() {
 
 void GenerateReactor::OnStallAlarm(const std::shared_ptr<Stream>& stream, uint64_t alarm) {
   std::lock_guard<std::mutex> lock(stream->mu);
-  if (stream->reactor == nullptr || !stream->paused || stream->alarms != alarm) return;
-  stream->reactor->EndStalledLocked();
+  if (stream->reactor == nullptr || stream->alarms != alarm || stream->finished) return;
+  if (!stream->paused && !stream->stalled.has_value()) return;
+  GenerateReactor* reactor = stream->reactor;
+  const std::chrono::steady_clock::duration limit = reactor->service_->stream_limits().max_paused;
+  const std::chrono::steady_clock::duration quiet =
+      std::chrono::steady_clock::now() - stream->last_read;
+  if (quiet < limit) {
+    reactor->ArmStallAlarmLocked(limit - quiet);  // the client read since: the timeout runs on
+  } else if (!stream->stalled.has_value()) {
+    reactor->EndStalledLocked();
+  } else {
+    // Stalled, and nothing read of the queue for another timeout: the client is not coming
+    // back for it. Only the message in flight stays (gRPC holds it until the client reads or
+    // goes), then the status.
+    while (stream->queue.size() > 1) {
+      stream->queued_bytes -= stream->queue.back().bytes;
+      stream->queue.pop_back();
+    }
+  }
 }
 
 void GenerateReactor::EndStalledLocked() {
@@ -137,8 +156,14 @@ void GenerateReactor::EndStalledLocked() {
                       static_cast<double>(limits.max_paused.count()) / 1000));
   LOG(WARNING) << "Generate job " << job_id_ << ": " << s.stalled->error_message();
   service_->engine()->Abort(job_id_);
-  // What is queued (at most the bound) stays for the client, the status after it.
-  if (!s.writing) FinishLocked(*s.stalled);
+  // What is queued (at most the bound) stays for the client, the status after it, while it
+  // reads; after another timeout without a read, the queue is dropped (OnStallAlarm).
+  if (!s.writing) {
+    FinishLocked(*s.stalled);
+    return;
+  }
+  s.last_read = std::chrono::steady_clock::now();
+  ArmStallAlarmLocked(limits.max_paused);
 }
 
 void GenerateReactor::OnWriteDone(bool ok) {
@@ -163,12 +188,10 @@ void GenerateReactor::OnWriteDone(bool ok) {
   } else if (s.completions_left == 0) {
     FinishLocked(grpc::Status::OK);
   }
-  if (s.stalled.has_value()) return;
-  // A paused stream whose client reads is not stalled: its timeout runs from the last read
-  // (re-armed at most once a second).
-  if (s.paused && std::chrono::steady_clock::now() - s.alarm_armed_at >= std::chrono::seconds(1)) {
-    ArmStallAlarmLocked();
-  }
+  // A paused (or stalled) stream whose client reads is not stalled: its timeout runs from the
+  // last read (OnStallAlarm).
+  s.last_read = std::chrono::steady_clock::now();
+  if (s.stalled.has_value() || s.finished) return;
   ApplyBackpressure();
 }
 

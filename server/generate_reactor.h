@@ -26,9 +26,9 @@ namespace rollout {
 // Backpressure: a write completes only as the client reads, so a client slower than its samples
 // makes the queue grow. Past StreamLimits::max_buffered_bytes the job is paused in the engine
 // (its samples wait, keeping their KV and their bits) and resumed once the queue is down to
-// half; a paused stream whose client reads nothing for StreamLimits::max_paused (a second more
-// at most) ends RESOURCE_EXHAUSTED: its samples are aborted, and the status follows what was
-// queued.
+// half; a paused stream whose client reads nothing for StreamLimits::max_paused ends
+// RESOURCE_EXHAUSTED: its samples are aborted, and the status follows what was queued (dropped,
+// but for the message in flight, if the client reads nothing for another max_paused).
 class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
   // `caller`: the caller's access check (a failure finishes the call at once) and whose
@@ -59,7 +59,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     std::optional<grpc::Status> stalled;
     bool paused = false;  // the job is paused in the engine
     uint64_t alarms = 0;  // stall alarms armed; names the one that counts (the latest)
-    std::chrono::steady_clock::time_point alarm_armed_at;
+    // When the client last read (a write completed), or the pause began.
+    std::chrono::steady_clock::time_point last_read;
     size_t completions_left = 0;
     std::optional<StreamShaper> shaper;  // set once the request is valid
   };
@@ -68,9 +69,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   // Pauses the job when the queue passed the bound, resumes it once it is down to half.
   // REQUIRES: stream_->mu held.
   void ApplyBackpressure();
-  // Arms the stall alarm anew (StreamLimits::max_paused from now). REQUIRES: stream_->mu held.
-  void ArmStallAlarmLocked();
-  // Stall alarm number `alarm` rang (on a gRPC thread).
+  // Arms the stall alarm anew, to ring `after` from now. REQUIRES: stream_->mu held.
+  void ArmStallAlarmLocked(std::chrono::steady_clock::duration after);
+  // Stall alarm number `alarm` rang (on a gRPC thread): a paused stream whose client read
+  // nothing for StreamLimits::max_paused ends stalled, a stalled one drops its queue; one that
+  // read since is given the rest of the timeout from its last read.
   static void OnStallAlarm(const std::shared_ptr<Stream>& stream, uint64_t alarm);
   // Ends a stalled stream: aborts its samples and finishes once what is queued is written.
   // REQUIRES: stream_->mu held.

@@ -80,8 +80,9 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
             grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       // A call its client cancelled (or whose deadline passed) counts as CANCELLED, whatever
       // the handler then sends: gRPC's health service ends a cancelled Watch UNKNOWN, which
-      // would read as a server error. (Every service here uses the callback API, where
-      // IsCancelled is safe to call.)
+      // would read as a server error. (IsCancelled is safe to call on sync and callback
+      // services, which every service here is: reflection is sync, the rest callback. An async
+      // service added later must not be counted this way.)
       const bool cancelled = context_ != nullptr && context_->IsCancelled();
       metrics_->RecordCall(
           method_, cancelled ? grpc::StatusCode::CANCELLED : methods->GetSendStatus().error_code());

@@ -190,6 +190,31 @@ TEST(ReliabilityBackpressureTest, AReaderStalledPastTheTimeoutEndsResourceExhaus
       << status.error_message();
 }
 
+// A stalled client that reads nothing for another timeout is not coming back for its queue:
+// dropped (but for the message in flight), so such clients do not hold --stream_buffer_mb each
+// for as long as they stay connected; the status still follows.
+TEST(ReliabilityBackpressureTest, AStalledStreamsQueueIsDroppedAfterAnotherTimeoutWithoutARead) {
+  std::unique_ptr<Child> child = StartChild({"--stream_buffer_mb=1", "--stream_stall_timeout_s=1"});
+  ASSERT_NE(child, nullptr);
+  v1::RolloutService::Stub* stub = child->stub.get();
+  std::unique_ptr<v1::RolloutService::Stub> stingy = StingyStub(child->address);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + seconds(300));
+  auto reader = stingy->Generate(&context, LongRequest());
+  v1::GenerateResponse response;
+  ASSERT_TRUE(reader->Read(&response));
+  std::string last;
+  std::this_thread::sleep_for(seconds(1));
+  EXPECT_TRUE(rel::WaitForQuiescence(stub, seconds(90), &last)) << last;  // stalled, aborted
+  const uint64_t generated = rel::FetchServerInfo(stub).counters().generated_tokens();
+  std::this_thread::sleep_for(seconds(3));
+  uint64_t received = response.chunk().token_ids_size();
+  while (reader->Read(&response)) received += response.chunk().token_ids_size();
+  EXPECT_LT(received + 4000, generated) << "the queue of a client gone quiet was kept";
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+}
+
 // A client that reads steadily, just slower than its samples come, is not stalled, even where
 // draining half the bound (where its samples resume) takes it longer than the stall timeout.
 TEST(ReliabilityBackpressureTest, AReaderThatReadsSlowlyIsNotTakenForStalled) {
