@@ -89,6 +89,15 @@ TEST(ReliabilityRequestIdTest, CallersWithoutTheTokenCannotProbeTakeOrAbortATrai
   EXPECT_TRUE(next->started) << "the trainer's next id was taken: "
                              << next->outcome.get().status.error_message();
 
+  // From here on nothing runs, so that no rollout ends by itself before the checks below (on a
+  // GPU 3000 tokens take a few seconds): aborts still reach held work.
+  {
+    grpc::ClientContext pause_context;
+    pause_context.AddMetadata("authorization", std::string("Bearer ") + kToken);
+    v1::PauseResponse paused;
+    ASSERT_TRUE(stub->Pause(&pause_context, {}, &paused).ok());
+  }
+
   // ... and the trainer's Abort ends the trainer's rollout, not the other caller's.
   const v1::AbortResponse aborted = AbortIds(stub, {"step-2/0"});
   EXPECT_EQ(aborted.aborted_rollouts(), 1u);
@@ -118,6 +127,10 @@ TEST(ReliabilityRequestIdTest, CallersWithoutTheTokenCannotProbeTakeOrAbortATrai
   for (Call* call : {trainer.get(), prober.get(), squatter.get()}) {
     EXPECT_TRUE(call->outcome.get().status.ok());
   }
+  grpc::ClientContext resume_context;
+  resume_context.AddMetadata("authorization", std::string("Bearer ") + kToken);
+  v1::ResumeResponse resumed;
+  EXPECT_TRUE(stub->Resume(&resume_context, {}, &resumed).ok());
   std::string last;
   EXPECT_TRUE(rel::WaitForQuiescence(stub, seconds(30), &last)) << last;
 }
