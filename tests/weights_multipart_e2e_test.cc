@@ -45,6 +45,11 @@ struct Outcome {
 Outcome PushPart(v1::RolloutService::Stub* stub, const Part& part) {
   Outcome out;
   grpc::ClientContext context;
+  // Each part opens a connection of its own: a connect that fails on a loaded machine is tried
+  // again instead of failing the part UNAVAILABLE (seen once: "failed to connect ... No such
+  // file or directory" on a CI-like run).
+  context.set_wait_for_ready(true);
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto writer = stub->UpdateWeights(&context, &out.response);
   v1::WeightsChunk first;
   *first.mutable_header() = part.header;
