@@ -297,20 +297,44 @@ std::vector<ScheduledChunk> Scheduler::Schedule() {
       ++i;
     }
   }
+  AdmitWaiting(&budget, &chunks);
+  // Nothing runs and the queue waits for KV that paused sequences hold: they give it up, as in
+  // a preemption (their pages stay cached; they are computed again when they resume, with the
+  // same bits), or nothing would run until their streams end.
+  while (chunks.empty() && PreemptPausedForTheQueue()) AdmitWaiting(&budget, &chunks);
+  return chunks;
+}
+
+void Scheduler::AdmitWaiting(int64_t* budget, std::vector<ScheduledChunk>* chunks) {
   int32_t unpaused = num_unpaused_running();
-  for (size_t w = 0; w < waiting_.size() && budget > 0 && unpaused < options_.max_running;) {
+  for (size_t w = 0; w < waiting_.size() && *budget > 0 && unpaused < options_.max_running;) {
     Sequence* seq = waiting_[w];
     if (seq->paused) {
       ++w;
       continue;
     }
-    if (!Admit(seq, budget, &chunks)) break;
+    if (!Admit(seq, *budget, chunks)) break;
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(w));
     InsertByArrival(seq, &running_);
     ++unpaused;
-    budget -= chunks.back().end - chunks.back().begin;
+    *budget -= chunks->back().end - chunks->back().begin;
   }
-  return chunks;
+}
+
+bool Scheduler::PreemptPausedForTheQueue() {
+  const bool queue_waits =
+      std::any_of(waiting_.begin(), waiting_.end(), [](const Sequence* s) { return !s->paused; });
+  if (!queue_waits) return false;
+  // As VictimIndex: the one that loses least, the later arrival on a tie.
+  Sequence* victim = nullptr;
+  for (Sequence* seq : running_) {
+    if (seq->paused && (victim == nullptr || seq->num_computed <= victim->num_computed)) {
+      victim = seq;
+    }
+  }
+  if (victim == nullptr) return false;
+  Preempt(victim);
+  return true;
 }
 
 int32_t Scheduler::num_unpaused_running() const {

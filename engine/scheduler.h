@@ -82,7 +82,9 @@ class Scheduler {
   // last), and it goes back to the queue, to be resumed from what the cache still holds.
   // Paused sequences (Sequence::paused) are left out: running ones keep their blocks (and,
   // under kReserve, what they may still take), waiting ones their place, and the queue's order
-  // holds among the others. They do not count against max_running, so others are admitted in
+  // holds among the others; when nothing else can run and the queue's head waits for KV they
+  // hold, they are preempted (fewest computed tokens first). They do not count against
+  // max_running, so others are admitted in
   // their place; at most max_running running sequences take part in a step (decoders first, then
   // prefills, each by arrival), and none is admitted while that many are running unpaused.
   std::vector<ScheduledChunk> Schedule();
@@ -164,6 +166,12 @@ class Scheduler {
   // after those pages are cached, it reads them instead of computing them again. This is what
   // lets the samples of one request (or equal prompts) share one prefill.
   bool WaitsForSharedPrefix(const Sequence& seq, int64_t cached_tokens) const;
+  // Admits waiting sequences that are not paused, in arrival order, while the head fits (the
+  // admission part of Schedule()).
+  void AdmitWaiting(int64_t* budget, std::vector<ScheduledChunk>* chunks);
+  // When a sequence that is not paused waits: preempts the paused running sequence that loses
+  // least (fewest computed tokens; the later arrival on a tie). False if there is none.
+  bool PreemptPausedForTheQueue();
   // Index in running_ of the preemption victim among those not in `chunks`.
   size_t VictimIndex(const std::vector<ScheduledChunk>& chunks) const;
   // Records the chunk and counts what of it is recomputation.

@@ -392,6 +392,38 @@ TEST(SchedulerTest, PausedSequencesLeaveTheirPlaceUnderMaxRunningToOthers) {
   EXPECT_EQ(scheduler.num_waiting(), 1u) << "e waits while two run unpaused";
 }
 
+// Paused sequences that hold the KV the queue's head needs, with nothing else to run, give it
+// up (a preemption): nothing ran until their streams ended (codereview24).
+TEST(SchedulerTest, PausedSequencesHoldingTheKvTheQueueNeedsArePreemptedWhenNothingElseRuns) {
+  KvBlockManager blocks(20, 16);
+  PrefixCache cache(&blocks);
+  SchedulerOptions options{8, 512, 32};
+  options.admission = AdmissionPolicy::kOptimistic;
+  Scheduler scheduler(options, &blocks, &cache, "v");
+  auto small = MakeSeq(0, 100), big = MakeSeq(1, 150), next = MakeSeq(2, 140);
+  for (Sequence* seq : {small.get(), big.get(), next.get()}) {  // no prefix shared
+    for (size_t i = 0; i < seq->tokens.size(); ++i) seq->tokens[i] = seq->arrival * 1000 + i;
+  }
+  scheduler.Add(small.get());
+  scheduler.Add(big.get());
+  Apply(scheduler.Schedule());  // 7 + 10 of the 20 blocks
+  ASSERT_EQ(blocks.num_free(), 3);
+  small->paused = true;
+  big->paused = true;
+  scheduler.Add(next.get());  // 9 blocks: only with one of them gone
+  const std::vector<ScheduledChunk> chunks = scheduler.Schedule();
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_EQ(chunks[0].seq, next.get());
+  EXPECT_EQ(scheduler.num_preemptions(), 1u);
+  EXPECT_TRUE(small->block_table.empty()) << "the one with fewer computed tokens goes";
+  EXPECT_FALSE(big->block_table.empty());
+  EXPECT_EQ(scheduler.num_waiting(), 1u);  // small, paused: back once resumed
+  // Nothing waits that is not paused: the paused keep their KV.
+  Apply(chunks);
+  EXPECT_TRUE(scheduler.Schedule().size() == 1u);
+  EXPECT_EQ(scheduler.num_preemptions(), 1u);
+}
+
 TEST(SchedulerTest, AnAdmissionDoesNotWaitForThePrefillOfAPausedSequenceItShares) {
   KvBlockManager blocks(100, 16);
   PrefixCache cache(&blocks);
