@@ -1,5 +1,6 @@
 #include "server/rollout_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -475,6 +476,11 @@ void RolloutServiceImpl::EndRolloutLocked(uint64_t job_id, InFlightJob* job, int
 }
 
 void RolloutServiceImpl::EndSamples(uint64_t job_id, const std::vector<SampleEvent>& events) {
+  // Most deliveries carry tokens only: they need no lock.
+  if (std::none_of(events.begin(), events.end(),
+                   [](const SampleEvent& e) { return e.completion.has_value(); })) {
+    return;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto job = in_flight_jobs_.find(job_id);
   if (job == in_flight_jobs_.end()) return;
