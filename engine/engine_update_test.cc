@@ -347,24 +347,28 @@ TEST(EngineUpdateTest, ContinueRecordsTheVersionOfEveryToken) {
   EXPECT_EQ(c.version_spans[1].last_token, 299);
 }
 
+// An engine of `dir` at version v0 whose steps take 64 tokens: a long prompt prefills over
+// many steps, so that an update lands in the middle.
+std::unique_ptr<Engine> MakeSmallStepEngine(const std::string& dir) {
+  auto ck = Checkpoint::Open(dir);
+  EXPECT_TRUE(ck.ok());
+  auto runner = CpuModelRunner::Create(**ck, {});
+  EXPECT_TRUE(runner.ok());
+  EngineOptions options;
+  options.weight_version = "v0";
+  options.max_running_samples = 4;
+  options.max_batch_tokens = 64;
+  auto engine = Engine::Create(*std::move(runner), options);
+  EXPECT_TRUE(engine.ok());
+  return *std::move(engine);
+}
+
 // A CONTINUE update while a sample's prompt is being prefilled: the sample starts again on the
 // new weights, so its one version span is true and its bits are those of the new weights alone.
 // (Its prompt's first chunks kept the old weights' KV: the completion said "all v1" with
 // logprobs of neither version; review24 finding 1.)
 TEST(EngineUpdateTest, AContinueUpdateDuringAPromptsPrefillRestartsItOnTheNewWeights) {
-  auto make = [] {
-    auto ck = Checkpoint::Open(SmallModelDir());
-    EXPECT_TRUE(ck.ok());
-    auto runner = CpuModelRunner::Create(**ck, {});
-    EXPECT_TRUE(runner.ok());
-    EngineOptions options;
-    options.weight_version = "v0";
-    options.max_running_samples = 4;
-    options.max_batch_tokens = 64;  // the prompt prefills over 30 steps
-    auto engine = Engine::Create(*std::move(runner), options);
-    EXPECT_TRUE(engine.ok());
-    return *std::move(engine);
-  };
+  auto make = [] { return MakeSmallStepEngine(SmallModelDir()); };  // 30 prefill steps
   const HostTensor v1 = ScaledCheckpointTensor(SmallModelDir(), kTensor, 2.0f);
   SampleSpec spec = Spec(6);
   spec.prompt.clear();
@@ -392,19 +396,7 @@ TEST(EngineUpdateTest, AContinueUpdateDuringAPromptsPrefillRestartsItOnTheNewWei
 // after them: a routing longer than its tokens).
 TEST(EngineUpdateTest, AScoreRestartedByAContinueUpdateReturnsEachRowsRoutingOnce) {
   static const std::string dir = WriteModel("moe-small");
-  auto make = [] {
-    auto ck = Checkpoint::Open(dir);
-    EXPECT_TRUE(ck.ok());
-    auto runner = CpuModelRunner::Create(**ck, {});
-    EXPECT_TRUE(runner.ok());
-    EngineOptions options;
-    options.weight_version = "v0";
-    options.max_running_samples = 4;
-    options.max_batch_tokens = 64;
-    auto engine = Engine::Create(*std::move(runner), options);
-    EXPECT_TRUE(engine.ok());
-    return *std::move(engine);
-  };
+  auto make = [] { return MakeSmallStepEngine(dir); };
   const HostTensor v1 = ScaledCheckpointTensor(dir, "model.norm.weight", 2.0f);
   SampleSpec score;
   for (int32_t i = 0; i < 1500; ++i) score.prompt.push_back((i * 7919 + 13) % 4000 + 3);
