@@ -39,13 +39,14 @@ const std::string& SmallModelDir() {
   return dir;
 }
 
-// `digested`: with the checkpoint's tensor digests, as the server passes them.
-std::unique_ptr<Engine> MakeEngine(const std::string& dir = ModelDir(), bool digested = false) {
+// `digested`: with the checkpoint's tensor digests, as the server passes them. `options`: the
+// engine's, at version v0.
+std::unique_ptr<Engine> MakeEngine(const std::string& dir = ModelDir(), bool digested = false,
+                                   EngineOptions options = {}) {
   auto ck = Checkpoint::Open(dir);
   EXPECT_TRUE(ck.ok());
   auto runner = CpuModelRunner::Create(**ck, {});
   EXPECT_TRUE(runner.ok());
-  EngineOptions options;
   options.weight_version = "v0";
   if (digested) options.weight_digests = DigestCheckpoint(**ck, (*runner)->weight_specs());
   auto engine = Engine::Create(*std::move(runner), options);
@@ -350,17 +351,10 @@ TEST(EngineUpdateTest, ContinueRecordsTheVersionOfEveryToken) {
 // An engine of `dir` at version v0 whose steps take 64 tokens: a long prompt prefills over
 // many steps, so that an update lands in the middle.
 std::unique_ptr<Engine> MakeSmallStepEngine(const std::string& dir) {
-  auto ck = Checkpoint::Open(dir);
-  EXPECT_TRUE(ck.ok());
-  auto runner = CpuModelRunner::Create(**ck, {});
-  EXPECT_TRUE(runner.ok());
   EngineOptions options;
-  options.weight_version = "v0";
   options.max_running_samples = 4;
   options.max_batch_tokens = 64;
-  auto engine = Engine::Create(*std::move(runner), options);
-  EXPECT_TRUE(engine.ok());
-  return *std::move(engine);
+  return MakeEngine(dir, /*digested=*/false, options);
 }
 
 // A CONTINUE update while a sample's prompt is being prefilled: the sample starts again on the

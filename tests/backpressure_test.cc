@@ -161,30 +161,54 @@ TEST(ReliabilityBackpressureTest,
   EXPECT_EQ(Fingerprints(resumed), Fingerprints(reference));
 }
 
+// A LongRequest on a stingy channel whose client read its first message only, and nothing
+// more until the server stalled it: its samples aborted, their KV back in the pool.
+struct StalledStream {
+  std::unique_ptr<v1::RolloutService::Stub> stub;
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader;
+  v1::GenerateResponse first;
+  bool started = false;    // the first message came
+  uint64_t generated = 0;  // the server's generated tokens once it stalled the stream
+
+  // Reads the stream to its end: the tokens received, the first message's included.
+  uint64_t ReadTokens() {
+    uint64_t received = first.chunk().token_ids_size();
+    v1::GenerateResponse response;
+    while (reader->Read(&response)) received += response.chunk().token_ids_size();
+    return received;
+  }
+};
+
+std::unique_ptr<StalledStream> StallAStream(Child* child) {
+  auto s = std::make_unique<StalledStream>();
+  s->stub = StingyStub(child->address);
+  s->context.set_deadline(std::chrono::system_clock::now() + seconds(300));
+  s->reader = s->stub->Generate(&s->context, LongRequest());
+  s->started = s->reader->Read(&s->first);
+  if (!s->started) return s;
+  std::string last;
+  std::this_thread::sleep_for(seconds(1));
+  EXPECT_TRUE(rel::WaitForQuiescence(child->stub.get(), seconds(90), &last)) << last;
+  s->generated = rel::FetchServerInfo(child->stub.get()).counters().generated_tokens();
+  return s;
+}
+
 TEST(ReliabilityBackpressureTest, AReaderStalledPastTheTimeoutEndsResourceExhaustedAndFreesItsKv) {
   std::unique_ptr<Child> child = StartChild({"--stream_buffer_mb=1", "--stream_stall_timeout_s=2"});
   ASSERT_NE(child, nullptr);
   v1::RolloutService::Stub* stub = child->stub.get();
-  std::unique_ptr<v1::RolloutService::Stub> stingy = StingyStub(child->address);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + seconds(300));
-  auto reader = stingy->Generate(&context, LongRequest());
-  v1::GenerateResponse response;
-  ASSERT_TRUE(reader->Read(&response));
 
   // The samples pause, then end at the timeout, their KV back in the pool; other streams run.
-  std::string last;
-  std::this_thread::sleep_for(seconds(1));
-  EXPECT_TRUE(rel::WaitForQuiescence(stub, seconds(90), &last)) << last;
-  const uint64_t generated = rel::FetchServerInfo(stub).counters().generated_tokens();
-  EXPECT_LT(generated, 24u * 800);
+  std::unique_ptr<StalledStream> stalled = StallAStream(child.get());
+  ASSERT_TRUE(stalled->started);
+  EXPECT_LT(stalled->generated, 24u * 800);
   EXPECT_TRUE(RunGenerate(stub, ShortRequest()).status.ok());
 
   // What the client still reads is every token generated for it, then the status.
-  uint64_t received = response.chunk().token_ids_size();
-  while (reader->Read(&response)) received += response.chunk().token_ids_size();
-  EXPECT_EQ(received, generated) << "tokens queued for the stalled client were dropped";
-  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(stalled->ReadTokens(), stalled->generated)
+      << "tokens queued for the stalled client were dropped";
+  const grpc::Status status = stalled->reader->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
   EXPECT_NE(status.error_message().find("--stream_buffer_mb"), std::string::npos)
       << status.error_message();
@@ -196,22 +220,12 @@ TEST(ReliabilityBackpressureTest, AReaderStalledPastTheTimeoutEndsResourceExhaus
 TEST(ReliabilityBackpressureTest, AStalledStreamsQueueIsDroppedAfterAnotherTimeoutWithoutARead) {
   std::unique_ptr<Child> child = StartChild({"--stream_buffer_mb=1", "--stream_stall_timeout_s=1"});
   ASSERT_NE(child, nullptr);
-  v1::RolloutService::Stub* stub = child->stub.get();
-  std::unique_ptr<v1::RolloutService::Stub> stingy = StingyStub(child->address);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + seconds(300));
-  auto reader = stingy->Generate(&context, LongRequest());
-  v1::GenerateResponse response;
-  ASSERT_TRUE(reader->Read(&response));
-  std::string last;
-  std::this_thread::sleep_for(seconds(1));
-  EXPECT_TRUE(rel::WaitForQuiescence(stub, seconds(90), &last)) << last;  // stalled, aborted
-  const uint64_t generated = rel::FetchServerInfo(stub).counters().generated_tokens();
+  std::unique_ptr<StalledStream> stalled = StallAStream(child.get());
+  ASSERT_TRUE(stalled->started);
   std::this_thread::sleep_for(seconds(3));
-  uint64_t received = response.chunk().token_ids_size();
-  while (reader->Read(&response)) received += response.chunk().token_ids_size();
-  EXPECT_LT(received + 4000, generated) << "the queue of a client gone quiet was kept";
-  const grpc::Status status = reader->Finish();
+  EXPECT_LT(stalled->ReadTokens() + 4000, stalled->generated)
+      << "the queue of a client gone quiet was kept";
+  const grpc::Status status = stalled->reader->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
 }
 

@@ -56,13 +56,20 @@ std::unique_ptr<Call> StartCall(v1::RolloutService::Stub* stub, const std::strin
   return call;
 }
 
-v1::AbortResponse AbortIds(v1::RolloutService::Stub* stub, const std::vector<std::string>& ids) {
+// The trainer's Abort (with the token) of `ids`, or of all when `ids` is empty.
+grpc::Status CallAbort(v1::RolloutService::Stub* stub, const std::vector<std::string>& ids,
+                       v1::AbortResponse* response) {
   grpc::ClientContext context;
   context.AddMetadata("authorization", std::string("Bearer ") + kToken);
   v1::AbortRequest request;
   for (const std::string& id : ids) request.add_request_ids(id);
+  request.set_all(ids.empty());
+  return stub->Abort(&context, request, response);
+}
+
+v1::AbortResponse AbortIds(v1::RolloutService::Stub* stub, const std::vector<std::string>& ids) {
   v1::AbortResponse response;
-  EXPECT_TRUE(stub->Abort(&context, request, &response).ok());
+  EXPECT_TRUE(CallAbort(stub, ids, &response).ok());
   return response;
 }
 
@@ -118,12 +125,8 @@ TEST(ReliabilityRequestIdTest, CallersWithoutTheTokenCannotProbeTakeOrAbortATrai
   EXPECT_EQ(unknown.aborted_rollouts(), 1u);  // the trainer's step-1/0
   ASSERT_EQ(unknown.unknown_request_ids_size(), 1);
   EXPECT_EQ(unknown.unknown_request_ids(0), "step-2/0");
-  grpc::ClientContext all_context;
-  all_context.AddMetadata("authorization", std::string("Bearer ") + kToken);
-  v1::AbortRequest all;
-  all.set_all(true);
-  v1::AbortResponse all_response;
-  ASSERT_TRUE(stub->Abort(&all_context, all, &all_response).ok());
+  v1::AbortResponse all;
+  ASSERT_TRUE(CallAbort(stub, {}, &all).ok());
   for (Call* call : {trainer.get(), prober.get(), squatter.get()}) {
     EXPECT_TRUE(call->outcome.get().status.ok());
   }
@@ -173,13 +176,9 @@ TEST(ReliabilityRequestIdTest, AbortCountsOnlyRunningRolloutsOnceAndAnEndedRollo
   const v1::AbortResponse twice = AbortIds(stub, {"long", "long", "nope", "nope"});
   EXPECT_EQ(twice.aborted_rollouts(), 1u);
   EXPECT_EQ(twice.unknown_request_ids_size(), 1) << "named twice, listed twice";
-  grpc::ClientContext all_context;
-  all_context.AddMetadata("authorization", std::string("Bearer ") + kToken);
-  v1::AbortRequest all;
-  all.set_all(true);
-  v1::AbortResponse all_response;
-  ASSERT_TRUE(stub->Abort(&all_context, all, &all_response).ok());
-  EXPECT_EQ(all_response.aborted_rollouts(), 0u) << "aborted rollouts counted again";
+  v1::AbortResponse all;
+  ASSERT_TRUE(CallAbort(stub, {}, &all).ok());
+  EXPECT_EQ(all.aborted_rollouts(), 0u) << "aborted rollouts counted again";
   while (reader->Read(&response)) {
   }
   EXPECT_TRUE(reader->Finish().ok());
