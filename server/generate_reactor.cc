@@ -149,8 +149,8 @@ void GenerateReactor::EndStalledLocked() {
       grpc::StatusCode::RESOURCE_EXHAUSTED,
       absl::StrFormat("the client did not read this Generate stream: its samples paused with "
                       "%.1f MiB of unread messages queued (the bound, --stream_buffer_mb) and "
-                      "stayed paused for %.1f s (--stream_stall_timeout_s), so they were "
-                      "aborted; read the stream as it comes, or ask for fewer messages "
+                      "the client read nothing for %.1f s (--stream_stall_timeout_s), so they "
+                      "were aborted; read the stream as it comes, or ask for fewer messages "
                       "(GenerateRequest.stream: coalesced chunks or completions only)",
                       static_cast<double>(limits.max_buffered_bytes) / (1 << 20),
                       static_cast<double>(limits.max_paused.count()) / 1000));

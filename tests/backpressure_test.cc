@@ -212,6 +212,9 @@ TEST(ReliabilityBackpressureTest, AReaderStalledPastTheTimeoutEndsResourceExhaus
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
   EXPECT_NE(status.error_message().find("--stream_buffer_mb"), std::string::npos)
       << status.error_message();
+  // The timer runs from the client's last read, and the message says so.
+  EXPECT_NE(status.error_message().find("read nothing for 2.0 s"), std::string::npos)
+      << status.error_message();
 }
 
 // A stalled client that reads nothing for another timeout is not coming back for its queue:
