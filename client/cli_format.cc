@@ -458,6 +458,41 @@ absl::StatusOr<std::vector<std::string>> RewriteVersionFlag(std::vector<std::str
   return out;
 }
 
+absl::Status CheckFlagsApply(const std::vector<std::string>& args, std::string_view command,
+                             const CommandFlagTable& table) {
+  auto contains = [](const std::vector<std::string>& names, absl::string_view name) {
+    return std::find(names.begin(), names.end(), name) != names.end();
+  };
+  // The commands that read `name` (empty: no command does).
+  auto readers = [&](absl::string_view name) {
+    std::vector<std::string> commands;
+    for (const auto& [c, flags] : table.by_command) {
+      if (contains(flags, name)) commands.push_back(c);
+    }
+    return commands;
+  };
+  const std::vector<std::string>* mine = nullptr;
+  for (const auto& [c, flags] : table.by_command) {
+    if (c == command) mine = &flags;
+  }
+  for (size_t i = 1; i < args.size() && args[i] != "--"; ++i) {
+    absl::string_view name = args[i];
+    if (!absl::ConsumePrefix(&name, "--") && !absl::ConsumePrefix(&name, "-")) continue;
+    name = name.substr(0, name.find('='));
+    if (contains(table.common, name) || (mine != nullptr && contains(*mine, name))) continue;
+    std::vector<std::string> read_by = readers(name);
+    if (read_by.empty() && absl::ConsumePrefix(&name, "no")) {  // --noflag of a boolean
+      if (contains(table.common, name) || (mine != nullptr && contains(*mine, name))) continue;
+      read_by = readers(name);
+    }
+    if (read_by.empty()) continue;  // not one of the commands' flags
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " does not apply to ", std::string(command), " (it is read by ",
+                     absl::StrJoin(read_by, ", "), "); it is ignored"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<rollout::v1::InFlightPolicy> ParseInFlightPolicy(std::string_view std_text) {
   const std::string text =
       absl::AsciiStrToLower(absl::string_view(std_text.data(), std_text.size()));

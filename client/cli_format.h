@@ -5,8 +5,10 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/rollout_client.h"
 #include "rollout/v1/rollout.pb.h"
@@ -72,6 +74,24 @@ absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> ParseIpcTensorsJson(std
 // argument is another flag.
 absl::StatusOr<std::vector<std::string>> RewriteVersionFlag(std::vector<std::string> args,
                                                             std::string_view to);
+
+// Which flags each command reads, for CheckFlagsApply: `common` apply to every command
+// (connection, auth, output), `by_command` maps each command to the rest it reads.
+struct CommandFlagTable {
+  std::vector<std::string> common;
+  std::vector<std::pair<std::string, std::vector<std::string>>> by_command;
+};
+
+// OK when every flag that `args` (a command line, args[0] the program) names applies to
+// `command`; otherwise INVALID_ARGUMENT naming the first flag that does not and the commands
+// that read it (rollout-cli prints it as a warning), so that a flag the command ignores
+// ("--samples 4 score") is not taken for one that worked. A flag is named by "--name",
+// "--name=value", "-name" or, for a boolean,
+// "--noname"; values, positional arguments and everything after "--" are skipped, and so are
+// names that no command of `table` reads (Abseil's own: --v, --flagfile, --help...). Flags read
+// from a --flagfile are not seen.
+absl::Status CheckFlagsApply(const std::vector<std::string>& args, std::string_view command,
+                             const CommandFlagTable& table);
 
 // "drain", "abort" or "continue", in any case, as the InFlightPolicy value; INVALID_ARGUMENT
 // naming the text and the choices otherwise.

@@ -739,5 +739,48 @@ TEST(ParseIpcTensorsJsonTest, RefusesWhatIsNotATensorListSayingWhat) {
   }
 }
 
+CommandFlagTable TestFlagTable() {
+  return {{"server", "json"},
+          {{"generate", {"prompt", "samples", "ignore_eos", "temperature"}},
+           {"score", {"tokens", "temperature"}},
+           {"pause", {"abort_in_flight"}}}};
+}
+
+TEST(CheckFlagsApplyTest, AcceptsTheCommandsOwnCommonAndAbseilsFlagsInEverySpelling) {
+  const std::vector<std::string> args = {
+      "rollout-cli",    "--server=h:1", "-json", "--samples",    "4",  "--prompt=1,2",
+      "--noignore_eos", "generate",     "--v=2", "--flagfile=f", "--", "--tokens=1"};
+  EXPECT_TRUE(CheckFlagsApply(args, "generate", TestFlagTable()).ok());
+  EXPECT_TRUE(CheckFlagsApply({"rollout-cli", "--temperature", "0", "score", "--json"}, "score",
+                              TestFlagTable())
+                  .ok());
+  EXPECT_TRUE(
+      CheckFlagsApply({"rollout-cli", "pause", "--abort_in_flight"}, "pause", TestFlagTable())
+          .ok());
+  EXPECT_TRUE(CheckFlagsApply({"rollout-cli", "info"}, "info", TestFlagTable()).ok());
+}
+
+TEST(CheckFlagsApplyTest, RefusesAFlagTheCommandWouldIgnoreNamingWhoReadsIt) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string command, expected;
+  };
+  const std::vector<Case> cases = {
+      {{"rollout-cli", "--samples", "4", "score"},
+       "score",
+       "--samples does not apply to score (it is read by generate)"},
+      {{"rollout-cli", "-samples=4", "score"}, "score", "--samples does not apply to score"},
+      {{"rollout-cli", "info", "--temperature=0"},
+       "info",
+       "--temperature does not apply to info (it is read by generate, score)"},
+      {{"rollout-cli", "--noabort_in_flight", "score"}, "score", "--abort_in_flight"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status status = CheckFlagsApply(c.args, c.command, TestFlagTable());
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.expected;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.expected));
+  }
+}
+
 }  // namespace
 }  // namespace rollout

@@ -516,6 +516,27 @@ int main(int argc, char** argv) {
         absl::StrCat("expected exactly one command: ", kCommands, " (see --help)")));
   }
   const std::string command = args[1];
+  // What each command reads (keep beside the Run* functions): a flag given to a command that
+  // does not read it is named in a warning, not silently ignored. A warning, not an error, so
+  // that scripts passing one set of flags to several commands (deploy/push-weights.sh's "--
+  // FLAGS") keep working.
+  const rollout::CommandFlagTable flags = {
+      {"server", "json", "auth_token_file", "auth_token", "token", "timeout_s", "connect_timeout_s",
+       "tls_root_cert", "tls_client_cert", "tls_client_key"},
+      {{"generate",
+        {"prompt", "samples", "seed", "temperature", "top_k", "top_p", "min_p", "max_new_tokens",
+         "stop", "ignore_eos", "top_logprobs", "request_id", "return_routing"}},
+       {"score", {"tokens", "start", "temperature", "top_logprobs", "routing", "return_routing"}},
+       {"abort", {"request_ids", "all"}},
+       {"update-weights", {"from", "weight_version", "policy", "chunk_mb", "streams"}},
+       {"update-weights-from-path", {"path", "weight_version", "policy"}},
+       {"update-weights-from-ipc", {"ipc_tensors", "weight_version", "policy"}},
+       {"pause", {"abort_in_flight"}},
+       {"release-memory", {"weights", "abort_in_flight"}}}};
+  if (const absl::Status applies = rollout::CheckFlagsApply(*rewritten, command, flags);
+      !applies.ok()) {
+    std::cerr << "warning: " << applies.message() << std::endl;
+  }
   if (command == "generate") {
     rollout::RunGenerate();
   } else if (command == "score") {

@@ -142,6 +142,25 @@ TEST(ReliabilityCommandLineTest, UpdateWeightsRefusesAChunkTheServerCouldNotTake
   }
 }
 
+// A flag the command does not read is named in a warning, not silently ignored: "--samples 4
+// score" scored once and said nothing (review24 finding 7e). The command still runs (scripts
+// pass one set of flags to several commands).
+TEST(ReliabilityCommandLineTest, TheCliWarnsOfAFlagTheCommandIgnores) {
+  const BinaryRun ignored =
+      RunBinary({ROLLOUT_CLI_BIN, "--server=127.0.0.1:1", "--connect_timeout_s=1", "--tokens=1,2",
+                 "--samples", "4", "score"});
+  EXPECT_EQ(ignored.exit_code, 1) << ignored.output;
+  EXPECT_TRUE(Contains(ignored.output, "warning: --samples does not apply to score"))
+      << ignored.output;
+  EXPECT_TRUE(Contains(ignored.output, "could not connect")) << ignored.output;
+  // The command's own and the common flags go through to the connection.
+  const BinaryRun own = RunBinary({ROLLOUT_CLI_BIN, "--server=127.0.0.1:1", "--connect_timeout_s=1",
+                                   "--json", "--tokens=1,2", "--temperature=0.5", "score"});
+  EXPECT_EQ(own.exit_code, 1) << own.output;
+  EXPECT_TRUE(Contains(own.output, "could not connect")) << own.output;
+  EXPECT_FALSE(Contains(own.output, "warning")) << own.output;
+}
+
 TEST(ReliabilityCommandLineTest, VersionNamesTheProjectVersionCommitAndBuildType) {
   for (const char* binary : {ROLLOUT_SERVER_BIN, ROLLOUT_MAKE_MODEL_BIN}) {
     const BinaryRun run = RunBinary({binary, "--version"});
