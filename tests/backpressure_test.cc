@@ -34,8 +34,9 @@ struct Child {
 
 std::unique_ptr<Child> StartChild(const std::vector<std::string>& flags) {
   auto child = std::make_unique<Child>();
-  std::vector<std::string> argv = {ROLLOUT_SERVER_BIN, "--port=0", "--address=127.0.0.1",
-                                   "--metrics_port=0"};
+  // The binary as built, or $ROLLOUT_SERVER_BIN (a GPU host runs a bundle's copy elsewhere).
+  std::vector<std::string> argv = {rel::BinaryPath("ROLLOUT_SERVER_BIN", ROLLOUT_SERVER_BIN),
+                                   "--port=0", "--address=127.0.0.1", "--metrics_port=0"};
   argv.insert(argv.end(), flags.begin(), flags.end());
   child->process = rel::ChildProcess::Start(
       argv, {"ROLLOUT_CACHE_DIR=" + ::testing::TempDir() + "rollout-test-cache"});

@@ -1413,9 +1413,10 @@ TEST(ReliabilityShutdownTest, SigtermUnderLoadEndsEveryRolloutAndExitsZero) {
       // KV for every sample at once (12 long ones of ~3000 tokens at 2 KiB a token): under the
       // default admission a sample the pool cannot finish waits, and so would the probe below,
       // queued behind it (strict FCFS) until the grace period ends.
-      rel::ChildProcess::Start({ROLLOUT_SERVER_BIN, "--port=0", "--address=127.0.0.1",
-                                "--metrics_port=0", "--shutdown_grace_s=1", "--kv_cache_mb=128"},
-                               {"ROLLOUT_CACHE_DIR=" + cache});
+      rel::ChildProcess::Start(
+          {rel::BinaryPath("ROLLOUT_SERVER_BIN", ROLLOUT_SERVER_BIN), "--port=0",
+           "--address=127.0.0.1", "--metrics_port=0", "--shutdown_grace_s=1", "--kv_cache_mb=128"},
+          {"ROLLOUT_CACHE_DIR=" + cache});
   ASSERT_NE(child, nullptr);
   const std::string needle = "rollout server listening on port ";
   const std::string line = child->WaitForOutput(needle, seconds(120));

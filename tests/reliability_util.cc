@@ -333,7 +333,7 @@ ServerProcess StartServerProcess(const std::vector<std::string>& args,
                                  const std::vector<std::string>& extra_env) {
   ServerProcess server;
 #ifdef ROLLOUT_SERVER_BIN
-  std::vector<std::string> argv = {ROLLOUT_SERVER_BIN};
+  std::vector<std::string> argv = {BinaryPath("ROLLOUT_SERVER_BIN", ROLLOUT_SERVER_BIN)};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<std::string> env = extra_env;
   const bool own_cache = std::any_of(env.begin(), env.end(), [](const std::string& e) {

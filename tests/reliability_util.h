@@ -95,11 +95,10 @@ class ChildProcess {
   std::thread reader_;
 };
 
-// The rollout-server binary (ROLLOUT_SERVER_BIN) started with `args` (after the binary's
-// name), `extra_env`, and ROLLOUT_CACHE_DIR set to the test binary's model cache unless
-// `extra_env` sets it, once it logged the port it
-// listens on. On failure (no such line within two minutes) `port` is 0 and the child is
-// returned all the same, for its output.
+// The rollout-server binary (ROLLOUT_SERVER_BIN, or $ROLLOUT_SERVER_BIN) started with `args` (after
+// the binary's name), `extra_env`, and ROLLOUT_CACHE_DIR set to the test binary's model cache
+// unless `extra_env` sets it, once it logged the port it listens on. On failure (no such line
+// within two minutes) `port` is 0 and the child is returned all the same, for its output.
 struct ServerProcess {
   std::unique_ptr<ChildProcess> child;
   int port = 0;
