@@ -484,6 +484,21 @@ void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
     for (int i = 0; i < 5; ++i) Check(runner.Forward(decode, nullptr));
     PrintProfile("decode step profile, logits left on the GPU", runner.profile(), batch);
     CompareSampling(runner, decode, batch, ctx);
+    // The same step unprofiled (no events between kernels: its CUDA graph when graphs are on),
+    // wall time per step including the metadata upload.
+    runner.EnableProfiling(false);
+    Check(runner.Forward(decode, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    constexpr int kTimed = 20;
+    const auto t0 = Clock::now();
+    for (int i = 0; i < kTimed; ++i) Check(runner.Forward(decode, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const double step_ms = Seconds(t0, Clock::now()) * 1e3 / kTimed;
+    const double floor_ms = gemm_ms + kv_ms + gather_ms;
+    std::printf(
+        "decode step unprofiled, logits left on the GPU: %.3f ms per step (%d steps) against the "
+        "floor of %.2f ms: %.2fx\n",
+        step_ms, kTimed, floor_ms, step_ms / floor_ms);
   }
   runner.EnableProfiling(false);
 }
