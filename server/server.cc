@@ -254,7 +254,17 @@ absl::StatusOr<std::unique_ptr<RolloutServer>> RolloutServer::Start(const Server
   }
   // The engine checks these too, once the model is loaded (minutes, for a large checkpoint).
   if (options.max_running_samples < 1) {
-    return absl::InvalidArgumentError("--max_running_samples must be >= 1");
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max_running_samples %d: give 0 (the backend's default) or a positive "
+                        "count",
+                        given.max_running_samples));
+  }
+  if (options.kv_block_size < 1 || options.attention_split_size < 1 ||
+      options.attention_split_size % options.kv_block_size != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--attention_split_size %d is not a positive multiple of --kv_block_size %d (0 for either "
+        "takes the backend's default: cpu 64 and 16, cuda 256 and 32)",
+        options.attention_split_size, options.kv_block_size));
   }
   const bool below_split = options.max_batch_tokens < options.attention_split_size;
   if (below_split || options.max_batch_tokens < options.max_running_samples) {

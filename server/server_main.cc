@@ -136,7 +136,20 @@ int main(int argc, char** argv) {
                    int64_t{1} << 32) ||
       out_of_range("stream_buffer_mb", absl::GetFlag(FLAGS_stream_buffer_mb), 1, 1 << 20) ||
       out_of_range("stream_stall_timeout_s", absl::GetFlag(FLAGS_stream_stall_timeout_s), 1,
-                   86400)) {
+                   86400) ||
+      // 0: the backend's default (the flags' help says which).
+      out_of_range("kv_cache_mb", absl::GetFlag(FLAGS_kv_cache_mb), 0, int64_t{1} << 30) ||
+      out_of_range("kv_block_size", absl::GetFlag(FLAGS_kv_block_size), 0, 4096) ||
+      out_of_range("attention_split_size", absl::GetFlag(FLAGS_attention_split_size), 0,
+                   1 << 16) ||
+      out_of_range("max_running_samples", absl::GetFlag(FLAGS_max_running_samples), 0,
+                   1 << 20) ||
+      out_of_range("max_batch_tokens", absl::GetFlag(FLAGS_max_batch_tokens), 0, 1 << 24)) {
+    return 1;
+  }
+  if (const int32_t tp = absl::GetFlag(FLAGS_tp); tp != 1 && tp != 2 && tp != 4 && tp != 8) {
+    std::fprintf(stderr, "rollout-server: --tp %d is not a tensor-parallel degree: give 1, 2, 4 or 8\n",
+                 tp);
     return 1;
   }
   rollout::ServerOptions options;

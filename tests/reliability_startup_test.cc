@@ -98,6 +98,14 @@ TEST(ReliabilityStartupTest, APortBeyond65535OrACountOutOfRangeIsRefusedNamingTh
       {{"--port=0", "--stream_buffer_mb=9000000000000"},
        "--stream_buffer_mb 9000000000000 is out of range: give 1 to 1048576"},
       {{"--port=0", "--stream_stall_timeout_s=0"}, "--stream_stall_timeout_s 0 is out of range"},
+      // Each named with its range (they were refused naming no flag, or a bound that 0, the
+      // default, does not meet: review25 finding 4).
+      {{"--port=0", "--kv_cache_mb=-5"}, "--kv_cache_mb -5 is out of range: give 0 to"},
+      {{"--port=0", "--kv_block_size=-1"}, "--kv_block_size -1 is out of range: give 0 to 4096"},
+      {{"--port=0", "--max_running_samples=-1"}, "--max_running_samples -1 is out of range"},
+      {{"--port=0", "--tp=3"}, "--tp 3 is not a tensor-parallel degree: give 1, 2, 4 or 8"},
+      {{"--port=0", "--kv_block_size=7", "--model=/nonexistent"},
+       "--attention_split_size 64 is not a positive multiple of --kv_block_size 7"},
       // Before the model loads (it was refused once loaded and hashed: minutes, for 60 GB).
       {{"--port=0", "--max_batch_tokens=33", "--model=/nonexistent"},
        "--max_batch_tokens 33 is below --attention_split_size 64"},

@@ -341,7 +341,8 @@ absl::Status CpuModelRunner::ReserveKvCache() {
   num_kv_blocks_ = static_cast<int32_t>(options_.kv_cache_bytes / kv_bytes_per_block);
   if (num_kv_blocks_ < 1) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("KV cache of %d bytes holds no block of %d tokens (%d bytes each)",
+        absl::StrFormat("KV cache of %d bytes holds no block of %d tokens (%d bytes each): "
+                        "give the server more (--kv_cache_mb)",
                         options_.kv_cache_bytes, options_.kv_block_size, kv_bytes_per_block));
   }
   for (Rank& rk : ranks_) {
