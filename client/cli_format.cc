@@ -422,6 +422,8 @@ std::string FormatFlushCacheResult(const rollout::v1::FlushCacheResponse& respon
 absl::StatusOr<std::vector<std::string>> RewriteVersionFlag(std::vector<std::string> args,
                                                             std::string_view std_to) {
   const std::string to(std_to);
+  // "--version" alone: Abseil's, the binary's version (as every other binary of the project).
+  if (args.size() == 2 && (args[1] == "--version" || args[1] == "-version")) return args;
   std::vector<std::string> out;
   out.reserve(args.size());
   for (size_t i = 0; i < args.size(); ++i) {

@@ -70,8 +70,9 @@ absl::StatusOr<rollout::v1::UpdateWeightsFromIpcRequest> ParseIpcTensorsJson(std
 // Abseil reserves --version for "print the binary's version and exit"; this rewrites
 // "--version V", "--version=V" and the single-dash forms in a command line into "--<to>=V" so
 // the CLI can take a weight version under that name. args[0] (the program) and everything
-// after a "--" are left alone. INVALID_ARGUMENT when --version has no value or the next
-// argument is another flag.
+// after a "--" are left alone, and so is "--version" as the only argument (Abseil's: print the
+// binary's version). INVALID_ARGUMENT when --version has no value or the next argument is
+// another flag.
 absl::StatusOr<std::vector<std::string>> RewriteVersionFlag(std::vector<std::string> args,
                                                             std::string_view to);
 

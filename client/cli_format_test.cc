@@ -685,6 +685,11 @@ TEST(RewriteVersionFlagTest, LeavesEverythingElseAlone) {
                           "--version", "b"));
 }
 
+TEST(RewriteVersionFlagTest, LeavesVersionAloneAsTheOnlyArgumentForTheBinarysVersion) {
+  EXPECT_THAT(Rewritten({"cli", "--version"}), ElementsAre("cli", "--version"));
+  EXPECT_THAT(Rewritten({"cli", "-version"}), ElementsAre("cli", "-version"));
+}
+
 TEST(RewriteVersionFlagTest, RejectsAVersionWithoutAValue) {
   for (std::vector<std::string> args :
        {std::vector<std::string>{"cli", "update-weights", "--version"},

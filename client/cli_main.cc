@@ -117,7 +117,7 @@ ABSL_FLAG(bool, abort_in_flight, false,
           "holding them.");
 ABSL_FLAG(bool, weights, false,
           "release-memory: release the weights' GPU memory too (kept in the server's host "
-          "memory; updates wait for resume-memory).");
+          "memory; weight updates are refused until resume-memory).");
 
 namespace rollout {
 namespace {
@@ -407,12 +407,16 @@ void RunUpdateWeights() {
         "fields included)",
         chunk_mb, kMaxWeightsChunkBytes >> 20)));
   }
+  const int32_t streams = absl::GetFlag(FLAGS_streams);
+  if (streams < 1 || streams > 64) {
+    Fail(absl::InvalidArgumentError(absl::StrFormat(
+        "--streams %d: give 1 to 64 (the server takes up to 64 parts)", streams)));
+  }
   std::unique_ptr<RolloutClient> client = ConnectFromFlags();
   ProgressLine progress;
   absl::StatusOr<rollout::v1::UpdateWeightsResponse> response = UpdateWeightsFromCheckpoint(
       *client, dir, version, policy, static_cast<size_t>(chunk_mb) << 20,
-      [&](uint64_t sent, uint64_t total) { progress.Update(sent, total); },
-      absl::GetFlag(FLAGS_streams));
+      [&](uint64_t sent, uint64_t total) { progress.Update(sent, total); }, streams);
   progress.Close();
   PrintResponse<rollout::v1::UpdateWeightsResponse>(response, FormatUpdateWeightsResult);
 }
@@ -528,12 +532,13 @@ int main(int argc, char** argv) {
          "stop", "ignore_eos", "top_logprobs", "request_id", "return_routing"}},
        {"score", {"tokens", "start", "temperature", "top_logprobs", "routing", "return_routing"}},
        {"abort", {"request_ids", "all"}},
-       {"update-weights", {"from", "weight_version", "policy", "chunk_mb", "streams"}},
-       {"update-weights-from-path", {"path", "weight_version", "policy"}},
-       {"update-weights-from-ipc", {"ipc_tensors", "weight_version", "policy"}},
+       {"update-weights", {"from", "version", "weight_version", "policy", "chunk_mb", "streams"}},
+       {"update-weights-from-path", {"path", "version", "weight_version", "policy"}},
+       {"update-weights-from-ipc", {"ipc_tensors", "version", "weight_version", "policy"}},
        {"pause", {"abort_in_flight"}},
        {"release-memory", {"weights", "abort_in_flight"}}}};
-  if (const absl::Status applies = rollout::CheckFlagsApply(*rewritten, command, flags);
+  // On the command line as typed, so that a warning names the spelling the user gave.
+  if (const absl::Status applies = rollout::CheckFlagsApply(raw_args, command, flags);
       !applies.ok()) {
     std::cerr << "warning: " << applies.message() << std::endl;
   }

@@ -140,6 +140,12 @@ TEST(ReliabilityCommandLineTest, UpdateWeightsRefusesAChunkTheServerCouldNotTake
     EXPECT_TRUE(Contains(run.output, std::string("--chunk_mb ") + mb + ": give 1 to 63"))
         << run.output;
   }
+  // --streams is named as typed (it said "streams is 0").
+  const BinaryRun run = RunBinary({ROLLOUT_CLI_BIN, "--server=127.0.0.1:1", "--connect_timeout_s=1",
+                                   "--from=/nonexistent", "--version=v", "--streams=0",
+                                   "update-weights"});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_TRUE(Contains(run.output, "--streams 0: give 1 to 64")) << run.output;
 }
 
 // A flag the command does not read is named in a warning, not silently ignored: "--samples 4
@@ -153,6 +159,15 @@ TEST(ReliabilityCommandLineTest, TheCliWarnsOfAFlagTheCommandIgnores) {
   EXPECT_TRUE(Contains(ignored.output, "warning: --samples does not apply to score"))
       << ignored.output;
   EXPECT_TRUE(Contains(ignored.output, "could not connect")) << ignored.output;
+  // The warning names the spelling given: --version, which rollout-cli takes as --weight_version.
+  const BinaryRun version = RunBinary({ROLLOUT_CLI_BIN, "--server=127.0.0.1:1",
+                                       "--connect_timeout_s=1", "--version", "v1", "info"});
+  EXPECT_TRUE(Contains(version.output, "warning: --version does not apply to info"))
+      << version.output;
+  // --version alone prints the binary's version, as rollout-server --version does.
+  const BinaryRun alone = RunBinary({ROLLOUT_CLI_BIN, "--version"});
+  EXPECT_EQ(alone.exit_code, 0) << alone.output;
+  EXPECT_TRUE(Contains(alone.output, "rollout ")) << alone.output;
   // The command's own and the common flags go through to the connection.
   const BinaryRun own = RunBinary({ROLLOUT_CLI_BIN, "--server=127.0.0.1:1", "--connect_timeout_s=1",
                                    "--json", "--tokens=1,2", "--temperature=0.5", "score"});
