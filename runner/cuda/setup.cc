@@ -90,8 +90,8 @@ absl::Status CheckSupported(const ModelConfig& c, const CudaRunnerOptions& o) {
       o.attention_split_size % cuda::kAttentionTile != 0 ||
       o.attention_split_size % o.kv_block_size != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "attention split size (%d) must be a positive multiple of 32 and of the KV block size "
-        "(%d)",
+        "attention split size (%d, --attention_split_size) must be a positive multiple of 32 "
+        "and of the KV block size (%d, --kv_block_size)",
         o.attention_split_size, o.kv_block_size));
   }
   if (o.max_batch_tokens < 1 || o.max_batch_tokens > 65535 || o.max_logit_rows < 1) {
