@@ -130,6 +130,19 @@ def _check_cast_range(name: str, before, bits, dtype: str) -> None:
                              f"range of {dtype}; nothing was sent")
 
 
+def _check_f64_cast(name: str, before, after) -> None:
+    """Refuses a float64 -> float32 cast (the first step of every float64 tensor) that made a
+    finite value of `before` infinite: checked against the float64 values themselves, since
+    the later range checks see only the float32 result (1e300 came through as inf)."""
+    np = _np()
+    bad = np.flatnonzero(np.isinf(np.asarray(after).reshape(-1)) &
+                         np.isfinite(np.asarray(before).reshape(-1)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"tensor '{name}': element {i} ({float(before.reshape(-1)[i]):g}) is "
+                         f"beyond the range of F32; nothing was sent")
+
+
 def _numpy_bytes(name: str, a, target: Optional[str]):
     """Returns (dtype, shape, ndarray whose little-endian bytes are the payload)."""
     np = _np()
@@ -154,7 +167,10 @@ def _numpy_bytes(name: str, a, target: Optional[str]):
             return "BF16", shape, bits
         a, kind = bf16_bits_to_f32(bits).reshape(shape), "F32"
     if kind == "F64":
-        a, kind = a.astype(np.float32), "F32"
+        with np.errstate(over="ignore"):
+            f32 = a.astype(np.float32)
+        _check_f64_cast(name, a, f32)
+        a, kind = f32, "F32"
     if target is None:
         target = kind
     if target == kind:
@@ -186,7 +202,9 @@ def _torch_bytes(name: str, t, target: Optional[str]):
     names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
     t = t.detach()
     if t.dtype == torch.float64:
-        t = t.to(torch.float32)
+        f32 = t.to(torch.float32)
+        _check_f64_cast(name, t.cpu().numpy(), f32.cpu().numpy())
+        t = f32
     src = names.get(t.dtype)
     if src is None:
         raise TypeError(f"tensor '{name}': unsupported torch dtype {t.dtype}")

@@ -648,6 +648,14 @@ class ConversionTest(unittest.TestCase):
         # In range, and an infinity that was given, go through.
         dtype, _, half = to_bytes("w", np.array([65504.0, np.inf], dtype=np.float32), "F16")
         self.assertEqual((dtype, half.tolist()), ("F16", [65504.0, np.inf]))
+        # float64 beyond float32 to any target (it went through as inf: review25py finding 1).
+        huge = np.array([1.0, 1e300], dtype=np.float64)
+        for target in ("BF16", "F16", "F32", None):
+            with self.assertRaisesRegex(ValueError, r"tensor 'w': element 1 \(1e\+300\) is "
+                                                    r"beyond the range of F32; nothing was sent"):
+                to_bytes("w", huge, target)
+        dtype, _, ok = to_bytes("w", np.array([1.5, -np.inf], dtype=np.float64), "F32")
+        self.assertEqual((dtype, ok.tolist()), ("F32", [1.5, -np.inf]))
 
     def test_raw_tensor_checks_size(self):
         with self.assertRaises(ValueError):
