@@ -261,8 +261,9 @@ class RolloutClient:
                                        timeout: Optional[float] = None) -> UpdateWeightsResult:
         """As rollout_client.RolloutClient.update_weights_from_path."""
         request = _wire.update_from_path_request(path, version, policy)
+        start = time.monotonic()
         response = await self._unary(self._stub.UpdateWeightsFromPath, request, timeout)
-        return message_to_dataclass(UpdateWeightsResult, response)
+        return _wire.update_result(response, time.monotonic() - start)
 
     async def join_weight_sync_group(self, unique_id: bytes, rank: int, world_size: int, *,
                                      group_timeout: float = 0.0,

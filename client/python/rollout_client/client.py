@@ -347,8 +347,9 @@ class RolloutClient:
                                  timeout: Optional[float] = None) -> UpdateWeightsResult:
         """Loads weights from a safetensors checkpoint folder on the server's disk."""
         request = _wire.update_from_path_request(path, version, policy)
+        start = time.monotonic()
         response = self._unary(self._stub.UpdateWeightsFromPath, request, timeout)
-        return message_to_dataclass(UpdateWeightsResult, response)
+        return _wire.update_result(response, time.monotonic() - start)
 
     # -- fleets: NCCL weight-sync groups (rollout_client.WeightBroadcaster drives these) -------
 

@@ -894,6 +894,9 @@ class WeightsTest(unittest.TestCase):
         r = self.update_from_path(self.model_dir, version="from-path")
         self.assertEqual(r.version, "from-path")
         self.assertEqual(r.previous_version, streamed_version)
+        # The client's wall time, as every other update method reports (they were 0).
+        self.assertGreater(r.seconds, 0.0)
+        self.assertGreater(r.bytes_per_second, 0.0)
         self.assert_baseline(self.client.generate(PROMPTS, **self.ARGS), "from-path")
         # A checkpoint holding the nudged tensor -> what streaming it gave.
         d = tempfile.mkdtemp(prefix="rollout-py-ckpt-")
