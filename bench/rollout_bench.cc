@@ -467,9 +467,10 @@ void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
     const double gemm_ms = DecodeStepGemmSeconds(config, batch, setup.flops, setup.bw, g) * 1e3;
     const double gather_ms =
         g > 1 ? TpGatherBytes(config, g, batch, batch) / setup.spread.link_bw * 1e3 : 0.0;
+    const double floor_ms = gemm_ms + kv_ms + gather_ms;
     std::printf("  floor of this step: GEMMs %.2f ms + KV read %.2f ms%s = %.2f ms\n", gemm_ms,
                 kv_ms, g > 1 ? absl::StrFormat(" + all-gathers %.2f ms", gather_ms).c_str() : "",
-                gemm_ms + kv_ms + gather_ms);
+                floor_ms);
     if (config.is_moe()) {
       const double lm = double(vocab) * config.hidden_size;
       const double read = 2.0 * (StepWeightParams(config, batch) + lm);
@@ -494,7 +495,6 @@ void RunProfiles(const Setup& setup, int requests, std::mt19937_64* rng) {
     for (int i = 0; i < kTimed; ++i) Check(runner.Forward(decode, nullptr));
     CHECK_CUDA(cudaDeviceSynchronize());
     const double step_ms = Seconds(t0, Clock::now()) * 1e3 / kTimed;
-    const double floor_ms = gemm_ms + kv_ms + gather_ms;
     std::printf(
         "decode step unprofiled, logits left on the GPU: %.3f ms per step (%d steps) against the "
         "floor of %.2f ms: %.2fx\n",

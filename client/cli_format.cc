@@ -477,14 +477,17 @@ absl::Status CheckFlagsApply(const std::vector<std::string>& args, std::string_v
   for (const auto& [c, flags] : table.by_command) {
     if (c == command) mine = &flags;
   }
+  auto applies = [&](absl::string_view name) {
+    return contains(table.common, name) || (mine != nullptr && contains(*mine, name));
+  };
   for (size_t i = 1; i < args.size() && args[i] != "--"; ++i) {
     absl::string_view name = args[i];
     if (!absl::ConsumePrefix(&name, "--") && !absl::ConsumePrefix(&name, "-")) continue;
     name = name.substr(0, name.find('='));
-    if (contains(table.common, name) || (mine != nullptr && contains(*mine, name))) continue;
+    if (applies(name)) continue;
     std::vector<std::string> read_by = readers(name);
     if (read_by.empty() && absl::ConsumePrefix(&name, "no")) {  // --noflag of a boolean
-      if (contains(table.common, name) || (mine != nullptr && contains(*mine, name))) continue;
+      if (applies(name)) continue;
       read_by = readers(name);
     }
     if (read_by.empty()) continue;  // not one of the commands' flags

@@ -408,9 +408,10 @@ void RunUpdateWeights() {
         chunk_mb, kMaxWeightsChunkBytes >> 20)));
   }
   const int32_t streams = absl::GetFlag(FLAGS_streams);
-  if (streams < 1 || streams > 64) {
-    Fail(absl::InvalidArgumentError(absl::StrFormat(
-        "--streams %d: give 1 to 64 (the server takes up to 64 parts)", streams)));
+  if (streams < 1 || streams > kMaxWeightsStreams) {
+    Fail(absl::InvalidArgumentError(
+        absl::StrFormat("--streams %d: give 1 to %d (the server takes up to %d parts)", streams,
+                        kMaxWeightsStreams, kMaxWeightsStreams)));
   }
   std::unique_ptr<RolloutClient> client = ConnectFromFlags();
   ProgressLine progress;

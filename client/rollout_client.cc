@@ -368,9 +368,10 @@ absl::StatusOr<UpdateWeightsResponse> RolloutClient::UpdateWeightsFromTensors(
         "a chunk's fields included)",
         chunk_bytes, kMaxWeightsChunkBytes));
   }
-  if (streams < 1 || streams > 64) {
+  if (streams < 1 || streams > kMaxWeightsStreams) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("streams is %d; give 1 to 64 (the server takes up to 64 parts)", streams));
+        absl::StrFormat("streams is %d; give 1 to %d (the server takes up to %d parts)", streams,
+                        kMaxWeightsStreams, kMaxWeightsStreams));
   }
   uint64_t total = 0;
   std::vector<uint64_t> nbytes;

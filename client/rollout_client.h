@@ -52,6 +52,8 @@ inline constexpr size_t kDefaultWeightsChunkBytes = size_t{4} << 20;
 // The most tensor bytes one chunk may carry: the server takes messages of up to 64 MiB, and a
 // chunk's fields add a few bytes (the Python client's bound too).
 inline constexpr size_t kMaxWeightsChunkBytes = size_t{63} << 20;
+// The most streams (parts) one update may be spread over: the server takes up to 64 parts.
+inline constexpr int32_t kMaxWeightsStreams = 64;
 
 // One tensor to upload, borrowed from memory the caller keeps alive during the call.
 struct TensorSource {

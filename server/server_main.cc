@@ -148,8 +148,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (const int32_t tp = absl::GetFlag(FLAGS_tp); tp != 1 && tp != 2 && tp != 4 && tp != 8) {
-    std::fprintf(stderr, "rollout-server: --tp %d is not a tensor-parallel degree: give 1, 2, 4 or 8\n",
-                 tp);
+    std::fprintf(
+        stderr, "rollout-server: --tp %d is not a tensor-parallel degree: give 1, 2, 4 or 8\n", tp);
     return 1;
   }
   rollout::ServerOptions options;
