@@ -72,6 +72,9 @@ ABSL_FLAG(int32_t, attention_split_size, 256,
           "attention split size in tokens (part of a row's arithmetic: other values, other bits)");
 ABSL_FLAG(std::string, attention, "mma", "attention kernel: mma (tensor cores) or simt");
 ABSL_FLAG(bool, cuda_graphs, true, "replay decode steps as CUDA graphs (padded batch buckets)");
+ABSL_FLAG(bool, shared_prefix_attention, true,
+          "decode tokens over the same KV pages (the samples of a request over their prompt) read "
+          "them once per attention block (same bits)");
 ABSL_FLAG(bool, decode_lookahead, true,
           "the engine launches decode step N + 1 before step N's results (EngineOptions)");
 ABSL_FLAG(bool, tp_invariant, true,
@@ -302,6 +305,7 @@ absl::StatusOr<Setup> MakeSetup() {
                                  ? CudaAttentionKernel::kSimt
                                  : CudaAttentionKernel::kTensorCore;
   options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  options.shared_prefix_attention = absl::GetFlag(FLAGS_shared_prefix_attention);
   options.canonical_k_tree = absl::GetFlag(FLAGS_tp_invariant);
   options.tensor_parallel = absl::GetFlag(FLAGS_tp);
   for (const std::string& device : absl::GetFlag(FLAGS_cuda_devices)) {
@@ -321,9 +325,12 @@ absl::StatusOr<Setup> MakeSetup() {
   } else if (options.tensor_parallel > 1) {
     std::printf("tp %d as streams of GPU 0 (the floor is one GPU's)\n", options.tensor_parallel);
   }
-  std::printf("attention kernel: %s, decode CUDA graphs: %s, row-parallel K: %s\n",
-              absl::GetFlag(FLAGS_attention).c_str(), options.cuda_graphs ? "on" : "off",
-              options.canonical_k_tree ? "canonical 8-segment tree (tp-invariant)" : "fused GEMM");
+  std::printf(
+      "attention kernel: %s, shared-prefix decode attention: %s, decode CUDA graphs: %s, "
+      "row-parallel K: %s\n",
+      absl::GetFlag(FLAGS_attention).c_str(), options.shared_prefix_attention ? "on" : "off",
+      options.cuda_graphs ? "on" : "off",
+      options.canonical_k_tree ? "canonical 8-segment tree (tp-invariant)" : "fused GEMM");
   const auto t0 = Clock::now();
   auto created = CudaModelRunner::CreateSynthetic(config, 0, options);
   if (!created.ok()) return created.status();

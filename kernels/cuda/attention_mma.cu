@@ -245,18 +245,32 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
     split = flat % p.max_splits;
   }
   const int2 item = p.items[item_index];  // (first token, count)
+  // The block's tokens: the item's consecutive ones, or, for a split below a lead's share, the
+  // share's list (ops.h, AttentionShareTokens). Block-uniform exits come before any load or
+  // barrier.
+  int num_tokens = item.y;
+  const int32_t* listed = nullptr;
+  if (!kFold && p.shares != nullptr) {
+    const int4 share = p.shares[item_index];
+    if (split < share.x) return;  // computed by this token's lead
+    if (split < share.y) {
+      num_tokens = share.z;
+      listed = p.share_tokens + share.w;
+    }
+  }
+  auto token_of = [&](int i) { return listed != nullptr ? listed[i] : item.x + i; };
   const int group = p.num_heads / num_kv_heads;
-  const int num_rows = item.y * group;
+  const int num_rows = num_tokens * group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t4 = lane % 4;
 
   int max_pos = 0;
-  for (int i = 0; i < item.y; ++i) max_pos = max(max_pos, p.positions[item.x + i]);
+  for (int i = 0; i < num_tokens; ++i) max_pos = max(max_pos, p.positions[token_of(i)]);
   const int walk_begin = split * p.split_size;
   const int walk_end = kFold ? max_pos + 1 : min(max_pos + 1, walk_begin + p.split_size);
-  if (walk_begin >= walk_end) return;  // idle split: block-uniform, before any load or barrier
+  if (walk_begin >= walk_end) return;  // idle split
   const int num_tiles = (walk_end - walk_begin + kTile - 1) / kTile;
-  const int32_t* table = p.tables + p.table_offsets[item.x];
+  const int32_t* table = p.tables + p.table_offsets[token_of(0)];
   // The cache offset of lane l's key l of tile t (0 past max_pos, where no copy reads it).
   // kWgmma (launched for pages of kTile keys only): of the tile's page.
   auto lane_row = [&](int t) -> int64_t {
@@ -290,14 +304,14 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWg
   for (int t = 0; t < kStages - 1; ++t) issue(t, lane_row(t));
   int64_t next_row = lane_row(kStages - 1);  // of the next tile to issue: read a tile early
 
-  // This thread's two rows: g and g + 8 of the warp's 16. Row r is (token item.x + r / group,
+  // This thread's two rows: g and g + 8 of the warp's 16. Row r is (token token_of(r / group),
   // head kv_head * group + r % group), row head_row(r) of q, out and the partials.
   const int r0 = warp * 16 + g, r1 = r0 + 8;
   auto head_row = [&](int r) -> int64_t {
-    return (item.x + r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
+    return token_of(r / group) * static_cast<int64_t>(p.num_heads) + kv_head * group + r % group;
   };
-  const int pos0 = r0 < num_rows ? p.positions[item.x + r0 / group] : -1;
-  const int pos1 = r1 < num_rows ? p.positions[item.x + r1 / group] : -1;
+  const int pos0 = r0 < num_rows ? p.positions[token_of(r0 / group)] : -1;
+  const int pos1 = r1 < num_rows ? p.positions[token_of(r1 / group)] : -1;
   // The warp's rows' last and first positions (-1 for a padding row): tiles past the last are
   // skipped; tiles before the first need no causal mask.
   int warp_max_pos = max(pos0, pos1), warp_min_pos = min(pos0, pos1);
@@ -609,6 +623,11 @@ cudaError_t LaunchMmaShape(const AttentionParams& p, AttentionBlockShape shape, 
 }
 
 }  // namespace
+
+int AttentionShareTokens(int group) {
+  if (group < 1 || group > 64) return 1;
+  return group <= 16 ? 16 / group : 64 / group;
+}
 
 cudaError_t PagedAttentionMma(const AttentionParams& params, AttentionBlockShape shape,
                               KvCacheView cache, cudaStream_t stream) {

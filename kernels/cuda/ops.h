@@ -128,6 +128,26 @@ enum class AttentionBlockShape {
 // Most tokens one kManyTokens item may hold for `group` query heads per kv head.
 int AttentionItemTokens(int group);
 
+// Most tokens whose rows one split-parallel kOneToken block computes together for `group` query
+// heads per kv head (AttentionShare): 16 / group (the block's one warp of 16 rows), 64 / group
+// where group > 16 (such items run kManyTokens blocks); 1 where group > 64.
+int AttentionShareTokens(int group);
+
+// Prefix sharing of split-parallel one-token items (AttentionParams::shares): the decode tokens
+// of sequences whose block tables hold the same KV pages for a whole split -- the samples of one
+// request over their prompt, cached prefixes -- read those pages once for all of them. Item i's
+// share, (x, y, z, w) as an int4:
+//   x  first split the item computes: its token's splits below x are computed by the item whose
+//      share lists it (its lead), so its blocks of those splits exit at once;
+//   y  splits below y compute the rows of the z tokens share_tokens[w, w + z) (the first is the
+//      item's own token) from the item's own block table; splits y and above, its token's rows
+//      only.
+// A lead's splits below y must be whole (position >= (split + 1) * split_size - 1) for every
+// listed token and be the same pages in every listed token's table; z <= AttentionShareTokens.
+// Every row then goes through exactly the tiles, masks and operations of its own block (rows of
+// an MMA are independent), so its partials -- and the merged output -- are bitwise those without
+// sharing, and the pages are read once instead of z times. (0, 0, 0, 0): no sharing.
+
 // Paged causal attention over the cache (write the batch's K/V first). A work item is
 // (first token, number of tokens): consecutive tokens of one sequence, so one block table.
 // q: [num_tokens, num_heads, head_dim] fp32; out: [num_tokens, num_heads, head_dim] bf16;
@@ -149,6 +169,10 @@ struct AttentionParams {
   // position / split_size + 1.
   float* partials = nullptr;
   int32_t max_splits = 0;
+  // Optional prefix sharing (PagedAttentionMma with partials only; ignored otherwise):
+  // shares [num_items] as described at AttentionShareTokens, share_tokens the lists they name.
+  const int4* shares = nullptr;
+  const int32_t* share_tokens = nullptr;
 };
 
 // Version 1, SIMT fp32 (kernels/cuda/attention.cu). Per row (token at position p, head h, kv

@@ -28,6 +28,60 @@ void CutWorkItems(const ForwardBatch& batch, int64_t begin, int64_t end, int ite
   }
 }
 
+// Prefix sharing (cuda::AttentionShareTokens): one-token items whose sequences hold the same pages
+// for whole splits from the first on -- the samples of a request over their prompt, sequences
+// over a cached prefix -- are cut, in item order, into groups of at most share_tokens keyed by
+// their first split's pages; each group's first item (its lead) computes the rows of all of
+// them for the splits they have in common (whole for every member, the same pages in every
+// table), and the others start after those. Which items share changes which block reads the
+// pages, never a row's arithmetic, so the plan need not be optimal: a group whose members share
+// fewer splits with the lead shares only as many as its least.
+void PlanShares(const ForwardBatch& batch, const SlicePlanOptions& options, SlicePlan* plan) {
+  const int64_t num_items = static_cast<int64_t>(plan->items_one.size() / 2);
+  plan->shares.assign(4 * num_items, 0);
+  const int32_t split = options.attention_split_size;
+  const int32_t pages = split / options.kv_block_size;
+  if (options.share_tokens < 2 || pages < 1 || split % options.kv_block_size != 0) return;
+  auto token = [&](int64_t i) { return plan->begin + plan->items_one[2 * i]; };
+  auto table = [&](int64_t i) -> const std::vector<int32_t>& {
+    return batch.block_tables[batch.token_seq[token(i)]];
+  };
+  // Splits wholly at or below the item's position: keys it attends to in full.
+  auto whole_splits = [&](int64_t i) { return (batch.positions[token(i)] + 1) / split; };
+  // Splits [0, k) with the same pages in the tables of items a and b, k <= limit.
+  auto same_splits = [&](int64_t a, int64_t b, int32_t limit) {
+    int32_t k = 0;
+    while (k < limit && std::equal(table(a).begin() + k * pages, table(a).begin() + (k + 1) * pages,
+                                   table(b).begin() + k * pages)) {
+      ++k;
+    }
+    return k;
+  };
+  std::map<std::vector<int32_t>, std::vector<int64_t>> by_first_split;
+  for (int64_t i = 0; i < num_items; ++i) {
+    if (whole_splits(i) < 1) continue;
+    by_first_split[std::vector<int32_t>(table(i).begin(), table(i).begin() + pages)].push_back(i);
+  }
+  for (const auto& [first_pages, members] : by_first_split) {
+    for (size_t g = 0; g + 1 < members.size(); g += options.share_tokens) {
+      const size_t end = std::min(members.size(), g + options.share_tokens);
+      const int64_t lead = members[g];
+      int32_t shared = whole_splits(lead);
+      for (size_t m = g + 1; m < end; ++m) {
+        shared = same_splits(lead, members[m], std::min(shared, whole_splits(members[m])));
+      }
+      int32_t* lead_share = &plan->shares[4 * lead];
+      lead_share[1] = shared;
+      lead_share[2] = static_cast<int32_t>(end - g);
+      lead_share[3] = static_cast<int32_t>(plan->share_tokens.size());
+      for (size_t m = g; m < end; ++m) {
+        plan->share_tokens.push_back(plan->items_one[2 * members[m]]);
+        if (m > g) plan->shares[4 * members[m]] = shared;  // starts after the shared splits
+      }
+    }
+  }
+}
+
 // The most KV splits a token of the slice needs partials for: every token with the tensor-core
 // kernel, the one-token items with the SIMT kernel's split-parallel decode.
 int32_t MaxSplits(const ForwardBatch& batch, int64_t begin, int64_t end,
@@ -106,6 +160,7 @@ SlicePlan PlanSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
   const int64_t num_rows = row_end - row_begin;
   plan.row_end = row_end;
   CutWorkItems(batch, begin, end, options.item_tokens, &plan);
+  PlanShares(batch, options, &plan);
   const int32_t max_splits = MaxSplits(batch, begin, end, options);
 
   // A decode step -- one token per sequence, every one with logits, the whole batch in this
@@ -121,6 +176,7 @@ SlicePlan PlanSlice(const ForwardBatch& batch, int64_t begin, int64_t end,
   shape.num_many = static_cast<int64_t>(plan.items_many.size() / 2);
   shape.row_begin = row_begin;
   shape.max_splits = max_splits;
+  shape.shares = options.share_tokens > 1;
   if (bucket > 0) {
     while (shape.max_splits < max_splits || (shape.max_splits & (shape.max_splits - 1)) != 0) {
       ++shape.max_splits;
@@ -173,6 +229,12 @@ void PackSliceMetadata(const ForwardBatch& batch, const SlicePlan& plan,
     m[shape.off_one() + 2 * (shape.num_one - (shape.n - i)) + 1] = 1;
   }
   std::copy(plan.items_many.begin(), plan.items_many.end(), m + shape.off_many());
+  if (shape.shares) {
+    // The padding rows' items (after the real ones) share nothing.
+    std::copy(plan.shares.begin(), plan.shares.end(), m + shape.off_shares());
+    std::fill(m + shape.off_shares() + plan.shares.size(), m + shape.off_share_tokens(), 0);
+    std::copy(plan.share_tokens.begin(), plan.share_tokens.end(), m + shape.off_share_tokens());
+  }
   for (const auto& [seq, offset] : plan.table_offset_of) {
     const std::vector<int32_t>& table = batch.block_tables[seq];
     std::copy(table.begin(), table.end(), m + shape.off_tables() + offset);

@@ -18,10 +18,11 @@ namespace cuda_runner_internal {
 
 // One slice's launch shape, and where its int32 metadata lives in State::meta: token_ids [n],
 // positions [n], kv_slots [n], table_offsets [n], logit rows [num_rows], one-token items
-// [2 * num_one], many-token items [2 * num_many], then the block tables (and, after them, the
-// fed-token pairs: SlicePlan::off_fed). The item arrays start on even offsets (int2 loads); the
-// one int skipped before each is never written. A decode graph is captured for one shape and
-// replayed with new metadata at the same offsets.
+// [2 * num_one], many-token items [2 * num_many], with `shares` the one-token items' prefix
+// shares [4 * num_one] and their token lists [n], then the block tables (and, after them, the
+// fed-token pairs: SlicePlan::off_fed). The item arrays start on even offsets (int2 loads), the
+// shares on multiples of 4 (int4); the ints skipped before them are never written. A decode
+// graph is captured for one shape and replayed with new metadata at the same offsets.
 struct SliceShape {
   int64_t n = 0;  // tokens, padding rows included
   int64_t num_rows = 0;
@@ -29,8 +30,10 @@ struct SliceShape {
   int64_t num_many = 0;  // items of several tokens
   int32_t max_splits = 1;
   int64_t row_begin = 0;  // the slice's first logits row among the Forward's
+  bool shares = false;    // SlicePlanOptions::share_tokens > 1
 
   static int64_t Even(int64_t x) { return (x + 1) / 2 * 2; }
+  static int64_t Quad(int64_t x) { return (x + 3) / 4 * 4; }
   int64_t off_tokens() const { return 0; }
   int64_t off_pos() const { return n; }
   int64_t off_slots() const { return 2 * n; }
@@ -38,7 +41,9 @@ struct SliceShape {
   int64_t off_rows() const { return 4 * n; }
   int64_t off_one() const { return Even(off_rows() + num_rows); }
   int64_t off_many() const { return Even(off_one() + 2 * num_one); }
-  int64_t off_tables() const { return off_many() + 2 * num_many; }
+  int64_t off_shares() const { return Quad(off_many() + 2 * num_many); }
+  int64_t off_share_tokens() const { return off_shares() + 4 * num_one; }
+  int64_t off_tables() const { return shares ? off_share_tokens() + n : off_many() + 2 * num_many; }
 };
 
 // What a plan needs of the runner; fixed after construction.
@@ -54,6 +59,10 @@ struct SlicePlanOptions {
   int64_t largest_graph_bucket = 0;
   // The KV block outside the engine's pool that padding rows write and read.
   int32_t pad_block = 0;
+  // Most decode tokens one attention block reads a shared split's pages for
+  // (cuda::AttentionShareTokens of the GQA group, with the tensor-core kernel); <= 1: no prefix
+  // sharing (the shares are not laid out).
+  int share_tokens = 1;
 };
 
 // The bucket a decode batch of n tokens is padded to: 1, 2, 4, 8, 16, 32, then multiples of 32,
@@ -72,6 +81,10 @@ struct SlicePlan {
   // (first token, count) pairs, slice-relative: runs of consecutive tokens of one sequence, cut
   // into pieces of at most item_tokens; one-token runs in items_one. Padding rows not included.
   std::vector<int32_t> items_one, items_many;
+  // With SlicePlanOptions::share_tokens > 1: the prefix share of each one-token item, 4 ints
+  // each (cuda::AttentionShareTokens says what they mean; zeros: none), and the slice-relative
+  // tokens the leads' shares list (PlanShares says which items share).
+  std::vector<int32_t> shares, share_tokens;
   // Each sequence's block table offset among the slice's tables (in order of first use); the
   // padding rows' one-entry table at pad_table, after them.
   std::map<int32_t, int32_t> table_offset_of;

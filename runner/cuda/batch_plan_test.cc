@@ -195,6 +195,91 @@ TEST(BatchPlanTest, GraphBucketsArePowersOfTwoThenMultiplesOf32UpToTheLargest) {
   EXPECT_EQ(DecodeGraphBucket(1, 0), 0);       // graphs off
 }
 
+// Options with prefix sharing: pages of 4 keys, splits of 8 (two pages), groups of 3 tokens.
+SlicePlanOptions SharingOptions() {
+  SlicePlanOptions o = Options();
+  o.share_tokens = 3;
+  return o;
+}
+
+// Five samples decoding over one cached prompt of 16 keys (pages 1-4, splits 0 and 1), each with
+// pages of its own after it, and a sequence E of other pages.
+//   token  seq  position  table
+//   0      S0   19        1 2 3 4 10
+//   1      E    19        5 6 7 8 11
+//   2      S1   18        1 2 3 4 12
+//   3      S2   16        1 2 3 4 13   (key 16 is its own: splits 0 and 1 whole)
+//   4      S3   23        1 2 3 4 15 16 (splits 0..2 whole, split 2 its own pages)
+//   5      S4   20        1 2 9 9 14   (only split 0 is the prompt's pages)
+ForwardBatch SharedPromptBatch() {
+  ForwardBatch b;
+  b.token_ids = {1, 2, 3, 4, 5, 6};
+  b.positions = {19, 19, 18, 16, 23, 20};
+  b.token_seq = {0, 1, 2, 3, 4, 5};
+  b.block_tables = {{1, 2, 3, 4, 10}, {5, 6, 7, 8, 11},     {1, 2, 3, 4, 12},
+                    {1, 2, 3, 4, 13}, {1, 2, 3, 4, 15, 16}, {1, 2, 9, 9, 14}};
+  b.logit_rows = {0, 1, 2, 3, 4, 5};
+  return b;
+}
+
+TEST(BatchPlanTest, DecodeTokensOverTheSamePagesShareTheirWholeSplitsInGroups) {
+  const ForwardBatch batch = SharedPromptBatch();
+  const SlicePlan plan = PlanSlice(batch, 0, 6, SharingOptions(), /*may_replay_graph=*/true);
+  // Tokens 0, 2, 3, 4, 5 start on pages 1 2; in groups of 3 in item order: (0, 2, 3), (4, 5).
+  // The first group has splits 0 and 1 in common; the second only split 0 (token 5's table
+  // leaves the prompt's pages after it). E shares nothing.
+  EXPECT_EQ(plan.shares, (vector<int32_t>{0, 2, 3, 0,  // token 0 leads 0, 2, 3 over splits 0, 1
+                                          0, 0, 0, 0,  // E
+                                          2, 0, 0, 0,  // token 2 starts at split 2
+                                          2, 0, 0, 0,  // token 3 too
+                                          0, 1, 2, 3,  // token 4 leads 4, 5 over split 0
+                                          1, 0, 0, 0}));
+  EXPECT_EQ(plan.share_tokens, (vector<int32_t>{0, 2, 3, 4, 5}));
+
+  // Laid out on a multiple of 4 after the items (int4 loads), the padding rows' shares zero.
+  const SliceShape& shape = plan.shape;
+  EXPECT_TRUE(shape.shares);
+  EXPECT_EQ(shape.n, 8);  // the graph bucket
+  EXPECT_EQ(shape.off_shares() % 4, 0);
+  EXPECT_GE(shape.off_shares(), shape.off_many() + 2 * shape.num_many);
+  EXPECT_EQ(shape.off_tables(), shape.off_share_tokens() + shape.n);
+  const vector<int32_t> m = Pack(batch, plan, SharingOptions());
+  vector<int32_t> expected = plan.shares;
+  expected.resize(4 * shape.num_one, 0);
+  EXPECT_EQ(Slice(m, shape.off_shares(), 4 * shape.num_one), expected);
+  EXPECT_EQ(Slice(m, shape.off_share_tokens(), 5), plan.share_tokens);
+}
+
+TEST(BatchPlanTest, TokensWithoutAWholeSplitOrWithSharingOffShareNothing) {
+  ForwardBatch batch = SharedPromptBatch();
+  // Positions 6: split 0 (keys 0..7) is not whole for any token.
+  batch.positions = {6, 6, 6, 6, 6, 6};
+  const SlicePlan partial = PlanSlice(batch, 0, 6, SharingOptions(), true);
+  EXPECT_EQ(partial.shares, vector<int32_t>(24, 0));
+  EXPECT_TRUE(partial.share_tokens.empty());
+
+  // share_tokens 1 (the SIMT kernel, or sharing off): no shares laid out, the layout as before.
+  const SlicePlan off = PlanSlice(SharedPromptBatch(), 0, 6, Options(), true);
+  EXPECT_FALSE(off.shape.shares);
+  EXPECT_EQ(off.shares, vector<int32_t>(24, 0));
+  EXPECT_EQ(off.shape.off_tables(), off.shape.off_many() + 2 * off.shape.num_many);
+}
+
+TEST(BatchPlanTest, OnlyTheOneTokenItemsOfAMixedStepShare) {
+  // MixedBatch's A (prefill, then its last token as a one-token item), B and C: give B and C the
+  // same first split (pages 200, 201 of 4 keys; split 8) and A's last token too.
+  ForwardBatch batch = MixedBatch();
+  batch.block_tables[2] = {200, 201, 202};
+  batch.positions[6] = 9;
+  batch.block_tables[0][0] = 200;
+  batch.block_tables[0][1] = 201;
+  const SlicePlan plan = PlanSlice(batch, 0, 7, SharingOptions(), true);
+  EXPECT_EQ(plan.items_one, (vector<int32_t>{4, 1, 5, 1, 6, 1}));
+  // The one-token items 4 (A at 34), 5 (B at 20), 6 (C at 9) share split 0.
+  EXPECT_EQ(plan.shares, (vector<int32_t>{0, 1, 3, 0, 1, 0, 0, 0, 1, 0, 0, 0}));
+  EXPECT_EQ(plan.share_tokens, (vector<int32_t>{4, 5, 6}));
+}
+
 // Slices stay within the attention partials planned at load: a long-context prefill is cut into
 // slices whose tokens x splits fit, a decode step that may replay a graph never is.
 TEST(SliceEndTest, SlicesFitThePlannedPartialsAndDecodeStepsStayWhole) {

@@ -84,6 +84,12 @@ struct CudaRunnerOptions {
   // (kernels/cuda/small_m_gemm.h) for the ranges of m <= 256, admitted by the same probe.
   bool gemm_hand_kernels = true;
   CudaAttentionKernel attention_kernel = CudaAttentionKernel::kTensorCore;
+  // kTensorCore only: decode tokens whose sequences hold the same KV pages for whole attention
+  // splits (the samples of one request over their prompt, a cached prefix) read those pages once
+  // per group of cuda::AttentionShareTokens(group) tokens instead of once each
+  // (runner/cuda/batch_plan.cc, PlanShares). Same bits: which block computes a row's split
+  // partial changes, the row's arithmetic does not (tests/gpu/kernels_test.cc).
+  bool shared_prefix_attention = true;
   // kSimt only: decode tokens' attention as one block per (token, kv head, split) and an ordered
   // merge, instead of one block walking all splits. Same bits, more parallelism.
   bool split_parallel_decode = true;

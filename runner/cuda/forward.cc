@@ -153,6 +153,10 @@ SlicePlanOptions CudaModelRunner::PlanOptions() const {
   o.item_tokens =
       cuda::AttentionItemTokens(static_cast<int>(s.ranks[0].heads / s.ranks[0].kv_heads));
   o.splits_for_every_token = options_.attention_kernel == CudaAttentionKernel::kTensorCore;
+  o.share_tokens =
+      o.splits_for_every_token && options_.shared_prefix_attention
+          ? cuda::AttentionShareTokens(static_cast<int>(s.ranks[0].heads / s.ranks[0].kv_heads))
+          : 1;
   o.largest_graph_bucket =
       options_.cuda_graphs ? std::min<int64_t>({options_.max_graph_batch, options_.max_logit_rows,
                                                 options_.max_batch_tokens})

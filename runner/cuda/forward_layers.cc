@@ -217,6 +217,10 @@ absl::Status CudaModelRunner::EnqueuePagedAttention(RankState& rk, int layer,
   if (mma) {
     ap.partials = rk.partials.get<float>();
     ap.max_splits = shape.max_splits;
+    if (shape.shares) {
+      ap.shares = reinterpret_cast<const int4*>(d + shape.off_shares());
+      ap.share_tokens = d + shape.off_share_tokens();
+    }
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(cuda::PagedAttentionMma(ap, cuda::AttentionBlockShape::kOneToken, cache, stream),
                   "attention (one-token items)"));
@@ -228,6 +232,8 @@ absl::Status CudaModelRunner::EnqueuePagedAttention(RankState& rk, int layer,
     cuda::AttentionParams many = ap;
     many.items = reinterpret_cast<const int2*>(d + shape.off_many());
     many.num_items = static_cast<int32_t>(shape.num_many);
+    many.shares = nullptr;  // the shares are the one-token items'
+    many.share_tokens = nullptr;
     if (fold) many.partials = nullptr;
     ROLLOUT_RETURN_IF_ERROR(CudaError(
         cuda::PagedAttentionMma(many, cuda::AttentionBlockShape::kManyTokens, cache, stream),

@@ -15,6 +15,7 @@
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/tensor_parallel.h"
 #include "model/rope.h"
+#include "runner/cuda/batch_plan.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace rollout {
@@ -355,8 +356,11 @@ struct AttentionRun {
 
   // The tensor-core kernel, split-parallel and its merge, or (fold: kManyTokens only) without
   // partials, every split folded in the block.
+  // shares / share_tokens (split-parallel only): the items' prefix shares (ops.h).
   std::vector<bf16> RunMma(const AttentionFixture& f, const std::vector<int32_t>& items,
-                           cuda::AttentionBlockShape shape, bool fold = false) const {
+                           cuda::AttentionBlockShape shape, bool fold = false,
+                           const std::vector<int32_t>& shares = {},
+                           const std::vector<int32_t>& share_tokens = {}) const {
     const int64_t t = positions.size();
     std::vector<int32_t> offsets(t), tables;
     std::vector<int32_t> seq_offset(f.tables.size());
@@ -387,6 +391,13 @@ struct AttentionRun {
     partials.Allocate(static_cast<size_t>(t) * f.nh * p.max_splits * (f.hd + 2) * 4);
     cudaMemset(partials.get(), 0xff, static_cast<size_t>(t) * f.nh * p.max_splits * (f.hd + 2) * 4);
     p.partials = partials.get<float>();
+    cuda::DeviceBuffer d_shares, d_share_tokens;
+    if (!shares.empty()) {
+      d_shares = Upload(shares);
+      d_share_tokens = Upload(share_tokens.empty() ? std::vector<int32_t>{0} : share_tokens);
+      p.shares = d_shares.get<int4>();
+      p.share_tokens = d_share_tokens.get<int32_t>();
+    }
     if (fold) {
       p.partials = nullptr;
       EXPECT_EQ(cudaSuccess, cuda::PagedAttentionMma(p, shape, f.view(), nullptr));
@@ -519,6 +530,62 @@ TEST_F(KernelsTest, AttentionPrefillAndDecodeAreBitwiseEqual) {
     }
     // Close to the SIMT kernel (different roundings, same math).
     EXPECT_TRUE(AllClose(gpu_test::Widen(mma_decode), gpu_test::Widen(decode), 1e-2f, 1.0f / 32));
+  }
+}
+
+// Prefix sharing (ops.h, AttentionShareTokens): decode tokens over the same pages, planned by the
+// runner's own PlanShares, give bitwise the outputs of every token computing its own splits --
+// with the GQA groups of Qwen3-8B (4: four tokens a block), Qwen3-30B-A3B (8: two) and 32 (two,
+// in the four-warp blocks kOneToken runs for groups above 16), and tokens that share all of the
+// prompt's whole splits, fewer of them, or none.
+TEST_F(KernelsTest, DecodeTokensSharingPagesGiveTheBitsOfTokensAlone) {
+  struct Case {
+    int32_t nh, nkv, hd, bs, split;
+  };
+  for (const Case& c : std::vector<Case>{
+           {32, 8, 128, 32, 256}, {32, 4, 128, 32, 256}, {8, 2, 32, 16, 64}, {64, 2, 64, 32, 32}}) {
+    // Seven sequences: 0-5 over one prompt of 768 keys (sequence 5 only its first 512, then
+    // pages of its own), 6 of its own pages. Decode positions past and at the prompt's end.
+    const std::vector<int32_t> lengths = {1000, 1001, 769, 1300, 1000, 900, 800};
+    AttentionFixture f(c.nh, c.nkv, c.hd, c.bs, c.split, lengths);
+    for (int s = 1; s <= 5; ++s) {
+      const int32_t shared_keys = s == 5 ? 512 : 768;
+      for (int32_t j = 0; j < shared_keys / c.bs; ++j) f.tables[s][j] = f.tables[0][j];
+    }
+    ForwardBatch batch;
+    AttentionRun run;
+    for (int s = 0; s < static_cast<int>(lengths.size()); ++s) {
+      batch.token_ids.push_back(1);
+      batch.positions.push_back(lengths[s] - 1);
+      batch.token_seq.push_back(s);
+      batch.block_tables.push_back(f.tables[s]);
+      batch.logit_rows.push_back(s);
+      run.token_seq.push_back(s);
+      run.positions.push_back(lengths[s] - 1);
+    }
+    const int64_t t = run.positions.size();
+    run.q = gpu_test::RandomFloats(t * c.nh * c.hd, 5, 1.0f);
+    cuda_runner_internal::SlicePlanOptions o;
+    o.kv_block_size = c.bs;
+    o.attention_split_size = c.split;
+    o.share_tokens = cuda::AttentionShareTokens(c.nh / c.nkv);
+    const cuda_runner_internal::SlicePlan plan =
+        cuda_runner_internal::PlanSlice(batch, 0, t, o, /*may_replay_graph=*/false);
+    // Not vacuous: some lead computes several tokens' rows over shared splits.
+    int leads = 0;
+    for (size_t i = 0; i < plan.shares.size(); i += 4) leads += plan.shares[i + 2] > 1;
+    ASSERT_GT(leads, 0) << "group " << c.nh / c.nkv;
+
+    const std::vector<bf16> alone =
+        run.RunMma(f, plan.items_one, cuda::AttentionBlockShape::kOneToken);
+    const std::vector<bf16> shared =
+        run.RunMma(f, plan.items_one, cuda::AttentionBlockShape::kOneToken, /*fold=*/false,
+                   plan.shares, plan.share_tokens);
+    EXPECT_EQ(0, std::memcmp(alone.data(), shared.data(), alone.size() * 2))
+        << "group " << c.nh / c.nkv << " split " << c.split;
+    for (size_t i = 0; i < shared.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(__bfloat162float(shared[i]))) << i;
+    }
   }
 }
 
