@@ -455,52 +455,59 @@ TEST_F(DeterminismTest, ScoreEqualsGenerateLogprobsBitwise) {
 }
 
 // D9: sample j of num_samples = n equals a rollout with seed sample_seed(s, j) alone, as a
-// separate rollout in one request, and one call at a time.
+// separate rollout in one request, and one call at a time -- over a short prompt, and over one
+// longer than an attention split (256), whose samples decode over the same whole split of
+// cached pages (on the CUDA backend one block then computes every sample's rows of it:
+// CudaRunnerOptions::shared_prefix_attention).
 TEST_F(DeterminismTest, NSamplesEqualTheirDerivedSeedsRequestedOneByOne) {
   std::mt19937_64 rng(6006);
-  const std::vector<uint32_t> prompt = RandomPrompt(rng, 23);
-  const uint64_t seed = 777;
-  const uint32_t n = 4;
-  for (const SamplingMode& mode : BothModes()) {
-    UniqueOutputs outputs;
-    auto key = [&](uint32_t j) { return absl::StrCat(mode.name, "/sample", j); };
-    // n samples in one rollout, alone and beside a stranger.
-    for (int with_stranger = 0; with_stranger < 2; ++with_stranger) {
-      v1::GenerateRequest together;
-      if (with_stranger) *together.add_rollouts() = Stranger(rng, 200);
-      *together.add_rollouts() = ModeRollout(prompt, seed, 12, mode, n);
-      GenerateOutcome o = MustGenerate(stub(), together);
-      ASSERT_TRUE(o.status.ok());
-      const auto& samples = o.completions[with_stranger];
-      ASSERT_EQ(samples.size(), n);
+  for (const int prompt_len : {23, 300}) {
+    const std::vector<uint32_t> prompt = RandomPrompt(rng, prompt_len);
+    const uint64_t seed = 777;
+    const uint32_t n = 4;
+    for (const SamplingMode& mode : BothModes()) {
+      UniqueOutputs outputs;
+      auto key = [&](uint32_t j) {
+        return absl::StrCat(mode.name, "/prompt", prompt_len, "/sample", j);
+      };
+      // n samples in one rollout, alone and beside a stranger.
+      for (int with_stranger = 0; with_stranger < 2; ++with_stranger) {
+        v1::GenerateRequest together;
+        if (with_stranger) *together.add_rollouts() = Stranger(rng, 200);
+        *together.add_rollouts() = ModeRollout(prompt, seed, 12, mode, n);
+        GenerateOutcome o = MustGenerate(stub(), together);
+        ASSERT_TRUE(o.status.ok());
+        const auto& samples = o.completions[with_stranger];
+        ASSERT_EQ(samples.size(), n);
+        for (uint32_t j = 0; j < n; ++j) {
+          EXPECT_EQ(samples[j].sample_seed(), DerivedSampleSeed(seed, j)) << key(j);
+          outputs.Add(key(j), CompletionBits(samples[j]));
+        }
+        if (mode.temperature > 0) {
+          std::set<std::string> distinct;
+          for (const v1::Completion& c : samples) distinct.insert(CompletionBits(c));
+          EXPECT_EQ(distinct.size(), n) << "sampled samples of one rollout differ";
+        }
+      }
+      // The derived seeds as n rollouts of one request.
+      v1::GenerateRequest separate;
       for (uint32_t j = 0; j < n; ++j) {
-        EXPECT_EQ(samples[j].sample_seed(), DerivedSampleSeed(seed, j)) << key(j);
-        outputs.Add(key(j), CompletionBits(samples[j]));
+        *separate.add_rollouts() = ModeRollout(prompt, DerivedSampleSeed(seed, j), 12, mode);
       }
-      if (mode.temperature > 0) {
-        std::set<std::string> distinct;
-        for (const v1::Completion& c : samples) distinct.insert(CompletionBits(c));
-        EXPECT_EQ(distinct.size(), n) << "sampled samples of one rollout differ";
+      GenerateOutcome o = MustGenerate(stub(), separate);
+      ASSERT_TRUE(o.status.ok());
+      for (uint32_t j = 0; j < n; ++j) outputs.Add(key(j), CompletionBits(o.completions[j][0]));
+      // One by one.
+      for (uint32_t j = 0; j < n; ++j) {
+        const v1::Completion c =
+            GenerateOne(stub(), ModeRollout(prompt, DerivedSampleSeed(seed, j), 12, mode));
+        EXPECT_EQ(c.sample_seed(), DerivedSampleSeed(seed, j));
+        outputs.Add(key(j), CompletionBits(c));
       }
+      Report(outputs, "samples/" + mode.name);
+      EXPECT_EQ(outputs.MaxUnique(), 1u) << outputs.Summary("samples/" + mode.name);
+      EXPECT_EQ(outputs.NumKeys(), n);
     }
-    // The derived seeds as n rollouts of one request.
-    v1::GenerateRequest separate;
-    for (uint32_t j = 0; j < n; ++j) {
-      *separate.add_rollouts() = ModeRollout(prompt, DerivedSampleSeed(seed, j), 12, mode);
-    }
-    GenerateOutcome o = MustGenerate(stub(), separate);
-    ASSERT_TRUE(o.status.ok());
-    for (uint32_t j = 0; j < n; ++j) outputs.Add(key(j), CompletionBits(o.completions[j][0]));
-    // One by one.
-    for (uint32_t j = 0; j < n; ++j) {
-      const v1::Completion c =
-          GenerateOne(stub(), ModeRollout(prompt, DerivedSampleSeed(seed, j), 12, mode));
-      EXPECT_EQ(c.sample_seed(), DerivedSampleSeed(seed, j));
-      outputs.Add(key(j), CompletionBits(c));
-    }
-    Report(outputs, "samples/" + mode.name);
-    EXPECT_EQ(outputs.MaxUnique(), 1u) << outputs.Summary("samples/" + mode.name);
-    EXPECT_EQ(outputs.NumKeys(), n);
   }
 }
 
