@@ -16,7 +16,11 @@ namespace rollout {
 struct Floor {
   double prefill_s = 0, decode_gemm_s = 0, decode_kv_s = 0;
   double gather_s = 0;  // tensor parallelism across GPUs: the all-gathers at the link rate
+  // The decode KV reads with each prompt that samples share read once a step (what attention that
+  // shares a prompt's pages among its samples can reach); decode_kv_s when no prompt is shared.
+  double decode_kv_shared_s = 0;
   double total() const { return prefill_s + decode_gemm_s + decode_kv_s + gather_s; }
+  double total_shared() const { return total() - decode_kv_s + decode_kv_shared_s; }
 };
 
 // Tensor parallelism across GPUs: `gpus` ranks, one GPU each, exchanging through links of
@@ -108,12 +112,13 @@ inline double DecodeStepGemmSeconds(const ModelConfig& c, int64_t batch, double 
 }
 
 // prefill_tokens: the prompt tokens to compute (a prompt shared by samples counts once);
-// lengths: every sample's generated tokens after `in` prompt tokens. spread: across GPUs, each
-// GPU's share of the weights, FLOPs and KV (a lower bound: replicated KV heads' weights count
-// once) at the measured rates, plus the all-gathers at the link rate, not overlapped.
+// lengths: every sample's generated tokens after `in` prompt tokens, samples_per_prompt
+// consecutive ones sharing a prompt. spread: across GPUs, each GPU's share of the weights, FLOPs
+// and KV (a lower bound: replicated KV heads' weights count once) at the measured rates, plus the
+// all-gathers at the link rate, not overlapped.
 inline Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t in,
                           const std::vector<int>& lengths, int64_t kv_capacity_tokens, double flops,
-                          double bw, const TpSpread& spread = {}) {
+                          double bw, const TpSpread& spread = {}, int samples_per_prompt = 1) {
   Floor f;
   const int g = std::max(1, spread.gpus);
   f.prefill_s = PrefillGemmSeconds(c, prefill_tokens, flops, g);
@@ -124,12 +129,15 @@ inline Floor ComputeFloor(const ModelConfig& c, int64_t prefill_tokens, int64_t 
   const double kv_bytes = KvBytesPerTokenPerGpu(c, g);
   // Each decode step: its GEMMs (the weights it touches read once -- for a MoE model the experts
   // its tokens route to --, or compute-bound) and one read of the KV.
-  ForEachOracleDecodeStep(lengths, static_cast<int>(in), kv_capacity_tokens,
-                          [&](int64_t batch, int64_t kv_tokens) {
-                            f.decode_gemm_s += DecodeStepGemmSeconds(c, batch, flops, bw, g);
-                            f.decode_kv_s += kv_tokens * kv_bytes / bw;
-                            f.gather_s += gather(batch, batch);
-                          });
+  ForEachOracleDecodeStep(
+      lengths, static_cast<int>(in), kv_capacity_tokens,
+      [&](int64_t batch, int64_t kv_tokens, int64_t shared_kv_tokens) {
+        f.decode_gemm_s += DecodeStepGemmSeconds(c, batch, flops, bw, g);
+        f.decode_kv_s += kv_tokens * kv_bytes / bw;
+        f.decode_kv_shared_s += shared_kv_tokens * kv_bytes / bw;
+        f.gather_s += gather(batch, batch);
+      },
+      samples_per_prompt);
   return f;
 }
 

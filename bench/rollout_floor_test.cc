@@ -51,5 +51,30 @@ TEST(RolloutFloorTest, AcrossGpusEachGetsItsShareAndPaysTheGathers) {
                    two.prefill_s + two.decode_gemm_s + two.decode_kv_s + two.gather_s);
 }
 
+TEST(RolloutFloorTest, SamplesSharingAPromptReadItsKvOnceInTheSharedFloor) {
+  const ModelConfig c = *PresetConfig("qwen3-8b");
+  const double flops = 800e12, bw = 4.3e12;
+  // 2 prompts x 4 samples of 10, 10, 10, 10 / 20, 20, 20, 20 tokens after 1000 prompt tokens,
+  // all running at once.
+  const std::vector<int> lengths = {10, 10, 10, 10, 20, 20, 20, 20};
+  const Floor apart = ComputeFloor(c, 2000, 1000, lengths, 1 << 20, flops, bw);
+  EXPECT_DOUBLE_EQ(apart.decode_kv_shared_s, apart.decode_kv_s);  // every prompt its own
+  const Floor shared = ComputeFloor(c, 2000, 1000, lengths, 1 << 20, flops, bw, {}, 4);
+  EXPECT_DOUBLE_EQ(shared.decode_kv_s, apart.decode_kv_s);
+  // Steps 0..9: 8 samples, 2 prompts; steps 10..19: 4 samples, 1 prompt. Generated KV is read per
+  // sample, the prompt once per prompt running.
+  double tokens = 0, shared_tokens = 0;
+  for (int step = 0; step < 20; ++step) {
+    const int samples = step < 10 ? 8 : 4, prompts = step < 10 ? 2 : 1;
+    tokens += samples * (1000.0 + step + 1);
+    shared_tokens += samples * (step + 1.0) + prompts * 1000.0;
+  }
+  const double per_token = KvBytesPerToken(c) / bw;
+  EXPECT_NEAR(apart.decode_kv_s, tokens * per_token, 1e-12);
+  EXPECT_NEAR(shared.decode_kv_shared_s, shared_tokens * per_token, 1e-12);
+  EXPECT_DOUBLE_EQ(shared.total_shared(),
+                   shared.total() - shared.decode_kv_s + shared.decode_kv_shared_s);
+}
+
 }  // namespace
 }  // namespace rollout

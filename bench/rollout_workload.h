@@ -84,12 +84,15 @@ inline std::vector<int> RlOutputLengths(int n, int median, int max_len) {
 // oracle that knows every length would schedule them: continuous batching in arrival order, a
 // sample admitted when its whole KV (prompt + length) fits in kv_capacity_tokens beside the
 // running ones. Calls step(batch, kv_tokens) for each step: the samples running and the KV tokens
-// they read. Equal lengths give waves.
+// they read. Equal lengths give waves. With samples_per_prompt > 1 (lengths[i] a sample of prompt
+// i / samples_per_prompt), step gets a third argument: the KV tokens with each running prompt's
+// input_len tokens read once, as decode attention that shares a prompt's pages among its samples
+// reads them.
 template <typename Step>
 void ForEachOracleDecodeStep(const std::vector<int>& lengths, int input_len,
-                             int64_t kv_capacity_tokens, Step step) {
+                             int64_t kv_capacity_tokens, Step step, int samples_per_prompt = 1) {
   struct Running {
-    int64_t generated, length;
+    int64_t generated, length, prompt;
   };
   std::vector<Running> running;
   size_t next = 0;
@@ -97,13 +100,20 @@ void ForEachOracleDecodeStep(const std::vector<int>& lengths, int input_len,
   while (next < lengths.size() || !running.empty()) {
     while (next < lengths.size() &&
            (running.empty() || held + input_len + lengths[next] <= kv_capacity_tokens)) {
-      running.push_back({0, lengths[next]});
+      running.push_back({0, lengths[next], static_cast<int64_t>(next) / samples_per_prompt});
       held += input_len + lengths[next];
       ++next;
     }
-    int64_t kv_tokens = 0;
-    for (const Running& r : running) kv_tokens += input_len + r.generated + 1;
-    step(static_cast<int64_t>(running.size()), kv_tokens);
+    int64_t kv_tokens = 0, generated_kv = 0;
+    std::vector<int64_t> prompts;
+    for (const Running& r : running) {
+      kv_tokens += input_len + r.generated + 1;
+      generated_kv += r.generated + 1;
+      prompts.push_back(r.prompt);
+    }
+    std::sort(prompts.begin(), prompts.end());
+    const int64_t distinct = std::unique(prompts.begin(), prompts.end()) - prompts.begin();
+    step(static_cast<int64_t>(running.size()), kv_tokens, generated_kv + distinct * input_len);
     for (Running& r : running) ++r.generated;
     for (size_t i = 0; i < running.size();) {
       if (running[i].generated >= running[i].length) {
