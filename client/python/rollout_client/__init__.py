@@ -7,6 +7,7 @@ and protobuf, and numpy for arrays.
 """
 
 from .client import RolloutClient
+from ._wire import DEFAULT_TIMEOUT
 from .broadcast import BroadcastError, WeightBroadcaster
 from .fleet import Fleet, FleetError
 from .datatypes import (AbortResult, Completion, EngineCounters, EngineLimits, FlushCacheResult,
@@ -40,4 +41,5 @@ __all__ = [
     "ResumeMemoryResult", "RawTensor", "read_safetensors", "write_safetensors",
     "f32_to_bf16_bits", "bf16_bits_to_f32", "sample_seed", "IpcTensor", "WeightBroadcaster",
     "BroadcastError", "WeightSyncGroup", "WeightSyncGroupInfo", "NumericsContract",
+    "DEFAULT_TIMEOUT",
 ]

@@ -4,6 +4,7 @@ No calls are made here."""
 
 from __future__ import annotations
 
+import enum
 import numbers
 import operator
 import os
@@ -160,6 +161,67 @@ def integer(value: Any, name: str, bits: int = 32, signed: bool = False) -> int:
     return v
 
 
+def number(value: Any, name: str) -> float:
+    """`value` as a float, for a proto float field: TypeError naming `name` for anything but one
+    real number (Python int or float, numpy integer or floating scalar, a 0-d array or tensor
+    of them; not bool, not a string, not complex, not a list or a larger array). Its value is
+    the server's to check (docs/api.md, "Sampling parameters and defaults")."""
+    kind = _dtype_kind(value)
+    if isinstance(value, bool) or kind == "b":
+        raise TypeError(f"{name} must be a number (got bool {value!r})")
+    shape = tuple(getattr(value, "shape", None) or ())
+    if shape:
+        raise TypeError(f"{name} must be a number (got an array of shape {list(shape)})")
+    if (isinstance(value, (str, bytes, bytearray, complex)) or kind not in (None, "i", "u", "f")
+            or not hasattr(value, "__float__")):
+        raise TypeError(f"{name} must be a number (got {type(value).__name__} {value!r})")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number (got {type(value).__name__} "
+                        f"{value!r})") from None
+    except OverflowError:
+        raise ValueError(f"{name} = {value} is out of range: it must fit a float") from None
+
+
+class _Default(enum.Enum):
+    """The type of DEFAULT_TIMEOUT (an enum: one value, the same after copy and pickle)."""
+    TIMEOUT = "the client's default deadline"
+
+    def __repr__(self) -> str:
+        return "DEFAULT_TIMEOUT"
+
+
+# A call's `timeout` when none is given: the client's default deadline (its constructor's
+# `timeout`). None is no deadline; a number, that many seconds.
+DEFAULT_TIMEOUT = _Default.TIMEOUT
+Timeout = Union[None, float, _Default]
+
+
+MAX_TIMEOUT = 1e9  # seconds (31 years): gRPC reads one past ~7e9 s (2**63 ns from now) as past
+
+
+def check_timeout(timeout: Optional[float], name: str = "timeout") -> Optional[float]:
+    """A deadline in seconds: None (no deadline) or a number in (0, MAX_TIMEOUT] (gRPC reads
+    0 or less, NaN, infinity and a deadline beyond its clock as one already past: the call
+    would fail DEADLINE_EXCEEDED at once). TypeError/ValueError naming `name`."""
+    if timeout is None:
+        return None
+    seconds = number(timeout, name)
+    if not 0 < seconds <= MAX_TIMEOUT:  # NaN too
+        raise ValueError(f"{name} = {timeout!r}: a deadline is a positive number of seconds up "
+                         f"to {MAX_TIMEOUT:g} (None: no deadline)")
+    return seconds
+
+
+def deadline(default: Optional[float], timeout: Timeout) -> Optional[float]:
+    """The gRPC timeout of a call given `timeout`: the client's `default` for DEFAULT_TIMEOUT (a
+    call that gives none), no deadline for None, else `timeout` seconds (checked)."""
+    if timeout is DEFAULT_TIMEOUT:
+        return default
+    return check_timeout(timeout)
+
+
 def _dtype_kind(x: Any) -> Optional[str]:
     """numpy's dtype kind of an array or tensor x ('i', 'u', 'f', 'b', ...; torch dtypes
     mapped to the same letters), or None for what has no dtype. torch is never imported."""
@@ -314,8 +376,9 @@ def generate_request(prompts, num_samples, seed, temperature, top_k, top_p, min_
                      completions_only: bool = False, chunk_tokens: int = 0,
                      chunk_interval_ms: int = 0, return_routing: bool = False):
     """The GenerateRequest, and the request id of each rollout ("" when none). Every argument
-    is checked here (integers in their field's range, token ids integers in [0, 2**32)), so a
-    bad one raises TypeError/ValueError naming it before anything is sent."""
+    is checked here (integers in their field's range, token ids integers in [0, 2**32),
+    temperature, top_p and min_p numbers), so a bad one raises TypeError/ValueError naming it
+    before anything is sent."""
     if max_new_tokens is None:
         raise TypeError("generate: max_new_tokens is required")
     if completions_only and (chunk_tokens or chunk_interval_ms):
@@ -330,6 +393,12 @@ def generate_request(prompts, num_samples, seed, temperature, top_k, top_p, min_
     top_logprobs = uint(32)(top_logprobs, "top_logprobs")
     if top_k is not None:
         top_k = integer(top_k, "generate: top_k", 32, signed=True)
+    if temperature is not None:
+        temperature = number(temperature, "generate: temperature")
+    if top_p is not None:
+        top_p = number(top_p, "generate: top_p")
+    if min_p is not None:
+        min_p = number(min_p, "generate: min_p")
     prompts = sequences(prompts, "prompts")
     n = len(prompts)
     seeds = per_item(seed, n, "seed", uint(64))
@@ -350,13 +419,13 @@ def generate_request(prompts, num_samples, seed, temperature, top_k, top_p, min_
         r.num_samples = samples[i]
         s = r.sampling
         if temperature is not None:
-            s.temperature = float(temperature)
+            s.temperature = temperature
         if top_k is not None:
             s.top_k = top_k
         if top_p is not None:
-            s.top_p = float(top_p)
+            s.top_p = top_p
         if min_p is not None:
-            s.min_p = float(min_p)
+            s.min_p = min_p
         s.max_new_tokens = max_new_tokens
         s.stop_token_ids.extend(stop)
         s.ignore_eos = bool(ignore_eos)
@@ -425,7 +494,8 @@ def score_request(sequences_, starts, temperature, top_logprobs, routings=None,
     seqs = sequences(sequences_, "sequences")
     starts_list = per_item(starts, len(seqs), "starts",
                            lambda v, name: integer(v, f"score: {name}"))
-    temps = per_item(temperature, len(seqs), "temperature")
+    temps = per_item(temperature, len(seqs), "temperature",
+                     lambda v, name: None if v is None else number(v, f"score: {name}"))
     top_logprobs = integer(top_logprobs, "score: top_logprobs")
     if routings is None:
         routings = [None] * len(seqs)
@@ -437,7 +507,7 @@ def score_request(sequences_, starts, temperature, top_logprobs, routings=None,
         s.token_ids.extend(token_ids)
         s.start = start
         if t is not None:
-            s.temperature = float(t)
+            s.temperature = t
         s.top_logprobs = top_logprobs
         if routing is not None:
             s.routing.extend(ids(routing, f"routings[{i}]", "expert ids"))
@@ -479,6 +549,8 @@ def weights_stream(named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, 
     background thread (rollout_client._stream). Every argument is checked here, before a call."""
     if not version:
         raise ValueError("update_weights: version must be non-empty")
+    chunk_bytes = integer(chunk_bytes, "update_weights: chunk_bytes", 64, signed=True)
+    bucket_bytes = integer(bucket_bytes, "update_weights: bucket_bytes", 64, signed=True)
     if chunk_bytes <= 0:
         raise ValueError("update_weights: chunk_bytes must be > 0")
     if chunk_bytes > DEFAULT_MAX_SEND_BYTES - (1 << 20):
@@ -520,7 +592,8 @@ def weights_part_streams(named_tensors, version: str, policy_name: Optional[str]
     update over several streams"): each declares its share of the tensors (split_by_bytes) and
     the same fresh update_id; one stream, as weights_stream, when streams is 1 or there is one
     tensor."""
-    if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
+    streams = integer(streams, "update_weights: streams", 32, signed=True)
+    if not 1 <= streams <= MAX_STREAMS:
         raise ValueError(f"update_weights: streams = {streams!r}; give 1 to {MAX_STREAMS}")
     stream = weights_stream(named_tensors, version, policy_name, dtype, chunk_bytes, bucket_bytes)
     tensors = stream._tensors
@@ -587,7 +660,9 @@ def join_request(unique_id: bytes, rank: int, world_size: int, group_timeout: fl
         raise ValueError(f"join_weight_sync_group: rank {rank} is not in [0, {world_size})")
     return pb2.JoinWeightSyncGroupRequest(unique_id=unique_id, rank=rank,
                                           world_size=world_size,
-                                          timeout_seconds=float(group_timeout))
+                                          timeout_seconds=number(
+                                              group_timeout,
+                                              "join_weight_sync_group: group_timeout"))
 
 
 def broadcast_tensor_specs(tensors: Sequence[Any]) -> List[broadcast_plan.TensorSpec]:
@@ -609,15 +684,18 @@ def broadcast_request(tensors: Sequence[Any], version: str, policy_name: Optiona
     shape)) in broadcast order."""
     if not version:
         raise ValueError("update_weights_from_broadcast: version must be non-empty")
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0 or \
-            bucket_bytes % broadcast_plan.ALIGNMENT:
+    bucket_bytes = integer(bucket_bytes, "update_weights_from_broadcast: bucket_bytes", 64,
+                           signed=True)
+    if bucket_bytes <= 0 or bucket_bytes % broadcast_plan.ALIGNMENT:
         raise ValueError(f"update_weights_from_broadcast: bucket_bytes = {bucket_bytes!r}; it "
                          f"must be a positive multiple of {broadcast_plan.ALIGNMENT}")
     source_rank = integer(source_rank, "update_weights_from_broadcast: source_rank")
+    if broadcast_timeout is not None:
+        broadcast_timeout = number(broadcast_timeout,
+                                   "update_weights_from_broadcast: broadcast_timeout")
     request = pb2.UpdateWeightsFromBroadcastRequest(
-        version=str(version), policy=policy(policy_name),
-        bucket_bytes=integer(bucket_bytes, "update_weights_from_broadcast: bucket_bytes", 64),
-        source_rank=source_rank, timeout_seconds=float(broadcast_timeout or 0.0),
+        version=str(version), policy=policy(policy_name), bucket_bytes=bucket_bytes,
+        source_rank=source_rank, timeout_seconds=broadcast_timeout or 0.0,
         expected_weight_digest=expected_weight_digest or "")
     for t in broadcast_tensor_specs(tensors):
         request.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape))

@@ -9,8 +9,9 @@
             ...
 
 Arguments, results and errors are those of rollout_client.RolloutClient (RolloutError with the
-gRPC status code name). One client serves many concurrent calls from one event loop; create it
-inside the loop that uses it (grpc.aio binds a channel to the loop).
+gRPC status code name; a method's timeout= left out is the client's default deadline, None is no
+deadline). One client serves many concurrent calls from one event loop; create it inside the
+loop that uses it (grpc.aio binds a channel to the loop).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import grpc
 import grpc.aio
 
 from . import _wire, ipc
-from ._wire import IntOrList, pb2, pb2_grpc
+from ._wire import DEFAULT_TIMEOUT, IntOrList, Timeout, pb2, pb2_grpc
 from .datatypes import (AbortResult, Completion, FlushCacheResult, ReleaseMemoryResult,
                         ResumeMemoryResult, RolloutError, ServerInfo, TokenChunk,
                         UpdateWeightsResult, WeightSyncGroup, message_to_dataclass)
@@ -43,7 +44,7 @@ class RolloutClient:
                  tls_client_cert: _wire.PemSource = None,
                  tls_client_key: _wire.PemSource = None):
         self.target = target
-        self.timeout = timeout
+        self.timeout = _wire.check_timeout(timeout)
         self._metadata = _wire.bearer_metadata(token)
         self._credentials = _wire.channel_credentials(tls_root_cert, tls_client_cert,
                                                       tls_client_key)
@@ -92,10 +93,11 @@ class RolloutClient:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _timeout(self, timeout: Optional[float]) -> Optional[float]:
-        return self.timeout if timeout is None else timeout
+    def _timeout(self, timeout: Timeout) -> Optional[float]:
+        """The gRPC deadline of a call given `timeout` (DEFAULT_TIMEOUT: the client's)."""
+        return _wire.deadline(self.timeout, timeout)
 
-    async def _unary(self, method, request, timeout: Optional[float]):
+    async def _unary(self, method, request, timeout: Timeout):
         try:
             return await method(request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
@@ -104,9 +106,8 @@ class RolloutClient:
     # -- Generate -----------------------------------------------------------------------------
 
     async def _stream(self, request, request_ids,
-                      timeout) -> AsyncIterator[Union[TokenChunk, Completion]]:
-        call = self._stub.Generate(request, timeout=self._timeout(timeout),
-                                   metadata=self._metadata)
+                      deadline: Optional[float]) -> AsyncIterator[Union[TokenChunk, Completion]]:
+        call = self._stub.Generate(request, timeout=deadline, metadata=self._metadata)
         done = False
         try:
             async for response in call:
@@ -121,9 +122,10 @@ class RolloutClient:
             if not done:  # left early (break, aclose, task cancelled): end the samples
                 call.cancel()
 
-    async def _collect(self, request, request_ids, timeout) -> List[List[Completion]]:
+    async def _collect(self, request, request_ids,
+                       deadline: Optional[float]) -> List[List[Completion]]:
         table = _wire.CompletionTable(request)
-        async for item in self._stream(request, request_ids, timeout):
+        async for item in self._stream(request, request_ids, deadline):
             table.add(item)
         return table.result(
             lambda message: RolloutError("INTERNAL", message, grpc.StatusCode.INTERNAL))
@@ -135,8 +137,8 @@ class RolloutClient:
                  stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                  top_logprobs: int = 0, request_ids: Optional[Sequence[str]] = None,
                  stream: bool = False, chunk_tokens: int = 0, chunk_interval_ms: int = 0,
-                 completions_only: Optional[bool] = None, timeout: Optional[float] = None,
-                 return_routing: bool = False):
+                 completions_only: Optional[bool] = None,
+                 timeout: Timeout = DEFAULT_TIMEOUT, return_routing: bool = False):
         """As rollout_client.RolloutClient.generate. Without stream: a coroutine returning
         completions[prompt][sample]. With stream=True: an async iterator of TokenChunk and
         Completion (`async for`); leaving it early (break, aclose(), a cancelled task) cancels
@@ -148,16 +150,17 @@ class RolloutClient:
             prompts, num_samples, seed, temperature, top_k, top_p, min_p, max_new_tokens,
             stop_token_ids, ignore_eos, top_logprobs, request_ids, completions_only,
             chunk_tokens, chunk_interval_ms, return_routing)
+        deadline = self._timeout(timeout)
         if stream:
-            return self._stream(request, ids, timeout)
-        return self._collect(request, ids, timeout)
+            return self._stream(request, ids, deadline)
+        return self._collect(request, ids, deadline)
 
     # -- Score --------------------------------------------------------------------------------
 
     async def score(self, sequences: Sequence[Sequence[int]], starts: IntOrList,
                     temperature: Union[None, float, Sequence[Optional[float]]] = None,
                     top_logprobs: int = 0, *, details: bool = False,
-                    timeout: Optional[float] = None,
+                    timeout: Timeout = DEFAULT_TIMEOUT,
                     routings: Optional[Sequence[Optional[Sequence[int]]]] = None,
                     return_routing: bool = False):
         """As rollout_client.RolloutClient.score."""
@@ -174,11 +177,12 @@ class RolloutClient:
                              dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
                              bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
                              skip_tied: bool = True, streams: int = 1,
-                             timeout: Optional[float] = None) -> UpdateWeightsResult:
+                             timeout: Timeout = DEFAULT_TIMEOUT) -> UpdateWeightsResult:
         """As rollout_client.RolloutClient.update_weights (streams included). Tensors are
         converted on background threads; the event loop only hands the encoded chunks to
         gRPC."""
-        if skip_tied and (await self.server_info(timeout=timeout)).model.tie_word_embeddings:
+        deadline = self._timeout(timeout)
+        if skip_tied and (await self.server_info(timeout=deadline)).model.tie_word_embeddings:
             named_tensors = _wire.without_tied_lm_head(named_tensors)
         parts = _wire.weights_part_streams(named_tensors, version, policy, dtype, chunk_bytes,
                                            bucket_bytes, streams)
@@ -214,7 +218,7 @@ class RolloutClient:
         async def send(i):
             try:
                 return await _wire.update_weights_call(channels[i])(
-                    recorded(parts[i]), timeout=self._timeout(timeout), metadata=self._metadata)
+                    recorded(parts[i]), timeout=deadline, metadata=self._metadata)
             except grpc.RpcError as e:
                 if not first:
                     first.append(RolloutError.from_rpc_error(e))
@@ -245,7 +249,7 @@ class RolloutClient:
                                                            Mapping[str, Any]],
                                       version: str, policy: Optional[str] = "drain", *,
                                       skip_tied: bool = True,
-                                      timeout: Optional[float] = None) -> UpdateWeightsResult:
+                                      timeout: Timeout = DEFAULT_TIMEOUT) -> UpdateWeightsResult:
         """As rollout_client.RolloutClient.update_weights_from_ipc. The export (a device
         synchronize, then one _share_cuda_ per storage) runs on the event loop's thread."""
         if skip_tied and (await self.server_info(timeout=timeout)).model.tie_word_embeddings:
@@ -258,7 +262,7 @@ class RolloutClient:
 
     async def update_weights_from_path(self, path: str, version: str,
                                        policy: Optional[str] = "drain", *,
-                                       timeout: Optional[float] = None) -> UpdateWeightsResult:
+                                       timeout: Timeout = DEFAULT_TIMEOUT) -> UpdateWeightsResult:
         """As rollout_client.RolloutClient.update_weights_from_path."""
         request = _wire.update_from_path_request(path, version, policy)
         start = time.monotonic()
@@ -267,13 +271,13 @@ class RolloutClient:
 
     async def join_weight_sync_group(self, unique_id: bytes, rank: int, world_size: int, *,
                                      group_timeout: float = 0.0,
-                                     timeout: Optional[float] = None) -> WeightSyncGroup:
+                                     timeout: Timeout = DEFAULT_TIMEOUT) -> WeightSyncGroup:
         """As rollout_client.RolloutClient.join_weight_sync_group."""
         request = _wire.join_request(unique_id, rank, world_size, group_timeout)
         return message_to_dataclass(
             WeightSyncGroup, await self._unary(self._stub.JoinWeightSyncGroup, request, timeout))
 
-    async def leave_weight_sync_group(self, *, timeout: Optional[float] = None
+    async def leave_weight_sync_group(self, *, timeout: Timeout = DEFAULT_TIMEOUT
                                       ) -> Optional[WeightSyncGroup]:
         """As rollout_client.RolloutClient.leave_weight_sync_group."""
         r = await self._unary(self._stub.LeaveWeightSyncGroup,
@@ -286,7 +290,7 @@ class RolloutClient:
                                             source_rank: int = 0,
                                             broadcast_timeout: float = 0.0,
                                             expected_weight_digest: Optional[str] = None,
-                                            timeout: Optional[float] = None
+                                            timeout: Timeout = DEFAULT_TIMEOUT
                                             ) -> UpdateWeightsResult:
         """As rollout_client.RolloutClient.update_weights_from_broadcast."""
         request = _wire.broadcast_request(tensors, version, policy, bucket_bytes, source_rank,
@@ -298,35 +302,35 @@ class RolloutClient:
     # -- control ------------------------------------------------------------------------------
 
     async def pause(self, abort_in_flight: bool = False, *,
-                    timeout: Optional[float] = None) -> bool:
+                    timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
         r = await self._unary(self._stub.Pause,
                               pb2.PauseRequest(abort_in_flight=abort_in_flight), timeout)
         return r.was_paused
 
-    async def resume(self, *, timeout: Optional[float] = None) -> bool:
+    async def resume(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
         return (await self._unary(self._stub.Resume, pb2.ResumeRequest(), timeout)).was_paused
 
     async def release_memory(self, weights: bool = False, abort_in_flight: bool = False, *,
-                             timeout: Optional[float] = None) -> ReleaseMemoryResult:
+                             timeout: Timeout = DEFAULT_TIMEOUT) -> ReleaseMemoryResult:
         """As rollout_client.RolloutClient.release_memory."""
         request = pb2.ReleaseMemoryRequest(weights=weights, abort_in_flight=abort_in_flight)
         r = await self._unary(self._stub.ReleaseMemory, request, timeout)
         return message_to_dataclass(ReleaseMemoryResult, r)
 
-    async def resume_memory(self, *, timeout: Optional[float] = None) -> ResumeMemoryResult:
+    async def resume_memory(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> ResumeMemoryResult:
         """As rollout_client.RolloutClient.resume_memory."""
         r = await self._unary(self._stub.ResumeMemory, pb2.ResumeMemoryRequest(), timeout)
         return message_to_dataclass(ResumeMemoryResult, r)
 
     async def abort(self, request_ids: Union[None, str, Sequence[str]] = None,
-                    all: bool = False, *, timeout: Optional[float] = None) -> AbortResult:
+                    all: bool = False, *, timeout: Timeout = DEFAULT_TIMEOUT) -> AbortResult:
         r = await self._unary(self._stub.Abort, _wire.abort_request(request_ids, all), timeout)
         return _wire.abort_result(r)
 
-    async def flush_cache(self, *, timeout: Optional[float] = None) -> FlushCacheResult:
+    async def flush_cache(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> FlushCacheResult:
         r = await self._unary(self._stub.FlushCache, pb2.FlushCacheRequest(), timeout)
         return _wire.flush_result(r)
 
-    async def server_info(self, *, timeout: Optional[float] = None) -> ServerInfo:
+    async def server_info(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> ServerInfo:
         r = await self._unary(self._stub.GetServerInfo, pb2.GetServerInfoRequest(), timeout)
         return message_to_dataclass(ServerInfo, r)

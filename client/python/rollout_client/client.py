@@ -9,7 +9,7 @@ from typing import (Any, Iterable, Iterator, List, Mapping, Optional, Sequence, 
 import grpc
 
 from . import _wire, ipc
-from ._wire import IntOrList, pb2, pb2_grpc
+from ._wire import DEFAULT_TIMEOUT, IntOrList, Timeout, pb2, pb2_grpc
 from .datatypes import (AbortResult, Completion, FlushCacheResult, ReleaseMemoryResult,
                         ResumeMemoryResult, RolloutError, ServerInfo, TokenChunk,
                         UpdateWeightsResult, WeightSyncGroup, message_to_dataclass)
@@ -30,10 +30,13 @@ class RolloutClient:
 
     Failures raise RolloutError(code, message) with the gRPC status code name and the server's
     message; bad Python arguments raise TypeError/ValueError before anything is sent.
-    `timeout` (seconds) is the default deadline of every call (None: none); each method also
-    takes `timeout=`. `token` is sent as `authorization: Bearer <token>` on every call (its
-    line end left out: token=open(path).read() works). `tls_root_cert` (a PEM path or PEM
-    bytes) makes the channel TLS; otherwise plaintext. `tls_client_cert` and `tls_client_key`
+    `timeout` (seconds) is the default deadline of every call (None: none). Each method also
+    takes `timeout=`: left out (rollout_client.DEFAULT_TIMEOUT), the call has the client's
+    default; None, no deadline at all, whatever the default; a number, that many seconds. A
+    deadline is a positive number up to 1e9 (TypeError/ValueError naming `timeout` otherwise).
+    `token` is sent as `authorization: Bearer <token>` on every call (its line end left out:
+    token=open(path).read() works). `tls_root_cert` (a PEM path or PEM bytes) makes the
+    channel TLS; otherwise plaintext. `tls_client_cert` and `tls_client_key`
     (both, with tls_root_cert) present a client certificate, for a server that verifies
     clients (its --tls_client_ca: mutual TLS); the files are read here, once.
     rollout_client.aio.RolloutClient has the same methods for asyncio.
@@ -46,7 +49,7 @@ class RolloutClient:
                  tls_client_cert: _wire.PemSource = None,
                  tls_client_key: _wire.PemSource = None):
         self.target = target
-        self.timeout = timeout
+        self.timeout = _wire.check_timeout(timeout)
         self._metadata = _wire.bearer_metadata(token)
         self._credentials = _wire.channel_credentials(tls_root_cert, tls_client_cert,
                                                       tls_client_key)
@@ -95,10 +98,11 @@ class RolloutClient:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _timeout(self, timeout: Optional[float]) -> Optional[float]:
-        return self.timeout if timeout is None else timeout
+    def _timeout(self, timeout: Timeout) -> Optional[float]:
+        """The gRPC deadline of a call given `timeout` (DEFAULT_TIMEOUT: the client's)."""
+        return _wire.deadline(self.timeout, timeout)
 
-    def _unary(self, method, request, timeout: Optional[float]):
+    def _unary(self, method, request, timeout: Timeout):
         try:
             return method(request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
@@ -106,9 +110,9 @@ class RolloutClient:
 
     # -- Generate -----------------------------------------------------------------------------
 
-    def _stream(self, request, request_ids, timeout) -> Iterator[Union[TokenChunk, Completion]]:
-        call = self._stub.Generate(request, timeout=self._timeout(timeout),
-                                   metadata=self._metadata)
+    def _stream(self, request, request_ids,
+                deadline: Optional[float]) -> Iterator[Union[TokenChunk, Completion]]:
+        call = self._stub.Generate(request, timeout=deadline, metadata=self._metadata)
         done = False
         try:
             for response in call:
@@ -130,8 +134,8 @@ class RolloutClient:
                  stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                  top_logprobs: int = 0, request_ids: Optional[Sequence[str]] = None,
                  stream: bool = False, chunk_tokens: int = 0, chunk_interval_ms: int = 0,
-                 completions_only: Optional[bool] = None, timeout: Optional[float] = None,
-                 return_routing: bool = False):
+                 completions_only: Optional[bool] = None,
+                 timeout: Timeout = DEFAULT_TIMEOUT, return_routing: bool = False):
         """Samples completions of token-id prompts.
 
         prompts: a list of prompts, each a sequence of token ids (lists, numpy arrays, torch
@@ -144,7 +148,9 @@ class RolloutClient:
         prompt. Sample j of a prompt with seed s uses the seed sample_seed(s, j) (see
         docs/api.md), reported as Completion.sample_seed; sample 0 uses s itself.
         Sampling options apply to every prompt; None leaves the server default (temperature
-        1.0, top_k off, top_p 1.0, min_p 0). temperature=0 is greedy.
+        1.0, top_k off, top_p 1.0, min_p 0). temperature=0 is greedy. temperature, top_p and
+        min_p are numbers (int, float, numpy scalars); anything else (a string, a bool, a list)
+        raises TypeError naming the option; their range is the server's to check.
 
         Returns completions[prompt_index][sample_index] (a list of lists of Completion); the
         server then sends completions only (no per-token messages). With stream=True returns an
@@ -156,6 +162,8 @@ class RolloutClient:
         the same in every case.
         return_routing=True (MoE models): each Completion.routing holds the experts chosen for
         every generated token at every MoE layer (docs/api.md, routing replay).
+        timeout: seconds for the whole call (a stream's too); left out, the client's default;
+        None, no deadline.
         """
         if completions_only is None:
             completions_only = not stream and not chunk_tokens and not chunk_interval_ms
@@ -163,10 +171,11 @@ class RolloutClient:
             prompts, num_samples, seed, temperature, top_k, top_p, min_p, max_new_tokens,
             stop_token_ids, ignore_eos, top_logprobs, request_ids, completions_only,
             chunk_tokens, chunk_interval_ms, return_routing)
+        deadline = self._timeout(timeout)  # checked at the call, not at a stream's first item
         if stream:
-            return self._stream(request, ids, timeout)
+            return self._stream(request, ids, deadline)
         table = _wire.CompletionTable(request)
-        for item in self._stream(request, ids, timeout):
+        for item in self._stream(request, ids, deadline):
             table.add(item)
         return table.result(
             lambda message: RolloutError("INTERNAL", message, grpc.StatusCode.INTERNAL))
@@ -176,7 +185,7 @@ class RolloutClient:
     def score(self, sequences: Sequence[Sequence[int]], starts: IntOrList,
               temperature: Union[None, float, Sequence[Optional[float]]] = None,
               top_logprobs: int = 0, *, details: bool = False,
-              timeout: Optional[float] = None,
+              timeout: Timeout = DEFAULT_TIMEOUT,
               routings: Optional[Sequence[Optional[Sequence[int]]]] = None,
               return_routing: bool = False):
         """Teacher-forced logprobs of token_ids[start:] of each sequence (prompt + completion
@@ -201,7 +210,7 @@ class RolloutClient:
                        dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
                        bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
                        skip_tied: bool = True, streams: int = 1,
-                       timeout: Optional[float] = None) -> UpdateWeightsResult:
+                       timeout: Timeout = DEFAULT_TIMEOUT) -> UpdateWeightsResult:
         """Streams new weights to the server: a WeightsHeader declaring every tensor, then each
         tensor's bytes in TensorData chunks of at most chunk_bytes. Nothing changes on the
         server until every byte arrived and was validated; then it swaps atomically.
@@ -224,13 +233,17 @@ class RolloutClient:
         tensors split by bytes; the server swaps once, when every part arrived (docs/api.md,
         "One update over several streams"), and a failure of any part fails them all (the
         first failure is raised). A server predating multi-part updates needs streams=1.
+        chunk_bytes, bucket_bytes and streams are integers (TypeError naming them otherwise).
+        Weights are floating point: an integer or bool array is refused (TypeError naming the
+        tensor), not converted. timeout: as generate's, for each call this makes.
         """
-        if skip_tied and self.server_info(timeout=timeout).model.tie_word_embeddings:
+        deadline = self._timeout(timeout)
+        if skip_tied and self.server_info(timeout=deadline).model.tie_word_embeddings:
             named_tensors = _wire.without_tied_lm_head(named_tensors)
         streams_ = _wire.weights_part_streams(named_tensors, version, policy, dtype, chunk_bytes,
                                               bucket_bytes, streams)
         if len(streams_) > 1:
-            return self._update_weights_parts(streams_, timeout)
+            return self._update_weights_parts(streams_, deadline)
         stream = streams_[0]
         failure: List[BaseException] = []
 
@@ -246,7 +259,7 @@ class RolloutClient:
         start = time.monotonic()
         try:
             response = _wire.update_weights_call(self._channel)(
-                recorded(), timeout=self._timeout(timeout), metadata=self._metadata)
+                recorded(), timeout=deadline, metadata=self._metadata)
         except grpc.RpcError as e:
             if failure:
                 raise failure[0] from None
@@ -255,7 +268,7 @@ class RolloutClient:
             stream.stop(0)
         return _wire.update_result(response, time.monotonic() - start)
 
-    def _update_weights_parts(self, parts, timeout: Optional[float]) -> UpdateWeightsResult:
+    def _update_weights_parts(self, parts, deadline: Optional[float]) -> UpdateWeightsResult:
         """The parts of one update at once, part 0 on this client's channel and each other on a
         channel of its own (a local subchannel pool: its own connection)."""
         channels = [self._channel] + [
@@ -295,7 +308,7 @@ class RolloutClient:
         try:
             for i, channel in enumerate(channels):
                 future = _wire.update_weights_call(channel).future(
-                    recorded(i), timeout=self._timeout(timeout), metadata=self._metadata)
+                    recorded(i), timeout=deadline, metadata=self._metadata)
                 with lock:
                     futures.append(future)
                 future.add_done_callback(on_done)
@@ -319,7 +332,7 @@ class RolloutClient:
                                 named_tensors: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
                                 version: str, policy: Optional[str] = "drain", *,
                                 skip_tied: bool = True,
-                                timeout: Optional[float] = None) -> UpdateWeightsResult:
+                                timeout: Timeout = DEFAULT_TIMEOUT) -> UpdateWeightsResult:
         """New weights from this process's GPU tensors, copied by the server device to device
         (a trainer on the server's GPU; CUDA IPC, no bytes cross the host or the socket).
 
@@ -344,7 +357,7 @@ class RolloutClient:
 
     def update_weights_from_path(self, path: str, version: str,
                                  policy: Optional[str] = "drain", *,
-                                 timeout: Optional[float] = None) -> UpdateWeightsResult:
+                                 timeout: Timeout = DEFAULT_TIMEOUT) -> UpdateWeightsResult:
         """Loads weights from a safetensors checkpoint folder on the server's disk."""
         request = _wire.update_from_path_request(path, version, policy)
         start = time.monotonic()
@@ -355,7 +368,7 @@ class RolloutClient:
 
     def join_weight_sync_group(self, unique_id: bytes, rank: int, world_size: int, *,
                                group_timeout: float = 0.0,
-                               timeout: Optional[float] = None) -> WeightSyncGroup:
+                               timeout: Timeout = DEFAULT_TIMEOUT) -> WeightSyncGroup:
         """Makes the server rank `rank` of the NCCL group of `world_size` ranks that the
         128-byte ncclUniqueId `unique_id` names (the source's ncclGetUniqueId). Blocks until
         every rank joined (or group_timeout seconds; 0: the server's 60). RolloutError
@@ -366,7 +379,7 @@ class RolloutClient:
         return message_to_dataclass(
             WeightSyncGroup, self._unary(self._stub.JoinWeightSyncGroup, request, timeout))
 
-    def leave_weight_sync_group(self, *, timeout: Optional[float] = None
+    def leave_weight_sync_group(self, *, timeout: Timeout = DEFAULT_TIMEOUT
                                 ) -> Optional[WeightSyncGroup]:
         """Leaves the server's weight-sync group; returns what it left (None: it had none)."""
         r = self._unary(self._stub.LeaveWeightSyncGroup, pb2.LeaveWeightSyncGroupRequest(),
@@ -378,7 +391,7 @@ class RolloutClient:
                                       bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
                                       source_rank: int = 0, broadcast_timeout: float = 0.0,
                                       expected_weight_digest: Optional[str] = None,
-                                      timeout: Optional[float] = None) -> UpdateWeightsResult:
+                                      timeout: Timeout = DEFAULT_TIMEOUT) -> UpdateWeightsResult:
         """Tells the server to receive the tensors that rank `source_rank` of its weight-sync
         group broadcasts -- (name, dtype, shape) or broadcast_plan.TensorSpec, in broadcast
         order, in buckets of bucket_bytes (rollout_client.broadcast_plan lays them out) -- and
@@ -392,19 +405,19 @@ class RolloutClient:
 
     # -- control ------------------------------------------------------------------------------
 
-    def pause(self, abort_in_flight: bool = False, *, timeout: Optional[float] = None) -> bool:
+    def pause(self, abort_in_flight: bool = False, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
         """Stops scheduling (new requests are held, not failed). Returns whether it already was
         paused."""
         r = self._unary(self._stub.Pause, pb2.PauseRequest(abort_in_flight=abort_in_flight),
                         timeout)
         return r.was_paused
 
-    def resume(self, *, timeout: Optional[float] = None) -> bool:
+    def resume(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
         """Resumes scheduling. Returns whether it was paused."""
         return self._unary(self._stub.Resume, pb2.ResumeRequest(), timeout).was_paused
 
     def release_memory(self, weights: bool = False, abort_in_flight: bool = False, *,
-                       timeout: Optional[float] = None) -> ReleaseMemoryResult:
+                       timeout: Timeout = DEFAULT_TIMEOUT) -> ReleaseMemoryResult:
         """Colocated trainers: the server gives its KV cache's GPU memory (with weights=True
         the weights' too, kept in its host memory) back until resume_memory(). New requests are
         held, not failed; samples in flight are requeued and finish later with the same bits
@@ -414,7 +427,7 @@ class RolloutClient:
         r = self._unary(self._stub.ReleaseMemory, request, timeout)
         return message_to_dataclass(ReleaseMemoryResult, r)
 
-    def resume_memory(self, *, timeout: Optional[float] = None) -> ResumeMemoryResult:
+    def resume_memory(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> ResumeMemoryResult:
         """Takes the memory back and serves again, bitwise as before. RolloutError
         RESOURCE_EXHAUSTED when the GPU lacks it (free it, torch.cuda.empty_cache(), and call
         again: the server stays released)."""
@@ -422,18 +435,18 @@ class RolloutClient:
         return message_to_dataclass(ResumeMemoryResult, r)
 
     def abort(self, request_ids: Union[None, str, Sequence[str]] = None, all: bool = False, *,
-              timeout: Optional[float] = None) -> AbortResult:
+              timeout: Timeout = DEFAULT_TIMEOUT) -> AbortResult:
         """Ends in-flight rollouts named by request id (or every one with all=True); their
         generate() calls get completions with finish_reason "abort" and the tokens so far."""
         r = self._unary(self._stub.Abort, _wire.abort_request(request_ids, all), timeout)
         return _wire.abort_result(r)
 
-    def flush_cache(self, *, timeout: Optional[float] = None) -> FlushCacheResult:
+    def flush_cache(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> FlushCacheResult:
         """Empties the server's prefix cache."""
         r = self._unary(self._stub.FlushCache, pb2.FlushCacheRequest(), timeout)
         return _wire.flush_result(r)
 
-    def server_info(self, *, timeout: Optional[float] = None) -> ServerInfo:
+    def server_info(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> ServerInfo:
         """Model, weight version, backend, engine limits and live counters."""
         r = self._unary(self._stub.GetServerInfo, pb2.GetServerInfoRequest(), timeout)
         return message_to_dataclass(ServerInfo, r)

@@ -45,7 +45,9 @@ def logprobs_array(logprobs: List[float]) -> "numpy.ndarray":
 
 class RolloutError(Exception):
     """A call failed. `code` is the gRPC status code name ("INVALID_ARGUMENT", "UNAVAILABLE",
-    ...), `message` the server's message unchanged (it names the rollout, field and bound)."""
+    ...), `message` the server's message unchanged (it names the rollout, field and bound).
+    Pickles (and copies) as itself with every attribute, subclasses' too: it can cross a
+    process boundary (multiprocessing, a process pool)."""
 
     def __init__(self, code: str, message: str, grpc_code: Optional[grpc.StatusCode] = None):
         super().__init__(f"{code}: {message}")
@@ -53,12 +55,25 @@ class RolloutError(Exception):
         self.message = message
         self.grpc_code = grpc_code
 
+    def __reduce__(self):
+        # BaseException's would call cls(*self.args), i.e. cls("CODE: message"): a TypeError
+        # for this __init__ and a subclass's. Rebuilt without __init__: args and attributes.
+        return _rebuild_error, (type(self), self.args), self.__dict__
+
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError) -> "RolloutError":
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         details = error.details() if hasattr(error, "details") else str(error)
         code = code or grpc.StatusCode.UNKNOWN
         return cls(code.name, details or "", code)
+
+
+def _rebuild_error(cls, args):
+    """An exception of `cls` with `args`, its __init__ not run (pickle then restores its
+    __dict__): what RolloutError.__reduce__ names."""
+    error = cls.__new__(cls)
+    error.args = args
+    return error
 
 
 @dataclass

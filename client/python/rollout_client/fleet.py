@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, T
 import grpc
 
 from . import _wire
+from ._wire import DEFAULT_TIMEOUT, Timeout
 from .client import RolloutClient
 from .datatypes import RolloutError, ServerInfo, UpdateWeightsResult
 from .weights import DTypeSpec
@@ -51,7 +52,9 @@ class FleetError(RolloutError):
 
 
 class Fleet:
-    """Replicas of one model, each a RolloutClient (same token, TLS and options for all)."""
+    """Replicas of one model, each a RolloutClient (same token, timeout, TLS and options for
+    all). A method's timeout= is as RolloutClient's: left out, each client's default deadline;
+    None, no deadline."""
 
     def __init__(self, targets: Sequence[str], token: Optional[str] = None,
                  timeout: Optional[float] = None,
@@ -94,6 +97,13 @@ class Fleet:
     def __len__(self) -> int:
         return len(self.clients)
 
+    @staticmethod
+    def _checked(timeout: Timeout) -> Timeout:
+        """`timeout`, checked here: a bad one raises itself, not a FleetError of every replica."""
+        if timeout is not DEFAULT_TIMEOUT:
+            _wire.check_timeout(timeout)
+        return timeout
+
     def _each(self, call: Callable[[int, RolloutClient], Any]) -> List[Any]:
         """call(i, client) for every replica at once; FleetError if any raised."""
         results: List[Any] = [None] * len(self.clients)
@@ -122,11 +132,12 @@ class Fleet:
                        dtype: DTypeSpec = "BF16", chunk_bytes: int = 4 << 20,
                        bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
                        skip_tied: bool = True,
-                       timeout: Optional[float] = None) -> List[UpdateWeightsResult]:
+                       timeout: Timeout = DEFAULT_TIMEOUT) -> List[UpdateWeightsResult]:
         """RolloutClient.update_weights on every replica at once, the tensors converted once.
         Returns one UpdateWeightsResult per replica (in target order; seconds and
         bytes_per_second as each replica's call saw them); FleetError if any failed. A
         conversion error (bad tensor) is raised as itself, before or while sending."""
+        timeout = self._checked(timeout)
         if skip_tied:
             tied = {i.model.tie_word_embeddings for i in self.server_info(timeout=timeout)}
             if len(tied) != 1:
@@ -167,21 +178,25 @@ class Fleet:
 
     def update_weights_from_path(self, path: str, version: str,
                                  policy: Optional[str] = "drain", *,
-                                 timeout: Optional[float] = None) -> List[UpdateWeightsResult]:
+                                 timeout: Timeout = DEFAULT_TIMEOUT) -> List[UpdateWeightsResult]:
         """Every replica loads the checkpoint at `path` on its own disk, at once."""
+        timeout = self._checked(timeout)
         return self._each(lambda i, c: c.update_weights_from_path(path, version, policy,
                                                                   timeout=timeout))
 
     # -- control ------------------------------------------------------------------------------
 
     def pause(self, abort_in_flight: bool = False, *,
-              timeout: Optional[float] = None) -> List[bool]:
+              timeout: Timeout = DEFAULT_TIMEOUT) -> List[bool]:
+        timeout = self._checked(timeout)
         return self._each(lambda i, c: c.pause(abort_in_flight, timeout=timeout))
 
-    def resume(self, *, timeout: Optional[float] = None) -> List[bool]:
+    def resume(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> List[bool]:
+        timeout = self._checked(timeout)
         return self._each(lambda i, c: c.resume(timeout=timeout))
 
-    def server_info(self, *, timeout: Optional[float] = None) -> List[ServerInfo]:
+    def server_info(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> List[ServerInfo]:
+        timeout = self._checked(timeout)
         return self._each(lambda i, c: c.server_info(timeout=timeout))
 
     def wait_ready(self, timeout: float = 30.0) -> List[ServerInfo]:

@@ -8,6 +8,9 @@ Accepted tensor values (the `v` of each `(name, v)` pair):
   * RawTensor(data, dtype, shape): bytes already in the served layout (row-major,
     little-endian), sent unchanged with its own dtype;
   * anything numpy.asarray turns into numbers (lists, scalars), read as float32.
+Weights are floating point: an array, tensor or numpy scalar of an integer or bool dtype
+(but the 16-bit raw bits above) is refused with a TypeError naming the tensor, never converted
+(it is usually token ids, a mask or a wrong view; cast it yourself if it holds weights).
 
 The target dtype ("BF16", "F16" or "F32", the served tensor's dtype) decides the conversion:
 float32 -> BF16 is round-to-nearest-even (NaN stays a quiet NaN with its sign; overflow gives
@@ -106,10 +109,8 @@ def bf16_bits_to_f32(bits):
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def _np_source_kind(a) -> str:
-    name = a.dtype.name
-    return {"float32": "F32", "float16": "F16", "float64": "F64", "bfloat16": "BF16",
-            "uint16": "U16", "int16": "U16"}.get(name, "")
+_NP_SOURCE_KINDS = {"float32": "F32", "float16": "F16", "float64": "F64", "bfloat16": "BF16",
+                    "uint16": "U16", "int16": "U16"}
 
 
 # The bits of +-infinity in a 16-bit float, sign masked off by 0x7FFF.
@@ -143,16 +144,30 @@ def _check_f64_cast(name: str, before, after) -> None:
                          f"beyond the range of F32; nothing was sent")
 
 
+def _integer_weights(name: str, what: str) -> TypeError:
+    """The error of a tensor whose values are integers (or bools): `what`, e.g. "an array of
+    int64"."""
+    return TypeError(f"tensor '{name}': {what} is refused, not converted: weights are floating "
+                     "point (float32, float16, float64, bfloat16; uint16/int16 numpy arrays for "
+                     "raw BF16/F16 bits)")
+
+
+def _check_numpy_dtype(name: str, dtype) -> str:
+    """The source kind of a numpy dtype ("F32", "F16", "F64", "BF16", "U16": raw 16-bit bits);
+    TypeError naming the tensor for an integer or bool dtype (weights are floating point) or
+    one that holds no numbers."""
+    kind = _NP_SOURCE_KINDS.get(dtype.name, "")
+    if kind:
+        return kind
+    if dtype.kind in "iub":
+        raise _integer_weights(name, f"an array of {dtype}")
+    raise TypeError(f"tensor '{name}': unsupported numpy dtype {dtype}")
+
+
 def _numpy_bytes(name: str, a, target: Optional[str]):
     """Returns (dtype, shape, ndarray whose little-endian bytes are the payload)."""
     np = _np()
-    kind = _np_source_kind(a)
-    if kind == "":
-        if a.dtype.kind in "iub":
-            a = a.astype(np.float32)
-            kind = "F32"
-        else:
-            raise TypeError(f"tensor '{name}': unsupported numpy dtype {a.dtype}")
+    kind = _check_numpy_dtype(name, a.dtype)
     if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big"):
         a = a.astype(a.dtype.newbyteorder("<"))
     shape = tuple(int(d) for d in a.shape)
@@ -192,6 +207,12 @@ def _numpy_bytes(name: str, a, target: Optional[str]):
 # torch (only touched when given a torch tensor)
 
 
+def _torch_dtype_error(name: str, dtype) -> TypeError:
+    if not dtype.is_floating_point and not dtype.is_complex:  # integers, bool
+        return _integer_weights(name, f"a tensor of {dtype}")
+    return TypeError(f"tensor '{name}': unsupported torch dtype {dtype}")
+
+
 def _is_torch_tensor(v: Any) -> bool:
     return type(v).__module__.startswith("torch") and hasattr(v, "detach") and hasattr(v, "dtype")
 
@@ -209,7 +230,7 @@ def _torch_bytes(name: str, t, target: Optional[str]):
         t = f32
     src = names.get(t.dtype)
     if src is None:
-        raise TypeError(f"tensor '{name}': unsupported torch dtype {t.dtype}")
+        raise _torch_dtype_error(name, t.dtype)
     dst = target or src
     to_torch = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     src_t = t
@@ -262,8 +283,12 @@ def to_bytes(name: str, value: Any, target: Optional[str]):
     if _is_torch_tensor(value):
         return _torch_bytes(name, value, target)
     np = _np()
-    a = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=np.float32)
-    return _numpy_bytes(name, a, target)
+    if not isinstance(value, np.ndarray):
+        dtype = getattr(value, "dtype", None)  # a numpy scalar, another library's array
+        if getattr(dtype, "kind", None) in ("i", "u", "b"):
+            raise _integer_weights(name, f"an array of {dtype}")
+        value = np.asarray(value, dtype=np.float32)
+    return _numpy_bytes(name, value, target)
 
 
 def _expected_dtype_shape(name: str, value: Any, target: Optional[str]):
@@ -275,18 +300,15 @@ def _expected_dtype_shape(name: str, value: Any, target: Optional[str]):
         names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
                  torch.float64: "F32"}
         if value.dtype not in names:
-            raise TypeError(f"tensor '{name}': unsupported torch dtype {value.dtype}")
+            raise _torch_dtype_error(name, value.dtype)
         return target or names[value.dtype], tuple(int(d) for d in value.shape)
     np = _np()
     if isinstance(value, np.ndarray):
-        kind = _np_source_kind(value)
-        if kind == "" and value.dtype.kind not in "iub":
-            raise TypeError(f"tensor '{name}': unsupported numpy dtype {value.dtype}")
+        kind = _check_numpy_dtype(name, value.dtype)
         if kind == "U16" and target not in ("BF16", "F16"):
             raise TypeError(f"tensor '{name}': a uint16/int16 array is read as raw BF16/F16 bits; "
                             f"pass dtype='BF16' or 'F16' (got {target!r})")
-        own = {"F32": "F32", "F16": "F16", "F64": "F32", "BF16": "BF16", "U16": target,
-               "": "F32"}[kind]
+        own = {"F32": "F32", "F16": "F16", "F64": "F32", "BF16": "BF16", "U16": target}[kind]
         return target or own, tuple(int(d) for d in value.shape)
     dtype, shape, _ = to_bytes(name, value, target)
     return dtype, shape

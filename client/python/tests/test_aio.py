@@ -192,8 +192,9 @@ if __name__ == "__main__":
 
 
 class AioArgumentCheckTest(unittest.TestCase):
-    """Token ids and integer arguments are checked as the blocking client checks them, before
-    anything is sent: the target answers nothing, so an unchecked one would fail UNAVAILABLE."""
+    """Token ids, integer and float arguments and weights are checked as the blocking client
+    checks them, before anything is sent: the target answers nothing, so an unchecked one would
+    fail UNAVAILABLE."""
 
     def test_bad_token_ids_and_integers_raise_at_the_call(self):
         async def main():
@@ -218,5 +219,23 @@ class AioArgumentCheckTest(unittest.TestCase):
                 with self.assertRaisesRegex(TypeError, r"^sequences\[0\]\[0\] = 1\.9: token ids "
                                                        r"must be integers, not float"):
                     await client.score([[1.9, 2.5, 3.99]], starts=1)
+                with self.assertRaisesRegex(TypeError, r"^generate: temperature must be a number "
+                                                       r"\(got str 'hot'\)$"):
+                    client.generate([[1, 2]], max_new_tokens=3, temperature="hot")
+                with self.assertRaisesRegex(TypeError, r"^generate: top_p must be a number "
+                                                       r"\(got bool True\)$"):
+                    client.generate([[1, 2]], max_new_tokens=3, top_p=True, stream=True)
+                with self.assertRaisesRegex(TypeError, r"^score: temperature must be a number"):
+                    await client.score([[1, 2, 3]], starts=1, temperature="hot")
+                with self.assertRaisesRegex(TypeError, r"^update_weights: chunk_bytes must be an "
+                                                       r"integer \(got float 1\.5\)$"):
+                    await client.update_weights([("w", np.ones(2, np.float32))], "v",
+                                                skip_tied=False, chunk_bytes=1.5)
+                with self.assertRaisesRegex(TypeError, r"^tensor 'w': an array of int64 is "
+                                                       r"refused, not converted"):
+                    await client.update_weights([("w", np.ones(2, np.int64))], "v",
+                                                skip_tied=False)
+                with self.assertRaisesRegex(TypeError, r"^timeout must be a number"):
+                    client.generate([[1, 2]], max_new_tokens=3, stream=True, timeout="5")
 
         run(main())

@@ -11,10 +11,13 @@ fail, unless ROLLOUT_PY_TESTS_ALLOW_UNIMPLEMENTED=1 (an older server): then they
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import copy
 import functools
 import math
 import os
+import pickle
 import shutil
 import struct
 import subprocess
@@ -28,7 +31,9 @@ import grpc
 import numpy as np
 
 import rollout_client
-from rollout_client import (RawTensor, RolloutClient, RolloutError, bf16_bits_to_f32,
+import rollout_client.aio
+from rollout_client import (BroadcastError, Fleet, FleetError, RawTensor, RolloutClient,
+                            RolloutError, UpdateWeightsResult, bf16_bits_to_f32,
                             f32_to_bf16_bits, read_safetensors, sample_seed,
                             write_safetensors)
 from rollout_client.client import pb2, pb2_grpc
@@ -378,10 +383,12 @@ class _Recorder(pb2_grpc.RolloutServiceServicer):
         self.token = token
         self.metadata = []
         self.weights = []
+        self.deadlines = []  # each call's time_remaining(): ~9.2e18 s for a call without one
 
     def _check(self, context):
         md = dict(context.invocation_metadata())
         self.metadata.append(md)
+        self.deadlines.append(context.time_remaining())
         if self.token and md.get("authorization") != f"Bearer {self.token}":
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
@@ -466,6 +473,149 @@ class FakeServerTest(unittest.TestCase):
                 c.update_weights([("c", np.zeros(4, np.complex64))], version="v")
             with self.assertRaises(TypeError):
                 c.update_weights([("r", b"\0\0")], version="v")
+
+    def test_integer_weight_arrays_are_refused_naming_the_tensor(self):
+        # Weights are floating point: an integer array is a bug upstream (ids, masks, a wrong
+        # view), refused before anything is sent rather than converted to float.
+        with RolloutClient(self.target, token="s3cret") as c:
+            for dtype in (np.int8, np.int32, np.int64, np.uint8, np.uint32, np.uint64, np.bool_):
+                name = np.dtype(dtype).name
+                with self.subTest(dtype=name):
+                    with self.assertRaisesRegex(TypeError, rf"^tensor 'w': an array of {name} is "
+                                                           r"refused, not converted: weights are "
+                                                           r"floating point"):
+                        c.update_weights([("ok", np.ones(2, np.float32)),
+                                          ("w", np.ones(3, dtype))], version="v")
+            with self.assertRaisesRegex(TypeError, r"^tensor 's': an array of int64 is refused"):
+                c.update_weights({"s": np.int64(3)}, version="v", dtype=None)  # a numpy scalar
+            with self.assertRaisesRegex(TypeError, r"^tensor 'f': an array of int32 is refused"):
+                Fleet([self.target], token="s3cret").update_weights(
+                    {"f": np.zeros(2, np.int32)}, version="v")
+        self.assertEqual(self.recorder.weights, [])  # no UpdateWeights call was made
+        # 16-bit integers are raw BF16/F16 bits (a bf16 tensor's .view(torch.int16)): they go.
+        from rollout_client.weights import prepare
+        for dtype in (np.uint16, np.int16):
+            t = prepare([("b", np.zeros(2, dtype))], "BF16")[0]
+            self.assertEqual((t.dtype, t.nbytes), ("BF16", 4))
+
+    def test_timeout_none_is_no_deadline_and_a_timeout_not_given_the_clients(self):
+        none = 1e9  # gRPC's infinite deadline (~9.2e18 s) as the server sees it: far beyond
+        near = 1    # gRPC rounds a deadline up a little (a timeout of 30 s arrives as 30.1)
+        with RolloutClient(self.target, token="s3cret", timeout=5) as c:
+            c.server_info()                                       # the client's default
+            c.server_info(timeout=None)                           # no deadline
+            c.server_info(timeout=30)                             # its own
+            c.pause(timeout=rollout_client.DEFAULT_TIMEOUT)       # the default, said so
+            c.update_weights([("w", np.ones(3, np.float32))], version="v", timeout=None)
+        d = self.recorder.deadlines
+        self.assertEqual(len(d), 6)  # update_weights: GetServerInfo, then UpdateWeights
+        self.assertLess(d[0], 5 + near)
+        self.assertGreater(d[1], none)
+        self.assertTrue(5 + near < d[2] < 30 + near, d[2])
+        self.assertLess(d[3], 5 + near)
+        self.assertGreater(d[4], none)
+        self.assertGreater(d[5], none)
+        # A client without a default deadline: none unless a call gives one.
+        del d[:]
+        with RolloutClient(self.target, token="s3cret") as c:
+            c.server_info()
+            c.server_info(timeout=7)
+        self.assertGreater(d[0], none)
+        self.assertLess(d[1], 7 + near)
+
+        async def aio():
+            async with rollout_client.aio.RolloutClient(self.target, token="s3cret",
+                                                        timeout=5) as c:
+                await c.server_info()
+                await c.server_info(timeout=None)
+                await c.update_weights([("w", np.ones(3, np.float32))], version="v",
+                                       timeout=None)
+        del d[:]
+        asyncio.run(aio())
+        self.assertEqual(len(d), 4)
+        self.assertLess(d[0], 5 + near)
+        self.assertGreater(min(d[1:]), none)
+        del d[:]
+        with Fleet([self.target], token="s3cret", timeout=5) as fleet:
+            fleet.server_info()
+            fleet.server_info(timeout=None)
+            fleet.update_weights([("w", np.ones(3, np.float32))], version="v", timeout=None)
+        self.assertEqual(len(d), 4)
+        self.assertLess(d[0], 5 + near)
+        self.assertGreater(min(d[1:]), none)
+
+    def test_a_timeout_that_is_not_a_positive_number_is_refused_naming_it(self):
+        with RolloutClient(self.target, token="s3cret") as c:
+            with self.assertRaisesRegex(TypeError, r"^timeout must be a number \(got str '5'\)$"):
+                c.server_info(timeout="5")
+            with self.assertRaisesRegex(TypeError, r"^timeout must be a number \(got bool True\)$"):
+                c.pause(timeout=True)
+            for bad in (0, -1.0, math.inf, math.nan, 1e10):  # each DEADLINE_EXCEEDED in gRPC
+                with self.subTest(timeout=bad):
+                    with self.assertRaisesRegex(ValueError, rf"^timeout = {bad!r}: a deadline is "
+                                                            r"a positive number of seconds up to "
+                                                            r"1e\+09 \(None: no deadline\)$"):
+                        c.server_info(timeout=bad)
+            # At the call, before a stream is iterated.
+            with self.assertRaisesRegex(TypeError, r"^timeout must be a number"):
+                c.generate([[1, 2]], max_new_tokens=2, stream=True, timeout="5")
+            with self.assertRaisesRegex(TypeError, r"^timeout must be a number"):
+                c.update_weights([("w", np.ones(3, np.float32))], version="v", timeout="5")
+        with Fleet([self.target], token="s3cret") as fleet:  # raised as itself, not FleetError
+            with self.assertRaisesRegex(TypeError, r"^timeout must be a number"):
+                fleet.server_info(timeout="5")
+            with self.assertRaisesRegex(ValueError, r"^timeout = -1: "):
+                fleet.update_weights([("w", np.ones(3, np.float32))], version="v", timeout=-1)
+        self.assertEqual(self.recorder.deadlines, [])  # nothing was sent
+        with RolloutClient(self.target, token="s3cret") as c:
+            c.server_info(timeout=1e9)  # the longest deadline goes (gRPC caps it lower)
+        self.assertEqual(len(self.recorder.deadlines), 1)
+        for make in (RolloutClient, rollout_client.aio.RolloutClient):
+            with self.subTest(client=make.__module__):
+                with self.assertRaisesRegex(TypeError, r"^timeout must be a number \(got bool "
+                                                       r"True\)$"):
+                    make(self.target, timeout=True)
+                with self.assertRaisesRegex(ValueError, r"^timeout = -5: "):
+                    make(self.target, timeout=-5)
+
+
+class RolloutErrorPickleTest(unittest.TestCase):
+    """Errors cross process boundaries (multiprocessing, concurrent.futures' process pools,
+    Ray): each comes back as itself, with its fields."""
+
+    def round_trips(self, e):
+        copies = [pickle.loads(pickle.dumps(e, protocol))
+                  for protocol in range(pickle.HIGHEST_PROTOCOL + 1)]
+        copies += [copy.copy(e), copy.deepcopy(e)]
+        for got in copies:
+            self.assertIs(type(got), type(e))
+            self.assertEqual((got.code, got.message, got.grpc_code, got.args, str(got)),
+                             (e.code, e.message, e.grpc_code, e.args, str(e)))
+        return copies[-1]
+
+    def test_a_rollout_error_keeps_its_code_message_and_grpc_code(self):
+        self.round_trips(RolloutError("INVALID_ARGUMENT", "rollouts[1].sampling.top_p = 2",
+                                      grpc.StatusCode.INVALID_ARGUMENT))
+        self.round_trips(RolloutError("INTERNAL", "no grpc code"))
+        with socket_port() as port:
+            with RolloutClient(f"127.0.0.1:{port}", timeout=5) as c:
+                with self.assertRaises(RolloutError) as cm:
+                    c.server_info()
+        got = self.round_trips(cm.exception)  # as the client raises it
+        self.assertEqual(got.grpc_code, grpc.StatusCode.UNAVAILABLE)
+
+    def test_fleet_and_broadcast_errors_keep_every_replica(self):
+        ok = UpdateWeightsResult("v", "u", 1, 2, 0, 0.5, 0.25, "sha256:00")
+        down = RolloutError("UNAVAILABLE", "down", grpc.StatusCode.UNAVAILABLE)
+        got = self.round_trips(FleetError(["a:1", "b:2"], [None, ok], [down, None]))
+        self.assertEqual((got.targets, got.results), (["a:1", "b:2"], [None, ok]))
+        self.assertEqual((got.errors[0].code, got.errors[0].message, got.errors[1]),
+                         ("UNAVAILABLE", "down", None))
+        got = self.round_trips(BroadcastError("broadcasting 'v'", ["a:1"], [None], [down],
+                                              RuntimeError("nccl")))
+        self.assertEqual((got.targets, got.results, got.errors[0].code),
+                         (["a:1"], [None], "UNAVAILABLE"))
+        self.assertEqual(str(got.trainer_error), "nccl")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,6 +748,93 @@ class ArgumentCheckTest(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, r"^stop_token_ids\[0\] = 2\.0: .* not float"):
             self.generate([[1, 2]], stop_token_ids=[2.0])
 
+    def test_float_options_must_be_numbers_naming_the_parameter(self):
+        bad = [
+            (dict(temperature="hot"), r"temperature must be a number \(got str 'hot'\)$"),
+            (dict(temperature=True), r"temperature must be a number \(got bool True\)$"),
+            (dict(top_p=np.bool_(False)), r"top_p must be a number \(got bool False\)$"),
+            (dict(min_p=[0.1]), r"min_p must be a number \(got list \[0\.1\]\)$"),
+            (dict(min_p=b"0"), r"min_p must be a number \(got bytes b'0'\)$"),
+            (dict(top_p=0.5 + 0j), r"top_p must be a number \(got complex \(0\.5\+0j\)\)$"),
+            (dict(top_p=np.complex64(0.5)), r"top_p must be a number \(got complex64 "),
+            (dict(temperature=np.array([0.5, 0.7])),
+             r"temperature must be a number \(got an array of shape \[2\]\)$"),
+        ]
+        for kwargs, pattern in bad:
+            with self.subTest(**{k: repr(v) for k, v in kwargs.items()}):
+                for stream in (False, True):  # refused at the call, before any iteration
+                    with self.assertRaisesRegex(TypeError, "^generate: " + pattern):
+                        self.generate([[1, 2]], stream=stream, **kwargs)
+        # score: one temperature for every sequence, or one (or None) per sequence.
+        with self.assertRaisesRegex(TypeError, r"^score: temperature must be a number \(got "
+                                               r"str 'hot'\)$"):
+            self.client.score([[1, 2, 3]], starts=1, temperature="hot")
+        with self.assertRaisesRegex(TypeError, r"^score: temperature\[1\] must be a number "
+                                               r"\(got bool True\)$"):
+            self.client.score([[1, 2, 3], [4, 5]], starts=1, temperature=[0.5, True])
+        # The weight-sync group's float options too.
+        from rollout_client._wire import (broadcast_request, generate_request, join_request,
+                                          score_request)
+        with self.assertRaisesRegex(TypeError, r"^join_weight_sync_group: group_timeout must be "
+                                               r"a number \(got str '30'\)$"):
+            join_request(b"u" * 128, 1, 2, "30")
+        with self.assertRaisesRegex(TypeError, r"^update_weights_from_broadcast: "
+                                               r"broadcast_timeout must be a number \(got bool "
+                                               r"True\)$"):
+            broadcast_request([("a", "BF16", (2,))], "v", "drain", 256, 0, True, None)
+        # Any real number goes, as a float: ints, numpy scalars, 0-d arrays.
+        request, _ = generate_request([[1]], 1, 0, 1, None, np.float32(0.5), np.array(0.25), 3,
+                                      (), False, 0, None)
+        s = request.rollouts[0].sampling
+        self.assertEqual((s.temperature, s.top_p, s.min_p), (1.0, 0.5, 0.25))
+        request = score_request([[1, 2]], 1, [np.float64(0.5)], 0)
+        self.assertEqual(request.sequences[0].temperature, 0.5)
+
+    def test_bools_are_refused_for_integer_options(self):
+        for name in ("seed", "num_samples", "max_new_tokens", "top_k", "top_logprobs",
+                     "chunk_tokens"):
+            with self.subTest(name=name):
+                with self.assertRaisesRegex(TypeError, rf"^generate: {name} must be an integer "
+                                                       r"\(got bool True\)$"):
+                    self.generate([[1, 2]], stream=name == "chunk_tokens", **{name: True})
+        with self.assertRaisesRegex(TypeError, r"^generate: seed\[1\] must be an integer \(got "
+                                               r"bool False\)$"):
+            self.generate([[1, 2], [3]], seed=[1, np.bool_(False)])
+        with self.assertRaisesRegex(TypeError, r"^score: starts must be an integer \(got bool"):
+            self.client.score([[1, 2, 3]], starts=True)
+
+    def test_weight_update_sizes_must_be_integers_naming_the_parameter(self):
+        w = [("w", np.ones(4, np.float32))]
+        bad = [
+            (dict(chunk_bytes=1.5), TypeError,
+             r"^update_weights: chunk_bytes must be an integer \(got float 1\.5\)$"),
+            (dict(chunk_bytes=True), TypeError,
+             r"^update_weights: chunk_bytes must be an integer \(got bool True\)$"),
+            (dict(chunk_bytes="4096"), TypeError,
+             r"^update_weights: chunk_bytes must be an integer \(got str '4096'\)$"),
+            (dict(chunk_bytes=0), ValueError, r"^update_weights: chunk_bytes must be > 0$"),
+            (dict(chunk_bytes=64 << 20), ValueError, r"^update_weights: chunk_bytes must be at "
+                                                     r"most 66060288 "),
+            (dict(bucket_bytes=2.0), TypeError,
+             r"^update_weights: bucket_bytes must be an integer \(got float 2\.0\)$"),
+            (dict(streams=True), TypeError,
+             r"^update_weights: streams must be an integer \(got bool True\)$"),
+            (dict(streams=2.0), TypeError,
+             r"^update_weights: streams must be an integer \(got float 2\.0\)$"),
+            (dict(streams=65), ValueError, r"^update_weights: streams = 65; give 1 to 64$"),
+        ]
+        for kwargs, error, pattern in bad:
+            with self.subTest(**kwargs):
+                # skip_tied=False: no GetServerInfo first; the checks come before any call.
+                with self.assertRaisesRegex(error, pattern):
+                    self.client.update_weights(w, version="v", skip_tied=False, **kwargs)
+        from rollout_client._wire import weights_part_streams
+        streams = weights_part_streams(w + [("x", np.ones(2, np.float32))], "v", "drain", "BF16",
+                                       np.int64(1024), np.uint32(4096), np.int8(2))
+        self.assertEqual(len(streams), 2)  # numpy integers go
+        for stream in streams:
+            stream.stop(0)
+
 
 class ConversionTest(unittest.TestCase):
     def test_bf16_round_to_nearest_even(self):
@@ -724,6 +961,19 @@ class TorchConversionTest(unittest.TestCase):
                 self.assertEqual(bytes(got[k]), v.view(torch.int16).numpy().tobytes(), k)
         finally:
             fake.tearDown()
+
+    def test_integer_tensors_are_refused_naming_the_tensor(self):
+        import torch
+        from rollout_client.weights import prepare
+        for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool):
+            with self.subTest(dtype=str(dtype)):
+                with self.assertRaisesRegex(TypeError, rf"^tensor 't': a tensor of {dtype} is "
+                                                       r"refused, not converted: weights are "
+                                                       r"floating point"):
+                    prepare([("t", torch.ones(3, dtype=dtype))], "BF16")
+        with self.assertRaisesRegex(TypeError, r"^tensor 'c': unsupported torch dtype "
+                                               r"torch.complex64$"):
+            prepare([("c", torch.ones(3, dtype=torch.complex64))], "BF16")
 
     def test_torch_prompts(self):
         import torch
