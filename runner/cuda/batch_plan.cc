@@ -30,12 +30,13 @@ void CutWorkItems(const ForwardBatch& batch, int64_t begin, int64_t end, int ite
 
 // Prefix sharing (cuda::AttentionShareTokens): one-token items whose sequences hold the same pages
 // for whole splits from the first on -- the samples of a request over their prompt, sequences
-// over a cached prefix -- are cut, in item order, into groups of at most share_tokens keyed by
-// their first split's pages; each group's first item (its lead) computes the rows of all of
-// them for the splits they have in common (whole for every member, the same pages in every
-// table), and the others start after those. Which items share changes which block reads the
-// pages, never a row's arithmetic, so the plan need not be optimal: a group whose members share
-// fewer splits with the lead shares only as many as its least.
+// over a cached prefix -- form groups of at most share_tokens, in item order among the items of
+// one first page; each group's first item (its lead) computes the rows of all of them for the
+// splits they have in common with it (whole for every member, the same pages in every table),
+// and the others start after those. Which items share changes which block reads the pages, never
+// a row's arithmetic, so the plan need not be optimal: a group shares as many splits as its
+// member with the fewest in common with the lead. Host work per decode step: one sort of the
+// items by their first page id, then page compares; no allocation per item.
 void PlanShares(const ForwardBatch& batch, const SlicePlanOptions& options, SlicePlan* plan) {
   const int64_t num_items = static_cast<int64_t>(plan->items_one.size() / 2);
   plan->shares.assign(4 * num_items, 0);
@@ -57,28 +58,44 @@ void PlanShares(const ForwardBatch& batch, const SlicePlanOptions& options, Slic
     }
     return k;
   };
-  std::map<std::vector<int32_t>, std::vector<int64_t>> by_first_split;
+  // (first page, item) of the items with a whole split, by first page, then item order.
+  std::vector<std::pair<int32_t, int64_t>> order;
   for (int64_t i = 0; i < num_items; ++i) {
-    if (whole_splits(i) < 1) continue;
-    by_first_split[std::vector<int32_t>(table(i).begin(), table(i).begin() + pages)].push_back(i);
+    if (whole_splits(i) >= 1) order.emplace_back(table(i)[0], i);
   }
-  for (const auto& [first_pages, members] : by_first_split) {
-    for (size_t g = 0; g + 1 < members.size(); g += options.share_tokens) {
-      const size_t end = std::min(members.size(), g + options.share_tokens);
-      const int64_t lead = members[g];
+  std::sort(order.begin(), order.end());
+  std::vector<bool> taken(order.size(), false);  // a member of an earlier group
+  std::vector<int64_t> group;
+  for (size_t run = 0; run < order.size();) {
+    size_t run_end = run + 1;
+    while (run_end < order.size() && order[run_end].first == order[run].first) ++run_end;
+    // Groups in item order: a lead, then the items after it that share a split with it.
+    for (size_t l = run; l < run_end; ++l) {
+      if (taken[l]) continue;
+      const int64_t lead = order[l].second;
       int32_t shared = whole_splits(lead);
-      for (size_t m = g + 1; m < end; ++m) {
-        shared = same_splits(lead, members[m], std::min(shared, whole_splits(members[m])));
+      group.assign(1, lead);
+      for (size_t m = l + 1; m < run_end && static_cast<int>(group.size()) < options.share_tokens;
+           ++m) {
+        const int64_t item = order[m].second;
+        if (taken[m]) continue;
+        const int32_t k = same_splits(lead, item, std::min(whole_splits(lead), whole_splits(item)));
+        if (k < 1) continue;
+        shared = std::min(shared, k);
+        taken[m] = true;
+        group.push_back(item);
       }
+      if (group.size() < 2) continue;
       int32_t* lead_share = &plan->shares[4 * lead];
       lead_share[1] = shared;
-      lead_share[2] = static_cast<int32_t>(end - g);
+      lead_share[2] = static_cast<int32_t>(group.size());
       lead_share[3] = static_cast<int32_t>(plan->share_tokens.size());
-      for (size_t m = g; m < end; ++m) {
-        plan->share_tokens.push_back(plan->items_one[2 * members[m]]);
-        if (m > g) plan->shares[4 * members[m]] = shared;  // starts after the shared splits
+      for (const int64_t member : group) {
+        plan->share_tokens.push_back(plan->items_one[2 * member]);
+        if (member != lead) plan->shares[4 * member] = shared;  // starts after the shared splits
       }
     }
+    run = run_end;
   }
 }
 

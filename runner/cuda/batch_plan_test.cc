@@ -250,6 +250,20 @@ TEST(BatchPlanTest, DecodeTokensOverTheSamePagesShareTheirWholeSplitsInGroups) {
   EXPECT_EQ(Slice(m, shape.off_share_tokens(), 5), plan.share_tokens);
 }
 
+TEST(BatchPlanTest, ATokenWhoseFirstSplitDivergesAfterTheFirstPageLeavesTheOthersSharing) {
+  // Tokens 0, 1, 2 start on page 1; token 1's second page is its own, so split 0 (pages 1, 2)
+  // is not the others': 0 and 2 share it, 1 shares nothing.
+  ForwardBatch b;
+  b.token_ids = {1, 2, 3};
+  b.positions = {9, 9, 9};
+  b.token_seq = {0, 1, 2};
+  b.block_tables = {{1, 2, 10}, {1, 7, 11}, {1, 2, 12}};
+  b.logit_rows = {0, 1, 2};
+  const SlicePlan plan = PlanSlice(b, 0, 3, SharingOptions(), /*may_replay_graph=*/true);
+  EXPECT_EQ(plan.shares, (vector<int32_t>{0, 1, 2, 0, 0, 0, 0, 0, 1, 0, 0, 0}));
+  EXPECT_EQ(plan.share_tokens, (vector<int32_t>{0, 2}));
+}
+
 TEST(BatchPlanTest, TokensWithoutAWholeSplitOrWithSharingOffShareNothing) {
   ForwardBatch batch = SharedPromptBatch();
   // Positions 6: split 0 (keys 0..7) is not whole for any token.
