@@ -10,6 +10,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "common/status.h"
 #include "model/rope_config.h"
@@ -381,6 +383,61 @@ bool ModelConfig::IsMoeLayer(int32_t layer) const {
     return false;
   }
   return (layer + 1) % decoder_sparse_step == 0;
+}
+
+ModelIdentity IdentityOf(const ModelConfig& c) {
+  ModelIdentity id;
+  id.architecture = c.architecture;
+  id.num_layers = c.num_layers;
+  id.hidden_size = c.hidden_size;
+  id.intermediate_size = c.intermediate_size;
+  id.num_attention_heads = c.num_attention_heads;
+  id.num_key_value_heads = c.num_key_value_heads;
+  id.head_dim = c.head_dim;
+  id.vocab_size = c.vocab_size;
+  id.num_experts = c.num_experts;
+  id.num_experts_per_tok = c.num_experts_per_tok;
+  id.moe_intermediate_size = c.moe_intermediate_size;
+  id.tie_word_embeddings = c.tie_word_embeddings;
+  id.moe_layers = c.MoeLayers();
+  return id;
+}
+
+absl::Status CheckSameModel(const std::string& dir, const ModelIdentity& checkpoint,
+                            const ModelIdentity& served) {
+  auto differs = [&](const std::string& field, const std::string& ours, const std::string& theirs) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s/config.json has %s %s; the served model has %s: a checkpoint of another model "
+        "cannot update it",
+        dir, field, ours, theirs));
+  };
+  if (checkpoint.architecture != served.architecture) {
+    return differs("architecture", checkpoint.architecture, served.architecture);
+  }
+  const struct {
+    const char* field;
+    int64_t ours, theirs;
+  } sizes[] = {
+      {"num_hidden_layers", checkpoint.num_layers, served.num_layers},
+      {"hidden_size", checkpoint.hidden_size, served.hidden_size},
+      {"intermediate_size", checkpoint.intermediate_size, served.intermediate_size},
+      {"num_attention_heads", checkpoint.num_attention_heads, served.num_attention_heads},
+      {"num_key_value_heads", checkpoint.num_key_value_heads, served.num_key_value_heads},
+      {"head_dim", checkpoint.head_dim, served.head_dim},
+      {"vocab_size", checkpoint.vocab_size, served.vocab_size},
+      {"num_experts", checkpoint.num_experts, served.num_experts},
+      {"num_experts_per_tok", checkpoint.num_experts_per_tok, served.num_experts_per_tok},
+      {"moe_intermediate_size", checkpoint.moe_intermediate_size, served.moe_intermediate_size},
+      {"tie_word_embeddings", checkpoint.tie_word_embeddings, served.tie_word_embeddings},
+  };
+  for (const auto& s : sizes) {
+    if (s.ours != s.theirs) return differs(s.field, absl::StrCat(s.ours), absl::StrCat(s.theirs));
+  }
+  if (checkpoint.moe_layers != served.moe_layers) {
+    return differs("MoE layers", absl::StrCat("[", absl::StrJoin(checkpoint.moe_layers, ","), "]"),
+                   absl::StrCat("[", absl::StrJoin(served.moe_layers, ","), "]"));
+  }
+  return absl::OkStatus();
 }
 
 int32_t ModelConfig::NumMoeLayers() const {

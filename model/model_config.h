@@ -34,8 +34,8 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   RopeScaling rope_scaling;  // "rope_scaling" / "rope_parameters"; default RoPE when absent
   bool tie_word_embeddings = false;
-  bool qk_norm = false;                  // true for Qwen3
-  bool qkv_bias = false;                 // true for Qwen2
+  bool qk_norm = false;   // true for Qwen3
+  bool qkv_bias = false;  // true for Qwen2
   // "eos_token_id": int or list; may be empty. ReadModelConfig appends the ids that
   // generation_config.json adds.
   std::vector<int32_t> eos_token_ids;
@@ -81,6 +81,28 @@ class Checkpoint;
 // The served config of a checkpoint directory: its config.json, with generation_config.json's
 // EOS ids merged. Errors name the file.
 absl::StatusOr<ModelConfig> ReadModelConfig(const Checkpoint& checkpoint);
+
+// What decides whether a checkpoint can update a served model: the architecture, every size,
+// the experts, the MoE layers and the tying. A weight update checks each tensor it names, not
+// the set, so a checkpoint of another model whose tensor names overlap the served ones (Llama's
+// are a subset of Qwen3's) would update those it shares: both UpdateWeightsFromPath (the
+// server) and the client's checkpoint upload compare identities first. Plain value type.
+struct ModelIdentity {
+  std::string architecture;
+  int64_t num_layers = 0, hidden_size = 0, intermediate_size = 0, num_attention_heads = 0,
+          num_key_value_heads = 0, head_dim = 0, vocab_size = 0, num_experts = 0,
+          num_experts_per_tok = 0, moe_intermediate_size = 0;
+  bool tie_word_embeddings = false;
+  std::vector<int32_t> moe_layers;  // ascending
+};
+ModelIdentity IdentityOf(const ModelConfig& config);
+
+// OK when the checkpoint in `dir` (its config.json read as `checkpoint`) is of the `served`
+// model; else FAILED_PRECONDITION naming the first field that differs, with both values:
+// "DIR/config.json has FIELD X; the served model has Y: a checkpoint of another model cannot
+// update it".
+absl::Status CheckSameModel(const std::string& dir, const ModelIdentity& checkpoint,
+                            const ModelIdentity& served);
 
 // Serialises a config in the Hugging Face format (what ParseModelConfig reads back).
 std::string ModelConfigToJson(const ModelConfig& config);

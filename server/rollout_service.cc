@@ -223,8 +223,8 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
     // between two bounded reads, so the slot is never held for a caller that gave up.
     CheckpointLoadTimes times;
     absl::StatusOr<WeightUpdate> update = LoadUpdateFromCheckpoint(
-        engine_->weight_specs(), &weights_arena_, path, version, FromProto(policy),
-        [context] { return CallerGaveUp(context); }, &times);
+        engine_->weight_specs(), &engine_->model_config(), &weights_arena_, path, version,
+        FromProto(policy), [context] { return CallerGaveUp(context); }, &times);
     if (!update.ok()) {
       LOG(WARNING) << "weight update from path '" << path << "' failed: " << update.status();
       if (metrics_ != nullptr) metrics_->RecordUpdate(0, false);

@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "glog/logging.h"
 #include "model/dtype_cast.h"
+#include "model/model_config.h"
 #include "model/safetensors.h"
 #include "model/weight_digest.h"
 
@@ -219,12 +220,10 @@ void WeightsStaging::Abandon() {
   lease_.reset();
 }
 
-absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSpec>& specs,
-                                                      WeightsArena* arena, const std::string& path,
-                                                      const std::string& version,
-                                                      UpdatePolicy policy,
-                                                      const std::function<bool()>& cancelled,
-                                                      CheckpointLoadTimes* times) {
+absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(
+    const std::vector<WeightSpec>& specs, const ModelConfig* served, WeightsArena* arena,
+    const std::string& path, const std::string& version, UpdatePolicy policy,
+    const std::function<bool()>& cancelled, CheckpointLoadTimes* times) {
   CheckpointLoadTimes unused;
   if (times == nullptr) times = &unused;
   *times = CheckpointLoadTimes{};
@@ -235,6 +234,16 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(const std::vector<WeightSp
   }
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(path);
   if (!checkpoint.ok()) return checkpoint.status();
+  if (served != nullptr) {
+    absl::StatusOr<ModelConfig> config = ReadModelConfig(**checkpoint);
+    if (!config.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(config.status().message(), "; nothing was applied"));
+    }
+    if (absl::Status s = CheckSameModel(path, IdentityOf(*config), IdentityOf(*served)); !s.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(s.message(), " (nothing was applied)"));
+    }
+  }
   for (const WeightSpec& spec : specs) {
     const TensorView* view = (*checkpoint)->Find(spec.name);
     if (view == nullptr) {

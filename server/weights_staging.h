@@ -114,13 +114,15 @@ struct CheckpointLoadTimes {
 
 // Reads every weight the model serves from the checkpoint at `path` into the arena, as an
 // update validated as a streamed one would be (a tensor in another float dtype is cast to the
-// served one, then hashed as served). Reads are bounded (Checkpoint::Read): a file
-// truncated or rewritten meanwhile is ABORTED, never a crash. `cancelled` (optional) is asked
-// between reads: CANCELLED once the caller gave up (deadline, cancel, shutdown). On failure the
-// arena is free again when this returns.
+// served one, then hashed as served). `served` (the served model; null only where the specs are
+// not a model's, in tests): the checkpoint's config.json must describe it (CheckSameModel:
+// FAILED_PRECONDITION naming the field, nothing read). Reads are bounded (Checkpoint::Read): a
+// file truncated or rewritten meanwhile is ABORTED, never a crash. `cancelled` (optional) is
+// asked between reads: CANCELLED once the caller gave up (deadline, cancel, shutdown). On failure
+// the arena is free again when this returns.
 absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(
-    const std::vector<WeightSpec>& specs, WeightsArena* arena, const std::string& path,
-    const std::string& version, UpdatePolicy policy,
+    const std::vector<WeightSpec>& specs, const ModelConfig* served, WeightsArena* arena,
+    const std::string& path, const std::string& version, UpdatePolicy policy,
     const std::function<bool()>& cancelled = nullptr, CheckpointLoadTimes* times = nullptr);
 
 // A weight version names what serves and is copied into every completion: non-empty and at most

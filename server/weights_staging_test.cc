@@ -305,14 +305,15 @@ TEST(WeightsStagingTest, ACheckpointLoadStopsBeforeHashingWhenTheCallerGaveUp) {
   WeightsArena arena(Specs(), AllocatePlainHostStaging);
   // Every tensor here is one read chunk: the caller gives up once all three were read.
   int checks = 0;
-  absl::StatusOr<WeightUpdate> update = LoadUpdateFromCheckpoint(
-      Specs(), &arena, dir, "v1", UpdatePolicy::kDrain, [&checks] { return ++checks > 3; });
+  absl::StatusOr<WeightUpdate> update =
+      LoadUpdateFromCheckpoint(Specs(), /*served=*/nullptr, &arena, dir, "v1", UpdatePolicy::kDrain,
+                               [&checks] { return ++checks > 3; });
   ASSERT_FALSE(update.ok());
   EXPECT_EQ(update.status().code(), absl::StatusCode::kCancelled) << update.status();
   EXPECT_NE(update.status().message().find("hashed"), std::string::npos) << update.status();
   // The arena is free again, and a caller that stays gets every tensor with its digest.
-  update = LoadUpdateFromCheckpoint(Specs(), &arena, dir, "v2", UpdatePolicy::kDrain,
-                                    [] { return false; });
+  update = LoadUpdateFromCheckpoint(Specs(), /*served=*/nullptr, &arena, dir, "v2",
+                                    UpdatePolicy::kDrain, [] { return false; });
   ASSERT_TRUE(update.ok()) << update.status();
   EXPECT_EQ(update->digests, DigestTensors(tensors));
 }

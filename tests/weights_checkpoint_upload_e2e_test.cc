@@ -3,8 +3,11 @@
 // Qwen3 server once updated the 39 tensors whose names the two share and kept the rest), and a
 // refused stream whose unsent chunks kept rollout-cli update-weights waiting for ever.
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <iostream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -60,6 +63,70 @@ TEST(WeightsCheckpointUploadE2eTest, ACheckpointOfAnotherModelIsRefusedBeforeAny
   ASSERT_TRUE(same.ok()) << same.status();
   EXPECT_EQ(same->tensors_updated(), 47u);
   EXPECT_EQ(rel::FetchServerInfo(server->stub.get()).weight_digest(), before.weight_digest());
+}
+
+// The same verdict when the server reads the directory itself (UpdateWeightsFromPath): it read
+// only the tensors, so a config.json of another model -- or one that was not JSON -- over
+// tensors of the served names and shapes was applied (review26 finding 3).
+TEST(WeightsCheckpointUploadE2eTest, UpdateWeightsFromPathRefusesACheckpointOfAnotherModel) {
+  std::unique_ptr<TestServer> server = StartTestServer();
+  ASSERT_NE(server, nullptr);
+  const v1::ServerInfo before = rel::FetchServerInfo(server->stub.get());
+  auto from_path = [&](const std::string& dir) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::UpdateWeightsFromPathRequest request;
+    request.set_path(dir);
+    request.set_version("other");
+    v1::UpdateWeightsResponse response;
+    return server->stub->UpdateWeightsFromPath(&context, request, &response);
+  };
+  // The served model's own tensors under a config.json that says something else.
+  const std::string served_dir = server->server->model_dir();
+  std::ifstream config_in(served_dir + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(config_in)),
+                           std::istreambuf_iterator<char>());
+  auto with_config = [&](const std::string& name, const std::string& text) {
+    const std::string dir = ::testing::TempDir() + "path-config-" + name;
+    std::filesystem::create_directories(dir);
+    std::filesystem::copy_file(served_dir + "/model.safetensors", dir + "/model.safetensors",
+                               std::filesystem::copy_options::overwrite_existing);
+    std::ofstream(dir + "/config.json") << text;
+    return dir;
+  };
+  auto replaced = [&](const std::string& from, const std::string& to) {
+    std::string text = config;
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return at == std::string::npos ? text : text.replace(at, from.size(), to);
+  };
+  absl::StatusOr<std::string> llama = TestPresetDir("llama3-small");
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  const struct {
+    std::string dir;
+    grpc::StatusCode code;
+    std::string expect;
+  } cases[] = {
+      {*llama, grpc::StatusCode::FAILED_PRECONDITION,
+       "has architecture LlamaForCausalLM; the served model has Qwen3ForCausalLM"},
+      {with_config("arch", replaced("Qwen3ForCausalLM", "LlamaForCausalLM")),
+       grpc::StatusCode::FAILED_PRECONDITION, "has architecture LlamaForCausalLM"},
+      {with_config("layers", replaced("\"num_hidden_layers\": 4", "\"num_hidden_layers\": 3")),
+       grpc::StatusCode::FAILED_PRECONDITION, "has num_hidden_layers 3; the served model has 4"},
+      {with_config("text", "this is not json"), grpc::StatusCode::INVALID_ARGUMENT, "config.json"},
+  };
+  for (const auto& c : cases) {
+    const grpc::Status s = from_path(c.dir);
+    EXPECT_EQ(s.error_code(), c.code) << c.dir << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(c.expect), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("nothing was applied"), std::string::npos)
+        << s.error_message();
+    const v1::ServerInfo after = rel::FetchServerInfo(server->stub.get());
+    EXPECT_EQ(after.weight_version(), before.weight_version()) << c.dir;
+    EXPECT_EQ(after.counters().weight_updates(), 0u) << c.dir;
+  }
+  // The served model's own directory goes through.
+  EXPECT_TRUE(from_path(served_dir).ok());
 }
 
 TEST(WeightsCheckpointUploadE2eTest, AStreamRefusedAtItsHeaderReturnsTheRefusalAtOnce) {
