@@ -76,6 +76,7 @@ absl::StatusOr<WeightSyncGroupSpec> JoinSpecFromProto(
 absl::StatusOr<BroadcastUpdate> BroadcastUpdateFromProto(
     const std::vector<WeightSpec>& specs, const v1::UpdateWeightsFromBroadcastRequest& request) {
   if (absl::Status s = CheckWeightVersion(request.version()); !s.ok()) return s;
+  if (absl::Status s = CheckPolicy(request.policy(), "policy"); !s.ok()) return s;
   BroadcastUpdate update;
   update.version = request.version();
   update.policy = FromProto(request.policy());

@@ -17,6 +17,7 @@ namespace rollout {
 absl::StatusOr<WeightUpdate> IpcUpdateFromProto(const std::vector<WeightSpec>& specs,
                                                 const v1::UpdateWeightsFromIpcRequest& request) {
   if (absl::Status s = CheckWeightVersion(request.version()); !s.ok()) return s;
+  if (absl::Status s = CheckPolicy(request.policy(), "policy"); !s.ok()) return s;
   WeightUpdate update;
   update.version = request.version();
   update.policy = FromProto(request.policy());

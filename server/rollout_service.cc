@@ -203,6 +203,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::UpdateWeightsFromPath(
     grpc::CallbackServerContext* context, const v1::UpdateWeightsFromPathRequest* request,
     v1::UpdateWeightsResponse* response) {
   absl::Status admission = CheckAccess(context, /*control=*/true);
+  if (admission.ok()) admission = CheckPolicy(request->policy(), "policy");
   if (admission.ok()) admission = ClaimUpdateSlot();
   if (grpc::ServerUnaryReactor* denied = DenyUnless(admission, context)) return denied;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();

@@ -28,6 +28,14 @@ UpdatePolicy FromProto(v1::InFlightPolicy policy) {
   }
 }
 
+absl::Status CheckPolicy(v1::InFlightPolicy policy, absl::string_view field) {
+  if (v1::InFlightPolicy_IsValid(policy)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s is %d, not an InFlightPolicy: give IN_FLIGHT_POLICY_ABORT (1), _DRAIN (2, also 0, "
+      "unset) or _CONTINUE (3); nothing was applied",
+      field, static_cast<int>(policy)));
+}
+
 absl::Status WeightsStaging::SetHeader(const v1::WeightsHeader& header) {
   ROLLOUT_RETURN_IF_ERROR(CheckHeader(header));
   // A valid header, and only then the arena: no byte of it is written before this update owns it.
@@ -57,6 +65,7 @@ absl::Status WeightsStaging::CheckHeader(const v1::WeightsHeader& header) {
   if (absl::Status s = CheckWeightVersion(header.version()); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("header.", s.message()));
   }
+  ROLLOUT_RETURN_IF_ERROR(CheckPolicy(header.policy(), "header.policy"));
   if (header.tensors().empty()) {
     return absl::InvalidArgumentError("header.tensors is empty; declare the tensors to replace");
   }

@@ -106,6 +106,11 @@ class WeightsStaging {
 
 UpdatePolicy FromProto(v1::InFlightPolicy policy);
 
+// OK when `policy` is one of InFlightPolicy's values; else INVALID_ARGUMENT naming `field` and
+// the values. (Unchecked, a policy this server does not know -- from a client built against a
+// newer proto, or a stray number -- ran as DRAIN, the one policy that can block.)
+absl::Status CheckPolicy(v1::InFlightPolicy policy, absl::string_view field);
+
 // How long the parts of LoadUpdateFromCheckpoint took.
 struct CheckpointLoadTimes {
   double setup_seconds = 0;   // allocating the arena (the first update only)

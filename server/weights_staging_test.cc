@@ -149,6 +149,24 @@ TEST(WeightsStagingTest, TheArenaIsHeldFromAValidHeaderUntilAbandon) {
   EXPECT_TRUE(ArenaIsFree(&arena)) << "back at once, for a caller who retries";
 }
 
+// A policy that is not an InFlightPolicy value is refused naming the field (it ran as DRAIN:
+// review26 finding 5); the defined ones, and 0 (unset, DRAIN), pass.
+TEST(WeightsStagingTest, AHeaderWhosePolicyIsNotAnInFlightPolicyIsRefusedNamingIt) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  for (const int policy : {4, 9, -1}) {
+    WeightsStaging staging(&Specs(), &arena);
+    v1::WeightsHeader header = HeaderFor({"a"});
+    header.set_policy(static_cast<v1::InFlightPolicy>(policy));
+    const absl::Status s = staging.SetHeader(header);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << policy << ": " << s;
+    EXPECT_NE(s.message().find(absl::StrCat("header.policy is ", policy)), std::string::npos) << s;
+    EXPECT_TRUE(ArenaIsFree(&arena)) << "a refused header takes nothing";
+  }
+  for (const int policy : {0, 1, 2, 3}) {
+    EXPECT_TRUE(CheckPolicy(static_cast<v1::InFlightPolicy>(policy), "policy").ok()) << policy;
+  }
+}
+
 TEST(WeightsStagingTest, FinishHandsTheStagedBytesAndTheArenaToTheUpdate) {
   WeightsArena arena(Specs(), AllocatePlainHostStaging);
   const std::string c_bytes(Specs()[2].nbytes(), 'c');

@@ -129,6 +129,25 @@ TEST(WeightsCheckpointUploadE2eTest, UpdateWeightsFromPathRefusesACheckpointOfAn
   EXPECT_TRUE(from_path(served_dir).ok());
 }
 
+// A policy number that is not an InFlightPolicy is refused on the path update too (it ran as
+// DRAIN: review26 finding 5), before the update slot is taken.
+TEST(WeightsCheckpointUploadE2eTest, UpdateWeightsFromPathRefusesAPolicyThatIsNotOne) {
+  std::unique_ptr<TestServer> server = StartTestServer();
+  ASSERT_NE(server, nullptr);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::UpdateWeightsFromPathRequest request;
+  request.set_path(server->server->model_dir());
+  request.set_version("p42");
+  request.set_policy(static_cast<v1::InFlightPolicy>(42));
+  v1::UpdateWeightsResponse response;
+  const grpc::Status s = server->stub->UpdateWeightsFromPath(&context, request, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("policy is 42, not an InFlightPolicy"), std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(rel::FetchServerInfo(server->stub.get()).counters().weight_updates(), 0u);
+}
+
 TEST(WeightsCheckpointUploadE2eTest, AStreamRefusedAtItsHeaderReturnsTheRefusalAtOnce) {
   std::unique_ptr<TestServer> server = StartTestServer();
   ASSERT_NE(server, nullptr);
