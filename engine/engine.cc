@@ -211,10 +211,10 @@ absl::StatusOr<uint64_t> Engine::SubmitValidated(std::vector<SampleSpec> samples
 }
 
 void Engine::Abort(uint64_t job_id, std::optional<int32_t> rollout_index) {
-  core_->Abort(AbortOrder{job_id, rollout_index});
+  core_->Abort(AbortOrder{job_id, rollout_index, "an Abort call (or its client's cancel)"});
 }
 
-void Engine::AbortAll() { core_->Abort(AbortOrder{}); }
+void Engine::AbortAll() { core_->Abort(AbortOrder{{}, {}, "an Abort of all rollouts"}); }
 
 void Engine::PauseJob(uint64_t job_id) { core_->SetJobPaused(job_id, true); }
 

@@ -85,6 +85,9 @@ struct SampleCompletion {
   std::string weight_version;  // the version when the sample ended
   std::string weight_digest;   // that version's digest ("" when unknown)
   std::vector<VersionSpan> version_spans;
+  // FinishReason::kAbort: what ended it, for a message ("a weight update 'v2' with policy
+  // ABORT"); empty otherwise.
+  std::string abort_cause;
 };
 
 // What happened to one sample in one engine step: tokens generated since its last event, and

@@ -41,9 +41,9 @@ void EngineCore::ApplyControl(Control control, StepEvents* events) {
   for (const JobPause& pause : inbox.job_pauses) ApplyJobPause(pause);
   for (const AbortOrder& order : inbox.aborts) {
     if (order.job_id.has_value()) {
-      AbortJob(*order.job_id, order.rollout_index, events);
+      AbortJob(*order.job_id, order.rollout_index, order.cause, events);
     } else {
-      AbortAllJobs(events);
+      AbortAllJobs(order.cause, events);
     }
   }
   if (!inbox.flushes.empty()) Flush(std::move(inbox.flushes));
@@ -57,7 +57,7 @@ void EngineCore::Shutdown(StepEvents* events) {
     Reply(&*draining_, FailedUpdate(absl::UnavailableError("the server is shutting down")));
     draining_.reset();
   }
-  AbortAllJobs(events);
+  AbortAllJobs("the server shutting down", events);
   PublishCounters();
   Deliver(events);
 }
@@ -130,7 +130,9 @@ void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
   pending.update.digests = std::move(after);  // from here on: every served tensor's
   switch (pending.update.policy) {
     case UpdatePolicy::kAbort: {
-      const int32_t aborted = AbortAllJobs(events);
+      const int32_t aborted = AbortAllJobs(
+          absl::StrCat("a weight update to '", pending.update.version, "' with policy ABORT"),
+          events);
       // The aborted samples' completions reach their streams before the update's reply.
       PublishCounters();
       Deliver(events);
@@ -294,13 +296,14 @@ void EngineCore::Schedule(uint64_t job_id) {
 }
 
 int32_t EngineCore::AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index,
-                             StepEvents* events) {
+                             const std::string& cause, StepEvents* events) {
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return 0;
   int32_t aborted = 0;
   for (auto& seq : it->second.sequences) {
     if (seq->finished) continue;
     if (rollout_index.has_value() && seq->rollout_index != *rollout_index) continue;
+    seq->abort_cause = cause;
     Report(seq.get(), FinishReason::kAbort, events);
     ++aborted;
   }
@@ -313,9 +316,9 @@ void EngineCore::ApplyJobPause(const JobPause& pause) {
   for (auto& seq : it->second.sequences) seq->paused = pause.paused;
 }
 
-int32_t EngineCore::AbortAllJobs(StepEvents* events) {
+int32_t EngineCore::AbortAllJobs(const std::string& cause, StepEvents* events) {
   int32_t aborted = 0;
-  for (const auto& [job_id, job] : jobs_) aborted += AbortJob(job_id, std::nullopt, events);
+  for (const auto& [job_id, job] : jobs_) aborted += AbortJob(job_id, std::nullopt, cause, events);
   return aborted;
 }
 

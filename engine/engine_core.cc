@@ -97,7 +97,7 @@ bool EngineCore::SetPaused(bool paused, bool abort_in_flight) {
     std::lock_guard<std::mutex> lock(mu_);
     was = paused_;
     paused_ = paused;
-    if (abort_in_flight) inbox_.aborts.push_back(AbortOrder{});
+    if (abort_in_flight) inbox_.aborts.push_back(AbortOrder{{}, {}, "Pause with abort_in_flight"});
   }
   cv_.notify_all();
   return was;

@@ -63,6 +63,7 @@ struct PendingUpdate {
 struct AbortOrder {
   std::optional<uint64_t> job_id;        // none: every job
   std::optional<int32_t> rollout_index;  // none: every rollout of the job
+  std::string cause;                     // SampleCompletion::abort_cause
 };
 
 // A PauseJob or ResumeJob call on its way to the engine thread.
@@ -227,8 +228,9 @@ class EngineCore {
   void Accept(Submission submission);
   void Schedule(uint64_t job_id);
   // Ends the job's unfinished samples (of `rollout_index` only, if set); returns how many.
-  int32_t AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, StepEvents* events);
-  int32_t AbortAllJobs(StepEvents* events);
+  int32_t AbortJob(uint64_t job_id, std::optional<int32_t> rollout_index, const std::string& cause,
+                   StepEvents* events);
+  int32_t AbortAllJobs(const std::string& cause, StepEvents* events);
   // Marks the job's sequences paused or not (the scheduler skips paused ones).
   void ApplyJobPause(const JobPause& pause);
   // Empties the prefix cache, then answers every flush.

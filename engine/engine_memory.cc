@@ -29,7 +29,7 @@ MemoryResult EngineCore::ReleaseMemory(const MemoryReleaseOptions& options, Step
   MemoryResult result;
   result.was_released = released_.has_value();
   if (options.abort_in_flight) {
-    result.aborted_samples = AbortAllJobs(events);
+    result.aborted_samples = AbortAllJobs("ReleaseMemory with abort_in_flight", events);
     // A DRAIN update waiting for them applies now, before the memory goes; its reply comes
     // after their completions.
     PublishCounters();

@@ -95,7 +95,10 @@ std::optional<LaunchedStep> EngineCore::Launch(std::vector<LaunchedStep::Chunk> 
     LOG(ERROR) << "launching a step failed, aborting its samples: " << s;
     if (events != nullptr) {
       for (const LaunchedStep::Chunk& chunk : step.chunks) {
-        if (!chunk.seq->finished) Report(chunk.seq, FinishReason::kAbort, events);
+        if (!chunk.seq->finished) {
+          chunk.seq->abort_cause = "a failed step (the server's log says why)";
+          Report(chunk.seq, FinishReason::kAbort, events);
+        }
       }
     }
     NoteFailedStep();
@@ -112,7 +115,8 @@ void EngineCore::NoteFailedStep() {
     if (!unusable_.empty()) return;
     unusable_ = absl::StrCat("the model runner cannot run steps any more (", usable.message(),
                              "): restart the server");
-    inbox_.aborts.push_back(AbortOrder{});  // every queued and running sample ends (aborted)
+    // Every queued and running sample ends (aborted).
+    inbox_.aborts.push_back(AbortOrder{{}, {}, unusable_});
   }
   cv_.notify_all();
   LOG(ERROR) << "the model runner is unusable, ending every sample: " << usable;
@@ -245,6 +249,7 @@ void EngineCore::Complete(LaunchedStep step, StepEvents* events) {
     LOG(ERROR) << "a step failed, aborting its samples: " << s;
     for (const LaunchedStep::Chunk& chunk : step.chunks) {
       if (chunk.seq != nullptr && !chunk.seq->finished) {
+        chunk.seq->abort_cause = "a failed step (the server's log says why)";
         Report(chunk.seq, FinishReason::kAbort, events);
       }
     }
@@ -385,6 +390,7 @@ SampleCompletion EngineCore::Finish(Sequence* seq, FinishReason reason) {
   c.weight_version = version_;
   c.weight_digest = digest_;
   c.version_spans = std::move(seq->version_spans);
+  if (reason == FinishReason::kAbort) c.abort_cause = seq->abort_cause;
   Job& job = jobs_.at(seq->job_id);
   --job.num_unfinished;
   std::lock_guard<std::mutex> lock(mu_);

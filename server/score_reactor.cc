@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 #include "server/proto_convert.h"
 #include "server/status_util.h"
 
@@ -42,8 +44,11 @@ void ScoreReactor::OnEvents(std::vector<SampleEvent> events) {
     if (!event.completion.has_value()) continue;
     SampleCompletion& c = *event.completion;
     if (c.finish_reason == FinishReason::kAbort) {
-      FinishLocked(grpc::Status(grpc::StatusCode::ABORTED,
-                                "scoring was aborted (server shutting down or Abort all)"));
+      FinishLocked(grpc::Status(
+          grpc::StatusCode::ABORTED,
+          absl::StrCat("scoring was aborted by ",
+                       c.abort_cause.empty() ? "the server" : c.abort_cause,
+                       " before it finished; nothing was scored: resubmit the sequences")));
       return;
     }
     v1::ScoredSequence* out = s.response->mutable_results(event.rollout_index);

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <functional>
 #include <future>
+#include <random>
 #include <thread>
 
 #include "grpcpp/grpcpp.h"
@@ -451,6 +452,43 @@ TEST_F(WeightsE2eTest, AbortPolicyEndsInFlightSamples) {
   EXPECT_EQ(run.push.response.aborted_samples(), 1u);
   EXPECT_EQ(run.completion.finish_reason(), v1::FINISH_REASON_ABORT);
   EXPECT_LT(run.completion.token_ids_size(), 400);
+}
+
+// A Score call in flight when an ABORT update swaps fails ABORTED naming the update (it named
+// "server shutting down or Abort all", which sent a trainer looking for a dying replica:
+// review26 finding 2).
+TEST_F(WeightsE2eTest, AbortPolicyEndsAScoreInFlightNamingTheUpdate) {
+  v1::ScoreRequest request;
+  std::mt19937 rng(26);
+  for (int s = 0; s < 4; ++s) {
+    v1::ScoreSequence* seq = request.add_sequences();
+    for (int t = 0; t < 3000; ++t) seq->add_token_ids(3 + rng() % 4000);
+    seq->set_start(1);
+  }
+  const uint64_t prefilled_before =
+      reliability::FetchServerInfo(stub()).counters().prefilled_tokens();
+  auto scored = std::async(std::launch::async, [&] {
+    grpc::ClientContext context;
+    v1::ScoreResponse response;
+    return stub()->Score(&context, request, &response);
+  });
+  // Until the Score's first chunk was computed (12,000 tokens are many steps of 512).
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (reliability::FetchServerInfo(stub()).counters().prefilled_tokens() == prefilled_before &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
+  PushOutcome push = Push(stub(), MakeWeightsHeader("sa-1", v1::IN_FLIGHT_POLICY_ABORT, changed),
+                          MakeDataChunks(changed, 1 << 20));
+  ASSERT_TRUE(push.status.ok()) << push.status.error_message();
+  const grpc::Status s = scored.get();
+  ASSERT_EQ(s.error_code(), grpc::StatusCode::ABORTED)
+      << "the Score ended before the update: " << s.error_message();
+  EXPECT_NE(s.error_message().find("a weight update to 'sa-1' with policy ABORT"),
+            std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(push.response.aborted_samples(), 4u);
 }
 
 TEST_F(WeightsE2eTest, DrainPolicyFinishesInFlightSamplesOnTheOldWeights) {
