@@ -267,9 +267,11 @@ std::optional<WeightSyncGroupInfo> Engine::weight_sync_group() const {
   return weight_sync_->group();
 }
 
-bool Engine::Pause(bool abort_in_flight) { return core_->SetPaused(true, abort_in_flight); }
+absl::StatusOr<bool> Engine::Pause(bool abort_in_flight) {
+  return core_->SetPaused(true, abort_in_flight);
+}
 
-bool Engine::Resume() { return core_->SetPaused(false, false); }
+bool Engine::Resume() { return *core_->SetPaused(false, false); }
 
 bool Engine::paused() const { return core_->paused(); }
 

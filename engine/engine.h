@@ -383,8 +383,10 @@ class Engine {
 
   // Stops running steps (and so admissions) once the step in flight, if any, is collected and
   // its events delivered; submissions are queued, not failed. With `abort_in_flight`, every job
-  // is aborted too. Returns whether it was paused already.
-  bool Pause(bool abort_in_flight);
+  // is aborted too. Returns whether it was paused already; FAILED_PRECONDITION (not paused)
+  // while a DRAIN weight update waits for samples in flight, which a pause would hold for ever
+  // (with abort_in_flight they end, and the update applies).
+  absl::StatusOr<bool> Pause(bool abort_in_flight);
   // Returns whether it was paused.
   bool Resume();
   bool paused() const;

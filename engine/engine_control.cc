@@ -55,7 +55,7 @@ void EngineCore::Shutdown(StepEvents* events) {
   held_.clear();
   if (draining_.has_value()) {
     Reply(&*draining_, FailedUpdate(absl::UnavailableError("the server is shutting down")));
-    draining_.reset();
+    EndDrain();
   }
   AbortAllJobs("the server shutting down", events);
   PublishCounters();
@@ -147,6 +147,8 @@ void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         paused = paused_;
+        // Under the lock that Pause takes: a Pause after this sees the update waiting.
+        drain_waiting_ = !((paused || released_.has_value()) && !scheduler_.idle());
       }
       if ((paused || released_.has_value()) && !scheduler_.idle()) {
         Reply(&pending,
@@ -164,13 +166,19 @@ void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
   }
 }
 
+void EngineCore::EndDrain() {
+  draining_.reset();
+  std::lock_guard<std::mutex> lock(mu_);
+  drain_waiting_ = false;
+}
+
 void EngineCore::AdvanceDrain() {
   if (!draining_.has_value()) return;
   // A cancelled DRAIN update stops holding new work at once, not when the old work ends.
   const bool cancelled = DropIfCancelled(&*draining_);
   if (!cancelled && !scheduler_.idle()) return;
   PendingUpdate pending = *std::move(draining_);
-  draining_.reset();
+  EndDrain();
   if (!cancelled) ApplyUpdate(std::move(pending), 0);
   std::vector<uint64_t> held;
   held.swap(held_);

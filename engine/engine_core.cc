@@ -91,10 +91,15 @@ void EngineCore::UpdateWeights(PendingUpdate update) {
   cv_.notify_all();
 }
 
-bool EngineCore::SetPaused(bool paused, bool abort_in_flight) {
+absl::StatusOr<bool> EngineCore::SetPaused(bool paused, bool abort_in_flight) {
   bool was;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (paused && !abort_in_flight && drain_waiting_) {
+      return absl::FailedPreconditionError(
+          "a DRAIN weight update waits for the samples in flight, which a pause would hold for "
+          "ever (the update too); pause once it applied, or with abort_in_flight (not paused)");
+    }
     was = paused_;
     paused_ = paused;
     if (abort_in_flight) inbox_.aborts.push_back(AbortOrder{{}, {}, "Pause with abort_in_flight"});

@@ -166,7 +166,8 @@ class EngineCore {
   void FlushCache(std::function<void(FlushResult)> done);
   void UpdateWeights(PendingUpdate update);
   // Returns whether it was paused.
-  bool SetPaused(bool paused, bool abort_in_flight);
+  // Engine::Pause and Engine::Resume (which never fails).
+  absl::StatusOr<bool> SetPaused(bool paused, bool abort_in_flight);
   void PostMemoryOrder(MemoryOrder order);
 
   // Any thread: the pause flag, and what the engine thread published.
@@ -209,6 +210,8 @@ class EngineCore {
   // Applies the DRAIN update in draining_ once no work is in flight (or drops it once its caller
   // cancelled), then schedules the jobs it held.
   void AdvanceDrain();
+  // Empties draining_ (and drain_waiting_ with it).
+  void EndDrain();
   void ApplyUpdate(PendingUpdate pending, int32_t aborted_samples);
   // Whether the update's caller gave up; if so, answers it CANCELLED (nothing applied).
   bool DropIfCancelled(PendingUpdate* pending);
@@ -331,6 +334,7 @@ class EngineCore {
   // Protected by mu_.
   Inbox inbox_;
   bool paused_ = false;
+  bool drain_waiting_ = false;  // draining_ holds a DRAIN update: Pause is refused (SetPaused)
   std::optional<ReleasedMemory> published_released_;
   std::string published_version_;
   std::string published_digest_;

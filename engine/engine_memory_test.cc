@@ -263,7 +263,7 @@ TEST(EngineMemoryTest, AResumeWithoutTheMemoryIsRefusedAndStaysReleasedForARetry
 
 TEST(EngineMemoryTest, PauseAndReleaseAreLiftedSeparately) {
   TestEngine t = MakeEngine();
-  t.engine->Pause(false);
+  ASSERT_TRUE(t.engine->Pause(false).ok());
   ASSERT_TRUE(Release(t.engine.get()).status.ok());
   auto held = Start(t.engine.get(), Spec());
   ASSERT_TRUE(Resume(t.engine.get()).status.ok());

@@ -282,32 +282,37 @@ TEST(EngineUpdateTest, AbortPolicyDeliversTheAbortedCompletionsBeforeItsReply) {
   EXPECT_EQ(seen_at_reply.get_future().get(), 2);
 }
 
-// A DRAIN update that waits while the engine is paused (nothing to step) still notices its
-// caller's cancel, and the held slot is freed: the update answers CANCELLED promptly.
-TEST(EngineUpdateTest, ADrainUpdateCancelledWhileTheEngineIsPausedIsNoticed) {
+// A Pause while a DRAIN update waits for the samples in flight is refused: it would hold them,
+// and the update with its slot, until a Resume (review26 finding 1; a DRAIN update while paused
+// was refused already). With abort_in_flight the samples end and the update applies.
+TEST(EngineUpdateTest, APauseWhileADrainUpdateWaitsIsRefusedUnlessItAbortsTheSamples) {
   std::unique_ptr<Engine> engine = MakeEngine(SmallModelDir());
   auto in_flight = StartInFlight(engine.get(), Spec(4000));
-  std::atomic<bool> cancelled{false};
   std::promise<UpdateResult> promise;
   auto answered = promise.get_future();
   engine->UpdateWeights(
       OwnedWeightUpdate("v1", UpdatePolicy::kDrain, {OriginalTensor(SmallModelDir())}),
-      [&promise](UpdateResult r) { promise.set_value(std::move(r)); },
-      [&cancelled] { return cancelled.load(); });
-  // Let the engine take the update (it waits for the in-flight sample), then pause it.
+      [&promise](UpdateResult r) { promise.set_value(std::move(r)); });
+  // Let the engine take the update (it waits for the in-flight sample).
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  engine->Pause(false);
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  cancelled = true;
+  const absl::StatusOr<bool> refused = engine->Pause(false);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("DRAIN weight update waits"), std::string::npos)
+      << refused.status();
+  EXPECT_FALSE(engine->paused());
+  const absl::StatusOr<bool> aborting = engine->Pause(true);
+  ASSERT_TRUE(aborting.ok()) << aborting.status();
   ASSERT_EQ(answered.wait_for(std::chrono::seconds(10)), std::future_status::ready)
-      << "a cancelled DRAIN update went unnoticed while the engine was paused";
-  EXPECT_EQ(answered.get().status.code(), absl::StatusCode::kCancelled);
-  EXPECT_EQ(engine->weight_version(), "v0");
-  engine->Resume();
-  engine->AbortAll();
+      << "the DRAIN update did not apply once the pause aborted its samples";
+  EXPECT_TRUE(answered.get().status.ok());
+  EXPECT_EQ(engine->weight_version(), "v1");
   const SampleCompletion c = in_flight.get()[0];
   EXPECT_EQ(c.finish_reason, FinishReason::kAbort) << "the sample ended before the pause";
+  EXPECT_EQ(c.abort_cause, "Pause with abort_in_flight");
   EXPECT_EQ(c.weight_version, "v0");
+  EXPECT_TRUE(engine->Resume());
+  // No update waits now: a plain pause is taken.
+  EXPECT_TRUE(engine->Pause(false).ok());
 }
 
 TEST(EngineUpdateTest, DrainFinishesInFlightOnOldWeightsAndNewWorkRunsOnTheNew) {
@@ -518,7 +523,7 @@ TEST(EngineUpdateTest, AbortAllEndsWorkHeldBehindADrainUpdate) {
 TEST(EngineUpdateTest, PauseHoldsRequestsAndResumeRunsThemUnchanged) {
   std::unique_ptr<Engine> engine = MakeEngine();
   const std::string expected = Bits(RunJob(engine.get(), {Spec()})[0]);
-  EXPECT_FALSE(engine->Pause(false));
+  EXPECT_FALSE(*engine->Pause(false));
   EXPECT_TRUE(engine->paused());
   auto held = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec()}); });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -530,7 +535,7 @@ TEST(EngineUpdateTest, PauseHoldsRequestsAndResumeRunsThemUnchanged) {
 
 TEST(EngineUpdateTest, DrainWhilePausedWithWorkInFlightIsRefusedWithAReason) {
   std::unique_ptr<Engine> engine = MakeEngine();
-  engine->Pause(false);
+  ASSERT_TRUE(engine->Pause(false).ok());
   auto held = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec()}); });
   while (engine->counters().waiting == 0) std::this_thread::yield();
   UpdateResult r = Update(engine.get(), "v1", UpdatePolicy::kDrain, {ScaledTensor(2.0f)});
@@ -545,7 +550,7 @@ TEST(EngineUpdateTest, PauseWithAbortEndsWhatRuns) {
   std::unique_ptr<Engine> engine = MakeEngine();
   auto running = std::async(std::launch::async, [&] { return RunJob(engine.get(), {Spec(400)}); });
   while (engine->counters().generated_tokens < 2) std::this_thread::yield();
-  engine->Pause(true);
+  ASSERT_TRUE(engine->Pause(true).ok());
   EXPECT_EQ(running.get()[0].finish_reason, FinishReason::kAbort);
   engine->Resume();
 }

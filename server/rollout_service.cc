@@ -275,7 +275,9 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Pause(grpc::CallbackServerContext*
                                                     const v1::PauseRequest* request,
                                                     v1::PauseResponse* response) {
   if (auto* denied = DenyUnless(CheckAccess(context, true), context)) return denied;
-  response->set_was_paused(engine_->Pause(request->abort_in_flight()));
+  const absl::StatusOr<bool> was = engine_->Pause(request->abort_in_flight());
+  if (auto* denied = DenyUnless(was.status(), context)) return denied;
+  response->set_was_paused(*was);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -596,6 +596,42 @@ TEST_F(WeightsE2eTest, UpdateFromPathSwapsToAnotherCheckpointAndBack) {
   EXPECT_NE(status.error_message().find("/nonexistent/model"), std::string::npos);
 }
 
+// Pause while a DRAIN update waits for samples in flight is FAILED_PRECONDITION: accepted, it
+// held the update (and its slot) until a Resume (review26 finding 1).
+TEST_F(WeightsE2eTest, PauseWhileADrainUpdateWaitsIsRefused) {
+  v1::GenerateRequest request;
+  // 4000 tokens (the small model's context): seconds of decode, ended below by an Abort.
+  *request.add_rollouts() = MakeRollout(kPrompt, 9, 4000, 0.8f);
+  request.mutable_rollouts(0)->mutable_sampling()->set_ignore_eos(true);
+  auto generated = std::async(std::launch::async, [&] { return RunGenerate(stub(), request); });
+  const std::vector<HostTensor> changed = {ScaledBf16(original_, 2.0f)};
+  auto pushed = std::async(std::launch::async, [&] {
+    return Push(stub(), MakeWeightsHeader("pd-1", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                MakeDataChunks(changed, 1 << 20));
+  });
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!reliability::FetchServerInfo(stub()).weight_update_in_progress() &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the engine takes the update
+  grpc::ClientContext pause_context;
+  v1::PauseResponse paused;
+  const grpc::Status s = stub()->Pause(&pause_context, {}, &paused);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("DRAIN weight update waits"), std::string::npos)
+      << s.error_message();
+  EXPECT_FALSE(reliability::FetchServerInfo(stub()).paused());
+  // The sample ends (Abort all), the update applies.
+  grpc::ClientContext abort_context;
+  v1::AbortRequest abort;
+  abort.set_all(true);
+  v1::AbortResponse aborted;
+  ASSERT_TRUE(stub()->Abort(&abort_context, abort, &aborted).ok());
+  EXPECT_TRUE(pushed.get().status.ok());
+  EXPECT_TRUE(generated.get().status.ok());
+}
+
 TEST_F(WeightsE2eTest, PauseHoldsRequestsUntilResume) {
   const std::string expected = Generate(stub());
   grpc::ClientContext pause_context;
