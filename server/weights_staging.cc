@@ -134,8 +134,10 @@ absl::Status WeightsStaging::AddData(absl::string_view name, uint64_t offset, ui
         absl::StrFormat("empty data chunk for '%s' at offset %d", name, begin));
   }
   if (begin >= tensor_size || end > tensor_size || end < begin) {
+    // The range's end as a number, not wrapped past 2^64 (offset + size can overflow).
     return absl::InvalidArgumentError(absl::StrFormat(
-        "data for '%s' covers bytes [%d, %d), beyond its %d bytes", name, begin, end, tensor_size));
+        "data for '%s' covers bytes [%d, %d + %d), beyond its %d bytes", name, begin, begin, size,
+        tensor_size));
   }
   // The first range starting at or after `end` bounds the search; its predecessor must end
   // before `begin`.

@@ -167,6 +167,20 @@ TEST(WeightsStagingTest, AHeaderWhosePolicyIsNotAnInFlightPolicyIsRefusedNamingI
   }
 }
 
+// A chunk whose offset + size passes 2^64 is refused with its range as given, not wrapped
+// ("[18446744073709551614, 2)": review26 finding 8).
+TEST(WeightsStagingTest, AnOverflowingChunkIsRefusedWithItsRangeAsGiven) {
+  WeightsArena arena(Specs(), AllocatePlainHostStaging);
+  WeightsStaging staging(&Specs(), &arena);
+  ASSERT_TRUE(staging.SetHeader(HeaderFor({"a"})).ok());
+  const absl::Status s = staging.AddData(Data("a", ~uint64_t{0} - 1, "abcd"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("[18446744073709551614, 18446744073709551614 + 4)"),
+            std::string::npos)
+      << s;
+  staging.Abandon();
+}
+
 TEST(WeightsStagingTest, FinishHandsTheStagedBytesAndTheArenaToTheUpdate) {
   WeightsArena arena(Specs(), AllocatePlainHostStaging);
   const std::string c_bytes(Specs()[2].nbytes(), 'c');
