@@ -195,6 +195,14 @@ bool FileExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
+// Whether the directory holds an entry named `path`, however it resolves: a symlink loop or a
+// dangling link where the weights belong is then opened, and its error names it ("Too many
+// levels of symbolic links"), not "no weights in DIR".
+bool EntryExists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
 }  // namespace
 
 // One opened file of the checkpoint. The descriptor stays open for Read; the mapping serves
@@ -289,9 +297,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   // shard file -> one tensor the index places there (for the "missing shard" message)
   std::map<std::string, std::string> shards;
   json weight_map;
-  if (FileExists(single_path)) {
+  if (EntryExists(single_path)) {
     shards.emplace("model.safetensors", "");
-  } else if (FileExists(index_path)) {
+  } else if (EntryExists(index_path)) {
     absl::StatusOr<std::string> index_text = ReadJsonFile(index_path);
     if (!index_text.ok()) return index_text.status();
     json index = json::parse(*index_text, nullptr, /*allow_exceptions=*/false);

@@ -361,7 +361,8 @@ TEST(SafetensorsTest, AReadStopsOnceItsCallerCancelled) {
 }
 
 // What a caller got wrong in a path is INVALID_ARGUMENT naming it, never INTERNAL: an empty
-// path (it once read /config.json), a directory or a symlink loop where a file belongs.
+// path (it once read /config.json), a directory or a symlink loop where a file belongs (the
+// weights' file too).
 TEST(SafetensorsTest, EmptyPathsDirectoriesAndSymlinkLoopsAreInvalidArgument) {
   EXPECT_EQ(OpenError("").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(OpenError("").message(), HasSubstr("the checkpoint path is empty"));
@@ -387,6 +388,15 @@ TEST(SafetensorsTest, EmptyPathsDirectoriesAndSymlinkLoopsAreInvalidArgument) {
          fs::create_symlink(d + "/loop-a", d + "/config.json");
        },
        "config.json", "symbolic links"},
+      // It said NOT_FOUND "no weights in DIR: looked for ..." (review26 finding 7).
+      {"model.safetensors a symlink loop",
+       [](const std::string& d) {
+         WriteText(d + "/config.json", "{}");
+         fs::create_symlink(d + "/loop-b", d + "/loop-a");
+         fs::create_symlink(d + "/loop-a", d + "/loop-b");
+         fs::create_symlink(d + "/loop-a", d + "/model.safetensors");
+       },
+       "model.safetensors", "symbolic links"},
   };
   for (const Case& c : cases) {
     const std::string dir = TestDir() + "/" + std::to_string(&c - cases.data());
