@@ -83,14 +83,26 @@ absl::Status EngineCore::CheckDigest(PendingUpdate* pending, TensorDigests* afte
         digest.empty() ? "of an unknown digest (a served tensor is converted or missing)" : digest,
         update.expected_digest));
   }
-  if (update.version == version_ && !digest_.empty() && !digest.empty() && digest != digest_) {
+  const auto served = served_digests_.find(update.version);
+  if (served != served_digests_.end() && !served->second.empty() && !digest.empty() &&
+      digest != served->second) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "version '%s' is served with weights %s; these bytes give %s: the same name for other "
-        "weights would break the determinism contract, so give them a new version name "
-        "(nothing was applied)",
-        version_, digest_, digest));
+        "version '%s' %s weights %s; these bytes give %s: the same name for other weights would "
+        "break the determinism contract, so give them a new version name (nothing was applied)",
+        update.version, update.version == version_ ? "is served with" : "was served with",
+        served->second, digest));
   }
   return absl::OkStatus();
+}
+
+void EngineCore::RememberServed() {
+  auto [it, added] = served_digests_.insert_or_assign(version_, digest_);
+  if (!added) return;
+  served_order_.push_back(version_);
+  if (served_order_.size() > kRememberedVersions) {
+    served_digests_.erase(served_order_.front());
+    served_order_.pop_front();
+  }
 }
 
 void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
@@ -248,6 +260,7 @@ void EngineCore::ApplyUpdate(PendingUpdate pending, int32_t aborted_samples) {
     version_ = pending.update.version;
     tensor_digests_ = std::move(pending.update.digests);
     digest_ = WeightsDigest(runner_->weight_specs(), tensor_digests_);
+    RememberServed();
     scheduler_.set_cache_version(version_);
     // CONTINUE: a sample without a generated token yet starts again on the new weights (its
     // prompt's KV would be the old ones', under a span that says new).

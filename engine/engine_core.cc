@@ -30,6 +30,7 @@ EngineCore::EngineCore(std::unique_ptr<ModelRunner> runner, const EngineOptions&
       digest_(WeightsDigest(runner_->weight_specs(), tensor_digests_)),
       published_version_(options.weight_version),
       published_digest_(digest_) {
+  RememberServed();
   PublishCounters();
   thread_ = std::thread([this] { Loop(); });
 }

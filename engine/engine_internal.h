@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <deque>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -317,6 +318,12 @@ class EngineCore {
   std::string version_;                    // the weights now in the runner
   TensorDigests tensor_digests_;           // theirs, by tensor
   std::string digest_;                     // WeightsDigest of them ("" when unknown)
+  // Every version served since start (the last kRememberedVersions), with its digest: a name is
+  // bound to its bytes for as long as it is remembered, not only while it serves (CheckDigest).
+  static constexpr size_t kRememberedVersions = 4096;
+  std::map<std::string, std::string> served_digests_;
+  std::deque<std::string> served_order_;  // oldest first
+  void RememberServed();                  // version_ and digest_, now serving
   std::optional<PendingUpdate> draining_;  // a DRAIN update waiting for in-flight work
   // Jobs submitted while draining_ waits: in jobs_ (so Abort finds them), not yet scheduled.
   std::vector<uint64_t> held_;

@@ -558,6 +558,24 @@ TEST_F(WeightsE2eTest, AVersionNameIsBoundToItsBytesByADigest) {
   ASSERT_TRUE(stub()->UpdateWeightsFromPath(&context, from_path, &response).ok());
   EXPECT_EQ(response.weight_digest(), boot);
   EXPECT_EQ(FetchServerInfo(stub()).weight_digest(), boot);
+
+  // A name served earlier stays bound to its bytes: "step-1" (the changed weights) again with
+  // other bytes is refused though "boot-again" serves now (it was accepted: review26 finding 6),
+  // and with its own bytes it serves again.
+  const std::vector<HostTensor> other = {ScaledBf16(original_, 3.0f)};
+  PushOutcome earlier = Push(stub(), MakeWeightsHeader("step-1", v1::IN_FLIGHT_POLICY_DRAIN, other),
+                             MakeDataChunks(other, 1000));
+  EXPECT_EQ(earlier.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << earlier.status.error_message();
+  EXPECT_NE(earlier.status.error_message().find("version 'step-1' was served with weights " +
+                                                changed_digest),
+            std::string::npos)
+      << earlier.status.error_message();
+  EXPECT_EQ(FetchServerInfo(stub()).weight_version(), "boot-again");
+  PushOutcome same = Push(stub(), MakeWeightsHeader("step-1", v1::IN_FLIGHT_POLICY_DRAIN, changed),
+                          MakeDataChunks(changed, 1000));
+  ASSERT_TRUE(same.status.ok()) << same.status.error_message();
+  EXPECT_EQ(same.response.weight_digest(), changed_digest);
 }
 
 TEST_F(WeightsE2eTest, UpdateFromPathSwapsToAnotherCheckpointAndBack) {

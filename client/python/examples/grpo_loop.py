@@ -30,6 +30,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -156,8 +157,19 @@ def main(argv=None) -> int:
 
             if k + 1 < args.rounds:
                 version = f"step-{k + 1}"
-                r = client.update_weights([(args.tensor, nudged(original_f32, k + 1))],
-                                          version=version, policy="drain", dtype="BF16")
+                step_weights = [(args.tensor, nudged(original_f32, k + 1))]
+                try:
+                    r = client.update_weights(step_weights, version=version, policy="drain",
+                                              dtype="BF16")
+                except RolloutError as e:
+                    if e.code != "FAILED_PRECONDITION":
+                        raise
+                    # A re-run against the same server: the name was served with other weights,
+                    # and a version name is bound to its bytes. A trainer names versions by run.
+                    version = f"{version}-{time.strftime('%H%M%S')}"
+                    print(f"-> '{e.message[:60]}...': pushing as '{version}'")
+                    r = client.update_weights(step_weights, version=version, policy="drain",
+                                              dtype="BF16")
                 print(f"-> pushed {r.tensors_updated} tensor ({r.bytes_received} bytes) as "
                       f"'{r.version}' (was '{r.previous_version}'), receive "
                       f"{r.receive_seconds * 1e3:.1f} ms, swap {r.swap_seconds * 1e3:.1f} ms")
