@@ -155,14 +155,15 @@ void EngineCore::StartUpdate(PendingUpdate pending, StepEvents* events) {
       ApplyUpdate(std::move(pending), 0);
       return;
     case UpdatePolicy::kDrain: {
-      bool paused;
+      bool paused, refused;
       {
         std::lock_guard<std::mutex> lock(mu_);
         paused = paused_;
+        refused = (paused || released_.has_value()) && !scheduler_.idle();
         // Under the lock that Pause takes: a Pause after this sees the update waiting.
-        drain_waiting_ = !((paused || released_.has_value()) && !scheduler_.idle());
+        drain_waiting_ = !refused;
       }
-      if ((paused || released_.has_value()) && !scheduler_.idle()) {
+      if (refused) {
         Reply(&pending,
               FailedUpdate(absl::FailedPreconditionError(absl::StrFormat(
                   "the server is %s with %d samples in flight, which DRAIN cannot finish; "

@@ -10,6 +10,9 @@ namespace rollout {
 namespace engine_internal {
 namespace {
 
+// SampleCompletion::abort_cause of a step's samples when its launch or collection fails.
+constexpr char kFailedStepCause[] = "a failed step (the server's log says why)";
+
 bool IsStop(const Sequence& seq, int32_t token, const ModelConfig& config) {
   const SamplingParams& p = seq.params;
   if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
@@ -96,7 +99,7 @@ std::optional<LaunchedStep> EngineCore::Launch(std::vector<LaunchedStep::Chunk> 
     if (events != nullptr) {
       for (const LaunchedStep::Chunk& chunk : step.chunks) {
         if (!chunk.seq->finished) {
-          chunk.seq->abort_cause = "a failed step (the server's log says why)";
+          chunk.seq->abort_cause = kFailedStepCause;
           Report(chunk.seq, FinishReason::kAbort, events);
         }
       }
@@ -249,7 +252,7 @@ void EngineCore::Complete(LaunchedStep step, StepEvents* events) {
     LOG(ERROR) << "a step failed, aborting its samples: " << s;
     for (const LaunchedStep::Chunk& chunk : step.chunks) {
       if (chunk.seq != nullptr && !chunk.seq->finished) {
-        chunk.seq->abort_cause = "a failed step (the server's log says why)";
+        chunk.seq->abort_cause = kFailedStepCause;
         Report(chunk.seq, FinishReason::kAbort, events);
       }
     }

@@ -34,8 +34,8 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   RopeScaling rope_scaling;  // "rope_scaling" / "rope_parameters"; default RoPE when absent
   bool tie_word_embeddings = false;
-  bool qk_norm = false;   // true for Qwen3
-  bool qkv_bias = false;  // true for Qwen2
+  bool qk_norm = false;                  // true for Qwen3
+  bool qkv_bias = false;                 // true for Qwen2
   // "eos_token_id": int or list; may be empty. ReadModelConfig appends the ids that
   // generation_config.json adds.
   std::vector<int32_t> eos_token_ids;
