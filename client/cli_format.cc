@@ -115,6 +115,7 @@ void AppendCompletion(const rollout::v1::Completion& c, std::string* out) {
       c.rollout_index(), c.sample_index(), FinishReasonName(c.finish_reason()), c.sample_seed(),
       c.weight_version().empty() ? "(none)" : c.weight_version(), c.cached_prompt_tokens(),
       c.token_ids_size());
+  if (!c.abort_cause().empty()) absl::StrAppend(out, "  aborted by: ", c.abort_cause(), "\n");
   // One span is the common case and the header's weight_version already says it all.
   if (c.version_spans_size() > 1) {
     absl::StrAppend(out, "  version spans: ",

@@ -88,6 +88,11 @@ struct SampleCompletion {
   // FinishReason::kAbort: what ended it, for a message ("a weight update 'v2' with policy
   // ABORT"); empty otherwise.
   std::string abort_cause;
+  // FinishReason::kAbort because a row of the sample's logits had a NaN or an infinity
+  // (abort_cause names its position and the weight version): the served weights' doing, not a
+  // caller's or an operator's, and the same again on the same weights (docs/api.md, "Non-finite
+  // logits").
+  bool nonfinite_logits = false;
 };
 
 // What happened to one sample in one engine step: tokens generated since its last event, and
@@ -168,6 +173,9 @@ struct EngineCounters {
   SampleHistogram sample_time;
   uint64_t weight_updates = 0;
   double last_update_seconds = 0;  // how long the last successful swap took the runner
+  // Logits rows of running samples and Score sequences with a NaN or an infinity. The first of a
+  // sample ends it (SampleCompletion::nonfinite_logits); a Score chunk may bring several.
+  uint64_t nonfinite_logit_rows = 0;
 };
 
 // What a weight update does to samples in flight.

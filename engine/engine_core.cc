@@ -170,6 +170,7 @@ void EngineCore::PublishCounters() {
   c.sample_time = sample_time_;
   c.weight_updates = weight_updates_;
   c.last_update_seconds = last_update_seconds_;
+  c.nonfinite_logit_rows = nonfinite_logit_rows_;
   std::lock_guard<std::mutex> lock(mu_);
   c.unfinished_samples = unfinished_samples_;
   counters_ = c;

@@ -283,6 +283,10 @@ class EngineCore {
   void ApplyScores(Sequence* seq, SampleResult* rows, int64_t num_rows, StepEvents* events);
   // A generating sequence's new token: appended, reported, finishing it on a stop or length.
   void ApplyToken(Sequence* seq, SampleResult* result, StepEvents* events);
+  // Ends `seq` (FinishReason::kAbort) because the logits row for its token at `position` (of
+  // prompt + generated tokens; a scoring sequence's index into its tokens) had a NaN or an
+  // infinity; nothing of that row is applied. One warning in the log per sequence.
+  void EndOnNonFiniteLogits(Sequence* seq, int64_t position, StepEvents* events);
   // Collects the launched step, if any (before anything changes the engine's state).
   void CollectLaunched(StepEvents* events);
   // Moves what `seq` generated since its last report into an event, finishing it if `reason`.
@@ -311,6 +315,7 @@ class EngineCore {
   uint64_t prefilled_tokens_ = 0;
   uint64_t steps_ = 0;
   uint64_t scored_tokens_ = 0;
+  uint64_t nonfinite_logit_rows_ = 0;
   StepHistogram prefill_steps_, decode_steps_;
   SampleHistogram queue_time_, time_to_first_token_, sample_time_;  // EngineCounters says what
   uint64_t weight_updates_ = 0;

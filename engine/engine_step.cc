@@ -264,6 +264,8 @@ void EngineCore::Complete(LaunchedStep step, StepEvents* events) {
       seq->num_computed = chunk.end;
       scheduler_.CachePages(seq);
       SampleResult* rows = results.data() + chunk.first_row;
+      // Every row seen, also those after the first of a scoring chunk (which ends it).
+      for (int64_t r = 0; r < chunk.num_rows; ++r) nonfinite_logit_rows_ += rows[r].nonfinite;
       if (seq->is_score()) {
         ApplyScores(seq, rows, chunk.num_rows, events);
       } else if (chunk.num_rows > 0) {
@@ -286,6 +288,12 @@ void EngineCore::Complete(LaunchedStep step, StepEvents* events) {
 void EngineCore::ApplyScores(Sequence* seq, SampleResult* rows, int64_t num_rows,
                              StepEvents* events) {
   for (int64_t r = 0; r < num_rows; ++r) {
+    if (rows[r].nonfinite) {
+      // One logprob per scored token so far, in order: this row's token follows them.
+      EndOnNonFiniteLogits(seq, seq->score_start + static_cast<int64_t>(seq->logprobs.size()),
+                           events);
+      return;
+    }
     seq->logprobs.push_back(rows[r].logprob);
     if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(rows[r].top));
     if (seq->return_routing) {
@@ -297,6 +305,10 @@ void EngineCore::ApplyScores(Sequence* seq, SampleResult* rows, int64_t num_rows
 }
 
 void EngineCore::ApplyToken(Sequence* seq, SampleResult* result, StepEvents* events) {
+  if (result->nonfinite) {
+    EndOnNonFiniteLogits(seq, seq->num_tokens(), events);
+    return;
+  }
   seq->tokens.push_back(result->token);
   seq->logprobs.push_back(result->logprob);
   if (seq->params.top_logprobs > 0) seq->top_logprobs.push_back(std::move(result->top));
@@ -321,6 +333,26 @@ void EngineCore::ApplyToken(Sequence* seq, SampleResult* result, StepEvents* eve
     reason = FinishReason::kLength;
   }
   Report(seq, reason, events);
+}
+
+void EngineCore::EndOnNonFiniteLogits(Sequence* seq, int64_t position, StepEvents* events) {
+  // The row's token and logprobs are finite (NaN counts as -inf, sampler.h) but mean nothing;
+  // a trainer must not see them as a distribution.
+  const int64_t generated = position - seq->prompt_len;
+  const std::string where =
+      seq->is_score() ? absl::StrCat("token_ids[", position, "]")
+                      : absl::StrCat("position ", position, " (generated token ", generated, ")");
+  seq->abort_cause =
+      absl::StrCat("the model's logits for ", where, " are not finite (NaN or Inf) under weight ",
+                   "version '", version_, "': the weights may have diverged");
+  seq->nonfinite_logits = true;
+  const std::string sample =
+      seq->is_score()
+          ? absl::StrCat("Score job ", seq->job_id, ", sequences[", seq->rollout_index, "]")
+          : absl::StrCat("Generate job ", seq->job_id, ", rollout ", seq->rollout_index, " sample ",
+                         seq->sample_index);
+  LOG(WARNING) << sample << " ends: " << seq->abort_cause;
+  Report(seq, FinishReason::kAbort, events);
 }
 
 void EngineCore::CollectLaunched(StepEvents* events) {
@@ -393,7 +425,10 @@ SampleCompletion EngineCore::Finish(Sequence* seq, FinishReason reason) {
   c.weight_version = version_;
   c.weight_digest = digest_;
   c.version_spans = std::move(seq->version_spans);
-  if (reason == FinishReason::kAbort) c.abort_cause = seq->abort_cause;
+  if (reason == FinishReason::kAbort) {
+    c.abort_cause = seq->abort_cause;
+    c.nonfinite_logits = seq->nonfinite_logits;
+  }
   Job& job = jobs_.at(seq->job_id);
   --job.num_unfinished;
   std::lock_guard<std::mutex> lock(mu_);

@@ -106,6 +106,13 @@ float UniformNoise(uint64_t sample_seed, int64_t position, int32_t token) {
   return (static_cast<float>(bits) + 0.5f) * 0x1p-23f;
 }
 
+bool LogitsFinite(const float* logits, int32_t vocab_size) {
+  // No early exit: a branch-free pass the compiler vectorises, and rows are nearly always finite.
+  bool finite = true;
+  for (int32_t i = 0; i < vocab_size; ++i) finite &= std::isfinite(logits[i]);
+  return finite;
+}
+
 void LogSoftmax(const float* logits, int32_t vocab_size, float temperature, float* out) {
   if (vocab_size <= 0) return;
   const float t = temperature > 0.0f ? temperature : 1.0f;
@@ -146,6 +153,7 @@ SampleResult SampleToken(const float* logits, int32_t vocab_size, const Sampling
                          uint64_t sample_seed, int64_t position, std::vector<float>* scratch) {
   SampleResult result;
   if (vocab_size <= 0) return result;
+  result.nonfinite = !LogitsFinite(logits, vocab_size);
   const bool greedy = !(params.temperature > 0.0f);
   const float t = greedy ? 1.0f : params.temperature;
   scratch->resize(vocab_size);

@@ -40,6 +40,10 @@ struct SampleResult {
   // The MoE routing of the row whose logits gave this result (ModelConfig::RoutingSize() ids,
   // engine/model_runner.h) when its batch asked (ForwardBatch::return_routing); else empty.
   std::vector<int32_t> routing;
+  // Some logit of the row was NaN or +/-inf (!LogitsFinite). Token and logprobs are still
+  // computed (NaN as -inf, +inf as the largest float: never NaN) but mean nothing; the engine
+  // ends the sample instead of applying them (docs/api.md, "Non-finite logits").
+  bool nonfinite = false;
 };
 
 // Picks the token at absolute `position` from one row of fp32 logits [vocab]:
@@ -60,6 +64,7 @@ struct SampleResult {
 // only if every kept logit is -inf (then the lowest kept index does). NaN logits count as -inf.
 // Logprobs are log_softmax(logits / T) over the full vocabulary, before any filtering.
 // Every reduction runs in a fixed order, so the result depends on nothing but the arguments.
+// SampleResult::nonfinite is !LogitsFinite(logits, vocab_size).
 // `scratch` is reused between calls to avoid allocation (index orderings use a per-thread
 // buffer inside the sampler).
 SampleResult SampleToken(const float* logits, int32_t vocab_size, const SamplingParams& params,
@@ -68,6 +73,10 @@ SampleResult SampleToken(const float* logits, int32_t vocab_size, const Sampling
 // The n largest of a row of logprobs [vocab], ordered by (logprob descending, id ascending):
 // the top-N entries that Generate and Score return.
 std::vector<TokenLogprob> TopLogprobs(const float* logprobs, int32_t vocab_size, int32_t n);
+
+// False when any of logits[0, vocab_size) is NaN or +/-inf: a model's logits are finite for
+// finite weights and activations, so such a row means the weights (or the forward) diverged.
+bool LogitsFinite(const float* logits, int32_t vocab_size);
 
 // log_softmax(logits / T)[i] for the whole row, written to `out` [vocab]. T <= 0 means T = 1.
 // x_i = logits[i] / T (a division, not a multiplication by 1 / T; NaN -> -inf, +inf -> FLT_MAX),

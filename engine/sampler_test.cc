@@ -245,6 +245,43 @@ TEST(SampleTokenTest, GreedyPicksArgmaxWithTiesToLowestIndex) {
   }
 }
 
+// Diverged weights give NaN or infinite logits; the result says so (the engine then ends the
+// sample) while its token and logprobs stay what the NaN-as--inf rules give.
+TEST(SampleTokenTest, ARowWithANanOrAnInfinityIsFlaggedNonFinite) {
+  std::mt19937 rng(31);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<float> finite(99);
+  for (float& x : finite) x = dist(rng);
+  finite[50] = std::numeric_limits<float>::max();  // the largest finite value is finite
+  finite[51] = -std::numeric_limits<float>::max();
+  const std::vector<SamplingParams> variants = {Params(0.0f), Params(1.0f, 0, 1.0f, 0.0f, 3),
+                                                Params(0.7f, 5), Params(1.3f, 0, 0.9f),
+                                                Params(0.9f, 0, 1.0f, 0.1f)};
+  std::vector<float> scratch;
+  EXPECT_TRUE(LogitsFinite(finite.data(), 99));
+  for (const SamplingParams& params : variants) {
+    EXPECT_FALSE(SampleToken(finite.data(), 99, params, 5, 17, &scratch).nonfinite);
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const float bad : {nan, inf, -inf}) {
+    for (const int32_t at : {0, 13, 98}) {
+      std::vector<float> logits = finite;
+      logits[at] = bad;
+      EXPECT_FALSE(LogitsFinite(logits.data(), 99)) << bad << " at " << at;
+      for (const SamplingParams& params : variants) {
+        const SampleResult r = SampleToken(logits.data(), 99, params, 5, 17, &scratch);
+        EXPECT_TRUE(r.nonfinite) << bad << " at " << at << ", T " << params.temperature;
+        EXPECT_FALSE(std::isnan(r.logprob));
+      }
+    }
+  }
+  const std::vector<float> all_nan(7, nan);
+  EXPECT_TRUE(SampleToken(all_nan.data(), 7, Params(0.8f), 1, 3, &scratch).nonfinite);
+  const std::vector<float> all_neg_inf(7, -inf);
+  EXPECT_TRUE(SampleToken(all_neg_inf.data(), 7, Params(0.0f), 1, 3, &scratch).nonfinite);
+}
+
 TEST(SampleTokenTest, SameSeedAndPositionGiveSameResult) {
   std::mt19937 rng(9);
   std::normal_distribution<float> dist(0.0f, 1.0f);

@@ -33,8 +33,9 @@ struct Sequence {
   SamplingParams params;
   uint64_t sample_seed = 0;
   int64_t prompt_len = 0;
-  // Set by whatever aborts it: SampleCompletion::abort_cause.
+  // Set by whatever aborts it: SampleCompletion::abort_cause (and nonfinite_logits).
   std::string abort_cause;
+  bool nonfinite_logits = false;
   std::vector<int32_t> tokens;                          // prompt, then generated tokens
   std::vector<float> logprobs;                          // one per generated token
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // one per generated token if asked

@@ -28,6 +28,7 @@ absl::Status ProcessLogitsOnHost(const std::vector<LogitsRowTask>& tasks,
       LogSoftmax(row, vocab_size, t, scratch.data());
       out.token = *task.score_token;
       out.logprob = scratch[out.token];
+      out.nonfinite = !LogitsFinite(row, vocab_size);
       out.top = TopLogprobs(scratch.data(), vocab_size, task.params->top_logprobs);
     }
   });

@@ -11,7 +11,8 @@
 namespace rollout {
 
 // The host implementation of ModelRunner::ProcessLogits: SampleToken for sampling rows and
-// LogSoftmax at T (0 means 1) for scoring rows, rows split across `pool` (each row is one
+// LogSoftmax at T (0 means 1) for scoring rows, SampleResult::nonfinite set for both (a row
+// with a NaN or +/-inf logit), rows split across `pool` (each row is one
 // independent, fixed-order computation, so the split cannot change a bit). Used by both
 // backends (the CUDA one for rows its device sampler does not take).
 // logits: [tasks.size(), vocab_size].

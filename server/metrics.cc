@@ -161,6 +161,9 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
   Scalar(&out, "rollout_recomputed_tokens_total", "counter",
          "Tokens prefilled again because their sample was preempted.",
          static_cast<double>(e.recomputed_tokens));
+  Scalar(&out, "rollout_nonfinite_logits_total", "counter",
+         "Logits rows with a NaN or an infinity (diverged weights): their samples were ended.",
+         static_cast<double>(e.nonfinite_logit_rows));
   Scalar(&out, "rollout_engine_steps_total", "counter", "Engine steps.",
          static_cast<double>(e.steps));
   Scalar(&out, "rollout_engine_lookahead_steps_total", "counter",

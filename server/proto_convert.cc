@@ -227,6 +227,7 @@ void AppendCompletion(const SampleEvent& event, std::vector<v1::GenerateResponse
     done->mutable_token_ids()->Add(c.token_ids.begin(), c.token_ids.end());
     done->mutable_logprobs()->Add(c.logprobs.begin(), c.logprobs.end());
     done->set_finish_reason(ToProto(c.finish_reason));
+    done->set_abort_cause(c.abort_cause);
     done->set_weight_version(c.weight_version);
     done->set_weight_digest(c.weight_digest);
     done->set_cached_prompt_tokens(static_cast<uint32_t>(c.cached_prompt_tokens));

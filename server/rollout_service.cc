@@ -433,6 +433,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   k->set_cache_hit_tokens(counters.cache_hit_tokens);
   k->set_scored_tokens(counters.scored_tokens);
   k->set_weight_updates(counters.weight_updates);
+  k->set_nonfinite_logit_rows(counters.nonfinite_logit_rows);
   response->set_server_version(GetBuildInfo().version);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

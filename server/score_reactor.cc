@@ -43,6 +43,13 @@ void ScoreReactor::OnEvents(std::vector<SampleEvent> events) {
   for (SampleEvent& event : events) {
     if (!event.completion.has_value()) continue;
     SampleCompletion& c = *event.completion;
+    if (c.nonfinite_logits) {
+      // Not an interruption: the served weights give no scores, and would give none again.
+      FinishLocked(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                absl::StrCat("sequences[", event.rollout_index,
+                                             "]: ", c.abort_cause, "; nothing was scored")));
+      return;
+    }
     if (c.finish_reason == FinishReason::kAbort) {
       FinishLocked(grpc::Status(
           grpc::StatusCode::ABORTED,

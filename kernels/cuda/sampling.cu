@@ -113,6 +113,13 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   const float* row = logits + r * static_cast<int64_t>(vocab);
   const float t = spec.temperature;
   const int tid = threadIdx.x;
+  // 1 once any thread met a NaN or infinite raw logit (LogitsRowResult::nonfinite); set in the
+  // pass below, read after its barrier. A flag in shared memory rather than a per-thread one
+  // OR-ed by __syncthreads_or: the pass is at the 32 registers of two blocks per SM, and one
+  // more live value there spilled.
+  __shared__ int row_nonfinite;
+  if (tid == 0) row_nonfinite = 0;
+  __syncthreads();
 
   // One pass over the row: this thread's running (max, sum of expf(x - max)) of x, and the
   // greedy argmax of the raw logits or the Gumbel-max key. Unrolled so that several elements'
@@ -124,6 +131,7 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
 #pragma unroll 4
   for (int i = tid; i < vocab; i += kSampleThreads) {
     const float l = row[i];
+    if (!isfinite(l)) row_nonfinite = 1;
     const float x = ScaledLogit(l, t);
     if (x > tmax) {
       // A new maximum rescales the sum so far (0 while the maximum was -inf).
@@ -206,6 +214,7 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
     out.log_sum = log_sum;
     out.uniform_lp = uniform_lp;
     out.top_n = top_n;
+    out.nonfinite = row_nonfinite;
   }
 }
 

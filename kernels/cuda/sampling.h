@@ -42,6 +42,9 @@ struct LogitsRowResult {
   float log_sum = 0.0f;  // logf(s)
   float uniform_lp = 0.0f;
   int32_t top_n = 0;
+  // 1 when some raw logit of the row is NaN or +/-inf (engine/sampler.h's LogitsFinite false),
+  // else 0. Read by the engine only; nothing above depends on it.
+  int32_t nonfinite = 0;
   int32_t top_ids[kMaxDeviceTopN];  // by (lp desc, id asc)
   float top_lps[kMaxDeviceTopN];
 };

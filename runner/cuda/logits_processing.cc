@@ -135,6 +135,7 @@ void CudaModelRunner::ConvertDeviceRows(const void* host, int64_t first, int64_t
     for (int j = 0; j < o.top_n; ++j) result.top.push_back({o.top_ids[j], o.top_lps[j]});
     result.token = o.token;
     result.logprob = o.logprob;
+    result.nonfinite = o.nonfinite != 0;
   }
 }
 

@@ -52,10 +52,14 @@ std::vector<float> MakeRows(int rows, uint64_t seed) {
     if (r % 17 == 3) row[rng() % kVocab] = row[rng() % kVocab] = 30.0f;  // tied max
     if (r % 19 == 5) row[rng() % kVocab] = NAN;
     if (r % 23 == 7) row[rng() % kVocab] = -INFINITY;
+    if (r % 29 == 13) row[rng() % kVocab] = INFINITY;
     if (r == 11) std::fill(row, row + kVocab, -INFINITY);
   }
   return l;
 }
+
+// The rows MakeRows gives a NaN or an infinity: SampleResult::nonfinite.
+bool MadeNonFinite(int r) { return r % 19 == 5 || r % 23 == 7 || r % 29 == 13 || r == 11; }
 
 std::vector<SamplingParams> ParamVariants() {
   std::vector<SamplingParams> v(9);
@@ -92,6 +96,7 @@ std::vector<LogitsRowTask> MakeTasks(int rows, const std::vector<SamplingParams>
 
 bool SameBits(const SampleResult& a, const SampleResult& b) {
   if (a.token != b.token || std::memcmp(&a.logprob, &b.logprob, 4) != 0) return false;
+  if (a.nonfinite != b.nonfinite) return false;
   if (a.top.size() != b.top.size()) return false;
   for (size_t j = 0; j < a.top.size(); ++j) {
     if (a.top[j].token != b.top[j].token ||
@@ -137,6 +142,8 @@ TEST(SamplingTest, DeviceResultsMatchTheHostSamplerWithinTolerance) {
   for (int r = 0; r < rows; ++r) {
     const SamplingParams& p = *tasks[r].params;
     const float* row = logits.data() + static_cast<size_t>(r) * kVocab;
+    EXPECT_EQ(got[r].nonfinite, MadeNonFinite(r)) << r;
+    EXPECT_EQ(want[r].nonfinite, MadeNonFinite(r)) << r;
     max_lp_err = std::max(max_lp_err, std::fabs(got[r].logprob - want[r].logprob));
     ASSERT_EQ(got[r].top.size(), want[r].top.size()) << r;
     for (size_t j = 0; j < got[r].top.size(); ++j) {

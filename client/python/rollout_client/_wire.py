@@ -449,6 +449,7 @@ def completion(c, request_ids: List[str]) -> Completion:
         request_id=request_ids[c.rollout_index] if c.rollout_index < len(request_ids) else "",
         weight_digest=c.weight_digest,
         routing=list(c.routing),
+        abort_cause=c.abort_cause,
     )
 
 

@@ -120,6 +120,9 @@ class Completion:
     # generate(return_routing=True) on a MoE model: per token the experts of every MoE layer,
     # flattened [token][MoE layer][num_experts_per_tok] (docs/api.md, routing replay).
     routing: List[int] = field(default_factory=list)
+    # finish_reason "abort": what ended the sample, e.g. "the model's logits for position 17
+    # (generated token 2) are not finite (NaN or Inf) under weight version 'v2': ..."; else "".
+    abort_cause: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -293,6 +296,7 @@ class EngineCounters:
     scored_tokens: int
     recomputed_tokens: int
     weight_updates: int
+    nonfinite_logit_rows: int        # logits rows with a NaN or Inf since start (diverged weights)
 
 
 @dataclass
