@@ -415,9 +415,9 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
     std::printf("\n%s [n %ld, k %ld] x %d, %.1f MB of weights; ladder built in %.2f s:\n%s", s.name,
                 static_cast<long>(s.n), static_cast<long>(s.k), s.batch, weight_bytes / 1e6,
                 ladder_s, ladder_why.c_str());
-    std::printf("  %-5s %18s %18s %18s  %-26s %18s  %-22s %18s  %-26s %s\n", "m", "pin us (TB/s)",
+    std::printf("  %-5s %18s %18s %18s  %-26s %18s  %-22s %s\n", "m", "pin us (TB/s)",
                 "ladder us (TB/s)", "hand us (TB/s)", "best hand", "wgmma us (TB/s)", "best wgmma",
-                "multicast us", "best wgmma multicast", "ladder rung");
+                "ladder rung");
     auto reset = [&](void* out, int64_t m) {
       const size_t bytes = s.batch * m * s.n * out_bytes;
       if (s.output == GemmOutput::kF32Accumulate) {
@@ -447,9 +447,8 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
       const double pin_ms = GraphFlushedMs([&] { run_gemm(*pin, m, y.get()); }, flush, stream);
       const double ladder_ms =
           GraphFlushedMs([&] { run_gemm(*ladder, m, y.get()); }, flush, stream);
-      // Best of all, of the warpgroup kernel without and with x multicast.
-      double best_ms = 0.0, best_wg_ms = 0.0, best_mc_ms = 0.0;
-      std::string best = "none", best_wg = "none", best_mc = "none";
+      double best_ms = 0.0, best_wg_ms = 0.0;
+      std::string best = "none", best_wg = "none";
       for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
         if (configs[c].max_m < m) continue;
         reset(y.get(), m);
@@ -464,22 +463,16 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
         }
         const double ms = GraphFlushedMs([&] { run_hand(c, m, y.get()); }, flush, stream);
         if (best_ms == 0.0 || ms < best_ms) best_ms = ms, best = configs[c].Name();
-        const bool multicast = configs[c].warpgroups > 0 && configs[c].cluster > 1;
-        if (configs[c].warpgroups > 0 && !multicast && (best_wg_ms == 0.0 || ms < best_wg_ms)) {
+        if (configs[c].warpgroups > 0 && (best_wg_ms == 0.0 || ms < best_wg_ms)) {
           best_wg_ms = ms, best_wg = configs[c].Name();
-        }
-        if (multicast && (best_mc_ms == 0.0 || ms < best_mc_ms)) {
-          best_mc_ms = ms, best_mc = configs[c].Name();
         }
       }
       if (!differs.empty()) ++differing;
       std::printf(
-          "  %-5ld %9.1f (%5.2f) %9.1f (%5.2f) %9.1f (%5.2f)  %-26s %9.1f (%5.2f)  %-22s %9.1f "
-          "(%5.2f)  %-26s %s%s\n",
+          "  %-5ld %9.1f (%5.2f) %9.1f (%5.2f) %9.1f (%5.2f)  %-26s %9.1f (%5.2f)  %-22s %s%s\n",
           static_cast<long>(m), pin_ms * 1e3, tbs(pin_ms), ladder_ms * 1e3, tbs(ladder_ms),
           best_ms * 1e3, best_ms > 0 ? tbs(best_ms) : 0.0, best.c_str(), best_wg_ms * 1e3,
-          best_wg_ms > 0 ? tbs(best_wg_ms) : 0.0, best_wg.c_str(), best_mc_ms * 1e3,
-          best_mc_ms > 0 ? tbs(best_mc_ms) : 0.0, best_mc.c_str(), ladder->DescribeFor(m).c_str(),
+          best_wg_ms > 0 ? tbs(best_wg_ms) : 0.0, best_wg.c_str(), ladder->DescribeFor(m).c_str(),
           differs.c_str());
       std::fflush(stdout);
     }

@@ -113,10 +113,8 @@ class PinnedGemm {
   // range is asked and timed there (as far as the probe reaches): prefill runs its steps at that m,
   // and a rung timed at 4096 was admitted in one run and not in the next while it was 14% faster at
   // 16384 (qkv, an H100, session 21).
-  // hand_multicast = false leaves out the warpgroup configurations that multicast x across a
-  // cluster (to measure what they bring).
   cublasStatus_t BuildLadder(std::string* diagnostics = nullptr, bool hand_kernels = true,
-                             int64_t step_m = 0, bool hand_multicast = true);
+                             int64_t step_m = 0);
   // The same rungs as `from`'s (a gemm of another n with the same k and pin: a rank's slice of a
   // column-parallel weight), each admitted again by the probe on this gemm's shape.
   cublasStatus_t CopyLadder(const PinnedGemm& from, std::string* diagnostics = nullptr);
@@ -227,7 +225,7 @@ class PinnedGemm {
                        const cublasLtMatmulAlgo_t& algo, GemmProbe& probe,
                        std::unique_ptr<PinnedGemm>* admitted, std::string* diagnostics);
   // BuildLadder's second part: hand rungs over HandLadder()'s ranges, before the cuBLASLt rungs.
-  cublasStatus_t BuildHandRungs(GemmProbe& probe, std::string* diagnostics, bool multicast);
+  cublasStatus_t BuildHandRungs(GemmProbe& probe, std::string* diagnostics);
   // Whether hand-kernel configuration `config` serves [min_m, end_m) with this gemm's bits on the
   // probe (CUBLAS_STATUS_NOT_SUPPORTED when not).
   cublasStatus_t AdmitHand(int64_t min_m, int64_t end_m, int64_t representative_m, int config,

@@ -284,7 +284,7 @@ bool PinnedGemm::InitProbe(GemmProbe& probe) {
 }
 
 cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kernels,
-                                       int64_t step_m, bool hand_multicast) {
+                                       int64_t step_m) {
   if (mode_ != Mode::kPinned) return CUBLAS_STATUS_INVALID_VALUE;
   rungs_.clear();
   GemmProbe probe;
@@ -326,11 +326,10 @@ cublasStatus_t PinnedGemm::BuildLadder(std::string* diagnostics, bool hand_kerne
     }
   }
   if (!hand_kernels) return CUBLAS_STATUS_SUCCESS;
-  return BuildHandRungs(probe, diagnostics, hand_multicast);
+  return BuildHandRungs(probe, diagnostics);
 }
 
-cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnostics,
-                                          bool multicast) {
+cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnostics) {
   const std::vector<SmallMGemmConfig>& configs = SmallMGemmConfigs();
   std::vector<Rung> hand_rungs;
   for (const HandRange& range : HandLadder()) {
@@ -377,7 +376,6 @@ cublasStatus_t PinnedGemm::BuildHandRungs(GemmProbe& probe, std::string* diagnos
     // Every configuration that covers the range.
     for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
       if (configs[c].max_m < range.end_m - 1) continue;
-      if (!multicast && configs[c].warpgroups > 0 && configs[c].cluster > 1) continue;
       const cublasStatus_t status =
           AdmitHand(range.min_m, range.end_m, range.representative_m, c, probe, &why);
       if (status == CUBLAS_STATUS_NOT_SUPPORTED) continue;

@@ -440,10 +440,8 @@ using small_m::Launch;
 std::string SmallMGemmConfig::Name() const {
   char buf[64];
   if (warpgroups > 0) {
-    char multicast[16] = "";
-    if (cluster > 1) std::snprintf(multicast, sizeof(multicast), " c%d", cluster);
-    std::snprintf(buf, sizeof(buf), "wgmma n%d m%d g%d s%d%s%s", n_tile, max_m, warpgroups, stages,
-                  persistent ? " p" : "", multicast);
+    std::snprintf(buf, sizeof(buf), "wgmma n%d m%d g%d s%d%s", n_tile, max_m, warpgroups, stages,
+                  persistent ? " p" : "");
   } else if (cluster == 0) {
     std::snprintf(buf, sizeof(buf), "hand n%d m%d w%dx%d s%d", n_tile, max_m, warps_m, warps_n,
                   stages);

@@ -47,14 +47,12 @@ struct SmallMGemmConfig {
   // (one producer warp beside the warps_m x warps_n consumers).
   int cluster;
   // >= 1: the wgmma kernel, this many consumer warpgroups of max_m / 64 / warpgroups m64 tiles
-  // each, fed by a TMA producer warp (warps_m = warpgroups, warps_n = 1; cluster 0, or 2 or 4:
-  // x multicast across a cluster of that many CTAs on consecutive column blocks).
+  // each, fed by a TMA producer warp (warps_m = warpgroups, warps_n = 1, cluster = 0).
   int warpgroups = 0;
   // The wgmma kernel only: at most one CTA an SM, each walking its tiles in turn through one
   // ring (the next tile's stages fill while this one's results are stored).
   bool persistent = false;
-  // "hand n32 m16 w1x4 s8", "tma n48 m96 w2x3 s8 c2", "wgmma n128 m128 g2 s6", "... s6 p",
-  // "... s6 p c4"
+  // "hand n32 m16 w1x4 s8", "tma n48 m96 w2x3 s8 c2", "wgmma n128 m128 g2 s6", "... s6 p"
   std::string Name() const;
   // Dynamic shared memory per CTA.
   size_t SharedBytes() const;

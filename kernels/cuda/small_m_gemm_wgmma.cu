@@ -37,25 +37,12 @@ struct WgmmaShape {
 // MMAs and its stores) -- where a launch of many short tiles (the K-tree leaves, K = 512) was
 // otherwise a wave of fill, compute and drain per tile. Otherwise one tile per CTA, (blockIdx.x,
 // blockIdx.y). A tile's arithmetic is the same either way: which CTA computes it never matters.
-//
-// kCluster > 1: a cluster of kCluster CTAs on consecutive column blocks (one column group) shares
-// each stage of x, which otherwise every CTA reads whole from L2 -- at decode's m more bytes than
-// its weights (m = 95, n 48: 760 KB of x beside 393 KB of w a CTA), so L2, not DRAM, bounded the
-// kernel (4.5-5 TB/s of x and w together, session 16's figures). x is cut in slices of 64 /
-// kCluster rows (whole 8-row groups of the 128-byte swizzle, so a slice lands as the 64-row box
-// would); slice j is loaded by rank j % kCluster and multicast into every CTA of the cluster.
-// full[s] then waits for every slice of the stage and this CTA's weight tile; empty[s] counts
-// the consumer warps of every cluster CTA, since the next multicast into stage s writes into all
-// of them. The arithmetic of a tile is unchanged: where x comes from never touches a bit.
-template <int kN, int kWgs, int kMt, int kStages, bool kPersistent, int kCluster>
+template <int kN, int kWgs, int kMt, int kStages, bool kPersistent>
 __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 1)
     SmallMGemmWgmmaKernel(const __grid_constant__ CUtensorMap x_map,
                           const __grid_constant__ CUtensorMap w_map, int x_col_step, int x_z, int m,
                           int n, int k, int batch, void* y, int64_t y_step, GemmOutput output) {
   using Shape = WgmmaShape<kN, kWgs, kMt, kStages>;
-  static_assert(kCluster >= 1 && 64 % kCluster == 0 && 64 / kCluster >= 8,
-                "x slices of whole 8-row swizzle groups");
-  constexpr int kSliceRows = 64 / kCluster;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -63,41 +50,19 @@ __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 
   uint64_t* const empty = full + kStages;
 
   const int col_blocks = (n + kN - 1) / kN;
-  // A column group: kCluster consecutive column blocks, one a cluster CTA (rank r the r-th).
-  const int groups = (col_blocks + kCluster - 1) / kCluster;
-  const int rank = kCluster > 1 ? static_cast<int>(ptx::ClusterCtaRank()) : 0;
-  const int num_tiles = kPersistent ? groups * batch : 1;
-  const int first_tile = kPersistent ? static_cast<int>(blockIdx.x) / kCluster : 0;
-  const int tile_step = kPersistent ? static_cast<int>(gridDim.x) / kCluster : 1;
-  // The product and first column of this CTA's part of a tile (past n for a group's last
-  // ranks where col_blocks is not a multiple of kCluster: no weights, no stores).
-  auto tile_b = [&](int tile) { return kPersistent ? tile / groups : int(blockIdx.y); };
-  auto tile_n0 = [&](int tile) {
-    return (kPersistent ? (tile % groups) * kCluster + rank : int(blockIdx.x)) * kN;
-  };
+  const int num_tiles = kPersistent ? col_blocks * batch : 1;
+  const int first_tile = kPersistent ? static_cast<int>(blockIdx.x) : 0;
+  const int tile_step = kPersistent ? static_cast<int>(gridDim.x) : 1;
+  // The product and first column of a tile.
+  auto tile_b = [&](int tile) { return kPersistent ? tile / col_blocks : int(blockIdx.y); };
+  auto tile_n0 = [&](int tile) { return (kPersistent ? tile % col_blocks : int(blockIdx.x)) * kN; };
   const int live_tiles = (m + 63) / 64;  // m64 tiles holding a live row
-  const int x_slices = (m + kSliceRows - 1) / kSliceRows;  // slices holding a live row
-  const uint32_t x_tx = static_cast<uint32_t>(x_slices * kSliceRows * kBk * 2);
-  const uint32_t w_tx = static_cast<uint32_t>(kN * kBk * 2);
+  const uint32_t stage_tx = static_cast<uint32_t>((64 * live_tiles + kN) * kBk * 2);
   const int k_tiles = (k + kBk - 1) / kBk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  if (threadIdx.x == 0) InitRing(full, empty, kStages, 4 * kWgs * kCluster);
-  if (kCluster > 1) {
-    ptx::ClusterSync();  // every CTA's barriers exist before any multicast or remote arrival
-  } else {
-    __syncthreads();
-  }
-  // This warp is done with stage s: one arrival on empty[s] of every CTA that writes into it.
-  auto release = [&](int s) {
-    if (lane < kCluster) {
-      if (kCluster > 1) {
-        ptx::MbarrierArriveCluster(&empty[s], static_cast<uint32_t>(lane));
-      } else {
-        ptx::MbarrierArrive(&empty[s]);
-      }
-    }
-  };
+  if (threadIdx.x == 0) InitRing(full, empty, kStages, 4 * kWgs);
+  __syncthreads();
 
   if (warp == 4 * kWgs) {
     if (lane == 0) {
@@ -106,195 +71,147 @@ __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 
       int g = 0;  // the ring's K tile count over this CTA's tiles
       for (int tile = first_tile; tile < num_tiles; tile += tile_step) {
         const int b = tile_b(tile), n0 = tile_n0(tile);
-        const bool w_live = n0 < n;
         for (int kt = 0; kt < k_tiles; ++kt, ++g) {
-          const int s = ProduceStage(full, empty, g, kStages, x_tx + (w_live ? w_tx : 0));
+          const int s = ProduceStage(full, empty, g, kStages, stage_tx);
           unsigned char* const xs = smem + s * Shape::kStageBytes;
           unsigned char* const ws = xs + Shape::kXRows * kBk * 2;
           const int col = b * x_col_step + kt * kBk;
-          for (int j = rank; j < x_slices; j += kCluster) {
-            unsigned char* const dst = xs + j * kSliceRows * kBk * 2;
-            if (kCluster > 1) {
-              ptx::TmaLoad3dMulticast(dst, &x_map, col, j * kSliceRows, b * x_z, &full[s],
-                                      static_cast<uint16_t>((1u << kCluster) - 1));
-            } else {
-              ptx::TmaLoad3d(dst, &x_map, col, j * kSliceRows, b * x_z, &full[s]);
-            }
+          for (int i = 0; i < live_tiles; ++i) {
+            ptx::TmaLoad3d(xs + i * 64 * kBk * 2, &x_map, col, 64 * i, b * x_z, &full[s]);
           }
-          if (w_live) ptx::TmaLoad3d(ws, &w_map, kt * kBk, n0, b, &full[s]);
+          ptx::TmaLoad3d(ws, &w_map, kt * kBk, n0, b, &full[s]);
         }
       }
     }
-  } else {
-    // Broadcast from lane 0, so that the compiler sees both as warp-uniform: a wgmma on a path it
-    // takes for divergent would be serialized (ptxas C7520).
-    const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
-    // This warpgroup's m64 tiles that hold a live row (uniform over the warpgroup).
-    const int my_tiles = __shfl_sync(0xffffffffu, min(kMt, max(0, live_tiles - wg * kMt)), 0);
-    const int g_lane = lane / 4, t = lane % 4, w_in = warp % 4;
-    float acc[kMt][kN / 2];
-    int g = 0;
-    for (int tile = first_tile; tile < num_tiles; tile += tile_step) {
+    return;
+  }
+
+  // Broadcast from lane 0, so that the compiler sees both as warp-uniform: a wgmma on a path it
+  // takes for divergent would be serialized (ptxas C7520).
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
+  // This warpgroup's m64 tiles that hold a live row (uniform over the warpgroup).
+  const int my_tiles = __shfl_sync(0xffffffffu, min(kMt, max(0, live_tiles - wg * kMt)), 0);
+  const int g_lane = lane / 4, t = lane % 4, w_in = warp % 4;
+  float acc[kMt][kN / 2];
+  int g = 0;
+  for (int tile = first_tile; tile < num_tiles; tile += tile_step) {
 #pragma unroll
-      for (int i = 0; i < kMt; ++i) {
+    for (int i = 0; i < kMt; ++i) {
 #pragma unroll
-        for (int j = 0; j < kN / 2; ++j) acc[i][j] = 0.0f;
-      }
-      for (int kt = 0; kt < k_tiles; ++kt, ++g) {
-        const int s = g % kStages;
-        ptx::MbarrierWait(&full[s], (g / kStages) & 1);
-        if (my_tiles > 0) {
-          const unsigned char* const xs = smem + s * Shape::kStageBytes;
-          const uint64_t w_desc = ptx::SwizzledKMajorDescriptor(xs + Shape::kXRows * kBk * 2);
-          const uint64_t x_desc = ptx::SwizzledKMajorDescriptor(xs + wg * kMt * 64 * kBk * 2);
+      for (int j = 0; j < kN / 2; ++j) acc[i][j] = 0.0f;
+    }
+    for (int kt = 0; kt < k_tiles; ++kt, ++g) {
+      const int s = g % kStages;
+      ptx::MbarrierWait(&full[s], (g / kStages) & 1);
+      if (my_tiles > 0) {
+        const unsigned char* const xs = smem + s * Shape::kStageBytes;
+        const uint64_t w_desc = ptx::SwizzledKMajorDescriptor(xs + Shape::kXRows * kBk * 2);
+        const uint64_t x_desc = ptx::SwizzledKMajorDescriptor(xs + wg * kMt * 64 * kBk * 2);
 #pragma unroll
-          for (int i = 0; i < kMt; ++i) {
-            ptx::FenceOperands(acc[i]);
+        for (int i = 0; i < kMt; ++i) {
+          ptx::FenceOperands(acc[i]);
+        }
+        ptx::WgmmaFence();
+        // Past K no instruction at all, not an add of zeros; a whole tile without a test.
+        const int k16s = min(kBk / 16, (k - kt * kBk) / 16);
+        if (k16s == kBk / 16 && my_tiles == kMt) {
+#pragma unroll
+          for (int kk = 0; kk < kBk / 16; ++kk) {
+#pragma unroll
+            for (int i = 0; i < kMt; ++i) {
+              // m64 tile i of this warpgroup: 64 rows of 128 bytes further (in 16-byte units).
+              ptx::Wgmma<kN>::Mma(acc[i], x_desc + uint64_t(i * 64 * kBk * 2 / 16) + 2 * kk,
+                                  w_desc + 2 * kk);
+            }
           }
-          ptx::WgmmaFence();
-          // Past K no instruction at all, not an add of zeros; a whole tile without a test.
-          const int k16s = min(kBk / 16, (k - kt * kBk) / 16);
-          if (k16s == kBk / 16 && my_tiles == kMt) {
+        } else {
+          for (int kk = 0; kk < k16s; ++kk) {
 #pragma unroll
-            for (int kk = 0; kk < kBk / 16; ++kk) {
-#pragma unroll
-              for (int i = 0; i < kMt; ++i) {
-                // m64 tile i of this warpgroup: 64 rows of 128 bytes further (in 16-byte units).
+            for (int i = 0; i < kMt; ++i) {
+              if (i < my_tiles) {
                 ptx::Wgmma<kN>::Mma(acc[i], x_desc + uint64_t(i * 64 * kBk * 2 / 16) + 2 * kk,
                                     w_desc + 2 * kk);
               }
             }
-          } else {
-            for (int kk = 0; kk < k16s; ++kk) {
-#pragma unroll
-              for (int i = 0; i < kMt; ++i) {
-                if (i < my_tiles) {
-                  ptx::Wgmma<kN>::Mma(acc[i], x_desc + uint64_t(i * 64 * kBk * 2 / 16) + 2 * kk,
-                                      w_desc + 2 * kk);
-                }
-              }
-            }
           }
-          ptx::WgmmaCommit();
-#pragma unroll
-          for (int i = 0; i < kMt; ++i) {
-            ptx::FenceOperands(acc[i]);
-          }
-          // The group of stage g - 1 is done: its stage may be refilled.
-          ptx::WgmmaWait<1>();
         }
-        if (kt > 0) release((g - 1) % kStages);
+        ptx::WgmmaCommit();
+#pragma unroll
+        for (int i = 0; i < kMt; ++i) {
+          ptx::FenceOperands(acc[i]);
+        }
+        // The group of stage g - 1 is done: its stage may be refilled.
+        ptx::WgmmaWait<1>();
       }
-      ptx::WgmmaWait<0>();
+      if (kt > 0 && lane == 0) ptx::MbarrierArrive(&empty[(g - 1) % kStages]);
+    }
+    ptx::WgmmaWait<0>();
 #pragma unroll
-      for (int i = 0; i < kMt; ++i) {
-        ptx::FenceOperands(acc[i]);
-      }
-      // The tile's last stage is read: the producer may refill it (with the next tile's K) while
-      // this tile's results are stored.
-      if (kPersistent) release((g - 1) % kStages);
-      if (my_tiles == 0) continue;
-      const int b = tile_b(tile), n0 = tile_n0(tile);
+    for (int i = 0; i < kMt; ++i) {
+      ptx::FenceOperands(acc[i]);
+    }
+    // The tile's last stage is read: the producer may refill it (with the next tile's K) while
+    // this tile's results are stored.
+    if (kPersistent && lane == 0) ptx::MbarrierArrive(&empty[(g - 1) % kStages]);
+    if (my_tiles == 0) continue;
+    const int b = tile_b(tile), n0 = tile_n0(tile);
 #pragma unroll
-      for (int i = 0; i < kMt; ++i) {
-        if (i >= my_tiles) continue;
-        const int row_base = 64 * (wg * kMt + i) + 16 * w_in + g_lane;
+    for (int i = 0; i < kMt; ++i) {
+      if (i >= my_tiles) continue;
+      const int row_base = 64 * (wg * kMt + i) + 16 * w_in + g_lane;
 #pragma unroll
-        for (int j = 0; j < kN / 8; ++j) {
+      for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = row_base + 8 * (e / 2);
-            const int col = n0 + 8 * j + 2 * t + e % 2;
-            if (row >= m || col >= n) continue;
-            const int64_t at = b * y_step + static_cast<int64_t>(row) * n + col;
-            const float v = acc[i][4 * j + e];
-            StoreElement(output, y, at, v);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int row = row_base + 8 * (e / 2);
+          const int col = n0 + 8 * j + 2 * t + e % 2;
+          if (row >= m || col >= n) continue;
+          const int64_t at = b * y_step + static_cast<int64_t>(row) * n + col;
+          const float v = acc[i][4 * j + e];
+          StoreElement(output, y, at, v);
         }
       }
     }
   }
-  // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
-  __syncwarp();
-  if (kCluster > 1) ptx::ClusterSync();
 }
 
-// The most clusters of one kernel resident at once (persistent grids: one CTA an SM, and a
-// cluster's CTAs in one GPC, so fewer than SMs / kCluster where a GPC's SMs do not divide),
-// found once per instantiation at prepare time; 0 until then.
-template <int kN, int kWgs, int kMt, int kStages, bool kPersistent, int kCluster>
-int& ResidentClusters() {
-  static int clusters = 0;
-  return clusters;
-}
-
-template <int kN, int kWgs, int kMt, int kStages, bool kPersistent, int kCluster>
+template <int kN, int kWgs, int kMt, int kStages, bool kPersistent>
 cudaError_t PrepareWgmma() {
-  using Shape = WgmmaShape<kN, kWgs, kMt, kStages>;
   if (!TensorMapsAvailable()) return cudaErrorNotSupported;
-  auto* kernel = &SmallMGemmWgmmaKernel<kN, kWgs, kMt, kStages, kPersistent, kCluster>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(Shape::kSmem));
-  if (err != cudaSuccess || !kPersistent) return err;
-  int device = 0, sms = 0;
-  err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  int clusters = sms / kCluster;
-  if (kCluster > 1) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
-    config.blockDim = dim3(Shape::kThreads);
-    config.dynamicSmemBytes = Shape::kSmem;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim = {static_cast<unsigned>(kCluster), 1, 1};
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-    if (err != cudaSuccess) return err;
-    if (clusters < 1) return cudaErrorNotSupported;
-  }
-  ResidentClusters<kN, kWgs, kMt, kStages, kPersistent, kCluster>() = clusters;
-  return cudaSuccess;
+  return cudaFuncSetAttribute(&SmallMGemmWgmmaKernel<kN, kWgs, kMt, kStages, kPersistent>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(WgmmaShape<kN, kWgs, kMt, kStages>::kSmem));
 }
 
-template <int kN, int kWgs, int kMt, int kStages, bool kPersistent, int kCluster>
+template <int kN, int kWgs, int kMt, int kStages, bool kPersistent>
 cudaError_t LaunchWgmma(const Launch& l) {
   using Shape = WgmmaShape<kN, kWgs, kMt, kStages>;
   TmaMaps maps;
-  cudaError_t err = EncodeLaunchMaps(l, 64 / kCluster, kN, &maps);
+  cudaError_t err = EncodeLaunchMaps(l, 64, kN, &maps);
   if (err != cudaSuccess) return err;
   const int col_blocks = (l.n + kN - 1) / kN;
-  const int groups = (col_blocks + kCluster - 1) / kCluster;
-  dim3 grid(groups * kCluster, l.batch);
+  dim3 grid(col_blocks, l.batch);
   if (kPersistent) {
-    // One CTA an SM (the ring fills its shared memory), never more clusters than tiles.
-    const int clusters = ResidentClusters<kN, kWgs, kMt, kStages, kPersistent, kCluster>();
-    if (clusters < 1) return cudaErrorInvalidValue;  // not prepared on this device
-    grid = dim3(static_cast<unsigned>(std::min<int64_t>(int64_t{groups} * l.batch, clusters) *
-                                      kCluster),
-                1);
+    // One CTA an SM (the ring fills its shared memory), never more CTAs than tiles.
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    if (err != cudaSuccess) return err;
+    grid = dim3(static_cast<unsigned>(std::min<int64_t>(int64_t{col_blocks} * l.batch, sms)), 1);
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(Shape::kThreads);
-  config.dynamicSmemBytes = Shape::kSmem;
-  config.stream = l.stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim = {static_cast<unsigned>(kCluster), 1, 1};
-  config.attrs = attribute;
-  config.numAttrs = kCluster > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(
-      &config, &SmallMGemmWgmmaKernel<kN, kWgs, kMt, kStages, kPersistent, kCluster>, maps.x,
-      maps.w, maps.x_col_step, maps.x_z, l.m, l.n, l.k, l.batch, l.y, l.y_step, l.output);
+  SmallMGemmWgmmaKernel<kN, kWgs, kMt, kStages, kPersistent>
+      <<<grid, Shape::kThreads, Shape::kSmem, l.stream>>>(maps.x, maps.w, maps.x_col_step,
+                                                           maps.x_z, l.m, l.n, l.k, l.batch, l.y,
+                                                           l.y_step, l.output);
+  return cudaGetLastError();
 }
 
-#define ROLLOUT_SMALL_M_WGMMA(nt, wgs, mt, st, p, c)                                        \
-  Entry {                                                                                   \
-    SmallMGemmConfig{nt, 64 * wgs * mt, wgs, 1, st, c > 1 ? c : 0, wgs, p},                 \
-        &LaunchWgmma<nt, wgs, mt, st, p, c>, &PrepareWgmma<nt, wgs, mt, st, p, c>           \
+#define ROLLOUT_SMALL_M_WGMMA(nt, wgs, mt, st, p)                                            \
+  Entry {                                                                                    \
+    SmallMGemmConfig{nt, 64 * wgs * mt, wgs, 1, st, 0, wgs, p}, &LaunchWgmma<nt, wgs, mt, st, p>, \
+        &PrepareWgmma<nt, wgs, mt, st, p>                                                    \
   }
 
 }  // namespace
@@ -305,45 +222,24 @@ std::vector<Entry> WgmmaEntries() {
     // shape at some m of 1..128 (rollout-gemm-sweep --small-m, H200, session 16). Two m64
     // tiles a warpgroup (m <= 256) lost to the pin at every m above 128 and were dropped, as was
     // n 128 for m <= 64.
-    ROLLOUT_SMALL_M_WGMMA(48, 1, 1, 12, false, 1),
-    ROLLOUT_SMALL_M_WGMMA(64, 1, 1, 12, false, 1),
-    ROLLOUT_SMALL_M_WGMMA(256, 1, 1, 5, false, 1),
-    ROLLOUT_SMALL_M_WGMMA(48, 2, 1, 9, false, 1),
-    ROLLOUT_SMALL_M_WGMMA(64, 2, 1, 8, false, 1),
-    ROLLOUT_SMALL_M_WGMMA(128, 2, 1, 6, false, 1),
-    ROLLOUT_SMALL_M_WGMMA(192, 2, 1, 5, false, 1),
-    ROLLOUT_SMALL_M_WGMMA(256, 2, 1, 4, false, 1),
+    ROLLOUT_SMALL_M_WGMMA(48, 1, 1, 12, false),
+    ROLLOUT_SMALL_M_WGMMA(64, 1, 1, 12, false),
+    ROLLOUT_SMALL_M_WGMMA(256, 1, 1, 5, false),
+    ROLLOUT_SMALL_M_WGMMA(48, 2, 1, 9, false),
+    ROLLOUT_SMALL_M_WGMMA(64, 2, 1, 8, false),
+    ROLLOUT_SMALL_M_WGMMA(128, 2, 1, 6, false),
+    ROLLOUT_SMALL_M_WGMMA(192, 2, 1, 5, false),
+    ROLLOUT_SMALL_M_WGMMA(256, 2, 1, 4, false),
     // Persistent (session 19): the tilings with more tiles than SMs on some runner shape (the
     // K-tree leaves: 8 x 4096 / n; gate_up: 24576 / n), where a CTA per tile ran a wave of
     // ring fill and drain per tile.
-    ROLLOUT_SMALL_M_WGMMA(48, 1, 1, 12, true, 1),
-    ROLLOUT_SMALL_M_WGMMA(64, 1, 1, 12, true, 1),
-    ROLLOUT_SMALL_M_WGMMA(96, 1, 1, 10, true, 1),
-    ROLLOUT_SMALL_M_WGMMA(48, 2, 1, 9, true, 1),
-    ROLLOUT_SMALL_M_WGMMA(64, 2, 1, 8, true, 1),
-    ROLLOUT_SMALL_M_WGMMA(96, 2, 1, 7, true, 1),
-    ROLLOUT_SMALL_M_WGMMA(128, 2, 1, 6, true, 1),
-    // x multicast across clusters of 2 or 4 CTAs (session 27): the tilings above whose L2 reads
-    // of x outweighed their weights at decode's m, with x read once per cluster.
-    ROLLOUT_SMALL_M_WGMMA(48, 1, 1, 12, false, 2),
-    ROLLOUT_SMALL_M_WGMMA(48, 1, 1, 12, false, 4),
-    ROLLOUT_SMALL_M_WGMMA(64, 1, 1, 12, false, 4),
-    ROLLOUT_SMALL_M_WGMMA(256, 1, 1, 5, false, 4),
-    ROLLOUT_SMALL_M_WGMMA(48, 2, 1, 9, false, 2),
-    ROLLOUT_SMALL_M_WGMMA(48, 2, 1, 9, false, 4),
-    ROLLOUT_SMALL_M_WGMMA(64, 2, 1, 8, false, 4),
-    ROLLOUT_SMALL_M_WGMMA(128, 2, 1, 6, false, 4),
-    ROLLOUT_SMALL_M_WGMMA(192, 2, 1, 5, false, 2),
-    ROLLOUT_SMALL_M_WGMMA(192, 2, 1, 5, false, 4),
-    ROLLOUT_SMALL_M_WGMMA(256, 2, 1, 4, false, 4),
-    ROLLOUT_SMALL_M_WGMMA(48, 1, 1, 12, true, 4),
-    ROLLOUT_SMALL_M_WGMMA(64, 1, 1, 12, true, 4),
-    ROLLOUT_SMALL_M_WGMMA(96, 1, 1, 10, true, 4),
-    ROLLOUT_SMALL_M_WGMMA(48, 2, 1, 9, true, 4),
-    ROLLOUT_SMALL_M_WGMMA(64, 2, 1, 8, true, 4),
-    ROLLOUT_SMALL_M_WGMMA(96, 2, 1, 7, true, 2),
-    ROLLOUT_SMALL_M_WGMMA(96, 2, 1, 7, true, 4),
-    ROLLOUT_SMALL_M_WGMMA(128, 2, 1, 6, true, 4),
+    ROLLOUT_SMALL_M_WGMMA(48, 1, 1, 12, true),
+    ROLLOUT_SMALL_M_WGMMA(64, 1, 1, 12, true),
+    ROLLOUT_SMALL_M_WGMMA(96, 1, 1, 10, true),
+    ROLLOUT_SMALL_M_WGMMA(48, 2, 1, 9, true),
+    ROLLOUT_SMALL_M_WGMMA(64, 2, 1, 8, true),
+    ROLLOUT_SMALL_M_WGMMA(96, 2, 1, 7, true),
+    ROLLOUT_SMALL_M_WGMMA(128, 2, 1, 6, true),
   };
 }
 

@@ -83,9 +83,6 @@ struct CudaRunnerOptions {
   // The ladder's candidates include the hand-written small-m kernel's configurations
   // (kernels/cuda/small_m_gemm.h) for the ranges of m <= 256, admitted by the same probe.
   bool gemm_hand_kernels = true;
-  // Among them the warpgroup configurations that multicast x across a cluster of CTAs (false:
-  // left out, to measure what they bring).
-  bool gemm_hand_multicast = true;
   CudaAttentionKernel attention_kernel = CudaAttentionKernel::kTensorCore;
   // kTensorCore only: decode tokens whose sequences hold the same KV pages for whole attention
   // splits (the samples of one request over their prompt, a cached prefix) read those pages once

@@ -54,8 +54,7 @@ absl::Status CudaModelRunner::PinGemms() {
                       absl::StrCat("creating the GEMM for ", g.name)));
     } else if (options_.gemm_ladder) {
       ROLLOUT_RETURN_IF_ERROR(CublasError(
-          (*g.gemm)->BuildLadder(nullptr, options_.gemm_hand_kernels, options_.max_batch_tokens,
-                                 options_.gemm_hand_multicast),
+          (*g.gemm)->BuildLadder(nullptr, options_.gemm_hand_kernels, options_.max_batch_tokens),
           absl::StrCat("the GEMM ladder for ", g.name)));
     }
     s.gemm_descriptions.push_back(
@@ -110,10 +109,9 @@ absl::Status CudaModelRunner::PinCanonicalGemms() {
           g.name, g.n, g.k, why));
     }
     if (options_.gemm_ladder) {
-      ROLLOUT_RETURN_IF_ERROR(
-          CublasError(full->BuildLadder(nullptr, options_.gemm_hand_kernels,
-                                        options_.max_batch_tokens, options_.gemm_hand_multicast),
-                      absl::StrCat("the GEMM ladder for ", g.name)));
+      ROLLOUT_RETURN_IF_ERROR(CublasError(
+          full->BuildLadder(nullptr, options_.gemm_hand_kernels, options_.max_batch_tokens),
+          absl::StrCat("the GEMM ladder for ", g.name)));
     }
     s.pin_lines.push_back(cuda::DescribePin(g.contract_name, *full));
     for (RankState& rk : s.ranks) {
@@ -165,8 +163,7 @@ absl::Status CudaModelRunner::PinMoeGemms() {
                     "creating the GEMM for router"));
   } else if (options_.gemm_ladder) {
     ROLLOUT_RETURN_IF_ERROR(CublasError(
-        rk.gemm_router->BuildLadder(nullptr, options_.gemm_hand_kernels, options_.max_batch_tokens,
-                                    options_.gemm_hand_multicast),
+        rk.gemm_router->BuildLadder(nullptr, options_.gemm_hand_kernels, options_.max_batch_tokens),
         "the GEMM ladder for router"));
   }
   s.gemm_descriptions.push_back(
