@@ -383,6 +383,17 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
       return 1;
     }
   }
+  // The TMA kernel's clusters the device holds at once: with one CTA an SM, clusters of c
+  // should fill ~SMs / c; far fewer would run a grid in waves.
+  for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
+    int clusters = 0;
+    if (configs[c].warpgroups == 0 && configs[c].cluster >= 1 &&
+        cuda::SmallMGemmResidentClusters(c, &clusters) == cudaSuccess) {
+      std::printf("%-28s %3d clusters resident (%d CTAs, %zu KB of shared memory each)\n",
+                  configs[c].Name().c_str(), clusters, clusters * configs[c].cluster,
+                  configs[c].SharedBytes() / 1024);
+    }
+  }
   int differing = 0;
   for (const SmallShape& s : shapes) {
     if (only != nullptr && std::strcmp(only, s.name) != 0) continue;

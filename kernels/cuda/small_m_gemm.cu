@@ -340,6 +340,25 @@ cudaError_t PrepareTma() {
 
 
 template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
+cudaError_t ResidentTmaClusters(int* clusters) {
+  using Shape = TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(kCluster);
+  config.blockDim = dim3(Shape::kThreads);
+  config.dynamicSmemBytes = Shape::kSmem;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = kCluster;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaOccupancyMaxActiveClusters(
+      clusters, &SmallMGemmTmaKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>,
+      &config);
+}
+
+template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
 cudaError_t LaunchTma(const Launch& l) {
   using Shape = TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>;
   const int m_tiles = (l.m + 15) / 16;
@@ -374,7 +393,7 @@ cudaError_t LaunchTma(const Launch& l) {
 #define ROLLOUT_SMALL_M_TMA(nt, mt, wm, wn, st, c)                                     \
   Entry {                                                                              \
     SmallMGemmConfig{nt, 16 * mt, wm, wn, st, c}, &LaunchTma<nt, mt, wm, wn, st, c>,   \
-        &PrepareTma<nt, mt, wm, wn, st, c>                                             \
+        &PrepareTma<nt, mt, wm, wn, st, c>, &ResidentTmaClusters<nt, mt, wm, wn, st, c> \
   }
 
 // The tilings the ladder may choose from, by the m they serve. Small n tiles give many CTAs
@@ -476,6 +495,15 @@ cudaError_t PrepareSmallMGemm(int config) {
   const std::vector<Entry>& entries = Entries();
   if (config < 0 || config >= static_cast<int>(entries.size())) return cudaErrorInvalidValue;
   return entries[config].prepare();
+}
+
+cudaError_t SmallMGemmResidentClusters(int config, int* clusters) {
+  const std::vector<Entry>& entries = Entries();
+  if (config < 0 || config >= static_cast<int>(entries.size()) || clusters == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (entries[config].resident_clusters == nullptr) return cudaErrorNotSupported;
+  return entries[config].resident_clusters(clusters);
 }
 
 cudaError_t SmallMGemm(int config, const bf16* x, int64_t ldx, int64_t x_step, int64_t m,

@@ -67,6 +67,12 @@ const std::vector<SmallMGemmConfig>& SmallMGemmConfigs();
 // configuration over 48 KB fails to launch (cudaErrorInvalidValue).
 cudaError_t PrepareSmallMGemm(int config);
 
+// The TMA kernel's configurations (cluster >= 1): how many of its clusters the device can hold
+// at once at its shared memory (cudaOccupancyMaxActiveClusters), after PrepareSmallMGemm.
+// cudaErrorNotSupported for the other kernels. For rollout-gemm-sweep: clusters of 2 and 4 ran
+// about 2 and 4 times longer than one CTA alone (docs/benchmarks.md, session 27).
+cudaError_t SmallMGemmResidentClusters(int config, int* clusters);
+
 // `batch` products y_b = x_b . w_b^T, b = 0 .. batch - 1 (PinnedGemm::RunBatched's layout):
 // x_b = x + b * x_step: [m, k] bf16, rows ldx elements apart; w_b = w + b * w_step: [n, k] bf16;
 // y_b = y + b * y_step: [m, n] (bf16 for kBf16, else fp32), rows n apart. One launch; a product's

@@ -109,6 +109,9 @@ struct Entry {
   SmallMGemmConfig config;
   cudaError_t (*launch)(const Launch&);
   cudaError_t (*prepare)();
+  // The TMA kernel's: how many of its clusters can be resident at once (cudaOccupancyMax-
+  // ActiveClusters at its shared memory), after prepare. nullptr for the others.
+  cudaError_t (*resident_clusters)(int* clusters) = nullptr;
 };
 
 // The warpgroup kernel's configurations, in table order (small_m_gemm_wgmma.cu).
