@@ -111,6 +111,13 @@ def main(argv=None) -> int:
             groups = client.generate(prompts, num_samples=args.group_size, seed=seeds,
                                      temperature=args.temperature,
                                      max_new_tokens=args.max_new_tokens)
+            aborted = [c for g in groups for c in g if c.finish_reason == "abort"]
+            if aborted:
+                # Cut short (a cancel, an ABORT update, or logits that are not finite: weights
+                # that diverged): a trainer must not train on these samples.
+                failures.append(f"round {k}: {len(aborted)} samples aborted, the first by: "
+                                f"{aborted[0].abort_cause or 'no cause given'}")
+                break
             versions = {c.weight_version for g in groups for c in g}
             tokens = [[c.token_ids for c in g] for g in groups]
             n_tok = sum(len(t) for g in tokens for t in g)
