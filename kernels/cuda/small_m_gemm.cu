@@ -339,20 +339,32 @@ cudaError_t PrepareTma() {
 }
 
 
+// The TMA kernel's launch: `grid` CTAs of `threads` threads and `smem` bytes of dynamic shared
+// memory, in clusters of `cluster` along x (the attribute, which *attribute holds, is left out
+// for clusters of 1).
+inline cudaLaunchConfig_t TmaLaunchConfig(dim3 grid, int threads, size_t smem, int cluster,
+                                          cudaStream_t stream, cudaLaunchAttribute* attribute) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = cluster;
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = cluster > 1 ? 1 : 0;
+  return config;
+}
+
 template <int kNTile, int kMTiles, int kWarpsM, int kWarpsN, int kStages, int kCluster>
 cudaError_t ResidentTmaClusters(int* clusters) {
   using Shape = TmaShape<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(kCluster);
-  config.blockDim = dim3(Shape::kThreads);
-  config.dynamicSmemBytes = Shape::kSmem;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = kCluster;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config =
+      TmaLaunchConfig(dim3(kCluster), Shape::kThreads, Shape::kSmem, kCluster, nullptr, &attribute);
+  config.numAttrs = 1;  // the occupancy API wants the cluster size, also a cluster of 1
   return cudaOccupancyMaxActiveClusters(
       clusters, &SmallMGemmTmaKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>,
       &config);
@@ -367,18 +379,10 @@ cudaError_t LaunchTma(const Launch& l) {
   const cudaError_t err = EncodeLaunchMaps(l, slice_rows, kNTile, &maps);
   if (err != cudaSuccess) return err;
   const int n_tiles = (l.n + kNTile - 1) / kNTile;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((n_tiles + kCluster - 1) / kCluster * kCluster, l.batch);
-  config.blockDim = dim3(Shape::kThreads);
-  config.dynamicSmemBytes = Shape::kSmem;
-  config.stream = l.stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = kCluster;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = kCluster > 1 ? 1 : 0;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config =
+      TmaLaunchConfig(dim3((n_tiles + kCluster - 1) / kCluster * kCluster, l.batch),
+                      Shape::kThreads, Shape::kSmem, kCluster, l.stream, &attribute);
   return cudaLaunchKernelEx(
       &config, &SmallMGemmTmaKernel<kNTile, kMTiles, kWarpsM, kWarpsN, kStages, kCluster>, maps.x,
       maps.w, maps.x_col_step, maps.x_z, l.m, l.n, l.k, l.y, l.y_step, l.output);
