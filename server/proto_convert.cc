@@ -152,6 +152,12 @@ absl::StatusOr<std::vector<SampleSpec>> ToScoreSpecs(const v1::ScoreRequest& req
                             t, seq.token_ids(t), vocab));
       }
     }
+    if (seq.token_ids_size() < 2) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "sequences[%d] has %d token%s; a scored sequence needs at least 2 (a token of context, "
+          "then the tokens scored from start)",
+          i, seq.token_ids_size(), seq.token_ids_size() == 1 ? "" : "s"));
+    }
     if (seq.start() == 0 || seq.start() >= static_cast<uint32_t>(seq.token_ids_size())) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "sequences[%d].start = %d; it must be in [1, %d) (token_ids has %d tokens)", i,

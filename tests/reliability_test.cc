@@ -366,13 +366,18 @@ TEST_F(ReliabilityBadInputTest, ScoreBoundariesNameTheSequenceAndField) {
          r->mutable_sequences(1)->clear_token_ids();
          r->mutable_sequences(1)->set_start(1);
        },
-       {"sequences[1].start = 1", "token_ids has 0 tokens"}},
+       {"sequences[1] has 0 tokens", "needs at least 2"}},
       {"single token",
        [](v1::ScoreRequest* r) {
          r->mutable_sequences(1)->clear_token_ids();
          r->mutable_sequences(1)->add_token_ids(5);
        },
-       {"sequences[1].start"}},
+       {"sequences[1] has 1 token;", "needs at least 2"}},
+      {"start past the last token",
+       [](v1::ScoreRequest* r) {
+         r->mutable_sequences(1)->set_start(r->sequences(1).token_ids_size());
+       },
+       {"sequences[1].start = ", "it must be in [1, "}},
       {"nan temperature",
        [](v1::ScoreRequest* r) { r->mutable_sequences(1)->set_temperature(NAN); },
        {"sequences[1].temperature", "finite"}},
