@@ -149,6 +149,7 @@ using SampleHistogram = DurationHistogram<SampleBounds>;
 // flush or an ABORT update.
 struct EngineCounters {
   int32_t running = 0;
+  int32_t paused = 0;  // of `running`, paused for a reader that fell behind (no place in steps)
   int32_t waiting = 0;
   int32_t kv_blocks_free = 0;
   int32_t kv_blocks_total = 0;

@@ -150,6 +150,7 @@ EngineCounters EngineCore::counters() const {
 void EngineCore::PublishCounters() {
   EngineCounters c;
   c.running = static_cast<int32_t>(scheduler_.num_running());
+  c.paused = c.running - scheduler_.num_unpaused_running();
   c.waiting = static_cast<int32_t>(scheduler_.num_waiting());
   c.kv_blocks_free = blocks_.num_free();
   c.kv_blocks_total = blocks_.num_total();

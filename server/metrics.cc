@@ -134,6 +134,8 @@ std::string ServiceMetrics::Render(const EngineCounters& e, const std::string& w
                     samples_[r].load(), "\n");
   }
   Scalar(&out, "rollout_running_samples", "gauge", "Samples in the running batch.", e.running);
+  Scalar(&out, "rollout_paused_samples", "gauge",
+         "Of the running samples, those paused for a Generate reader that fell behind.", e.paused);
   Scalar(&out, "rollout_waiting_samples", "gauge", "Samples queued for admission.", e.waiting);
   Scalar(&out, "rollout_unfinished_samples", "gauge", "Samples submitted and not yet completed.",
          static_cast<double>(e.unfinished_samples));

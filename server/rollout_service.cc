@@ -420,6 +420,7 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::GetServerInfo(grpc::CallbackServer
   const EngineCounters counters = engine_->counters();
   v1::EngineCounters* k = response->mutable_counters();
   k->set_running_samples(counters.running);
+  k->set_paused_samples(static_cast<uint32_t>(counters.paused));
   k->set_waiting_samples(counters.waiting);
   k->set_kv_blocks_free(counters.kv_blocks_free);
   k->set_kv_blocks_total(counters.kv_blocks_total);

@@ -133,6 +133,8 @@ TEST(ReliabilityBackpressureTest,
   const uint64_t paused_at = WaitUntilGenerationStops(stub);
   EXPECT_LT(paused_at - before, 24u * 800) << "the stalled stream's samples ran to the end";
   EXPECT_EQ(rel::FetchServerInfo(stub).counters().running_samples(), 24u);
+  // All 24 hold their place paused, and are counted as such (running_samples counts them too).
+  EXPECT_EQ(rel::FetchServerInfo(stub).counters().paused_samples(), 24u);
   const int64_t rss = ResidentKiB(child->process->pid());
 
   // Another stream meanwhile runs normally, at once, with its bits.

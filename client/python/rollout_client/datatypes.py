@@ -297,6 +297,7 @@ class EngineCounters:
     recomputed_tokens: int
     weight_updates: int
     nonfinite_logit_rows: int        # logits rows with a NaN or Inf since start (diverged weights)
+    paused_samples: int              # of running_samples, paused for a reader that fell behind
 
 
 @dataclass
