@@ -387,12 +387,17 @@ int SmallM(cublasLtHandle_t lt, const char* only) {
   // should fill ~SMs / c; far fewer would run a grid in waves.
   for (int c = 0; c < static_cast<int>(configs.size()); ++c) {
     int clusters = 0;
-    if (configs[c].warpgroups == 0 && configs[c].cluster >= 1 &&
-        cuda::SmallMGemmResidentClusters(c, &clusters) == cudaSuccess) {
-      std::printf("%-28s %3d clusters resident (%d CTAs, %zu KB of shared memory each)\n",
-                  configs[c].Name().c_str(), clusters, clusters * configs[c].cluster,
-                  configs[c].SharedBytes() / 1024);
+    const cudaError_t err = cuda::SmallMGemmResidentClusters(c, &clusters);
+    if (err == cudaErrorNotSupported) continue;  // not the TMA kernel
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      std::printf("%-28s resident clusters unknown: %s\n", configs[c].Name().c_str(),
+                  cudaGetErrorString(err));
+      continue;
     }
+    std::printf("%-28s %3d clusters resident (%d CTAs, %zu KB of shared memory each)\n",
+                configs[c].Name().c_str(), clusters, clusters * configs[c].cluster,
+                configs[c].SharedBytes() / 1024);
   }
   int differing = 0;
   for (const SmallShape& s : shapes) {
