@@ -82,6 +82,7 @@
 
 #include "kernels/cuda/attention_fold.cuh"
 #include "kernels/cuda/attention_tiles.h"
+#include "kernels/cuda/grid_dependency.cuh"
 #include "kernels/cuda/mma_ptx.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/wgmma_ptx.cuh"
@@ -225,6 +226,9 @@ template <int kHeadDim, int kWarps, int kStages, bool kFold, bool kWgmma>
 __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>::kThreads,
                                   MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>::kMinBlocks)
     MmaAttentionKernel(AttentionParams p, KvCacheView cache) {
+  // A programmatically launched merge may take its place on the SMs this grid's last blocks
+  // leave (MergeAttentionSplits; grid_dependency.cuh).
+  ptx::LaunchDependents();
   using Shape = MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>;
   constexpr int kStride = Shape::kStride;
   constexpr int kSteps = kHeadDim / 16;    // k-steps of Q K^T
@@ -574,6 +578,10 @@ constexpr int kMergeWarps = 8;
 template <int kHeadDim>
 __global__ void __launch_bounds__(kMergeWarps * 32)
     MergeKernel(AttentionParams p, int64_t num_tokens) {
+  // o_proj may start streaming its weights; launched programmatically (MergeAttentionSplits),
+  // this kernel itself waits for the attention's partials (grid_dependency.cuh).
+  ptx::LaunchDependents();
+  ptx::WaitForPrerequisites();
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
   if (row >= num_tokens * p.num_heads) return;  // row = (token, head)
@@ -584,6 +592,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 // One warp per (item, head): the rows of the item's tokens, in token order.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kMergeWarps * 32) MergeItemsKernel(AttentionParams p) {
+  ptx::LaunchDependents();
   const int lane = threadIdx.x % 32;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
   if (w >= static_cast<int64_t>(p.num_items) * p.num_heads) return;
@@ -668,24 +677,28 @@ cudaError_t PagedAttentionMma(const AttentionParams& params, AttentionBlockShape
 }
 
 cudaError_t MergeAttentionSplits(const AttentionParams& params, int64_t num_tokens,
-                                 int32_t head_dim, cudaStream_t stream) {
+                                 int32_t head_dim, cudaStream_t stream, bool programmatic) {
   if (num_tokens == 0) return cudaSuccess;
   const int64_t rows = num_tokens * params.num_heads;
-  const unsigned blocks = static_cast<unsigned>((rows + kMergeWarps - 1) / kMergeWarps);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((rows + kMergeWarps - 1) / kMergeWarps));
+  config.blockDim = dim3(kMergeWarps * 32);
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
   switch (head_dim) {
     case 32:
-      MergeKernel<32><<<blocks, kMergeWarps * 32, 0, stream>>>(params, num_tokens);
-      break;
+      return cudaLaunchKernelEx(&config, &MergeKernel<32>, params, num_tokens);
     case 64:
-      MergeKernel<64><<<blocks, kMergeWarps * 32, 0, stream>>>(params, num_tokens);
-      break;
+      return cudaLaunchKernelEx(&config, &MergeKernel<64>, params, num_tokens);
     case 128:
-      MergeKernel<128><<<blocks, kMergeWarps * 32, 0, stream>>>(params, num_tokens);
-      break;
+      return cudaLaunchKernelEx(&config, &MergeKernel<128>, params, num_tokens);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 cudaError_t MergeAttentionSplitsOfItems(const AttentionParams& params, int32_t head_dim,
