@@ -337,6 +337,17 @@ absl::Status CheckWeightVersion(const std::string& version) {
                         "completion)",
                         version.size(), kMaxWeightVersionBytes));
   }
+  // It is written into logs and into /metrics' rollout_weight_version_info{version="..."} label:
+  // no line breaks, NULs or other control characters there.
+  for (size_t i = 0; i < version.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(version[i]);
+    if (c < 0x20 || c == 0x7f) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "version holds the control character 0x%02x at byte %d; name it with printable "
+          "characters (it is written into logs and /metrics labels)",
+          c, i));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -130,8 +130,9 @@ absl::StatusOr<WeightUpdate> LoadUpdateFromCheckpoint(
     const std::string& path, const std::string& version, UpdatePolicy policy,
     const std::function<bool()>& cancelled = nullptr, CheckpointLoadTimes* times = nullptr);
 
-// A weight version names what serves and is copied into every completion: non-empty and at most
-// kMaxWeightVersionBytes. INVALID_ARGUMENT saying which.
+// A weight version names what serves and is copied into every completion: non-empty, at most
+// kMaxWeightVersionBytes, no control characters (bytes below 0x20, 0x7f; UTF-8 is fine).
+// INVALID_ARGUMENT saying which.
 absl::Status CheckWeightVersion(const std::string& version);
 
 }  // namespace rollout

@@ -595,6 +595,16 @@ TEST_F(ReliabilityBadInputTest, BadCheckpointPathsAreRefusedNamingTheFile) {
   };
   const std::vector<Case> cases = {
       {"empty version", served, "", grpc::StatusCode::INVALID_ARGUMENT, {"version is empty"}},
+      {"a line break in the version",
+       served,
+       "step\n7",
+       grpc::StatusCode::INVALID_ARGUMENT,
+       {"control character 0x0a at byte 4"}},
+      {"a NUL in the version",
+       served,
+       std::string("a\0b", 3),
+       grpc::StatusCode::INVALID_ARGUMENT,
+       {"control character 0x00 at byte 1"}},
       {"missing directory", root + "nope", "x", grpc::StatusCode::NOT_FOUND, {root + "nope"}},
       {"no weights",
        root + "no-weights",

@@ -182,6 +182,9 @@ TEST_F(WeightsE2eTest, EachBadUpdateIsRefusedAndTheOldWeightsServeBitwise) {
       {"empty version",
        [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) { h->clear_version(); },
        "version is empty"},
+      {"a control character in the version",
+       [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) { h->set_version("v\x1b[31m"); },
+       "control character 0x1b at byte 1"},
       {"duplicate declaration",
        [](v1::WeightsHeader* h, std::vector<v1::WeightsChunk>*) {
          *h->add_tensors() = h->tensors(0);
