@@ -500,7 +500,14 @@ absl::StatusOr<uint64_t> RolloutServiceImpl::StartScore(std::vector<SampleSpec> 
                                                         EventSink sink) {
   std::lock_guard<std::mutex> lock(mu_);
   if (absl::Status s = CheckQueueLocked(samples.size()); !s.ok()) return s;
-  return engine_->SubmitValidated(std::move(samples), std::move(sink));
+  absl::StatusOr<uint64_t> job = engine_->SubmitValidated(std::move(samples), std::move(sink));
+  if (job.ok()) in_flight_scores_.insert(*job);
+  return job;
+}
+
+void RolloutServiceImpl::EndScore(uint64_t job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_flight_scores_.erase(job_id);
 }
 
 absl::Status RolloutServiceImpl::CheckQueueLocked(size_t num_samples) const {
@@ -549,6 +556,9 @@ grpc::ServerUnaryReactor* RolloutServiceImpl::Abort(grpc::CallbackServerContext*
       }
     }
     response->set_aborted_rollouts(rollouts);
+    // Each ends ABORTED; counted once (a second Abort of all does not count them again).
+    response->set_aborted_score_calls(static_cast<uint32_t>(in_flight_scores_.size()));
+    in_flight_scores_.clear();
     engine_->AbortAll();
   } else {
     // Abort is a control RPC: its caller carries the token, and reaches the ids of callers

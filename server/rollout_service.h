@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -160,6 +161,9 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   // Submits a Score call's sequences as one engine job, within the same limits as Generate.
   // REQUIRES: `samples` passed Engine::Validate (ToScoreSpecs does it).
   absl::StatusOr<uint64_t> StartScore(std::vector<SampleSpec> samples, EventSink sink);
+  // A Score call's job (StartScore's) ended, whatever its outcome: an Abort of all no longer
+  // counts it.
+  void EndScore(uint64_t job_id);
 
   // From now on Generate and Score answer UNAVAILABLE (shutdown); running calls go on.
   void StopAdmission();
@@ -214,6 +218,7 @@ class RolloutServiceImpl final : public v1::RolloutService::WithRawCallbackMetho
   // Guarded by mu_.
   std::map<std::pair<CallerScope, std::string>, InFlight> in_flight_ids_;
   std::map<uint64_t, InFlightJob> in_flight_jobs_;
+  std::set<uint64_t> in_flight_scores_;  // Score calls' jobs (AbortResponse.aborted_score_calls)
 };
 
 }  // namespace rollout

@@ -80,6 +80,8 @@ void ScoreReactor::OnEvents(std::vector<SampleEvent> events) {
 void ScoreReactor::FinishLocked(const grpc::Status& status) {
   if (state_->finished) return;
   state_->finished = true;
+  // Lock order: the call's state, then the service's (StartScore is called the same way).
+  if (submitted_) service_->EndScore(job_id_);
   Finish(status);
 }
 

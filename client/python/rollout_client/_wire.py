@@ -715,7 +715,7 @@ def abort_request(request_ids: Union[None, str, Sequence[str]], all_: bool):
 
 
 def abort_result(r) -> AbortResult:
-    return AbortResult(r.aborted_rollouts, list(r.unknown_request_ids))
+    return AbortResult(r.aborted_rollouts, list(r.unknown_request_ids), r.aborted_score_calls)
 
 
 def flush_result(r) -> FlushCacheResult:

@@ -154,6 +154,8 @@ class ScoreResult:
 class AbortResult:
     aborted_rollouts: int
     unknown_request_ids: List[str]
+    # all=True only: the Score calls in flight, which end ABORTED.
+    aborted_score_calls: int = 0
 
 
 @dataclass
