@@ -12,6 +12,11 @@
 // No MMA, no output: what is left is the memory system and the ring's synchronisation. Prints
 // microseconds a launch (median of 9, L2 flushed before each) and TB/s of weights, with the
 // resident clusters (cudaOccupancyMaxActiveClusters) of every clustered configuration.
+// What it showed (H100, session 28, docs/benchmarks.md): w + x costs what w alone does at m = 95
+// (the L2 serves every CTA's copy of x at 5.4 TB/s), so x's bytes do not bound the decode GEMMs;
+// w alone streams at the copy rate plus ~11 us a launch (qkv 27.6, gate_up 77.2, down leaves
+// 45.3 us: the small-m kernels' own times); clusters alone cost little (66 clusters of 2 and 30 of
+// 4 resident), the multicast ring 2-4x (its cross-CTA releases), at m = 1 as at 95.
 #include <cuda_runtime.h>
 
 #include <algorithm>

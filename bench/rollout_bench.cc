@@ -68,10 +68,6 @@ ABSL_FLAG(bool, gemm_ladder, true,
 ABSL_FLAG(bool, gemm_hand_kernels, true,
           "the GEMM ladder also offers the hand-written small-m kernel (m <= 256), admitted by the "
           "same probe");
-ABSL_FLAG(bool, programmatic_launch, rollout::CudaRunnerOptions{}.programmatic_launch,
-          "programmatic dependent launches: the ladder's warpgroup rungs stream their first "
-          "weight stages while the kernel ahead finishes, the attention merge starts in the "
-          "attention's tail");
 ABSL_FLAG(int32_t, attention_split_size, 256,
           "attention split size in tokens (part of a row's arithmetic: other values, other bits)");
 ABSL_FLAG(std::string, attention, "mma", "attention kernel: mma (tensor cores) or simt");
@@ -306,7 +302,6 @@ absl::StatusOr<Setup> MakeSetup() {
   options.gemm_pin_m = absl::GetFlag(FLAGS_gemm_pin_m);
   options.gemm_ladder = absl::GetFlag(FLAGS_gemm_ladder);
   options.gemm_hand_kernels = absl::GetFlag(FLAGS_gemm_hand_kernels);
-  options.programmatic_launch = absl::GetFlag(FLAGS_programmatic_launch);
   options.attention_split_size = absl::GetFlag(FLAGS_attention_split_size);
   options.attention_kernel = absl::GetFlag(FLAGS_attention) == "simt"
                                  ? CudaAttentionKernel::kSimt

@@ -82,7 +82,6 @@
 
 #include "kernels/cuda/attention_fold.cuh"
 #include "kernels/cuda/attention_tiles.h"
-#include "kernels/cuda/grid_dependency.cuh"
 #include "kernels/cuda/mma_ptx.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/wgmma_ptx.cuh"
@@ -226,9 +225,6 @@ template <int kHeadDim, int kWarps, int kStages, bool kFold, bool kWgmma>
 __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>::kThreads,
                                   MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>::kMinBlocks)
     MmaAttentionKernel(AttentionParams p, KvCacheView cache) {
-  // A programmatically launched merge may take its place on the SMs this grid's last blocks
-  // leave (MergeAttentionSplits; grid_dependency.cuh).
-  ptx::LaunchDependents();
   using Shape = MmaShape<kHeadDim, kWarps, kStages, kFold, kWgmma>;
   constexpr int kStride = Shape::kStride;
   constexpr int kSteps = kHeadDim / 16;    // k-steps of Q K^T
@@ -578,10 +574,6 @@ constexpr int kMergeWarps = 8;
 template <int kHeadDim>
 __global__ void __launch_bounds__(kMergeWarps * 32)
     MergeKernel(AttentionParams p, int64_t num_tokens) {
-  // o_proj may start streaming its weights; launched programmatically (MergeAttentionSplits),
-  // this kernel itself waits for the attention's partials (grid_dependency.cuh).
-  ptx::LaunchDependents();
-  ptx::WaitForPrerequisites();
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
   if (row >= num_tokens * p.num_heads) return;  // row = (token, head)
@@ -592,7 +584,6 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 // One warp per (item, head): the rows of the item's tokens, in token order.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kMergeWarps * 32) MergeItemsKernel(AttentionParams p) {
-  ptx::LaunchDependents();
   const int lane = threadIdx.x % 32;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
   if (w >= static_cast<int64_t>(p.num_items) * p.num_heads) return;
@@ -677,28 +668,24 @@ cudaError_t PagedAttentionMma(const AttentionParams& params, AttentionBlockShape
 }
 
 cudaError_t MergeAttentionSplits(const AttentionParams& params, int64_t num_tokens,
-                                 int32_t head_dim, cudaStream_t stream, bool programmatic) {
+                                 int32_t head_dim, cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
   const int64_t rows = num_tokens * params.num_heads;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((rows + kMergeWarps - 1) / kMergeWarps));
-  config.blockDim = dim3(kMergeWarps * 32);
-  config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = programmatic ? 1 : 0;
+  const unsigned blocks = static_cast<unsigned>((rows + kMergeWarps - 1) / kMergeWarps);
   switch (head_dim) {
     case 32:
-      return cudaLaunchKernelEx(&config, &MergeKernel<32>, params, num_tokens);
+      MergeKernel<32><<<blocks, kMergeWarps * 32, 0, stream>>>(params, num_tokens);
+      break;
     case 64:
-      return cudaLaunchKernelEx(&config, &MergeKernel<64>, params, num_tokens);
+      MergeKernel<64><<<blocks, kMergeWarps * 32, 0, stream>>>(params, num_tokens);
+      break;
     case 128:
-      return cudaLaunchKernelEx(&config, &MergeKernel<128>, params, num_tokens);
+      MergeKernel<128><<<blocks, kMergeWarps * 32, 0, stream>>>(params, num_tokens);
+      break;
     default:
       return cudaErrorInvalidValue;
   }
+  return cudaGetLastError();
 }
 
 cudaError_t MergeAttentionSplitsOfItems(const AttentionParams& params, int32_t head_dim,

@@ -2,7 +2,6 @@
 // thread per group of elements.
 #include <algorithm>
 
-#include "kernels/cuda/grid_dependency.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace rollout::cuda {
@@ -32,7 +31,6 @@ __global__ void EmbeddingGatherKernel(const int32_t* token_ids, const bf16* embe
 __device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
 
 __global__ void SiluMulKernel(const bf16* gate_up, int64_t dim, bf16* out) {
-  ptx::LaunchDependents();  // down_proj may start streaming its weights (grid_dependency.cuh)
   const int64_t r = blockIdx.y;
   const int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (chunk * 8 >= dim) return;

@@ -118,10 +118,6 @@ class PinnedGemm {
   // The same rungs as `from`'s (a gemm of another n with the same k and pin: a rank's slice of a
   // column-parallel weight), each admitted again by the probe on this gemm's shape.
   cublasStatus_t CopyLadder(const PinnedGemm& from, std::string* diagnostics = nullptr);
-  // Hand rungs launch with programmatic stream serialization (SmallMGemm's `programmatic`: the
-  // first weight stages stream in while the kernel ahead finishes). Off by default; the runner
-  // turns it on for its forward pass (CudaRunnerOptions::gemm_programmatic_launch). Same bits.
-  void set_programmatic_launch(bool on) { programmatic_launch_ = on; }
   // The ranges of m BuildLadder considers: [min_m, next range's min_m), the heuristic asked at
   // representative_m.
   struct LadderRange {
@@ -208,7 +204,6 @@ class PinnedGemm {
   };
   std::vector<Rung> rungs_;
   std::string ladder_note_;  // why there is no ladder, when the probe could not run
-  bool programmatic_launch_ = false;
   // The rung serving m, or nullptr (the pin).
   const Rung* For(int64_t m) const;
   // The hand kernel of configuration `config` on this gemm's shape and output.

@@ -204,8 +204,7 @@ cublasStatus_t PinnedGemm::RunHand(int config, const __nv_bfloat16* x, int64_t l
                                    int64_t m, const __nv_bfloat16* w, int64_t w_step, void* y,
                                    int64_t y_step, int batch, cudaStream_t stream) const {
   return HandStatus(
-      SmallMGemm(config, x, ldx, x_step, m, w, w_step, n_, k_, y, y_step, batch, output_, stream,
-                 programmatic_launch_));
+      SmallMGemm(config, x, ldx, x_step, m, w, w_step, n_, k_, y, y_step, batch, output_, stream));
 }
 
 cublasStatus_t PinnedGemm::Admit(int64_t min_m, int64_t end_m, int64_t representative_m,

@@ -149,14 +149,6 @@ __device__ __forceinline__ void TmaLoad3d(void* dst, const void* map, int c0, in
       : "memory");
 }
 
-// Asks the L2 to hold the 3-d tile of `map` at (c0, c1, c2); nothing is written to shared memory
-// and nothing is counted on a barrier.
-__device__ __forceinline__ void TmaPrefetchL2(const void* map, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(map),
-               "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-
 // The same tile into the shared memory of every cluster CTA in `mask`, at the same offset, each
 // copy counted on that CTA's barrier at `bar`'s offset.
 __device__ __forceinline__ void TmaLoad3dMulticast(void* dst, const void* map, int c0, int c1,

@@ -2,7 +2,6 @@
 // and the attention input stage (bias, q/k RMSNorm, RoPE, KV write).
 #include <type_traits>
 
-#include "kernels/cuda/grid_dependency.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/residual_terms.cuh"
 #include "kernels/cuda/warp_reduce.cuh"
@@ -96,8 +95,6 @@ struct MoeCombineTerm {
 template <class Rows>
 __global__ void __launch_bounds__(kNormThreads)
     RmsNormKernel(Rows rows, int64_t dim, const float* weight, float eps, bf16* y) {
-  // The GEMM after a norm may start streaming its weights now (grid_dependency.cuh).
-  ptx::LaunchDependents();
   const int64_t r = blockIdx.x;
   const typename Rows::Row xr = rows.Of(r);
   const int64_t n4 = dim / 4;

@@ -219,11 +219,8 @@ cudaError_t PagedAttentionMma(const AttentionParams& params, AttentionBlockShape
 
 // For tokens [0, num_tokens): folds each (token, head)'s split partials in increasing split order
 // (FoldPartial) and writes bf16(O / L) to params.out. One warp per row.
-// programmatic: launched with programmatic stream serialization, so that its blocks (and through
-// its launch_dependents, the GEMM after it) may take the SMs the attention kernel's last blocks
-// leave; it waits for the kernel ahead before reading (kernels/cuda/grid_dependency.cuh).
 cudaError_t MergeAttentionSplits(const AttentionParams& params, int64_t num_tokens,
-                                 int32_t head_dim, cudaStream_t stream, bool programmatic = false);
+                                 int32_t head_dim, cudaStream_t stream);
 
 // The same fold for the tokens of params.items only (the others' outputs are left alone): one
 // warp per (item, head), the item's tokens in order. For a step whose kManyTokens items folded

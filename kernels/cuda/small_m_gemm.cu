@@ -512,7 +512,7 @@ cudaError_t SmallMGemmResidentClusters(int config, int* clusters) {
 
 cudaError_t SmallMGemm(int config, const bf16* x, int64_t ldx, int64_t x_step, int64_t m,
                        const bf16* w, int64_t w_step, int64_t n, int64_t k, void* y, int64_t y_step,
-                       int batch, GemmOutput output, cudaStream_t stream, bool programmatic) {
+                       int batch, GemmOutput output, cudaStream_t stream) {
   const std::vector<Entry>& entries = Entries();
   if (config < 0 || config >= static_cast<int>(entries.size())) return cudaErrorInvalidValue;
   const SmallMGemmConfig& c = entries[config].config;
@@ -524,7 +524,7 @@ cudaError_t SmallMGemm(int config, const bf16* x, int64_t ldx, int64_t x_step, i
   }
   return entries[config].launch(Launch{x, ldx, x_step, static_cast<int>(m), w, w_step,
                                        static_cast<int>(n), static_cast<int>(k), y, y_step, batch,
-                                       output, stream, programmatic});
+                                       output, stream});
 }
 
 }  // namespace rollout::cuda

@@ -80,15 +80,8 @@ cudaError_t SmallMGemmResidentClusters(int config, int* clusters);
 // REQUIRES (else cudaErrorInvalidValue, nothing launched): config indexes SmallMGemmConfigs();
 // 1 <= m <= its max_m; n >= 1; k >= 16 and a multiple of 16; ldx >= k and a multiple of 8; x and
 // w 16-byte aligned, x_step and w_step multiples of 8; y 4-byte aligned; 1 <= batch <= 65535.
-// programmatic: the wgmma configurations launch with programmatic stream serialization -- they
-// may start while the kernel ahead in the stream (a norm, SiLU * up, the attention merge: those
-// call griddepcontrol.launch_dependents) finishes, streaming their first weight stages meanwhile,
-// and wait for it before reading x (kernels/cuda/grid_dependency.cuh). REQUIRES then: the kernel
-// ahead writes neither w nor y's products' weights (no kernel of a forward pass does). The
-// other kernels ignore it. The bits are the same either way.
 cudaError_t SmallMGemm(int config, const __nv_bfloat16* x, int64_t ldx, int64_t x_step, int64_t m,
                        const __nv_bfloat16* w, int64_t w_step, int64_t n, int64_t k, void* y,
-                       int64_t y_step, int batch, GemmOutput output, cudaStream_t stream,
-                       bool programmatic = false);
+                       int64_t y_step, int batch, GemmOutput output, cudaStream_t stream);
 
 }  // namespace rollout::cuda

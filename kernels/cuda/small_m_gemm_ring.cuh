@@ -75,9 +75,6 @@ struct Launch {
   int batch;
   GemmOutput output;
   cudaStream_t stream;
-  // The wgmma kernel only (the others always launch plainly): launched with programmatic stream
-  // serialization (SmallMGemm's `programmatic`).
-  bool programmatic;
 };
 
 // The tensor maps of a launch's x (boxes of x_rows rows) and w (boxes of w_rows rows), and how

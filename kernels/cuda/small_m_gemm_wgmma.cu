@@ -3,7 +3,6 @@
 
 #include <cuda.h>
 
-#include "kernels/cuda/grid_dependency.cuh"
 #include "kernels/cuda/small_m_gemm_ring.cuh"
 #include "kernels/cuda/wgmma_ptx.cuh"
 
@@ -21,9 +20,6 @@ namespace {
 // has landed; empty[s] takes one arrival per consumer warp once its MMAs reading stage s are
 // done (wgmma.wait_group 1 after the next stage's group). Per element the chain is the
 // cp.async kernel's: 16-wide K steps in order into one accumulator, starting from +0.
-// Weight bytes a CTA asks into L2, beyond its ring, before waiting for the kernel ahead.
-constexpr int kL2PrefetchBytes = 96 * 1024;
-
 template <int kN, int kWgs, int kMt, int kStages>
 struct WgmmaShape {
   static constexpr int kThreads = 128 * kWgs + 32;
@@ -72,44 +68,23 @@ __global__ void __launch_bounds__(WgmmaShape<kN, kWgs, kMt, kStages>::kThreads, 
     if (lane == 0) {
       ptx::PrefetchTensorMap(&x_map);
       ptx::PrefetchTensorMap(&w_map);
-      // The weights are written by no kernel of a step: the first tile's first kStages stages of
-      // them are loaded (and the next kL2PrefetchBytes asked into L2) before the wait for the
-      // kernel ahead, whose output x is (grid_dependency.cuh; launched without the programmatic
-      // attribute the wait returns at once). Each stage's full barrier counts x and w either way.
-      const int early = first_tile < num_tiles ? min(kStages, k_tiles) : 0;
-      if (early > 0) {
-        const int b = tile_b(first_tile), n0 = tile_n0(first_tile);
-        for (int kt = 0; kt < early; ++kt) {
-          const int s = ProduceStage(full, empty, kt, kStages, stage_tx);
-          ptx::TmaLoad3d(smem + s * Shape::kStageBytes + Shape::kXRows * kBk * 2, &w_map,
-                         kt * kBk, n0, b, &full[s]);
-        }
-        const int l2_tiles = min(k_tiles - early, kL2PrefetchBytes / (kN * kBk * 2));
-        for (int kt = early; kt < early + l2_tiles; ++kt) {
-          ptx::TmaPrefetchL2(&w_map, kt * kBk, n0, b);
-        }
-      }
-      ptx::WaitForPrerequisites();
       int g = 0;  // the ring's K tile count over this CTA's tiles
       for (int tile = first_tile; tile < num_tiles; tile += tile_step) {
         const int b = tile_b(tile), n0 = tile_n0(tile);
         for (int kt = 0; kt < k_tiles; ++kt, ++g) {
-          const int s = g < early ? g : ProduceStage(full, empty, g, kStages, stage_tx);
+          const int s = ProduceStage(full, empty, g, kStages, stage_tx);
           unsigned char* const xs = smem + s * Shape::kStageBytes;
           unsigned char* const ws = xs + Shape::kXRows * kBk * 2;
           const int col = b * x_col_step + kt * kBk;
           for (int i = 0; i < live_tiles; ++i) {
             ptx::TmaLoad3d(xs + i * 64 * kBk * 2, &x_map, col, 64 * i, b * x_z, &full[s]);
           }
-          if (g >= early) ptx::TmaLoad3d(ws, &w_map, kt * kBk, n0, b, &full[s]);
+          ptx::TmaLoad3d(ws, &w_map, kt * kBk, n0, b, &full[s]);
         }
       }
     }
     return;
   }
-  // Nothing below reads what the kernel ahead writes before the producer's x has landed, but the
-  // stores must not overtake it either: wait as the producer does.
-  ptx::WaitForPrerequisites();
 
   // Broadcast from lane 0, so that the compiler sees both as warp-uniform: a wgmma on a path it
   // takes for divergent would be serialized (ptxas C7520).
@@ -226,19 +201,11 @@ cudaError_t LaunchWgmma(const Launch& l) {
     if (err != cudaSuccess) return err;
     grid = dim3(static_cast<unsigned>(std::min<int64_t>(int64_t{col_blocks} * l.batch, sms)), 1);
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(Shape::kThreads);
-  config.dynamicSmemBytes = Shape::kSmem;
-  config.stream = l.stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = l.programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&config, &SmallMGemmWgmmaKernel<kN, kWgs, kMt, kStages, kPersistent>,
-                            maps.x, maps.w, maps.x_col_step, maps.x_z, l.m, l.n, l.k, l.batch, l.y,
-                            l.y_step, l.output);
+  SmallMGemmWgmmaKernel<kN, kWgs, kMt, kStages, kPersistent>
+      <<<grid, Shape::kThreads, Shape::kSmem, l.stream>>>(maps.x, maps.w, maps.x_col_step,
+                                                           maps.x_z, l.m, l.n, l.k, l.batch, l.y,
+                                                           l.y_step, l.output);
+  return cudaGetLastError();
 }
 
 #define ROLLOUT_SMALL_M_WGMMA(nt, wgs, mt, st, p)                                            \

@@ -83,11 +83,6 @@ struct CudaRunnerOptions {
   // The ladder's candidates include the hand-written small-m kernel's configurations
   // (kernels/cuda/small_m_gemm.h) for the ranges of m <= 256, admitted by the same probe.
   bool gemm_hand_kernels = true;
-  // Programmatic dependent launches (kernels/cuda/grid_dependency.cuh): the ladder's warpgroup
-  // rungs start streaming their weights while the norm, SiLU * up or attention merge ahead of
-  // them finishes, and the attention merge takes the SMs the attention kernel's last blocks
-  // leave. Same bits.
-  bool programmatic_launch = false;
   CudaAttentionKernel attention_kernel = CudaAttentionKernel::kTensorCore;
   // kTensorCore only: decode tokens whose sequences hold the same KV pages for whole attention
   // splits (the samples of one request over their prompt, a cached prefix) read those pages once

@@ -240,8 +240,7 @@ absl::Status CudaModelRunner::EnqueuePagedAttention(RankState& rk, int layer,
         "attention (many-token items)"));
     ROLLOUT_RETURN_IF_ERROR(
         CudaError(fold ? cuda::MergeAttentionSplitsOfItems(ap, static_cast<int32_t>(hd), stream)
-                       : cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), stream,
-                                                    options_.programmatic_launch),
+                       : cuda::MergeAttentionSplits(ap, n, static_cast<int32_t>(hd), stream),
                   "attention split merge"));
   } else {
     if (options_.split_parallel_decode) {

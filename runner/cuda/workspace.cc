@@ -69,12 +69,6 @@ absl::Status CudaModelRunner::Finish() {
                            state_->staging_tensor_digests.bytes());
   ROLLOUT_RETURN_IF_ERROR(state_->canonical ? PinCanonicalGemms() : PinGemms());
   ROLLOUT_RETURN_IF_ERROR(PinMoeGemms());
-  for (RankState& rk : state_->ranks) {
-    for (cuda::PinnedGemm* g : {rk.gemm_qkv.get(), rk.gemm_o.get(), rk.gemm_gate_up.get(),
-                                rk.gemm_down.get(), rk.gemm_lm_head.get(), rk.gemm_router.get()}) {
-      if (g != nullptr) g->set_programmatic_launch(options_.programmatic_launch);
-    }
-  }
   ROLLOUT_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
   ROLLOUT_RETURN_IF_ERROR(AllocateKvCache());
   size_t free_left = 0;
