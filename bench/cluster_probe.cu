@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/mma_ptx.cuh"
+
 namespace {
 
 #define CHECK(call)                                                                  \
@@ -38,63 +40,48 @@ namespace {
     }                                                                                \
   } while (0)
 
-__device__ __forceinline__ uint32_t Smem(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void BarInit(uint64_t* b, uint32_t n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(Smem(b)), "r"(n));
-}
-__device__ __forceinline__ void ExpectTx(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(Smem(b)),
-               "r"(bytes)
-               : "memory");
-}
+// The kernels' own barrier and cluster instructions (kernels/cuda/mma_ptx.cuh), so that the ring
+// synchronises as theirs does; what they do not need is here.
+using rollout::cuda::ptx::ClusterCtaRank;
+using rollout::cuda::ptx::ClusterSync;
+using rollout::cuda::ptx::FenceMbarrierInit;
+using rollout::cuda::ptx::MbarrierArrive;
+using rollout::cuda::ptx::MbarrierArriveCluster;
+using rollout::cuda::ptx::MbarrierArriveExpectTx;
+using rollout::cuda::ptx::MbarrierInit;
+using rollout::cuda::ptx::SharedAddress;
+
+// Waits as MbarrierWait does, with cluster-scope acquire: the multicast ring's empty barriers
+// take other CTAs' releases.
 __device__ __forceinline__ void Wait(uint64_t* b, uint32_t parity) {
   asm volatile(
       "{\n.reg .pred p;\nW_%=:\n"
       "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra W_%=;\n}\n" ::"r"(Smem(b)),
+      "@!p bra W_%=;\n}\n" ::"r"(SharedAddress(b)),
       "r"(parity)
       : "memory");
 }
-__device__ __forceinline__ void ArriveLocal(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(Smem(b)) : "memory");
-}
-__device__ __forceinline__ void ArriveRemote(uint64_t* b, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n}\n" ::"r"(Smem(b)),
-      "r"(cta)
-      : "memory");
-}
+// A plain bulk copy of `bytes` (a multiple of 16) into this CTA's shared memory, or into every
+// cluster CTA of `mask` at the same offset, counted on the barrier at `b`'s offset.
 __device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes, uint64_t* b) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(Smem(dst)),
-      "l"(src), "r"(bytes), "r"(Smem(b))
+          "r"(SharedAddress(dst)),
+      "l"(src), "r"(bytes), "r"(SharedAddress(b))
       : "memory");
 }
 __device__ __forceinline__ void BulkLoadMulticast(void* dst, const void* src, uint32_t bytes,
                                                   uint64_t* b, uint16_t mask) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1], %2, [%3], %4;\n" ::"r"(Smem(dst)),
-      "l"(src), "r"(bytes), "r"(Smem(b)), "h"(mask)
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(SharedAddress(dst)),
+      "l"(src), "r"(bytes), "r"(SharedAddress(b)), "h"(mask)
       : "memory");
 }
-__device__ __forceinline__ uint32_t Rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t Ranks() {
+__device__ __forceinline__ uint32_t ClusterCtas() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
   return r;
-}
-__device__ __forceinline__ void ClusterSync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
-                   : "memory");
 }
 
 constexpr int kConsumerWarps = 8;
@@ -117,15 +104,15 @@ __global__ void __launch_bounds__(32 * kConsumerWarps + 32, 1) Stream(Args a) {
   const uint32_t stage_bytes = a.w_bytes + a.x_bytes;
   uint64_t* const full = reinterpret_cast<uint64_t*>(smem + static_cast<size_t>(stage_bytes) * a.stages);
   uint64_t* const empty = full + a.stages;
-  const uint32_t ranks = a.clustered ? Ranks() : 1, rank = a.clustered ? Rank() : 0;
+  const uint32_t ranks = a.clustered ? ClusterCtas() : 1, rank = a.clustered ? ClusterCtaRank() : 0;
   const bool mc = a.multicast && ranks > 1;
   const uint32_t releases = mc ? (a.release_cta ? ranks : ranks * kConsumerWarps) : kConsumerWarps;
   if (threadIdx.x == 0) {
     for (int s = 0; s < a.stages; ++s) {
-      BarInit(&full[s], 1);
-      BarInit(&empty[s], releases);
+      MbarrierInit(&full[s], 1);
+      MbarrierInit(&empty[s], releases);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    FenceMbarrierInit();
   }
   if (a.clustered) {
     ClusterSync();
@@ -140,7 +127,7 @@ __global__ void __launch_bounds__(32 * kConsumerWarps + 32, 1) Stream(Args a) {
       for (int kt = 0; kt < a.k_tiles; ++kt) {
         const int s = kt % a.stages;
         if (kt >= a.stages) Wait(&empty[s], ((kt / a.stages) - 1) & 1);
-        ExpectTx(&full[s], stage_bytes);
+        MbarrierArriveExpectTx(&full[s], stage_bytes);
         unsigned char* const st = smem + static_cast<size_t>(s) * stage_bytes;
         BulkLoad(st, w + static_cast<size_t>(kt) * a.w_bytes, a.w_bytes, &full[s]);
         if (a.x_bytes == 0) continue;
@@ -162,13 +149,13 @@ __global__ void __launch_bounds__(32 * kConsumerWarps + 32, 1) Stream(Args a) {
       acc += st[(warp * 32 + lane) % stage_bytes];  // one read, so the stage is "used"
       if (!mc) {
         __syncwarp();
-        if (lane == 0) ArriveLocal(&empty[s]);
+        if (lane == 0) MbarrierArrive(&empty[s]);
       } else if (!a.release_cta) {
         __syncwarp();
-        if (lane < ranks) ArriveRemote(&empty[s], lane);
+        if (lane < ranks) MbarrierArriveCluster(&empty[s], lane);
       } else {
         asm volatile("bar.sync 1, %0;\n" ::"n"(32 * kConsumerWarps) : "memory");
-        if (threadIdx.x < ranks) ArriveRemote(&empty[s], threadIdx.x);
+        if (threadIdx.x < ranks) MbarrierArriveCluster(&empty[s], threadIdx.x);
       }
     }
     if (acc == 0xffffffffffffull) *a.sink = acc;
