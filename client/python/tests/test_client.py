@@ -337,6 +337,31 @@ class GenerateTest(unittest.TestCase):
         self.assertEqual(completion.request_id, "py-abort-me")
         self.assertLess(len(completion.token_ids), 3000)
 
+    def test_abort_all_counts_the_score_call_it_ends(self):
+        rng = np.random.default_rng(28)
+        seqs = [rng.integers(3, 4000, size=3000).tolist() for _ in range(4)]
+        before = self.client.server_info().counters.prefilled_tokens
+        outcome = {}
+
+        def score():
+            try:
+                outcome["result"] = self.client.score(seqs, starts=1)
+            except RolloutError as e:
+                outcome["error"] = e
+
+        thread = threading.Thread(target=score)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while (self.client.server_info().counters.prefilled_tokens == before
+               and time.monotonic() < deadline):
+            time.sleep(0.005)
+        result = self.client.abort(all=True)
+        thread.join(60)
+        self.assertIn("error", outcome, "the Score call ended before the abort")
+        self.assertEqual(outcome["error"].code, "ABORTED")
+        self.assertEqual(result.aborted_rollouts, 0)
+        self.assertEqual(result.aborted_score_calls, 1)
+
     def test_flush_cache(self):
         self.client.generate(PROMPTS, max_new_tokens=2)
         r = self.client.flush_cache()
