@@ -407,6 +407,11 @@ std::string FormatAbortResult(const rollout::v1::AbortRequest& request,
   const std::string unknown = response.unknown_request_ids().empty()
                                   ? "(none)"
                                   : absl::StrJoin(response.unknown_request_ids(), ",");
+  if (request.all()) {  // an Abort of all also ends the Score calls in flight
+    return FormatKeyValueRows({{"aborted_rollouts", aborted},
+                               {"aborted_score_calls", absl::StrCat(response.aborted_score_calls())},
+                               {"unknown_request_ids", unknown}});
+  }
   return FormatKeyValueRows({{"aborted_rollouts", aborted}, {"unknown_request_ids", unknown}});
 }
 

@@ -553,8 +553,10 @@ TEST(FormatAbortResultTest, SaysAllAndNoneWhenEverythingWasAborted) {
   request.set_all(true);
   rollout::v1::AbortResponse response;
   response.set_aborted_rollouts(5);
+  response.set_aborted_score_calls(2);
   EXPECT_EQ(FormatAbortResult(request, response),
             "aborted_rollouts     5 (all in flight)\n"
+            "aborted_score_calls  2\n"
             "unknown_request_ids  (none)\n");
 }
 
